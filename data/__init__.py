@@ -1,0 +1,1 @@
+"""Datasets, image decoding, transforms, samplers and loaders."""

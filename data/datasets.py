@@ -1,0 +1,65 @@
+"""Map-style datasets that return fixed-size uint8 tensors.
+
+Training items are addressed by `(index, seed)` from `TrainSampler`; an unreadable file is replaced by
+a seeded re-draw from the same class (so the class mix is unchanged) and reported through the item.
+Evaluation items are never substituted: an unreadable file yields a zero image with `valid = False`.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+from torch.utils.data import Dataset
+
+from data.folder import ImageFolderIndex
+from data.images import ImageDecodeError
+
+MAX_REDRAWS = 20
+
+
+class TrainDataset(Dataset):
+    def __init__(self, index: ImageFolderIndex, transform):
+        self.index = index
+        self.transform = transform
+        self.by_class: list[list[int]] = [[] for _ in index.classes]
+        for i, label in enumerate(index.labels):
+            self.by_class[label].append(i)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, key):
+        """Returns (uint8 image, label, index of the unreadable file it replaced or -1)."""
+        index, seed = key if isinstance(key, tuple) else (key, key)
+        label = self.index.labels[index]
+        redraw = random.Random(seed)
+        bad = -1
+        for _ in range(MAX_REDRAWS):
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    image = self.transform(self.index.paths[index])
+                return image, label, bad
+            except ImageDecodeError:
+                if bad < 0:
+                    bad = index
+                index = redraw.choice(self.by_class[label])
+        raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.classes[label]}' in a row could "
+                               f"not be read, starting with {self.index.paths[bad]}")
+
+
+class EvalDataset(Dataset):
+    def __init__(self, index: ImageFolderIndex, transform, img_size: int):
+        self.index = index
+        self.transform = transform
+        self.img_size = img_size
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        """Returns (uint8 image, label, valid, index)."""
+        try:
+            return self.transform(self.index.paths[i]), self.index.labels[i], True, i
+        except ImageDecodeError:
+            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), self.index.labels[i], False, i

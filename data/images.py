@@ -1,0 +1,95 @@
+"""Reading an image file into an RGB PIL image, the same way in training, evaluation and inference.
+
+Policy: EXIF orientation applied; 16-bit and 32-bit grayscale scaled to 8 bits (PIL's own
+`convert('RGB')` clips them to white); alpha (RGBA, LA, PA, palette transparency) composited on a
+white background; CMYK and YCbCr converted; JPEGs may be decoded at a reduced size (`draft`) when
+the caller only needs a smaller image.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+BACKGROUND = (255, 255, 255)
+_TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
+
+
+class ImageDecodeError(Exception):
+    """A file that cannot be turned into an image (truncated, empty, not an image, too large, odd mode)."""
+
+
+def is_image_file(path: str | Path) -> bool:
+    return str(path).lower().endswith(IMAGE_EXTENSIONS)
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """Open lazily (header only). Raises ImageDecodeError for anything unreadable."""
+    try:
+        return Image.open(path)
+    except Exception as err:  # UnidentifiedImageError, OSError, DecompressionBomb*, ...
+        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err}") from err
+
+
+def oriented_size(img: Image.Image) -> tuple[int, int]:
+    """(width, height) after the EXIF orientation is applied."""
+    w, h = img.size
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:
+        orientation = 1
+    return (h, w) if orientation in _TRANSPOSED_ORIENTATIONS else (w, h)
+
+
+def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image.Image:
+    """Decode `path` as an 8-bit RGB image with the policy above.
+
+    `min_size` (width, height in displayed orientation): the smallest size the caller needs; a JPEG
+    may then be decoded at 1/2, 1/4 or 1/8 scale, never below it.
+    """
+    img = open_image(path)
+    try:
+        if min_size is not None and img.format == "JPEG":
+            w, h = min_size
+            if oriented_size(img) != img.size:
+                w, h = h, w
+            img.draft("RGB", (max(1, int(w)), max(1, int(h))))
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        return to_rgb(img)
+    except ImageDecodeError:
+        raise
+    except Exception as err:
+        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err}") from err
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        return Image.fromarray(_wide_to_uint8(np.asarray(img), mode)).convert("RGB")
+    if mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+        mode = img.mode
+    if mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode == "L" and "transparency" in img.info:
+        return to_rgb(img.convert("LA"))
+    if mode in ("L", "1", "CMYK", "YCbCr", "LAB", "HSV"):
+        return img.convert("RGB")
+    raise ImageDecodeError(f"unsupported image mode {mode!r}")
+
+
+def _wide_to_uint8(array: np.ndarray, mode: str) -> np.ndarray:
+    array = array.astype(np.float64)
+    if mode == "F":
+        scale = 255.0 if array.size and array.max() <= 1.0 else 1.0
+        return np.clip(array * scale, 0, 255).round().astype(np.uint8)
+    if mode == "I" and array.size and array.max() <= 255 and array.min() >= 0:
+        return array.astype(np.uint8)
+    return np.clip(array / 257.0, 0, 255).round().astype(np.uint8)

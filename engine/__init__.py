@@ -1,0 +1,1 @@
+"""Training engine: config, schedule, loop, checkpoint, metrics, distributed."""

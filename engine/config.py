@@ -1,0 +1,350 @@
+"""The typed config tree: defaults, YAML loading, dotted overrides and validation.
+
+Every knob of the application lives here. `configs/base.yaml` mirrors these defaults with a comment
+per key (a test keeps the two in step). Errors raise `ConfigError`, which the entry scripts turn into
+exit status 2 before any work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(Exception):
+    """A usage or config mistake; the entry scripts exit 2 with this message."""
+
+
+def _range(lo=None, hi=None, lo_open=False):
+    return {"min": lo, "max": hi, "lo_open": lo_open}
+
+
+@dataclass
+class DataConfig:
+    root: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "val"
+    builtin: Optional[Literal["digits"]] = None
+    img_size: int = field(default=224, metadata=_range(8))
+    crop_pct: float = field(default=0.875, metadata=_range(0.0, 1.0, lo_open=True))
+    interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    color_jitter: float = field(default=0.0, metadata=_range(0.0))
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    sampler: Literal["random", "weighted", "sequential"] = "random"
+    num_workers: int = field(default=2, metadata=_range(0))
+    pin_memory: Optional[bool] = None
+    persistent_workers: bool = True
+    prefetch_factor: int = field(default=4, metadata=_range(1))
+    max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0))
+    limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
+    limit_val_batches: Optional[int] = field(default=None, metadata=_range(1))
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet50"
+    weights: Optional[str] = None
+    norm: Literal["batch", "group"] = "batch"
+    group_norm_groups: int = field(default=32, metadata=_range(1))
+    sync_bn: bool = False
+    drop_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    drop_path_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    ema_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = field(default=90, metadata=_range(1))
+    batch_size: Union[int, Literal["auto"]] = 128
+    accum_steps: int = field(default=1, metadata=_range(1))
+    amp: Literal["none", "fp16", "bf16", "auto"] = "auto"
+    label_smoothing: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    clip_grad_norm: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
+    seed: int = 0
+    channels_last: bool = True
+    compile: bool = False
+    device: str = "auto"
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_in_row: int = field(default=10, metadata=_range(1))
+    memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = field(default=0.1, metadata=_range(0.0, lo_open=True))
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    base_batch_size: int = field(default=256, metadata=_range(1))
+    momentum: float = field(default=0.9, metadata=_range(0.0, 1.0))
+    nesterov: bool = True
+    weight_decay: float = field(default=5e-5, metadata=_range(0.0))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_epochs: float = field(default=5.0, metadata=_range(0.0))
+    warmup_start_factor: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    min_lr: float = field(default=0.0, metadata=_range(0.0))
+
+
+@dataclass
+class EarlyStopConfig:
+    metric: Literal["top1", "top5", "loss", "mean_class_acc"] = "top1"
+    patience: Optional[int] = field(default=None, metadata=_range(1))
+    min_delta: float = field(default=0.0, metadata=_range(0.0))
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = field(default=0, metadata=_range(0))
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/default"
+    log_interval: int = field(default=50, metadata=_range(1))
+    tensorboard: bool = True
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def resolve_config_path(name: str) -> Path:
+    """`resnet50`, `resnet50.yaml` or a path to a YAML file."""
+    candidates = [Path(name)]
+    if not name.endswith((".yaml", ".yml")):
+        candidates.append(CONFIG_DIR / f"{name}.yaml")
+    candidates.append(CONFIG_DIR / name)
+    for path in candidates:
+        if path.is_file():
+            return path
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    hint = _did_you_mean(Path(name).stem, known)
+    raise ConfigError(f"config '{name}' not found (a YAML path or one of: {', '.join(known)}){hint}")
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from err
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not plain YAML (tags and Python objects are refused): {err}") from err
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return loaded
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like KEY=VALUE (for example train.epochs=3)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}: value '{raw}' is not valid YAML: {err}") from err
+    return key, value
+
+
+def nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then the dotted overrides; validated."""
+    cfg = Config()
+    if name:
+        apply_dict(cfg, read_yaml(resolve_config_path(name)), source=str(name))
+    for text in overrides:
+        key, value = parse_override(text)
+        apply_dict(cfg, nest(key, value), source="command line")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(values: dict) -> Config:
+    cfg = Config()
+    apply_dict(cfg, values, source="checkpoint")
+    validate(cfg)
+    return cfg
+
+
+def all_keys(obj=None, prefix="") -> list[str]:
+    obj = obj if obj is not None else Config()
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(all_keys(value, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def apply_dict(obj, values: dict, source: str, prefix: str = "") -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of keys")
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            hint = _did_you_mean(dotted, all_keys())
+            raise ConfigError(f"{source}: unknown config key '{dotted}'{hint}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            apply_dict(current, value, source, prefix=f"{dotted}.")
+        else:
+            setattr(obj, key, _coerce(dotted, value, hints[key], source))
+
+
+# ---------------------------------------------------------------- types
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp, source: str) -> Any:
+    ok, out = _try_coerce(value, tp)
+    if not ok:
+        raise ConfigError(f"{source}: '{key}' = {value!r} is not allowed; expected {_describe(tp)}")
+    return out
+
+
+def _try_coerce(value: Any, tp) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        for arg in typing.get_args(tp):
+            ok, out = _try_coerce(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is Literal:
+        return (value in typing.get_args(tp) and not isinstance(value, bool)), value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, None
+        items = [_try_coerce(v, typing.get_args(tp)[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if tp is type(None):
+        return value is None, None
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(value, (int, float)) else None
+    if tp is str:
+        return isinstance(value, str), value
+    return False, None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_ranges(obj, prefix="") -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, f"{key}.")
+            continue
+        if not f.metadata or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        lo, hi, lo_open = f.metadata["min"], f.metadata["max"], f.metadata["lo_open"]
+        if lo is not None and (value < lo or (lo_open and value == lo)):
+            raise ConfigError(f"'{key}' = {value} is out of range; it must be {'>' if lo_open else '>='} {lo}")
+        if hi is not None and value > hi:
+            raise ConfigError(f"'{key}' = {value} is out of range; it must be <= {hi}")
+
+
+def validate(cfg: Config) -> None:
+    _check_ranges(cfg)
+    d = cfg.data
+    for key, pair in (("data.scale", d.scale), ("data.ratio", d.ratio)):
+        if len(pair) != 2 or not (0 < pair[0] <= pair[1]):
+            raise ConfigError(f"'{key}' = {pair} must be two numbers [low, high] with 0 < low <= high")
+    if d.scale[1] > 1.0:
+        raise ConfigError(f"'data.scale' = {d.scale}: the high end must be <= 1.0 (a fraction of the image area)")
+    for key, triple in (("data.mean", d.mean), ("data.std", d.std)):
+        if len(triple) != 3:
+            raise ConfigError(f"'{key}' must hold 3 numbers (R, G, B), got {triple}")
+    if any(s <= 0 for s in d.std):
+        raise ConfigError(f"'data.std' = {d.std}: every value must be > 0")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"'optim.betas' = {cfg.optim.betas} must be two numbers in [0, 1)")
+    if isinstance(cfg.train.batch_size, int) and cfg.train.batch_size < 1:
+        raise ConfigError(f"'train.batch_size' = {cfg.train.batch_size} must be >= 1 or 'auto'")
+    if cfg.model.norm == "group" and cfg.model.sync_bn:
+        raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
+
+
+def check_data_root(cfg: Config) -> Path:
+    """The data root must exist (or be creatable from a built-in data set)."""
+    if not cfg.data.root:
+        raise ConfigError("'data.root' is not set: pass data.root=/path/to/images (a folder with train/ and val/)")
+    root = Path(cfg.data.root).expanduser()
+    if cfg.data.builtin:
+        return root
+    if not root.is_dir():
+        raise ConfigError(f"'data.root' = {cfg.data.root}: no such folder")
+    for split in (cfg.data.train_split, cfg.data.val_split):
+        if not (root / split).is_dir():
+            raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / data.val_split)")
+    return root
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,49 @@
+"""Device and precision choices."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from engine.config import ConfigError
+
+
+def select_device(setting: str, local_rank: int = 0) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError as err:
+        raise ConfigError(f"'train.device' = {setting}: not a device ({err}); use auto, cpu, cuda or cuda:N") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"'train.device' = {setting}, but CUDA is not available here; use train.device=cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16 instructions: bf16 matmuls and convolutions run natively on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
+    """`auto` picks bf16 where the hardware runs it well, else full precision (None)."""
+    if setting == "none":
+        return None
+    if setting == "bf16":
+        return torch.bfloat16
+    if setting == "fp16":
+        if device.type != "cuda":
+            raise ConfigError("'train.amp' = fp16 needs a CUDA device (use bf16 or none on CPU)")
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else None

@@ -1,0 +1,106 @@
+"""What a run writes besides checkpoints: the log, TensorBoard scalars, metrics.csv, summary.json.
+
+Only rank 0 writes; other ranks get a `RunLog` whose writers are off.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("train")
+
+METRICS_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s",
+                   "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files"]
+
+
+def setup_logging(run_dir: Path | None, is_main: bool) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    root.addHandler(stream)
+    if run_dir is not None and is_main:
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def scalars(self, values: dict, step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+
+    def epoch_row(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.csv"
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerow({k: _fmt(row.get(k)) for k in METRICS_COLUMNS})
+
+    def drop_epochs_from(self, epoch: int) -> None:
+        """On resume: forget rows of epochs that will be run again (written after the checkpoint)."""
+        path = self.run_dir / "metrics.csv"
+        if not self.enabled or not path.exists():
+            return
+        with path.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("epoch") and int(r["epoch"]) < epoch]
+        tmp = path.with_name(".metrics.csv.tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+
+    def summary(self, payload: dict) -> None:
+        if self.enabled:
+            write_json_atomic(self.run_dir / "summary.json", payload)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else value

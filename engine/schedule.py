@@ -1,0 +1,69 @@
+"""Pure functions for batch arithmetic and the learning-rate schedule (warmup, then cosine)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def effective_batch(batch_size: int, accum_steps: int, world_size: int) -> int:
+    return batch_size * accum_steps * world_size
+
+
+def scaled_lr(lr: float, effective: int, base_batch_size: int, rule: str) -> float:
+    """Peak LR for an effective batch, given `lr` at `base_batch_size`."""
+    ratio = effective / base_batch_size
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    if rule == "none":
+        return lr
+    raise ValueError(f"unknown lr scaling rule {rule!r}")
+
+
+def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
+    """Optimizer steps in an epoch; a shorter last accumulation window still makes a step."""
+    return math.ceil(batches_per_epoch / accum_steps)
+
+
+def window_length(batch_index: int, batches_per_epoch: int, accum_steps: int) -> int:
+    """How many micro-batches the accumulation window holding `batch_index` has (the last may be short)."""
+    start = (batch_index // accum_steps) * accum_steps
+    return min(accum_steps, batches_per_epoch - start)
+
+
+def warmup_steps(warmup_epochs: float, steps_in_epoch: int) -> int:
+    return int(round(warmup_epochs * steps_in_epoch))
+
+
+def lr_factor(step: int, warmup: int, total: int, start_factor: float = 0.0, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based; the LR used by that step).
+
+    Linear warmup from `start_factor` over `warmup` steps reaching 1.0 at step `warmup`, then a cosine
+    from 1.0 down to `min_ratio` at step `total`.
+    """
+    if warmup > 0 and step < warmup:
+        return start_factor + (1.0 - start_factor) * (step + 1) / (warmup + 1)
+    decay_steps = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class WarmupCosine:
+    """Picklable-free LR lambda for `LambdaLR`; its fields are plain numbers, so its state saves safely."""
+
+    warmup: int
+    total: int
+    start_factor: float = 0.0
+    min_ratio: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.warmup, self.total, self.start_factor, self.min_ratio)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, start_factor: float,
+                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total, start_factor, min_ratio))

@@ -1,0 +1,1 @@
+"""Model factory, normalisation swaps and EMA."""

@@ -1,0 +1,111 @@
+"""Build a classifier by name: timm models, or torchvision models as `tv:<name>`.
+
+Optional local weights (`model.weights`): a safetensors file, a plain state_dict saved with
+torch.save, or one of our checkpoints; every tensor whose name and shape match is loaded, the rest
+(typically the classifier of a model trained on other classes) are reported.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import timm
+import torch
+import torchvision
+
+from engine.checkpoint import CheckpointError, load_checkpoint
+
+log = logging.getLogger("train")
+TORCHVISION_PREFIX = "tv:"
+
+
+class ModelError(Exception):
+    """An unknown model name or unusable weights file (exit 2)."""
+
+
+def model_exists(name: str) -> bool:
+    if name.startswith(TORCHVISION_PREFIX):
+        return name[len(TORCHVISION_PREFIX):] in torchvision.models.list_models(module=torchvision.models)
+    return timm.is_model(name)
+
+
+def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 norm: str = "batch", group_norm_groups: int = 32) -> torch.nn.Module:
+    if not model_exists(name):
+        import difflib
+
+        pool = timm.list_models() + [TORCHVISION_PREFIX + n for n in torchvision.models.list_models(module=torchvision.models)]
+        close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ModelError(f"'model.name' = {name}: no such model in timm or torchvision (tv:NAME){hint}")
+    if name.startswith(TORCHVISION_PREFIX):
+        kwargs = {"num_classes": num_classes, "weights": None}
+        if drop_rate and "dropout" in torchvision.models.get_model_builder(name[3:]).__code__.co_varnames:
+            kwargs["dropout"] = drop_rate
+        model = torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], **kwargs)
+    else:
+        kwargs = {"pretrained": False, "num_classes": num_classes, "drop_rate": drop_rate}
+        if drop_path_rate:
+            kwargs["drop_path_rate"] = drop_path_rate
+        model = timm.create_model(name, **kwargs)
+    if norm == "group":
+        model = batchnorm_to_groupnorm(model, group_norm_groups)
+    return model
+
+
+def _groups_for(channels: int, wanted: int) -> int:
+    groups = min(wanted, channels)
+    while channels % groups:
+        groups -= 1
+    return groups
+
+
+def batchnorm_to_groupnorm(module: torch.nn.Module, groups: int = 32) -> torch.nn.Module:
+    """Replace every BatchNorm2d with a GroupNorm of the same width (for small per-device batches)."""
+    if isinstance(module, torch.nn.BatchNorm2d):
+        gn = torch.nn.GroupNorm(_groups_for(module.num_features, groups), module.num_features, eps=module.eps,
+                                affine=module.affine)
+        if module.affine:
+            with torch.no_grad():
+                gn.weight.copy_(module.weight)
+                gn.bias.copy_(module.bias)
+        return gn
+    for child_name, child in module.named_children():
+        setattr(module, child_name, batchnorm_to_groupnorm(child, groups))
+    return module
+
+
+def read_weights_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"'model.weights' = {path}: no such file")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        obj = load_checkpoint(path)
+    except CheckpointError as err:
+        raise ModelError(f"'model.weights': {err}") from err
+    for key in ("model", "state_dict", "model_state_dict"):
+        if isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    return {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+def load_matching_weights(model: torch.nn.Module, state: dict) -> tuple[list[str], list[str]]:
+    """Load every tensor whose name and shape match; return (loaded names, skipped names)."""
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(set(state) - set(usable)) + sorted(set(own) - set(state))
+    model.load_state_dict(usable, strict=False)
+    return sorted(usable), skipped
+
+
+def load_local_weights(model: torch.nn.Module, path: str) -> None:
+    loaded, skipped = load_matching_weights(model, read_weights_file(path))
+    if not loaded:
+        raise ModelError(f"'model.weights' = {path}: no tensor matches the model's parameter names and shapes")
+    log.info("loaded %d tensors from %s; not loaded (new or mismatched): %s", len(loaded), path,
+             ", ".join(skipped) if skipped else "none")

@@ -1,0 +1,22 @@
+#!/usr/bin/env python
+"""Train an image classifier: python train.py --config CONFIG [KEY=VALUE ...] [--resume PATH|auto]."""
+import argparse
+
+from engine.cli import run_main
+from engine.config import load_config
+from engine.trainer import run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="a YAML path or a name in configs/ (resnet50, quickstart)")
+    parser.add_argument("--resume", help="last.pt to continue from, or 'auto' for the run directory's last.pt")
+    parser.add_argument("--finetune", help="start a new schedule from this checkpoint's weights")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=3")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    return run(cfg, resume=args.resume, finetune=args.finetune)
+
+
+if __name__ == "__main__":
+    run_main(main)
