@@ -1,0 +1,66 @@
+"""Shared test helpers: small image-folder trees generated on the fly, and running the entry scripts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+# A small, fast model for tests that train; pretrained weights are never used.
+TEST_MODEL = "resnet10t"
+
+
+def class_image(label: int, size=(24, 24), rng=None) -> Image.Image:
+    """An RGB image whose colour pattern depends on the class, plus noise: learnable in a few steps."""
+    rng = rng or np.random.default_rng(label)
+    w, h = size
+    base = np.zeros((h, w, 3), dtype=np.float64)
+    base[..., label % 3] = 200
+    if label >= 3:
+        base[: h // 2, :, (label + 1) % 3] = 180
+    noise = rng.normal(0, 20, size=(h, w, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def make_tree(root: Path, counts: dict, splits=("train", "val"), size=(24, 24), ext=".png", seed=0) -> Path:
+    """root/<split>/<class>/<i>.png; `counts` maps class name -> images per split (int or (train, val))."""
+    rng = np.random.default_rng(seed)
+    for label, (name, n) in enumerate(sorted(counts.items())):
+        per_split = n if isinstance(n, (tuple, list)) else (n,) * len(splits)
+        for split, k in zip(splits, per_split):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(k):
+                class_image(label, size, rng).save(folder / f"{name}_{i:04d}{ext}")
+    return root
+
+
+@pytest.fixture
+def tiny_tree(tmp_path) -> Path:
+    """3 classes, 16 train / 6 val images each, 24x24 PNGs."""
+    return make_tree(tmp_path / "data", {"a": (16, 6), "b": (16, 6), "c": (16, 6)})
+
+
+def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
+    """Overrides that make a training run take seconds on a CPU."""
+    values = {
+        "data.root": str(data_root), "output.dir": str(out_dir), "model.name": TEST_MODEL,
+        "data.img_size": 16, "data.num_workers": 0, "train.batch_size": 8, "train.epochs": 2,
+        "train.amp": "none", "train.device": "cpu", "schedule.warmup_epochs": 0.5, "optim.lr": 0.05,
+        "output.log_interval": 2, "output.progress_bar": "off",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_script(script: str, *args: str, cwd: Path | None = None, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
+    """Run an entry script (train.py, eval.py, ...) in a subprocess and capture its output."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
