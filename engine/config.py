@@ -117,7 +117,7 @@ class OutputConfig:
     dir: str = "runs/default"
     log_interval: int = field(default=50, metadata=_range(1))
     tensorboard: bool = True
-    progress_bar: Literal["auto", "on", "off"] = "auto"
+    progress_bar: Union[bool, Literal["auto"]] = "auto"
 
 
 @dataclass

@@ -483,7 +483,7 @@ class Trainer:
 
     def _progress_bar(self, epoch: int, start_batch: int):
         mode = self.cfg.output.progress_bar
-        on = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+        on = mode is True or (mode == "auto" and sys.stderr.isatty())
         if not (on and self.dist.is_main):
             self._bar = None
             return None
