@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class TrainConfig:
     nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_in_row: int = field(default=10, metadata=_range(1))
     memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
+    target_effective_batch: Optional[int] = field(default=None, metadata=_range(1))
 
 
 @dataclass
@@ -262,6 +264,9 @@ def _coerce(key: str, value: Any, tp, source: str) -> Any:
     return out
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _try_coerce(value: Any, tp) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin is Union:
@@ -284,6 +289,8 @@ def _try_coerce(value: Any, tp) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
+            value = float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
         return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(value, (int, float)) else None
     if tp is str:
         return isinstance(value, str), value

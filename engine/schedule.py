@@ -35,7 +35,10 @@ def window_length(batch_index: int, batches_per_epoch: int, accum_steps: int) ->
 
 
 def warmup_steps(warmup_epochs: float, steps_in_epoch: int) -> int:
-    return int(round(warmup_epochs * steps_in_epoch))
+    """Warmup length in optimizer steps, rounded half up; any warmup asked for lasts at least one step."""
+    if warmup_epochs <= 0:
+        return 0
+    return max(1, math.floor(warmup_epochs * steps_in_epoch + 0.5))
 
 
 def lr_factor(step: int, warmup: int, total: int, start_factor: float = 0.0, min_ratio: float = 0.0) -> float:

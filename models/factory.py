@@ -6,6 +6,7 @@ torch.save, or one of our checkpoints; every tensor whose name and shape match i
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -29,25 +30,52 @@ def model_exists(name: str) -> bool:
     return timm.is_model(name)
 
 
+def check_model_name(name: str) -> None:
+    """Raise ModelError naming close matches when `name` is neither a timm nor a tv:<torchvision> model."""
+    if model_exists(name):
+        return
+    import difflib
+
+    pool = timm.list_models() + [TORCHVISION_PREFIX + n for n in torchvision.models.list_models(module=torchvision.models)]
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ModelError(f"'model.name' = {name}: no such model in timm or torchvision (tv:NAME){hint}")
+
+
+def _torchvision_kwargs(name: str, drop_rate: float, drop_path_rate: float) -> dict:
+    """Map model.drop_rate / drop_path_rate to the torchvision class's own arguments; refuse them where it has none."""
+    builder = torchvision.models.get_model_builder(name)
+    model_class = inspect.signature(builder).return_annotation
+    accepted = inspect.signature(model_class.__init__).parameters if isinstance(model_class, type) else {}
+    kwargs = {}
+    for key, value, own in (("model.drop_rate", drop_rate, "dropout"),
+                            ("model.drop_path_rate", drop_path_rate, "stochastic_depth_prob")):
+        if not value:
+            continue
+        if own not in accepted:
+            raise ModelError(f"'{key}' = {value}: torchvision's {name} has no such option; set {key}=0")
+        kwargs[own] = value
+    return kwargs
+
+
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
                  norm: str = "batch", group_norm_groups: int = 32) -> torch.nn.Module:
-    if not model_exists(name):
-        import difflib
-
-        pool = timm.list_models() + [TORCHVISION_PREFIX + n for n in torchvision.models.list_models(module=torchvision.models)]
-        close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ModelError(f"'model.name' = {name}: no such model in timm or torchvision (tv:NAME){hint}")
+    check_model_name(name)
     if name.startswith(TORCHVISION_PREFIX):
-        kwargs = {"num_classes": num_classes, "weights": None}
-        if drop_rate and "dropout" in torchvision.models.get_model_builder(name[3:]).__code__.co_varnames:
-            kwargs["dropout"] = drop_rate
-        model = torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], **kwargs)
+        tv_name = name[len(TORCHVISION_PREFIX):]
+        kwargs = _torchvision_kwargs(tv_name, drop_rate, drop_path_rate)
+        model = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes, **kwargs)
     else:
         kwargs = {"pretrained": False, "num_classes": num_classes, "drop_rate": drop_rate}
         if drop_path_rate:
             kwargs["drop_path_rate"] = drop_path_rate
-        model = timm.create_model(name, **kwargs)
+        try:
+            model = timm.create_model(name, **kwargs)
+        except TypeError as err:
+            if "drop_path_rate" in str(err) or "drop_rate" in str(err):
+                raise ModelError(f"'model.name' = {name} does not take model.drop_rate / model.drop_path_rate "
+                                 f"({err}); set them to 0") from err
+            raise
     if norm == "group":
         model = batchnorm_to_groupnorm(model, group_norm_groups)
     return model

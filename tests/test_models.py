@@ -1,0 +1,128 @@
+"""Model factory: timm and tv: names, GroupNorm swap, local weights with a mismatched classifier."""
+import logging
+import sys
+
+import pytest
+import torch
+import torchvision
+
+import train
+from conftest import TEST_MODEL, tiny_overrides
+from engine.cli import run_main
+from models.factory import ModelError, batchnorm_to_groupnorm, create_model, load_local_weights
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def test_group_norm_swap_leaves_no_batchnorm_and_runs():
+    model = create_model(TEST_MODEL, 3, norm="group", group_norm_groups=32)
+    assert not has_batchnorm(model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(m.num_channels % m.num_groups == 0 for m in norms)
+    assert any(m.num_groups == 32 for m in norms)
+    out = model(torch.randn(2, 3, 16, 16))
+    assert out.shape == (2, 3)
+    # a single sample trains without BatchNorm's batch statistics
+    model.train()
+    model(torch.randn(1, 3, 16, 16)).sum().backward()
+
+
+def test_group_norm_groups_shrink_to_a_divisor_and_keep_affine_values():
+    bn = torch.nn.BatchNorm2d(24)
+    with torch.no_grad():
+        bn.weight.fill_(2.0)
+        bn.bias.fill_(0.5)
+    gn = batchnorm_to_groupnorm(torch.nn.Sequential(bn), groups=16)[0]
+    assert isinstance(gn, torch.nn.GroupNorm) and gn.num_groups == 12
+    assert torch.all(gn.weight == 2.0) and torch.all(gn.bias == 0.5)
+
+
+def test_batch_norm_is_kept_by_default():
+    assert has_batchnorm(create_model(TEST_MODEL, 3))
+
+
+def _check_loaded_all_but_classifier(model, source, caplog):
+    own = model.state_dict()
+    for name, tensor in source.items():
+        if name.startswith("fc."):
+            assert own[name].shape != tensor.shape
+        else:
+            assert torch.equal(own[name], tensor), name
+    assert "fc.weight" in caplog.text and "fc.bias" in caplog.text and "not loaded" in caplog.text
+
+
+@pytest.mark.parametrize("form", ["state_dict", "checkpoint", "safetensors"])
+def test_local_weights_load_all_but_a_mismatched_classifier(tmp_path, caplog, form):
+    torch.manual_seed(1)
+    source = create_model(TEST_MODEL, 5).state_dict()
+    if form == "state_dict":
+        path = tmp_path / "weights.pth"
+        torch.save(source, path)
+    elif form == "checkpoint":   # one of our checkpoints, or a DDP state_dict with module. prefixes
+        path = tmp_path / "ckpt.pt"
+        torch.save({"model": {f"module.{k}": v for k, v in source.items()}, "epoch": 3}, path)
+    else:
+        from safetensors.torch import save_file
+
+        path = tmp_path / "weights.safetensors"
+        save_file({k: v.contiguous() for k, v in source.items()}, str(path))
+    torch.manual_seed(2)
+    model = create_model(TEST_MODEL, 3)
+    fc_before = model.fc.weight.detach().clone()
+    with caplog.at_level(logging.INFO, logger="train"):
+        load_local_weights(model, str(path))
+    _check_loaded_all_but_classifier(model, source, caplog)
+    assert torch.equal(model.fc.weight, fc_before)   # the new classifier keeps its fresh initialisation
+
+
+def test_weights_file_matching_nothing_is_an_error(tmp_path):
+    path = tmp_path / "other.pt"
+    torch.save({"encoder.weight": torch.zeros(3)}, path)
+    with pytest.raises(ModelError, match="no tensor matches"):
+        load_local_weights(create_model(TEST_MODEL, 3), str(path))
+    with pytest.raises(ModelError, match="no such file"):
+        load_local_weights(create_model(TEST_MODEL, 3), str(tmp_path / "missing.pt"))
+
+
+def test_weights_file_with_pickled_code_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": torch.nn.Linear(2, 2)}, path)  # a whole module: not plain data
+    with pytest.raises(ModelError):
+        load_local_weights(create_model(TEST_MODEL, 3), str(path))
+
+
+def test_torchvision_models_by_tv_prefix():
+    model = create_model("tv:resnet18", 4)
+    assert isinstance(model, torchvision.models.ResNet)
+    assert model.fc.out_features == 4
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    small = create_model("tv:mobilenet_v3_small", 3, drop_rate=0.3)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.3 for m in small.modules())
+    with pytest.raises(ModelError, match="model.drop_rate"):
+        create_model("tv:resnet18", 4, drop_rate=0.2)   # ResNet has no dropout: said, not silently ignored
+
+
+def test_timm_drop_rate_reaches_the_model():
+    model = create_model(TEST_MODEL, 3, drop_rate=0.25)
+    assert model.drop_rate == 0.25
+
+
+@pytest.mark.parametrize("name, suggestion", [("resnt18", "resnet18"), ("tv:resnet81", "tv:resnet18")])
+def test_unknown_model_name_suggests_a_close_one(name, suggestion):
+    with pytest.raises(ModelError) as err:
+        create_model(name, 3)
+    assert name in str(err.value) and suggestion in str(err.value)
+
+
+def test_unknown_model_exits_2_before_any_work(monkeypatch, capsys, tiny_tree, tmp_path):
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config", "base",
+                                      *tiny_overrides(tiny_tree, run_dir, **{"model.name": "resnet5O"})])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(train.main)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "resnet5O" in err and "resnet50" in err
+    assert not run_dir.exists()
