@@ -13,7 +13,7 @@ def main() -> int:
     parser.add_argument("--resume", help="last.pt to continue from, or 'auto' for the run directory's last.pt")
     parser.add_argument("--finetune", help="start a new schedule from this checkpoint's weights")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=3")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # KEY=VALUE may come before and after --resume / --finetune
     cfg = load_config(args.config, args.overrides)
     return run(cfg, resume=args.resume, finetune=args.finetune)
 

@@ -57,7 +57,7 @@ def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image
                 w, h = h, w
             img.draft("RGB", (max(1, int(w)), max(1, int(h))))
         img.load()
-        img = ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the whole image when upright
         return to_rgb(img)
     except ImageDecodeError:
         raise
@@ -74,13 +74,15 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if mode == "P":
         img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
         mode = img.mode
+        if mode == "RGB":  # an opaque palette image is done here
+            return img
     if mode in ("RGBA", "LA", "PA", "La", "RGBa"):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
         return Image.alpha_composite(background, rgba).convert("RGB")
     if mode == "L" and "transparency" in img.info:
         return to_rgb(img.convert("LA"))
-    if mode in ("L", "1", "CMYK", "YCbCr", "LAB", "HSV"):
+    if mode in ("L", "1", "CMYK", "YCbCr", "LAB", "HSV", "RGBX"):
         return img.convert("RGB")
     raise ImageDecodeError(f"unsupported image mode {mode!r}")
 

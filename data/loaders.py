@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import torch
@@ -10,12 +11,33 @@ from torch.utils.data import DataLoader
 from data.samplers import ShardSampler, TrainSampler
 
 
+# A worker that got a SIGTERM keeps serving this long, then exits on its own.
+WORKER_SIGTERM_GRACE_S = 60
+
+
 def seed_worker(worker_id: int) -> None:
     # Per-sample randomness is seeded by the sampler; this only keeps numpy / random users in
     # third-party transforms from repeating across workers.
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    leave_stop_signals_to_the_main_process()
+
+
+def leave_stop_signals_to_the_main_process() -> None:
+    """In a loader worker: survive a SIGTERM / SIGINT sent to the whole process group (Slurm, Ctrl-C).
+
+    The main process then finishes its step, saves last.pt and shuts the workers down; a worker that
+    died at once would make it fail with "DataLoader worker killed by signal" instead. A second SIGTERM
+    (torch's own clean-up) still ends the worker, and so does the grace period, so nothing can hang.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.alarm(WORKER_SIGTERM_GRACE_S)  # SIGALRM's default action ends the process
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _worker_options(num_workers: int, persistent: bool, prefetch_factor: int) -> dict:
@@ -32,8 +54,10 @@ def build_train_loader(dataset, sampler: TrainSampler, batch_size: int, num_work
 
 
 def build_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool, rank: int = 0,
-                      world_size: int = 1, persistent_workers: bool = False, prefetch_factor: int = 2) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(len(dataset), rank, world_size),
+                      world_size: int = 1, persistent_workers: bool = False, prefetch_factor: int = 2,
+                      limit_samples: int | None = None) -> DataLoader:
+    sampler = ShardSampler(len(dataset), rank, world_size, limit_samples)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
                       generator=torch.Generator().manual_seed(0),
                       **_worker_options(num_workers, persistent_workers, prefetch_factor))

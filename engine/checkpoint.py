@@ -10,9 +10,10 @@ import io
 import os
 import pickle
 import random
+import re
 import signal
 import tempfile
-import zipfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,6 +61,9 @@ def save_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> No
     torch.save(obj, buffer)
     data = buffer.getbuffer()
     with signals_deferred():
+        # Temp files of an earlier save that was killed (SIGKILL, power loss); one writer per path.
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
         if keep_previous and path.exists():
             _keep_previous(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -101,16 +105,40 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"checkpoint {path} was refused: it holds objects other than tensors and plain data, "
-            f"and loading it could run code ({str(err).splitlines()[0]})") from err
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path} is damaged or truncated: {str(err).splitlines()[0]}") from err
+        with warnings.catch_warnings():  # a plain pickle makes torch ask for a bug report; the error says enough
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch.load raises many types for damaged files (KeyError, EOFError, ...)
+        blocked = _blocked_global(err)
+        if blocked:
+            raise CheckpointError(
+                f"checkpoint {path} was refused: it asks to load {blocked}, which is neither a tensor nor plain "
+                f"data, and unpickling it could run code. Nothing from it was run. Only load files from a "
+                f"source you trust; checkpoints written by train.py never need this") from err
+        raise CheckpointError(f"checkpoint {path} is damaged or truncated, or not a checkpoint "
+                              f"({type(err).__name__}: {_first_informative_line(err)})") from err
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} does not hold a dict")
     return obj
+
+
+_GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _blocked_global(err: Exception):
+    """The `module.name` a weights-only load refused to import, if that is why it failed."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    match = _GLOBAL_PATTERN.search(str(err))
+    return match.group(1) if match else None
+
+
+def _first_informative_line(err: Exception) -> str:
+    """torch's weights-only message opens with advice to retry the unsafe way: never show that."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Please file an issue",
+                                                        "Check the documentation"))]
+    return (useful or lines or ["no details"])[0][:200]
 
 
 def bare_state_dict(model: torch.nn.Module) -> dict:

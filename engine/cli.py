@@ -12,6 +12,7 @@ from typing import Callable
 from data.folder import DataTreeError
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
+from engine.distributed import DistributedSetupError
 from models.factory import ModelError
 
 USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
@@ -27,10 +28,13 @@ def run_main(main: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except DistributedSetupError as err:  # the job failed to start; the message names the torchrun variables
+        print(f"error: {err}", file=sys.stderr)
+        code = 1
     except Exception as err:  # the job failed: say why in one line, keep the traceback in the log
         logging.getLogger("train").debug("failure", exc_info=True)
         if _is_out_of_memory(err):
-            print(f"error: out of memory: {err}", file=sys.stderr)
+            print(f"error: out of memory: {err}\n{OUT_OF_MEMORY_ADVICE}", file=sys.stderr)
         else:
             import traceback
 
@@ -38,6 +42,14 @@ def run_main(main: Callable[[], int]) -> None:
             print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         code = 1
     sys.exit(code)
+
+
+OUT_OF_MEMORY_ADVICE = (
+    "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
+    "train.accum_steps=K to keep the effective batch (batch_size x accum_steps x processes); "
+    "train.batch_size=auto to find the largest batch that fits and keep the effective batch "
+    "(train.target_effective_batch); mixed precision (train.amp=bf16, or fp16 on CUDA); a smaller "
+    "data.img_size; on the CPU, train.memory_budget_gb bounds what batch_size=auto may use.")
 
 
 def _is_out_of_memory(err: Exception) -> bool:

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from data.transforms import normalize_batch
+from engine.distributed import all_ranks_true
 from engine.metrics import MetricSums
 from engine.schedule import window_length
 
@@ -115,8 +116,10 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
 
         batch = targets.shape[0]
         detached = loss.detach()
-        loss_sum += detached.double() * batch
-        window_ok &= torch.isfinite(detached)
+        finite = torch.isfinite(detached)
+        # A skipped step's NaN must not poison the epoch's mean loss.
+        loss_sum += torch.where(finite, detached.double(), 0.0) * batch
+        window_ok &= finite
         progress.samples += batch
         interval["samples"] += batch
         batch_index += 1
@@ -130,16 +133,24 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.clip_grad_norm)
                 window_ok &= torch.isfinite(grad_norm)
             logging_now = (state.step + 1) % log_interval == 0
-            if grad_norm is None and logging_now:
+            if grad_norm is None and (logging_now or ctx.amp_dtype != torch.float16):
+                # Also the non-finite check of the gradients (a finite loss can still give inf gradients);
+                # it stays on the device. Under fp16 the GradScaler does that check itself.
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                window_ok &= torch.isfinite(grad_norm)
 
+            if ctx.distributed:
+                # a loss that is non-finite on one rank only: every rank must skip (or stop at) this step
+                window_ok = all_ranks_true(window_ok)
             skipped = _apply_update(ctx, window_ok)
             optimizer.zero_grad(set_to_none=True)
+            lr_used = optimizer.param_groups[0]["lr"]  # logged: the LR this step ran with, not the next one
             ctx.scheduler.step()
             if ctx.nonfinite == "stop" and ctx.amp_dtype != torch.float16:
-                first_nonfinite = torch.where(~window_ok & (first_nonfinite < 0), state.step, first_nonfinite)
-            _count_skips(ctx, progress, skipped, state.step)
+                # Steps are numbered from 1 here, as in the log lines ("step k/N").
+                first_nonfinite = torch.where(~window_ok & (first_nonfinite < 0), state.step + 1, first_nonfinite)
+            _count_skips(ctx, progress, skipped, state.step + 1)
             window_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
             state.step += 1
             progress.batches_done = batch_index
@@ -151,7 +162,7 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
                 window_loss = (loss_sum - interval["loss"]).item() / max(interval["samples"], 1)
                 hooks.log_step(state.step, {
                     "train/loss": window_loss,
-                    "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/lr": lr_used,
                     "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
                     "train/samples_per_s": interval["samples"] / elapsed,
                     "train/data_wait_frac": interval["data_time"] / elapsed,

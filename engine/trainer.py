@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from data.build import TrainData, build_train_data, prepare_root
+from data.images import ImageDecodeError
 from engine import distributed as dist_utils
 from engine.checkpoint import (CheckpointError, bare_state_dict, load_checkpoint, rng_state, save_atomic,
                                set_rng_state, unwrap)
@@ -24,7 +25,7 @@ from engine.metrics import is_improvement
 from engine.optim import build_optimizer
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import build_scheduler, effective_batch, scaled_lr, steps_per_epoch, warmup_steps
-from models.factory import create_model, load_local_weights, load_matching_weights
+from models.factory import check_model_name, create_model, load_local_weights, load_matching_weights
 
 log = logging.getLogger("train")
 
@@ -61,10 +62,17 @@ class StopSignal:
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self._previous: dict = {}
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before `install` (matters when fit() runs in-process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
@@ -130,8 +138,10 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         check_data_root(cfg)
+        check_model_name(cfg.model.name)
         self.device = select_device(cfg.train.device, int(__import__("os").environ.get("LOCAL_RANK", "0")))
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
+        dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, dist_utils.env_world_size())
         self.dist = dist_utils.init_distributed(self.device.type)
         self.run_dir = Path(cfg.output.dir)
         if self.dist.is_main:
@@ -149,11 +159,25 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        # The built-in data set is written once: by rank 0 first, then by the first process of each other
+        # node, which finds it complete on a shared file system or writes its own copy on a local one.
         if self.dist.is_main:
+            prepare_root(cfg)
+        dist_utils.barrier()
+        if self.dist.enabled and self.dist.local_rank == 0 and not self.dist.is_main:
             prepare_root(cfg)
         dist_utils.barrier()
 
         batch_size = cfg.train.batch_size
+        saved_cfg = (resume_ckpt or {}).get("config")
+        saved_train = saved_cfg.get("train") if isinstance(saved_cfg, dict) else None
+        if batch_size == "auto" and isinstance(saved_train, dict) and isinstance(saved_train.get("batch_size"), int):
+            # A resumed run keeps the batch the finder chose the first time: a new search could pick
+            # another one, which would change the math.
+            batch_size, cfg.train.accum_steps = saved_train["batch_size"], saved_train["accum_steps"]
+            cfg.train.batch_size = batch_size
+            log.info("train.batch_size=auto: resuming with the batch chosen before, %d x accum %d", batch_size,
+                     cfg.train.accum_steps)
         if batch_size == "auto":
             from engine.batch_finder import resolve_auto_batch
 
@@ -178,7 +202,10 @@ class Trainer:
             log.info("--finetune: %d tensors loaded from %s; not loaded: %s", len(loaded), self.finetune,
                      ", ".join(skipped) or "none")
         if cfg.model.sync_bn and self.dist.enabled:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model, converted = dist_utils.convert_sync_bn(model)
+            log.info("model.sync_bn: %d BatchNorm layers converted to SyncBatchNorm", converted)
+        elif cfg.model.sync_bn:
+            log.info("model.sync_bn has no effect in a single process (ordinary BatchNorm)")
         memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
         model = model.to(self.device, memory_format=memory_format)
         self.model = model  # the bare model: evaluated and saved
@@ -188,6 +215,10 @@ class Trainer:
             self.batches_per_epoch = min(self.batches_per_epoch, cfg.data.limit_train_batches)
         self.effective = effective_batch(batch_size, cfg.train.accum_steps, self.dist.world_size)
         self.peak_lr = scaled_lr(cfg.optim.lr, self.effective, cfg.optim.base_batch_size, cfg.optim.lr_scaling)
+        if cfg.schedule.min_lr > self.peak_lr:
+            raise ConfigError(f"'schedule.min_lr' = {cfg.schedule.min_lr} is above the peak LR {self.peak_lr:.6g} "
+                              f"(optim.lr {cfg.optim.lr} with {cfg.optim.lr_scaling} scaling to effective batch "
+                              f"{self.effective}); lower schedule.min_lr")
         self.steps_per_epoch = steps_per_epoch(self.batches_per_epoch, cfg.train.accum_steps)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
         self.warmup = min(warmup_steps(cfg.schedule.warmup_epochs, self.steps_per_epoch), self.total_steps)
@@ -218,6 +249,12 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             if resume_ckpt is not None:
                 self.runlog.drop_epochs_from(self.state.epoch + 1)
+            else:
+                earlier = self.run_dir / "last.pt"
+                if earlier.exists():
+                    log.warning("%s holds last.pt of an earlier run; this new run replaces it (to continue that "
+                                "run instead, stop now and pass --resume auto)", self.run_dir)
+                self.runlog.drop_epochs_from(1)  # metrics.csv describes this run only
         self._log_startup()
 
     def _log_startup(self) -> None:
@@ -283,16 +320,33 @@ class Trainer:
             })
         return ckpt
 
+    def _sync_buffers(self) -> None:
+        """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""
+        if self.dist.enabled and not self.cfg.model.sync_bn:
+            dist_utils.broadcast_buffers(self.model)
+
     def save_last(self) -> None:
+        # All ranks come here together (epoch ends, and steps the ranks agreed on): afterwards every rank
+        # holds the BN statistics that rank 0 saves, as a resumed run will.
+        self._sync_buffers()
+        self._refuse_nonfinite("last.pt")  # every rank holds the same state here, so all agree
         if self.dist.is_main:
             save_atomic(self._checkpoint(True), self.run_dir / "last.pt", keep_previous=True)
 
     def save_best(self, metrics: dict) -> None:
+        self._refuse_nonfinite("best.pt")
         if self.dist.is_main:
             save_atomic(self._checkpoint(False, metrics), self.run_dir / "best.pt")
 
+    def _refuse_nonfinite(self, name: str) -> None:
+        if not self._weights_finite():
+            raise NonFiniteError(f"the weights became non-finite by optimizer step {self.state.step}; {name} was not "
+                                 f"written and keeps the last good state (lower optim.lr or set train.clip_grad_norm)")
+
     def _weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        """Parameters and floating buffers (BatchNorm statistics) all finite; one host sync."""
+        tensors = [t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()]
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
 
     # ------------------------------------------------------------ the run
 
@@ -308,7 +362,13 @@ class Trainer:
                         self.state.step, self.run_dir / "last.pt")
             self.write_summary()
             return EXIT_SIGNAL.get(signum, 143)
+        except (BadDataError, ImageDecodeError, NonFiniteError) as err:
+            # Too many unreadable files, or non-finite numbers: one clear message (listing the files), exit 1.
+            log.error("%s", err)
+            self.write_summary()
+            return 1
         finally:
+            self.stop_signal.restore()
             self.runlog.close()
 
     def _stop_requested(self, step: int) -> bool:
@@ -372,6 +432,9 @@ class Trainer:
         return 0
 
     def _save_mid_epoch(self, progress: EpochProgress) -> None:
+        # Every rank is here at the same step: the unreadable files of all ranks go into the state that rank 0
+        # saves, and a split with too many of them stops the run now rather than at the epoch end.
+        self._record_bad_files(progress)
         self.state.batch_in_epoch = progress.batches_done
         snapshot = dataclasses.asdict(progress)
         snapshot["bad_indices"] = sorted(progress.bad_indices)
@@ -379,11 +442,7 @@ class Trainer:
         self.save_last()
 
     def _record_bad_files(self, progress: EpochProgress) -> None:
-        bad = sorted(progress.bad_indices)
-        if self.dist.enabled:
-            gathered = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(gathered, bad)
-            bad = sorted({i for part in gathered for i in part})
+        bad = dist_utils.union_of_lists(sorted(progress.bad_indices))
         paths = [self.data.train_index.paths[i] for i in bad]
         new = [p for p in paths if p not in self.state.skipped_files]
         for p in new:
@@ -399,16 +458,13 @@ class Trainer:
                                f"data.max_bad_fraction={limit}:\n  {listing}")
 
     def validate(self) -> dict:
-        if self.dist.enabled and not self.cfg.model.sync_bn:
-            dist_utils.broadcast_buffers(self.model)
+        self._sync_buffers()
+        # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
+        # split, sharded across ranks), so the samples counted do not depend on the world size.
         sums, bad = evaluate(self.model, self.data.val_loader, self.device, len(self.classes), self.cfg.data.mean,
-                             self.cfg.data.std, self.cfg.train.channels_last, self.amp_dtype,
-                             self.cfg.data.limit_val_batches)
+                             self.cfg.data.std, self.cfg.train.channels_last, self.amp_dtype)
         sums.all_reduce()
-        if self.dist.enabled:
-            gathered = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(gathered, bad)
-            bad = sorted(i for part in gathered for i in part)
+        bad = dist_utils.union_of_lists(bad)
         metrics = sums.compute()
         bad_paths = [self.data.val_index.paths[i] for i in bad]
         if bad_paths:
@@ -416,6 +472,7 @@ class Trainer:
                         ", ".join(bad_paths[:10]))
             self._check_bad_fraction(bad_paths, len(self.data.val_index), "validation")
         metrics["skipped_files"] = len(bad_paths)
+        self._val_skipped_files = bad_paths
         return metrics
 
     def _end_epoch(self, epoch: int, metrics: dict, progress: EpochProgress, samples_per_s: float,
@@ -434,7 +491,6 @@ class Trainer:
             self.state.bad_epochs += 1
             if es.patience is not None and self.state.bad_epochs >= es.patience:
                 self.state.stopped_early = True
-        self.save_last()
 
         train_loss = progress.loss_sum / max(progress.samples, 1)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -455,9 +511,13 @@ class Trainer:
             "val_mean_class_acc": metrics["mean_class_acc"], "val_num_samples": metrics["num_samples"],
             "skipped_files": len(self.state.skipped_files)})
         self.runlog.flush()
+        # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
+        # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
+        self.save_last()
         self.write_summary()
 
     _last_wait: Optional[float] = None
+    _val_skipped_files: list = []
     _wait_warned = False
 
     def _log_step(self, step: int, values: dict) -> None:
@@ -475,9 +535,12 @@ class Trainer:
         if wait > 0.2 and not self._wait_warned and step > 2 * self.cfg.output.log_interval:
             self._wait_warned = True
             log.warning("the model waited for data %.0f%% of the time: the input pipeline is the bottleneck. Try "
-                        "more loader workers (data.num_workers, now %d; this machine has %d cores), a smaller "
-                        "data.img_size or pre-resized images (JPEGs decode faster when stored near the training "
-                        "size)", 100 * wait, self.cfg.data.num_workers, __import__("os").cpu_count() or 1)
+                        "more loader workers (data.num_workers, now %d; this machine has %d cores), a deeper "
+                        "prefetch (data.prefetch_factor, now %d), pinned memory on CUDA (data.pin_memory), a "
+                        "smaller data.img_size, or images stored as JPEGs near the training size (decoding the "
+                        "full-size file is most of the cost). `benchmark.py --mode loader` times the pipeline "
+                        "alone", 100 * wait, self.cfg.data.num_workers, __import__("os").cpu_count() or 1,
+                        self.cfg.data.prefetch_factor)
 
     _bar = None
 
@@ -506,6 +569,7 @@ class Trainer:
             "train_time_s": s.train_time_s,
             "skipped_files": list(s.skipped_files),
             "skipped_steps": s.skipped_steps,
+            "skipped_val_files": list(self._val_skipped_files),
             "classes": list(self.classes),
             "effective_batch": self.effective,
             "peak_lr": self.peak_lr,

@@ -1,0 +1,130 @@
+"""train.py that halts at a chosen point so a test can SIGKILL it there (used by tests/test_resume.py).
+
+python tests/paused_train.py MARKER validate:N -- TRAIN ARGS   halt inside the N-th validation pass
+python tests/paused_train.py MARKER save:N -- TRAIN ARGS       halt halfway through writing the N-th last.pt
+python tests/paused_train.py MARKER after_save:N -- TRAIN ARGS halt just after the N-th last.pt is in place
+python tests/paused_train.py MARKER wait_signal:N -- TRAIN ARGS after the N-th last.pt, wait for a signal
+                                                                  (SIGTERM / SIGINT), then carry on
+
+Killed between two saves, a run leaves the same files whatever instant it dies at, so these points
+(plus one inside a save) cover every kill moment.
+
+At the halt it writes MARKER and sleeps; the test kills it. Everything else is the real train.py.
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def halt(marker: str) -> None:
+    Path(marker).write_text(str(os.getpid()))
+    while True:
+        time.sleep(60)
+
+
+def pause_in_validation(marker: str, n: int) -> None:
+    import engine.trainer as trainer
+
+    real_evaluate = trainer.evaluate
+    calls = {"n": 0}
+
+    def evaluate(model, loader, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            next(iter(loader))  # validation has started: the first batch is loaded
+            halt(marker)
+        return real_evaluate(model, loader, *args, **kwargs)
+
+    trainer.evaluate = evaluate
+
+
+def wait_for_signal_after_save(marker: str, n: int) -> None:
+    import engine.trainer as trainer
+
+    real_handle = trainer.StopSignal._handle
+    got = []
+
+    def handle(self, signum, frame):
+        got.append(signum)
+        real_handle(self, signum, frame)
+
+    trainer.StopSignal._handle = handle
+
+    def wait(_marker):
+        Path(marker).write_text(str(os.getpid()))
+        while not got:
+            time.sleep(0.01)
+
+    pause_after_save(marker, n, at_pause=wait)
+
+
+def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
+    import engine.checkpoint as checkpoint
+    import engine.trainer as trainer
+
+    real_save = checkpoint.save_atomic
+    calls = {"n": 0}
+
+    def save_atomic(obj, path, keep_previous=False):
+        real_save(obj, path, keep_previous)
+        if Path(path).name == "last.pt":
+            calls["n"] += 1
+            if calls["n"] == n:
+                at_pause(marker)
+
+    checkpoint.save_atomic = save_atomic
+    trainer.save_atomic = save_atomic
+
+
+def pause_in_save(marker: str, n: int) -> None:
+    import engine.checkpoint as checkpoint
+
+    real_save = checkpoint.save_atomic
+    real_fdopen = os.fdopen
+    calls = {"n": 0}
+
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            view = memoryview(data)
+            self.f.write(view[: len(view) // 2])
+            self.f.flush()
+            halt(marker)
+
+    def save_atomic(obj, path, keep_previous=False):
+        if Path(path).name == "last.pt":
+            calls["n"] += 1
+            if calls["n"] == n:
+                checkpoint.os.fdopen = lambda fd, mode="r", *a, **k: HalfWriter(real_fdopen(fd, mode, *a, **k))
+        return real_save(obj, path, keep_previous)
+
+    checkpoint.save_atomic = save_atomic
+    import engine.trainer as trainer
+
+    trainer.save_atomic = save_atomic
+
+
+if __name__ == "__main__":
+    marker, point = sys.argv[1], sys.argv[2]
+    assert sys.argv[3] == "--"
+    kind, n = point.split(":")
+    {"validate": pause_in_validation, "save": pause_in_save, "after_save": pause_after_save,
+     "wait_signal": wait_for_signal_after_save}[kind](marker, int(n))
+    sys.argv = [str(REPO / "train.py"), *sys.argv[4:]]
+    import train
+
+    from engine.cli import run_main
+
+    run_main(train.main)

@@ -1,0 +1,384 @@
+"""Crash-safe saves, damaged or mismatched checkpoints on resume, and non-finite steps under each policy.
+
+Training runs here are in-process (no loader workers) so faults can be injected with monkeypatch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tree, tiny_overrides
+from engine import checkpoint
+from engine.checkpoint import load_checkpoint, save_atomic
+from engine.cli import run_main
+from engine.config import ConfigError, load_config
+from engine.trainer import Trainer, resolve_resume_path, run
+
+SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
+
+
+def make_cfg(data_root: Path, out: Path, **extra):
+    return load_config("base", tiny_overrides(data_root, out, **(SETTINGS | extra)))
+
+
+def exit_code(fn) -> int:
+    with pytest.raises(SystemExit) as info:
+        run_main(fn)
+    return info.value.code
+
+
+def finite(state_dict: dict) -> bool:
+    return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    # 36 training images, batch 8: 4 optimizer steps per epoch.
+    return make_tree(tmp_path_factory.mktemp("faults") / "data", {"a": (12, 3), "b": (12, 3), "c": (12, 3)})
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_root, tmp_path_factory) -> Path:
+    """A 2-epoch run: last.pt (step 8), last.prev.pt (step 4), best.pt."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert run(make_cfg(data_root, out)) == 0
+    return out
+
+
+# ---------------------------------------------------------------- save_atomic
+
+
+@pytest.mark.parametrize("fail_at", ["write", "fsync", "replace"])
+def test_an_interrupted_save_leaves_the_old_file_whole_and_no_temp_file(tmp_path, monkeypatch, fail_at):
+    path = tmp_path / "last.pt"
+    save_atomic({"step": 1, "w": torch.arange(1000.0)}, path)
+    before = path.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError(f"injected failure in {fail_at}")
+
+    if fail_at == "write":
+        real_fdopen = os.fdopen
+
+        class HalfThenFail:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                self.f.write(memoryview(data)[: len(data) // 2])
+                self.f.flush()
+                raise OSError("injected failure halfway through the write (disk full)")
+
+        monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, *a, **k: HalfThenFail(real_fdopen(fd, *a, **k)))
+    elif fail_at == "replace":
+        real_replace = os.replace
+        monkeypatch.setattr(checkpoint.os, "replace",
+                            lambda src, dst: boom() if Path(dst) == path else real_replace(src, dst))
+    else:
+        monkeypatch.setattr(checkpoint.os, fail_at, boom)
+    with pytest.raises(OSError, match="injected"):
+        save_atomic({"step": 2, "w": torch.zeros(5000)}, path, keep_previous=True)
+    monkeypatch.undo()
+
+    assert path.read_bytes() == before
+    assert load_checkpoint(path)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.prev.pt", "last.pt"]
+
+
+def test_a_second_signal_during_a_save_waits_until_the_file_is_whole(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: received.append(("handler", path.exists())))
+    real_fsync = os.fsync
+    try:
+        def fsync_then_signal(fd):
+            if not received:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the save
+                received.append(("sent", path.exists()))
+            real_fsync(fd)
+
+        monkeypatch.setattr(checkpoint.os, "fsync", fsync_then_signal)
+        save_atomic({"step": 3}, path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # The handler ran only after the save, when the new file was in place.
+    assert received == [("sent", False), ("handler", True)]
+    assert load_checkpoint(path)["step"] == 3
+
+
+def test_a_save_removes_temp_files_left_by_a_killed_save(tmp_path):
+    stale = tmp_path / ".last.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    save_atomic({"step": 1}, tmp_path / "last.pt")
+    assert not stale.exists()
+
+
+# ---------------------------------------------------------------- resume: damaged files, mismatched configs
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 3])
+    elif how == "garbage":
+        path.write_bytes(os.urandom(4096))
+    else:
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty"])
+def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_run, tmp_path, how, caplog):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    damage(run_dir / "last.pt", how)
+    with caplog.at_level("WARNING", logger="train"):
+        ckpt = resolve_resume_path("auto", run_dir)
+    assert ckpt["step"] == 4  # last.prev.pt: the end of epoch 1
+    assert any("damaged or truncated" in r.message and "trying the previous state" in r.message
+               for r in caplog.records)
+    damage(run_dir / "last.prev.pt", how)
+    with pytest.raises(ConfigError, match="no loadable checkpoint"):
+        resolve_resume_path("auto", run_dir)
+
+
+def test_resume_auto_with_a_damaged_last_pt_continues_the_run(data_root, finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    damage(run_dir / "last.pt", "truncated")
+    assert run(make_cfg(data_root, run_dir), resume="auto") == 0
+    log = (run_dir / "train.log").read_text()
+    assert "trying the previous state" in log and "resuming from" in log and "last.prev.pt" in log
+    # Epoch 2 was trained again from the end of epoch 1, and gives the same weights as the first time.
+    redone, original = load_checkpoint(run_dir / "last.pt"), load_checkpoint(finished_run / "last.pt")
+    assert redone["step"] == 8
+    assert all(torch.equal(redone["model"][k], original["model"][k]) for k in original["model"])
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "garbage"])
+def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(data_root, finished_run, tmp_path, how, capsys):
+    target = tmp_path / "last.pt"
+    if how != "missing":
+        shutil.copy(finished_run / "last.pt", target)
+        damage(target, how)
+    cfg = make_cfg(data_root, tmp_path / "run")
+    assert exit_code(lambda: run(cfg, resume=str(target))) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {target}" in err
+    assert ("does not exist" if how == "missing" else "damaged or truncated") in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"model.name": "resnet10t"}, "model.name"),
+    ({"train.batch_size": 4}, "train.batch_size"),
+    ({"data.img_size": 24}, "data.img_size"),
+    ({"data.scale": "[0.5,1.0]"}, "data.scale"),
+    ({"optim.lr": 0.1, "train.seed": 3}, "optim.lr"),
+])
+def test_resume_with_a_config_that_changes_the_math_exits_2_listing_the_keys(data_root, finished_run, tmp_path,
+                                                                               change, key, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    cfg = make_cfg(data_root, run_dir, **change)
+    assert exit_code(lambda: run(cfg, resume="auto")) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the run would not continue the same training" in err and "--finetune" in err
+    for k in change:
+        assert f"{k}:" in err
+    assert key in err
+
+
+def test_resume_with_different_classes_exits_2(finished_run, tmp_path, capsys):
+    other = make_tree(tmp_path / "other", {"a": (12, 3), "b": (12, 3), "c": (12, 3), "d": (12, 3)})
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    cfg = make_cfg(other, run_dir)
+    assert exit_code(lambda: run(cfg, resume="auto")) == 2
+    err = capsys.readouterr().err
+    assert "classes: ['a', 'b', 'c'] -> ['a', 'b', 'c', 'd']" in err
+
+
+def test_resume_free_keys_may_change(data_root, finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    ckpt = load_checkpoint(run_dir / "last.prev.pt")
+    save_atomic(ckpt, run_dir / "last.pt")  # back to the end of epoch 1
+    # batch_size=auto on resume keeps the batch of the run instead of searching again.
+    cfg = make_cfg(data_root, run_dir, **{"output.log_interval": 1, "checkpoint.every_steps": 3,
+                                          "train.nonfinite": "skip", "train.batch_size": "auto"})
+    assert run(cfg, resume="auto") == 0
+    assert "resuming with the batch chosen before, 8 x accum 1" in (run_dir / "train.log").read_text()
+    redone, original = load_checkpoint(run_dir / "last.pt"), load_checkpoint(finished_run / "last.pt")
+    assert redone["step"] == 8
+    assert all(torch.equal(redone["model"][k], original["model"][k]) for k in original["model"])
+
+
+def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(data_root, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(make_cfg(data_root, out))
+    trainer.setup()
+    criterion, calls = trainer.ctx.criterion, [0]
+
+    def interrupting(logits, targets):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during step 2
+        return criterion(logits, targets)
+
+    trainer.ctx.criterion = interrupting
+    handler_before = signal.getsignal(signal.SIGINT)
+    assert trainer.fit() == 130
+    assert signal.getsignal(signal.SIGINT) is handler_before
+    last = load_checkpoint(out / "last.pt")
+    assert (last["step"], last["batch_in_epoch"]) == (2, 2)
+    assert "received SIGINT" in (out / "train.log").read_text()
+
+
+def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(data_root, finished_run, tmp_path):
+    out = tmp_path / "tuned"
+    cfg = make_cfg(data_root, out, **{"train.batch_size": 4, "train.epochs": 1, "optim.lr": 0.01})
+    trainer = Trainer(cfg, finetune=str(finished_run / "best.pt"))
+    trainer.setup()
+    source = load_checkpoint(finished_run / "best.pt")["model"]
+    now = trainer.model.state_dict()
+    assert all(torch.equal(now[k], source[k]) for k in source)
+    assert trainer.state.step == 0 and trainer.state.epoch == 0
+    assert trainer.fit() == 0
+    tuned = load_checkpoint(out / "last.pt")
+    assert tuned["step"] == 9 and tuned["epoch"] == 1  # 36 images / batch 4: a new one-epoch schedule
+    assert tuned["config"]["train"]["batch_size"] == 4
+    assert "--finetune: " in (out / "train.log").read_text()
+
+
+def test_resume_of_a_best_pt_is_refused_and_points_to_finetune(data_root, finished_run, tmp_path, capsys):
+    cfg = make_cfg(data_root, tmp_path / "run")
+    assert exit_code(lambda: run(cfg, resume=str(finished_run / "best.pt"))) == 2
+    assert "no training state" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- checkpoints hold plain data only
+
+
+PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+
+
+def non_plain(obj, where="") -> list:
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in ([] if isinstance(k, (str, int)) else [f"{where} key {k!r}"])
+                + non_plain(v, f"{where}.{k}")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in non_plain(v, f"{where}[{i}]")]
+    return [] if isinstance(obj, PLAIN) else [f"{where}: {type(obj).__name__}"]
+
+
+def test_checkpoints_hold_only_tensors_numbers_strings_lists_and_dicts(finished_run):
+    for name in ("last.pt", "best.pt"):
+        ckpt = torch.load(finished_run / name, map_location="cpu", weights_only=True)
+        assert non_plain(ckpt) == [], name
+    last = torch.load(finished_run / "last.pt", map_location="cpu", weights_only=True)
+    assert isinstance(last["config"], dict) and isinstance(last["config"]["train"], dict)
+    assert isinstance(last["rng"]["numpy"]["state"], torch.Tensor)
+    assert set(last) >= {"model", "optimizer", "scheduler", "scaler", "rng", "train_state", "batch_in_epoch",
+                         "world_size", "epoch", "step", "classes", "config", "preprocessing"}
+
+
+# ---------------------------------------------------------------- non-finite loss
+
+
+class NaNAt:
+    """The criterion, returning NaN (with NaN gradients) on the given 1-based training steps."""
+
+    def __init__(self, criterion, steps):
+        self.criterion, self.steps, self.calls = criterion, set(steps), 0
+
+    def __call__(self, logits, targets):
+        self.calls += 1
+        loss = self.criterion(logits, targets)
+        return loss * float("nan") if self.calls in self.steps else loss
+
+
+def nan_trainer(data_root, out, steps, snapshot_before=(), **extra):
+    trainer = Trainer(make_cfg(data_root, out, **extra))
+    trainer.setup()
+    trainer.ctx.criterion = NaNAt(trainer.ctx.criterion, steps)
+    snapshots, calls = {}, [0]
+
+    def before_forward(module, args):  # the state before training step k's forward (accum_steps 1)
+        if module.training:
+            calls[0] += 1
+            if calls[0] in snapshot_before:
+                snapshots[calls[0]] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    trainer.model.register_forward_pre_hook(before_forward)
+    return trainer, snapshots
+
+
+def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(data_root, tmp_path):
+    out = tmp_path / "run"
+    trainer, before = nan_trainer(data_root, out, steps=[3], snapshot_before=[3], **{"checkpoint.every_steps": 2})
+    assert trainer.fit() == 1
+    log = (out / "train.log").read_text()
+    assert "non-finite loss or gradients at optimizer step 3" in log
+    last = load_checkpoint(out / "last.pt")
+    assert last["step"] == 2  # the save at step 4 was refused; step 2 is the last good state
+    assert finite(last["model"])
+    assert all(torch.equal(last["model"][k], before[3][k]) for k in before[3])
+    assert not (out / "best.pt").exists()
+
+
+def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(data_root, tmp_path):
+    out = tmp_path / "run"
+    trainer, _ = nan_trainer(data_root, out, steps=[6])
+    assert trainer.fit() == 1
+    assert "non-finite loss or gradients at optimizer step 6" in (out / "train.log").read_text()
+    last, best = load_checkpoint(out / "last.pt"), load_checkpoint(out / "best.pt")
+    assert (last["step"], best["step"]) == (4, 4)
+    assert finite(last["model"]) and finite(best["model"])
+
+
+def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(data_root, tmp_path):
+    out = tmp_path / "run"
+    trainer, before = nan_trainer(data_root, out, steps=[3], snapshot_before=[3, 4],
+                                  **{"train.nonfinite": "skip"})
+    assert trainer.fit() == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["steps_completed"] == 8
+    assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in (out / "train.log").read_text()
+    # The skipped step left the parameters as they were (BatchNorm statistics still moved in its forward).
+    params = {name for name, _ in trainer.model.named_parameters()}
+    assert all(torch.equal(before[3][k], before[4][k]) for k in params)
+    last = load_checkpoint(out / "last.pt")
+    assert finite(last["model"]) and last["step"] == 8
+
+
+def test_nonfinite_skip_stops_after_n_in_a_row(data_root, tmp_path):
+    out = tmp_path / "run"
+    trainer, _ = nan_trainer(data_root, out, steps=[2, 3], **{"train.nonfinite": "skip",
+                                                               "train.max_nonfinite_in_row": 2})
+    assert trainer.fit() == 1
+    log = (out / "train.log").read_text()
+    assert "2 optimizer steps in a row had non-finite loss or gradients (last at step 3)" in log
+    assert json.loads((out / "summary.json").read_text())["steps_completed"] == 2  # the 3rd did not complete
+
+
+def test_a_new_run_in_a_used_run_directory_warns_and_starts_a_fresh_metrics_file(data_root, finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    assert run(make_cfg(data_root, run_dir, **{"train.epochs": 1})) == 0
+    assert "holds last.pt of an earlier run" in (run_dir / "train.log").read_text()
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].startswith("1,")  # the header and this run's one epoch
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 4

@@ -1,0 +1,182 @@
+"""Exact resume with real processes: a run killed (SIGKILL, SIGTERM, SIGINT) at several points and
+resumed with `--resume auto` ends with weights bitwise equal to an uninterrupted run, with the same
+best top-1, best.pt and metrics.csv.
+
+Shuffled order, random augmentation (RandomResizedCrop + flip), two loader workers, fp32 on the CPU,
+last.pt every optimizer step. Kill points are exact, not timed: tests/paused_train.py runs the real
+train.py and halts it just after a save, halfway through writing last.pt, or inside a validation pass
+(or waits there for the signal). A process killed between two saves leaves the same files whatever
+instant it dies at, so these points stand for every moment of the run.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, make_tree, tiny_overrides
+
+# 36 training images, batch 8: 4 optimizer steps per epoch (the short last batch is dropped), 2 epochs.
+STEPS_PER_EPOCH = 4
+TOTAL_STEPS = 8
+SETTINGS = {"model.name": "test_resnet", "data.num_workers": 2, "data.scale": "[0.25,1.0]", "data.hflip": 0.5,
+            "checkpoint.every_steps": 1, "output.log_interval": 1, "output.tensorboard": "false"}
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("resume") / "data", {"a": (12, 4), "b": (12, 4), "c": (12, 4)})
+
+
+def train_cmd(data_root: Path, out: Path, *extra: str, script: list | None = None) -> list:
+    script = script or [str(REPO / "train.py")]
+    return [sys.executable, *script, "--config", "base", *tiny_overrides(data_root, out, **SETTINGS), *extra]
+
+
+def run_to_end(cmd: list) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run_to_end(train_cmd(data_root, out))
+    return out
+
+
+def start(cmd: list) -> subprocess.Popen:
+    """The run in its own process group (with its loader workers), as a job under a scheduler is."""
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str) -> None:
+    """Poll until `ready()`; the run must still be going (otherwise the kill point was missed)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
+        if ready():
+            return
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def kill_at_pause(proc: subprocess.Popen, marker: Path) -> None:
+    wait_for(proc, marker.exists, f"the pause point ({marker.name})")
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and its loader workers, as a node failure would
+    proc.wait(timeout=TIMEOUT)
+    marker.unlink()
+
+
+def assert_same_result(run: Path, reference: Path) -> None:
+    a = torch.load(reference / "last.pt", map_location="cpu", weights_only=True)
+    b = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (a["step"], a["epoch"]) == (b["step"], b["epoch"]) == (TOTAL_STEPS, 2)
+    assert a["model"].keys() == b["model"].keys()
+    different = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    assert not different, f"weights differ from the uninterrupted run in {different[:5]}"
+    best_a = torch.load(reference / "best.pt", map_location="cpu", weights_only=True)
+    best_b = torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+    assert best_a["epoch"] == best_b["epoch"]
+    assert all(torch.equal(best_a["model"][k], best_b["model"][k]) for k in best_a["model"])
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (reference, run))
+    assert sb["best"]["top1"] == sa["best"]["top1"] and sb["best_epoch"] == sa["best_epoch"]
+    assert sb["best"]["loss"] == sa["best"]["loss"]
+    assert (sb["epochs_completed"], sb["steps_completed"]) == (2, TOTAL_STEPS)
+    with (run / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2], "metrics.csv must hold each epoch once"
+    with (reference / "metrics.csv").open() as f:
+        ref_rows = list(csv.DictReader(f))
+    for row, ref in zip(rows, ref_rows):
+        for key in ("step", "lr", "train_loss", "val_top1", "val_loss", "val_num_samples"):
+            assert row[key] == ref[key], (key, row, ref)
+
+
+def paused(marker: Path, point: str) -> list:
+    return [str(REPO / "tests" / "paused_train.py"), str(marker), point, "--"]
+
+
+def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(data_root, reference, tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    # Killed in epoch 2 after its first step (step 5 of 8), loader workers mid-prefetch. Epoch 1 wrote
+    # last.pt 5 times (after each step and at its end), so step 5's is the 6th.
+    proc = start(train_cmd(data_root, run, script=paused(marker, f"after_save:{STEPS_PER_EPOCH + 2}")))
+    kill_at_pause(proc, marker)
+    assert proc.returncode == -signal.SIGKILL
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (1, STEPS_PER_EPOCH + 1, 1)
+
+    done = run_to_end(train_cmd(data_root, run, "--resume", "auto"))
+    assert "resuming from" in done.stderr and "resumed at epoch 2, batch 1, optimizer step 5" in done.stderr
+    assert_same_result(run, reference)
+
+
+def test_sigkill_early_during_a_save_and_during_validation(data_root, reference, tmp_path):
+    """One run killed twice: halfway through writing its 2nd last.pt, then inside a validation pass."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+
+    proc = start(train_cmd(data_root, run, script=paused(marker, "save:2")))
+    kill_at_pause(proc, marker)
+    temps = list(run.glob(".last.pt.*.tmp"))
+    assert temps, "the halted save should have left its half-written temp file"
+    first = torch.load(run / "last.pt", map_location="cpu", weights_only=True)  # the previous file, whole
+    assert (first["epoch"], first["step"]) == (0, 1)
+
+    proc = start(train_cmd(data_root, run, "--resume", "auto", script=paused(marker, "validate:1")))
+    kill_at_pause(proc, marker)
+    during_val = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    # Epoch 1's training is done and saved, its validation is not.
+    assert (during_val["epoch"], during_val["step"]) == (0, STEPS_PER_EPOCH)
+    assert during_val["batch_in_epoch"] == STEPS_PER_EPOCH
+    assert not (run / "metrics.csv").exists() and not (run / "best.pt").exists()
+
+    run_to_end(train_cmd(data_root, run, "--resume", "auto"))
+    assert not any(t.exists() for t in temps), "a later save removes the stale temp file"
+    assert_same_result(run, reference)
+
+
+@pytest.mark.parametrize("sig, code, to_group", [
+    (signal.SIGTERM, 143, True),   # a batch scheduler (Slurm) signals every process: loader workers too
+    (signal.SIGINT, 130, True),    # Ctrl-C in a terminal reaches the whole foreground process group
+    (signal.SIGTERM, 143, False),  # docker stop / kill PID: the main process only
+])
+def test_a_stop_signal_saves_exits_143_or_130_and_resumes_to_the_same_weights(data_root, reference, tmp_path,
+                                                                              sig, code, to_group):
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    # The signal arrives during step 3 (after last.pt holds step 2): step 3 finishes, is saved, the run stops.
+    proc = start(train_cmd(data_root, run, script=paused(marker, "wait_signal:2")))
+    wait_for(proc, marker.exists, "step 2")
+    if to_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    err = proc.communicate(timeout=TIMEOUT)[1]
+    assert proc.returncode == code, err[-3000:]
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["step"], saved["batch_in_epoch"]) == (3, 3)
+    assert f"received {sig.name}" in err and "(step 3); continue with --resume" in err
+    assert "DataLoader worker" not in err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_completed"] == 3
+
+    if sig == signal.SIGTERM:  # the same files after SIGINT; resuming after SIGTERM is enough
+        # Per-sample seeds do not depend on the workers: resuming with none gives the same weights too.
+        extra = [] if to_group else ["data.num_workers=0"]
+        run_to_end(train_cmd(data_root, run, "--resume", "auto", *extra))
+        assert_same_result(run, reference)
