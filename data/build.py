@@ -62,7 +62,9 @@ def build_train_data(cfg, batch_size: int, rank: int, world_size: int, pin_memor
                           f"split ({len(sampler.shuffler)} images); lower it")
     train_loader = build_train_loader(train_dataset, sampler, batch_size, d.num_workers, pin_memory,
                                       d.persistent_workers, d.prefetch_factor, cfg.train.seed)
+    val_limit = d.limit_val_batches * batch_size if d.limit_val_batches else None
     val_loader = build_eval_loader(val_dataset, batch_size, d.num_workers, pin_memory, rank, world_size,
-                                   persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor)
+                                   persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor,
+                                   limit_samples=val_limit)
     return TrainData(train_index.classes, train_index, val_index, train_dataset, val_dataset, sampler,
                      train_loader, val_loader)

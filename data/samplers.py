@@ -78,9 +78,14 @@ class TrainSampler(Sampler):
 
 
 class ShardSampler(Sampler):
-    """Evaluation: rank r gets indices r, r + world, ... with no padding, so every sample counts once."""
+    """Evaluation: rank r gets indices r, r + world, ... with no padding, so every sample counts once.
 
-    def __init__(self, n: int, rank: int = 0, world_size: int = 1):
+    `limit`: only the first `limit` samples of the split (a dry run's `limit_val_batches x batch`), sharded
+    the same way, so a limited validation covers the same samples at any world size."""
+
+    def __init__(self, n: int, rank: int = 0, world_size: int = 1, limit: int | None = None):
+        if limit is not None:
+            n = min(n, limit)
         self.indices = list(range(rank, n, world_size))
 
     def __iter__(self):

@@ -31,6 +31,19 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# Device types PyTorch's SyncBatchNorm runs on (DistributedDataParallel refuses it on CPU).
+SYNC_BN_DEVICES = ("cuda", "xpu", "hpu")
+
+
+def check_sync_bn(sync_bn: bool, device_type: str, world_size: int) -> None:
+    """`model.sync_bn` under DDP needs accelerator processes; refuse it up front (exit 2) elsewhere."""
+    if sync_bn and world_size > 1 and device_type not in SYNC_BN_DEVICES:
+        from engine.config import ConfigError
+
+        raise ConfigError(f"'model.sync_bn' = true needs GPU processes: PyTorch's SyncBatchNorm does not run on "
+                          f"{device_type}. Drop model.sync_bn, or use model.norm=group for small per-process batches")
+
+
 def init_distributed(device_type: str) -> DistInfo:
     """Join the process group torchrun describes in the environment; a no-op for a single process."""
     world = env_world_size()
@@ -44,41 +57,74 @@ def init_distributed(device_type: str) -> DistInfo:
     try:
         dist.init_process_group(backend=backend, init_method="env://")
     except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DistributedSetupError(
             f"WORLD_SIZE={world} asks for distributed training, but the {backend} process group did not start "
             f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}, "
-            f"RANK={rank}): {err}") from err
+            f"RANK={rank}): {reason}. Start the run with torchrun, or unset WORLD_SIZE for one process") from err
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world)
 
 
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.barrier()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.all_reduce(tensor)
     return tensor
 
 
+def union_of_lists(items: list) -> list:
+    """The sorted union of every rank's list (e.g. indices of unreadable files); the same on all ranks."""
+    if not is_initialized():
+        return sorted(set(items))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(items))
+    return sorted({item for part in gathered for item in part})
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank (for stop requests)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         return flag
     t = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
+def all_ranks_true(flag: torch.Tensor) -> torch.Tensor:
+    """A bool tensor that is true on every rank only if it is true on all of them (stays on the device)."""
+    if not is_initialized():
+        return flag
+    agreed = flag.to(torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return agreed.bool()
+
+
 def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
-    """Copy BatchNorm running statistics (and other buffers) from rank `src` to all ranks."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """Copy BatchNorm running statistics (and other buffers) from rank `src` to all ranks.
+
+    Each rank's BN statistics drift with its own last batches; after this every rank holds rank 0's,
+    which are the ones rank 0 saves, so the model evaluated is the model saved."""
+    if not is_initialized():
         return
     for buffer in model.buffers():
         dist.broadcast(buffer, src)
+
+
+def convert_sync_bn(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """Replace every BatchNorm layer by SyncBatchNorm (statistics over the global batch); returns the
+    model and how many layers were converted."""
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model, sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
