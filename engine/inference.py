@@ -1,0 +1,155 @@
+"""Batched prediction over a file list with fixed-shape (padded) batches, and the result rows.
+
+Every forward pass sees exactly `batch_size` images; the padding rows are dropped before softmax/top-k.
+Results stay on the device until the loop ends and come to the host in one copy, so the loop itself
+never waits for the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from data.transforms import normalize_batch
+
+log = logging.getLogger("infer")
+
+
+@dataclass
+class Predictions:
+    top_probs: torch.Tensor    # [N, k] float32, by input order; rows of unreadable files are undefined
+    top_indices: torch.Tensor  # [N, k] int64
+    valid: torch.Tensor        # [N] bool
+    errors: dict               # input index -> reason the file could not be read
+
+
+def predict(model: torch.nn.Module, loader, device: torch.device, mean, std, channels_last: bool,
+            amp_dtype: Optional[torch.dtype], k: int) -> Predictions:
+    """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order."""
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+    probs_out, indices_out, valid_out = [], [], []
+    errors: dict = {}
+    with torch.inference_mode():
+        for images, valid, indices, reasons in loader:
+            n = len(indices)
+            batch = normalize_batch(images.to(device, non_blocking=True), mean, std, channels_last=channels_last)
+            with autocast:
+                logits = model(batch)
+            top = logits[:n].float().softmax(dim=1).topk(k, dim=1)
+            probs_out.append(top.values)
+            indices_out.append(top.indices)
+            valid_out.append(valid)
+            for i, reason in zip(indices.tolist(), reasons):
+                if reason:
+                    errors[i] = reason
+    if not probs_out:
+        empty = torch.zeros(0, k)
+        return Predictions(empty, empty.long(), torch.zeros(0, dtype=torch.bool), errors)
+    return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors)
+
+
+def result_columns(k: int) -> list[str]:
+    columns = ["path", "label", "prob"]
+    for j in range(1, k + 1):
+        columns += [f"top{j}_label", f"top{j}_prob"]
+    return columns + ["error"]
+
+
+def result_rows(paths: list[str], preds: Predictions, classes: list[str]) -> list[dict]:
+    """One dict per input file, in input order; unreadable files get `error` and no prediction."""
+    k = preds.top_probs.shape[1] if preds.top_probs.ndim == 2 else 0
+    probs = preds.top_probs.tolist()
+    labels = preds.top_indices.tolist()
+    valid = preds.valid.tolist()
+    rows = []
+    for i, path in enumerate(paths):
+        row = dict.fromkeys(result_columns(k))
+        row["path"] = path
+        if valid[i]:
+            row["label"], row["prob"] = classes[labels[i][0]], probs[i][0]
+            for j in range(k):
+                row[f"top{j + 1}_label"] = classes[labels[i][j]]
+                row[f"top{j + 1}_prob"] = probs[i][j]
+        else:
+            row["error"] = preds.errors.get(i, "could not be read")
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    width = max([len("path")] + [len(r["path"]) for r in rows])
+    label_width = max([len("label")] + [len(r["label"]) for r in rows if r["label"] is not None])
+    lines = [f"{'path':<{width}}  {'label':<{label_width}}  {'prob':>6}"]
+    for r in rows:
+        if r["error"] is None:
+            lines.append(f"{r['path']:<{width}}  {r['label']:<{label_width}}  {r['prob']:>6.4f}")
+        else:
+            lines.append(f"{r['path']:<{width}}  {'-':<{label_width}}  {'-':>6}  error: {r['error']}")
+    return "\n".join(lines)
+
+
+OUTPUT_FORMATS = (".csv", ".json")
+
+
+def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        return
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=result_columns(k))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "" if value is None else value for key, value in row.items()})
+
+
+def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int, topk: int, output: Optional[str],
+                  amp: Optional[str], compile_model: bool, num_workers: int, device_setting: str = "auto") -> int:
+    """Classify every input file; returns the exit status (0: at least one classified, 1: none)."""
+    from data.inference import FileListDataset, build_inference_loader, expand_inputs
+    from engine.device import resolve_amp, select_device
+    from engine.evaluation import build_model, find_newest_checkpoint, read_checkpoint
+
+    paths = expand_inputs(inputs)
+    if checkpoint is None:
+        checkpoint_path = find_newest_checkpoint("runs")
+        print(f"checkpoint: {checkpoint_path} (the newest best.pt under runs/)")
+    else:
+        checkpoint_path = checkpoint
+        print(f"checkpoint: {checkpoint_path}")
+    loaded = read_checkpoint(checkpoint_path)
+    cfg = loaded.cfg
+    device = select_device(device_setting)
+    amp_dtype = resolve_amp(amp or cfg.train.amp, device)
+    k = min(topk, len(loaded.classes))
+
+    model = build_model(loaded, device, channels_last=True)
+    if device.type == "cuda":
+        import torch.backends.cudnn
+
+        torch.backends.cudnn.benchmark = True  # padded batches: one input shape, tuned once
+    if compile_model:
+        model = torch.compile(model, dynamic=False)
+    dataset = FileListDataset(paths, loaded.eval_transform(), cfg.data.img_size)
+    loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
+    preds = predict(model, loader, device, cfg.data.mean, cfg.data.std, True, amp_dtype, k)
+    rows = result_rows(paths, preds, loaded.classes)
+
+    print(format_table(rows))
+    failed = [r for r in rows if r["error"] is not None]
+    for r in failed:
+        log.warning("could not read %s: %s", r["path"], r["error"])
+    if output:
+        write_rows(rows, output, k)
+    classified = len(rows) - len(failed)
+    print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
+          + (f"; wrote {output}" if output else ""), file=sys.stderr)
+    return 0 if classified else 1

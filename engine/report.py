@@ -1,0 +1,91 @@
+"""Human- and machine-readable evaluation reports: a text table, the JSON document, a confusion PNG."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+
+def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:
+    """The eval JSON: INTERFACE keys first, then whatever else the caller records (checkpoint, split...)."""
+    doc = {k: metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc", "num_samples")}
+    doc["per_class"] = per_class
+    doc["confusion"] = confusion.to(torch.int64).tolist()
+    doc["classes"] = list(classes)
+    doc.update(extra)
+    return doc
+
+
+def write_json(doc, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+
+
+def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:
+    lines = [
+        f"top1 {metrics['top1']:.2f}%   top{k} {metrics['top5']:.2f}%   loss {metrics['loss']:.4f}   "
+        f"mean class acc {metrics['mean_class_acc']:.2f}%   samples {metrics['num_samples']}",
+        "",
+    ]
+    width = max([len("class")] + [len(name) for name in per_class])
+    header = f"{'class':<{width}}  {'count':>6}  {'acc%':>6}  {'prec%':>6}  {'recall%':>7}  {'f1%':>6}"
+    lines += [header, "-" * len(header)]
+    for name, row in per_class.items():
+        lines.append(f"{name:<{width}}  {row['count']:>6d}  {row['accuracy']:>6.2f}  {row['precision']:>6.2f}  "
+                     f"{row['recall']:>7.2f}  {row['f1']:>6.2f}")
+    return "\n".join(lines)
+
+
+def confusion_png_path(json_path: str | Path) -> Path:
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_confusion.png")
+
+
+def draw_confusion(confusion: torch.Tensor, classes: list[str], path: str | Path, max_side: int = 1600) -> Path:
+    """Rows are true classes, columns predictions; each cell is shaded by its share of the row (recall),
+    blue on the diagonal and red off it, with the count written in it when the cells are large enough."""
+    counts = confusion.to(torch.int64)
+    n = len(classes)
+    cell = max(1, min(48, max_side // max(n, 1)))
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    title = "confusion matrix: rows = true class, columns = predicted class (shade = share of the row)"
+    show_labels = cell >= 10
+    names = [name[:20] for name in classes]
+    label_w = int(max(measure.textlength(name, font=font) for name in names)) + 8 if show_labels else 0
+    title_h = 22
+    left, top = 8 + label_w, title_h + label_w
+    side = n * cell
+    width = max(left + side + 8, int(measure.textlength(title, font=font)) + 16)
+    img = Image.new("RGB", (width, top + side + 8), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((8, 5), title, fill="black", font=font)
+    row_totals = counts.sum(dim=1).clamp(min=1).to(torch.float64)
+    share = (counts.to(torch.float64) / row_totals[:, None]).tolist()
+    values = counts.tolist()
+    for i in range(n):
+        for j in range(n):
+            level = share[i][j]
+            shade = int(round(255 * (1 - level)))
+            color = (shade, shade, 255) if i == j else (255, shade, shade)
+            x0, y0 = left + j * cell, top + i * cell
+            draw.rectangle([x0, y0, x0 + cell - 1, y0 + cell - 1], fill=color,
+                           outline=(200, 200, 200) if cell >= 4 else None)
+            if cell >= 28 and values[i][j]:
+                text = str(values[i][j])
+                if measure.textlength(text, font=font) <= cell - 4:
+                    draw.text((x0 + 3, y0 + cell // 2 - 5), text, fill="white" if level > 0.6 else "black", font=font)
+    if show_labels:
+        for i, name in enumerate(names):
+            draw.text((8, top + i * cell + cell // 2 - 5), name, fill="black", font=font)
+            # column labels: drawn on a strip, rotated to read bottom-up
+            strip = Image.new("RGB", (label_w, 12), "white")
+            ImageDraw.Draw(strip).text((0, 0), name, fill="black", font=font)
+            img.paste(strip.rotate(90, expand=True), (left + i * cell + cell // 2 - 6, title_h))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path

@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint on a class-folder split, exactly as training validated it.
+
+python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [KEY=VALUE ...]
+"""
+import argparse
+import logging
+import sys
+
+from engine.cli import run_main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
+    parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root)")
+    parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
+    parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
+                                                       "training's validation numbers exactly")
+    parser.add_argument("--json", help="write the metrics here, and the confusion matrix as <name>_confusion.png beside it")
+    parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
+    args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+
+    from engine.evaluation import evaluate_checkpoint
+    from engine.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
+
+    result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides)
+    s = result.settings
+    print(f"checkpoint {s['checkpoint']} (epoch {s['epoch']}) on {s['data']}/{s['split']}: batch {s['batch_size']}, "
+          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
+    if result.skipped_files:
+        print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
+        for path in result.skipped_files:
+            print(f"  {path}", file=sys.stderr)
+    print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
+    if args.json:
+        doc = eval_document(result.metrics, result.per_class, result.confusion, result.classes,
+                            skipped_files=result.skipped_files, **s)
+        write_json(doc, args.json)
+        png = draw_confusion(result.confusion, result.classes, confusion_png_path(args.json))
+        print(f"wrote {args.json} and {png}")
+    if result.metrics["num_samples"] == 0:
+        print("error: no image in the split could be read", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Classify images, folders (recursively) or globs with a trained checkpoint.
+
+python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
+                [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda]
+
+Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
+classified, 1 when none could be, 2 on a usage error.
+"""
+import argparse
+import logging
+import os
+import sys
+
+from engine.cli import run_main
+
+
+def default_workers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return min(8, cores)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
+    parser.add_argument("--checkpoint", help="best.pt or last.pt (default: the newest best.pt under ./runs/)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass; the last batch is padded")
+    parser.add_argument("--topk", type=int, default=5, help="labels and probabilities kept per image (clipped to "
+                                                            "the class count)")
+    parser.add_argument("--output", help="write one row per input file to FILE.csv or FILE.json")
+    parser.add_argument("--amp", choices=("none", "bf16", "fp16", "auto"),
+                        help="precision (default: the checkpoint's train.amp, resolved for this device)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (one shape, one compile)")
+    parser.add_argument("--num-workers", type=int, default=default_workers(), help="decoding processes")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+
+    from engine.config import ConfigError
+    from engine.inference import OUTPUT_FORMATS
+
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--topk", args.topk, 1),
+                             ("--num-workers", args.num_workers, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: must be >= {low}")
+    if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
+        raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
+
+    from engine.inference import run_inference
+
+    return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
+                         args.compile, args.num_workers, args.device)
+
+
+if __name__ == "__main__":
+    run_main(main)
