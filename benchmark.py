@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Measure throughput; prints one JSON object on stdout.
+
+python benchmark.py --config CONFIG --mode loader|train|infer|find-batch [--synthetic] [--steps N]
+                    [--warmup N] [--baseline torchvision] [--rounds N] [KEY=VALUE ...]
+python benchmark.py --make-photos DIR    # writes a tree of photo-like JPEGs to benchmark the loader on
+"""
+import argparse
+import json
+import logging
+import sys
+
+from engine.cli import run_main
+from engine.config import ConfigError, load_config
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a YAML path or a name in configs/ (resnet18, resnet50, quickstart)")
+    parser.add_argument("--mode", choices=["loader", "train", "infer", "find-batch"])
+    parser.add_argument("--synthetic", action="store_true",
+                        help="train/infer: random batches already on the device (the model alone, no loader)")
+    parser.add_argument("--steps", type=int, default=20, help="timed batches (loader: at least, in whole epochs)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches first (train, infer)")
+    parser.add_argument("--baseline", choices=["torchvision"],
+                        help="loader: also time torchvision ImageFolder + PIL + transforms, alternating with ours")
+    parser.add_argument("--rounds", type=int, default=3, help="loader: alternating timed rounds per pipeline")
+    parser.add_argument("--make-photos", metavar="DIR", help="write DIR/{train,val}/class_k/*.jpg and exit")
+    parser.add_argument("--photos", type=int, default=200, help="with --make-photos: training images (val: a fifth)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    args = parser.parse_args()
+
+    if args.make_photos:
+        from engine.bench import write_photo_tree
+
+        write_photo_tree(args.make_photos, args.photos, max(1, args.photos // 5))
+        print(json.dumps({"photos": args.make_photos, "train_images": args.photos}))
+        return 0
+    if not args.config or not args.mode:
+        raise ConfigError("benchmark.py needs --config and --mode (loader, train, infer or find-batch)")
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        raise ConfigError("--warmup must be >= 0")
+    if args.baseline and args.mode != "loader":
+        raise ConfigError("--baseline torchvision only applies to --mode loader")
+    cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    print(json.dumps(run_benchmark(cfg, args)))
+    return 0
+
+
+def run_benchmark(cfg, args) -> dict:
+    import torch
+
+    from engine import bench
+    from engine.device import resolve_amp, select_device
+
+    device = select_device(cfg.train.device)
+    amp_dtype = resolve_amp(cfg.train.amp, device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    needs_data = args.mode == "loader" or (args.mode in ("train", "infer") and not args.synthetic)
+    if needs_data:
+        from engine.config import check_data_root
+
+        check_data_root(cfg)
+    if args.mode == "find-batch":
+        from engine.batch_finder import run_finder
+
+        num_classes, train_images = 1000, 1 << 30
+        if cfg.data.root:
+            from data.build import scan_tree
+
+            train_index, _ = scan_tree(cfg)
+            num_classes, train_images = len(train_index.classes), len(train_index)
+        report = run_finder(cfg, device, amp_dtype, num_classes, train_images)
+        out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
+        out["settings"] = bench.settings(cfg, device, amp_dtype, report["batch_size"], True)
+        return out
+    batch = cfg.train.batch_size
+    if batch == "auto":
+        raise ConfigError("benchmark.py needs a number for train.batch_size (use --mode find-batch to pick one)")
+    torch.manual_seed(cfg.train.seed)
+    if args.mode == "loader":
+        out = bench.bench_loader(cfg, device, batch, args.steps, args.rounds, args.baseline)
+    elif args.mode == "train":
+        out = bench.bench_train(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
+    else:
+        out = bench.bench_infer(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
+    out["settings"] = bench.settings(cfg, device, amp_dtype, batch, args.synthetic)
+    return out
+
+
+if __name__ == "__main__":
+    run_main(main)

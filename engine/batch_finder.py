@@ -1,0 +1,312 @@
+"""`train.batch_size: auto`: the largest per-device batch that fits, then the smallest one that is as fast.
+
+1. Fit: double the batch until a training step no longer fits, then binary-search the boundary to
+   within 5%. On CUDA "fits" means a real step ran without an out-of-memory error (the error is caught
+   and the cache freed). On the CPU running out of memory kills the process, so instead the peak RSS of
+   real steps at two small batches gives memory = fixed + per_image x batch, and a batch fits when that
+   stays under `train.memory_budget_gb` (default: 80% of the RAM available at start, plus what the
+   process already holds).
+2. Speed: img/s of real steps at the largest fitting batch and at halvings of it; the smallest batch
+   within 5% of the best rate wins (larger batches only cost memory and generalisation headroom).
+3. The effective batch is kept: it is `train.target_effective_batch` (null: `optim.base_batch_size`,
+   the batch `optim.lr` is tuned for), reached by `accum_steps` micro-batches on every process; the
+   trainer then scales the LR by `optim.lr_scaling` from the resulting effective batch as usual.
+
+The table (batch, img/s, peak memory) is logged and saved as `batch_finder.json` in the run directory.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from engine.bench import (available_memory_bytes, build_step_context, ceil_div, current_rss_bytes, mib,
+                          repeat, synthetic_batch, time_train_steps)
+
+log = logging.getLogger("train")
+
+FIT_TOLERANCE = 0.05
+SPEED_TOLERANCE = 0.05
+SPEED_CANDIDATES = 4          # the largest fitting batch and up to 3 halvings of it
+MIN_SPEED_BATCH = 8
+
+
+@dataclass
+class StepResult:
+    """One measured training step size: seconds per step and the peak memory (bytes) while it ran."""
+
+    seconds: float
+    peak_bytes: int
+
+
+StepFn = Callable[[int], StepResult]   # batch size -> measurement; raises torch.OutOfMemoryError if it does not fit
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def search_max_batch(fits: Callable[[int], bool], limit: int, start: int = 1,
+                     tolerance: float = FIT_TOLERANCE) -> tuple[int, list[tuple[int, bool]]]:
+    """Largest batch in [1, limit] with `fits(batch)`, assuming fitting is monotone: doubling from `start`,
+    then bisection until the gap between the largest fitting and smallest failing batch is within
+    `tolerance` of the former. Returns (batch, [(batch, fits), ...] in the order tried); batch 0 when
+    not even 1 fits."""
+    tried: list[tuple[int, bool]] = []
+
+    def probe(batch: int) -> bool:
+        ok = fits(batch)
+        tried.append((batch, ok))
+        return ok
+
+    start = max(1, min(start, limit))
+    good, bad = 0, None
+    batch = start
+    while True:
+        if probe(batch):
+            good = batch
+            if batch >= limit:
+                return good, tried
+            batch = min(batch * 2, limit)
+        else:
+            bad = batch
+            break
+    if good == 0:  # even `start` failed: halve down
+        while bad > 1:
+            batch = bad // 2
+            if probe(batch):
+                good = batch
+                break
+            bad = batch
+        if good == 0:
+            return 0, tried
+    while bad - good > max(1, tolerance * good):
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
+
+
+class LinearMemoryModel:
+    """memory(batch) = fixed + per_image x batch, from two measured steps."""
+
+    def __init__(self, small: tuple[int, int], large: tuple[int, int]):
+        (b1, m1), (b2, m2) = small, large
+        self.per_image = max(0.0, (m2 - m1) / (b2 - b1)) if b2 != b1 else 0.0
+        self.fixed = m1 - self.per_image * b1
+
+    def __call__(self, batch: int) -> float:
+        return self.fixed + self.per_image * batch
+
+
+@dataclass
+class FinderResult:
+    max_batch: int
+    chosen_batch: int
+    fit_probes: list            # [{batch, fits, peak_memory_mb?}]
+    table: list                 # [{batch, img_per_s, peak_memory_mb}]
+    memory_budget_mb: Optional[float] = None
+    memory_model: Optional[dict] = None
+
+
+def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
+               tolerance: float = FIT_TOLERANCE, speed_tolerance: float = SPEED_TOLERANCE) -> FinderResult:
+    """Search with `step` (a real training step, or an injected one in tests).
+
+    `memory_budget` None: a batch fits when `step` does not raise out-of-memory (CUDA). Otherwise
+    (bytes): a batch fits when the linear memory model from two measured steps stays within it (CPU).
+    """
+    probes: list[dict] = []
+    memory_model = None
+    if memory_budget is None:
+        def fits(batch: int) -> bool:
+            result = run_or_none(step, batch)
+            if result is None:
+                probes.append({"batch": batch, "fits": False})
+                return False
+            probes.append({"batch": batch, "fits": True, "peak_memory_mb": mib(result.peak_bytes)})
+            return True
+    else:
+        small = max(1, min(limit // 2, MIN_SPEED_BATCH))
+        large = min(limit, 2 * small)
+        step(small)  # warm-up: optimizer state, allocator pools, kernels
+        measured = [(b, step(b).peak_bytes) for b in (small, large)]
+        for b, peak in measured:
+            probes.append({"batch": b, "fits": peak <= memory_budget, "peak_memory_mb": mib(peak), "measured": True})
+        model = LinearMemoryModel(*measured)
+        memory_model = {"fixed_mb": mib(int(model.fixed)), "per_image_mb": round(model.per_image / 2**20, 3)}
+
+        def fits(batch: int) -> bool:
+            return model(batch) <= memory_budget
+
+    max_batch, tried = search_max_batch(fits, limit, tolerance=tolerance)
+    if memory_budget is not None:
+        probes.extend({"batch": b, "fits": ok, "predicted_memory_mb": mib(int(model(b)))} for b, ok in tried)
+    if max_batch == 0:
+        raise MemoryError("out of memory: train.batch_size=auto found that not even a batch of 1 fits" +
+                          (f" in train.memory_budget_gb ({memory_budget / 2**30:.2f} GB)" if memory_budget else ""))
+
+    sizes = sorted({max(1, max_batch >> k) for k in range(SPEED_CANDIDATES)
+                    if (max_batch >> k) >= min(MIN_SPEED_BATCH, max_batch)}, reverse=True)
+    table = []
+    for batch in sizes:
+        result = run_or_none(step, batch)
+        if result is None:
+            continue
+        if memory_budget is not None and result.peak_bytes > memory_budget:
+            # the extrapolation was optimistic: the measured step is over budget, so it does not fit
+            probes.append({"batch": batch, "fits": False, "peak_memory_mb": mib(result.peak_bytes), "measured": True})
+            continue
+        table.append({"batch": batch, "img_per_s": round(batch / result.seconds, 2) if result.seconds > 0 else 0.0,
+                      "peak_memory_mb": mib(result.peak_bytes)})
+    if not table:
+        raise MemoryError(f"out of memory: train.batch_size=auto found {max_batch}, but no batch up to it ran within "
+                          f"memory when timed")
+    chosen = pick_fastest_small(table, speed_tolerance)
+    return FinderResult(max_batch, chosen, probes, sorted(table, key=lambda r: r["batch"]),
+                        mib(memory_budget) if memory_budget is not None else None, memory_model)
+
+
+def run_or_none(step: StepFn, batch: int) -> Optional[StepResult]:
+    """`step(batch)`, or None when it ran out of memory (then the failed step's memory is released: only
+    after the exception, whose traceback holds the step's tensors, is gone)."""
+    try:
+        return step(batch)
+    except Exception as err:  # noqa: BLE001 - only out-of-memory means "does not fit"
+        if not is_oom(err):
+            raise
+    free_device_memory()
+    return None
+
+
+def pick_fastest_small(table: list[dict], tolerance: float = SPEED_TOLERANCE) -> int:
+    """The smallest batch whose img/s is within `tolerance` of the best."""
+    best = max(row["img_per_s"] for row in table)
+    return min(row["batch"] for row in table if row["img_per_s"] >= (1.0 - tolerance) * best)
+
+
+def accumulation_for(batch: int, target_effective: int, world_size: int) -> tuple[int, int]:
+    """(per-device batch, accum_steps) with batch x accum x world as close to `target_effective` as the
+    fitting `batch` allows: the fewest micro-batches, each no larger than `batch`."""
+    per_step = max(1, ceil_div(target_effective, world_size))
+    accum = max(1, ceil_div(per_step, batch))
+    return max(1, ceil_div(per_step, accum)), accum
+
+
+def free_device_memory() -> None:
+    """After a caught CUDA out-of-memory error: drop the failed step's tensors and return cached blocks."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def memory_budget_bytes(cfg, device: torch.device) -> Optional[int]:
+    """None on CUDA (real out-of-memory errors decide); on the CPU, the budget for the process's peak RSS."""
+    if device.type == "cuda":
+        return None
+    if cfg.train.memory_budget_gb is not None:
+        return int(cfg.train.memory_budget_gb * 2**30)
+    return int(current_rss_bytes() + 0.8 * available_memory_bytes())
+
+
+class TrainingStepProbe:
+    """`StepFn` running real training steps (`engine.loop.train_one_epoch`) on a synthetic batch on the
+    device, with a throwaway model and optimizer built like the trainer's (uncompiled)."""
+
+    def __init__(self, cfg, num_classes: int, device: torch.device, amp_dtype, steps: int = 2, warmup: int = 1):
+        self.cfg = cfg
+        self.num_classes = num_classes
+        self.device = device
+        self.steps = steps
+        self.warmup = warmup
+        self.ctx = build_step_context(cfg, num_classes, device, amp_dtype)
+
+    def __call__(self, batch: int) -> StepResult:
+        try:
+            data = synthetic_batch(batch, self.cfg.data.img_size, self.num_classes, self.device)
+            timing = time_train_steps(self.ctx, repeat(data), self.steps, self.warmup)
+            return StepResult(timing.step_s, timing.peak_memory_bytes)
+        finally:
+            self.ctx.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.ctx = None
+        free_device_memory()
+
+
+def target_effective_batch(cfg) -> int:
+    return cfg.train.target_effective_batch or cfg.optim.base_batch_size
+
+
+def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_images: int, world_size: int = 1,
+               step: Optional[StepFn] = None) -> dict:
+    """Find the batch for this config on this device; returns the report saved as batch_finder.json."""
+    target = target_effective_batch(cfg)
+    per_device_cap = max(1, min(ceil_div(target, world_size), train_images // max(world_size, 1)))
+    budget = memory_budget_bytes(cfg, device)
+    probe = None
+    if step is None:
+        probe = TrainingStepProbe(cfg, num_classes, device, amp_dtype)
+        step = probe
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            result = find_batch(step, per_device_cap, budget)
+    finally:
+        if probe is not None:
+            probe.close()
+    batch, accum = accumulation_for(result.chosen_batch, target, world_size)
+    amp = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+    return {"device": str(device), "model": cfg.model.name, "img_size": cfg.data.img_size, "amp": amp,
+            "channels_last": cfg.train.channels_last, "search_limit": per_device_cap,
+            "target_effective_batch": target, "world_size": world_size, "max_batch": result.max_batch,
+            "fastest_small_batch": result.chosen_batch, "batch_size": batch, "accum_steps": accum,
+            "effective_batch": batch * accum * world_size, "memory_budget_mb": result.memory_budget_mb,
+            "memory_model": result.memory_model, "fit_probes": result.fit_probes, "table": result.table}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'batch':>7} {'img/s':>10} {'peak MiB':>10}"]
+    for row in report["table"]:
+        mark = "  <- chosen" if row["batch"] == report["fastest_small_batch"] else ""
+        lines.append(f"{row['batch']:>7} {row['img_per_s']:>10.1f} {row['peak_memory_mb']:>10.1f}{mark}")
+    return "\n".join(lines)
+
+
+def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist) -> tuple[int, int]:
+    """`train.batch_size: auto` -> (per-device batch, accum_steps); logs the table, saves batch_finder.json.
+
+    Every process measures its own device; all take the smallest batch any of them chose, so the
+    effective batch is the same everywhere.
+    """
+    from data.build import scan_tree
+    from engine.runlog import write_json_atomic
+
+    train_index, _ = scan_tree(cfg)
+    log.info("train.batch_size=auto: searching the largest batch that fits on %s (model %s, %d px)...", device,
+             cfg.model.name, cfg.data.img_size)
+    report = run_finder(cfg, device, amp_dtype, len(train_index.classes), len(train_index), dist.world_size)
+    chosen = report["fastest_small_batch"]
+    if dist.enabled:
+        tensor = torch.tensor([chosen], device=device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+        chosen = int(tensor.item())
+        report["fastest_small_batch"] = chosen
+        report["batch_size"], report["accum_steps"] = accumulation_for(chosen, report["target_effective_batch"],
+                                                                       dist.world_size)
+        report["effective_batch"] = report["batch_size"] * report["accum_steps"] * dist.world_size
+    log.info("batch-size finder (largest fitting batch %d; %s):\n%s", report["max_batch"],
+             f"CPU memory budget {report['memory_budget_mb']:.0f} MiB" if report["memory_budget_mb"] else
+             "out-of-memory search", format_table(report))
+    log.info("train.batch_size=auto -> batch %d x accum_steps %d x %d process(es) = effective batch %d "
+             "(target %d, train.target_effective_batch)", report["batch_size"], report["accum_steps"],
+             dist.world_size, report["effective_batch"], report["target_effective_batch"])
+    if dist.is_main:
+        write_json_atomic(Path(run_dir) / "batch_finder.json", report)
+    return report["batch_size"], report["accum_steps"]
+

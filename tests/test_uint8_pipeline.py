@@ -1,0 +1,108 @@
+"""The fast uint8 training pipeline keeps the pixel policy: the same pixels as a plain full decode where no
+reduced (draft) decode applies, close to them where it does, EXIF and modes as in data/images.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as F
+
+from data.datasets import TrainDataset
+from data.folder import scan_split
+from data.images import ImageDecodeError, load_rgb
+from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch
+from engine.bench import photo
+
+
+def _jpeg(path, size, mode="RGB", orientation=None, seed=0):
+    array = photo(np.random.default_rng(seed), *size)
+    img = Image.fromarray(array)
+    if mode == "L":
+        img = img.convert("L")
+    if mode == "CMYK":
+        img = img.convert("CMYK")
+    exif = None
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+    img.save(path, quality=90, **({"exif": exif} if exif is not None else {}))
+    return path
+
+
+def _reference(path, img_size):
+    """A full decode by PIL (no draft), the whole image as the crop, the same resize."""
+    full = F.pil_to_tensor(load_rgb(path))
+    return F.resize(full, [img_size, img_size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+
+
+def _whole_image_transform(img_size):
+    # scale = ratio range pinned so the crop is the whole image whatever the random draw (for 4:3 images)
+    return TrainTransform(img_size, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3), hflip=0.0, color_jitter=0.0,
+                          interpolation="bilinear")
+
+
+@pytest.mark.parametrize("mode,orientation", [("RGB", None), ("L", None), ("RGB", 6), ("RGB", 3)])
+def test_tensor_decode_gives_the_same_pixels_as_pil(tmp_path, mode, orientation):
+    path = _jpeg(tmp_path / "a.jpg", (96, 72), mode, orientation)
+    decoded = decode_jpeg_tensor(path)
+    assert decoded is not None and decoded.dtype == torch.uint8
+    assert torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
+
+
+def test_no_reduction_same_pixels_as_full_decode(tmp_path):
+    # 96x72 to 64 px: a draft decode would go below the crop size, so the full image is decoded
+    path = _jpeg(tmp_path / "a.jpg", (96, 72))
+    out = _whole_image_transform(64)(path)
+    assert out.shape == (3, 64, 64) and out.dtype == torch.uint8
+    assert torch.equal(out, _reference(path, 64))
+
+
+def test_draft_reduction_close_to_full_decode(tmp_path):
+    # 640x480 to 64 px: decoded at 1/4 scale (160x120), still >= the crop's 64 px
+    path = _jpeg(tmp_path / "big.jpg", (640, 480))
+    out = _whole_image_transform(64)(path).int()
+    ref = _reference(path, 64).int()
+    diff = (out - ref).abs().float()
+    assert diff.mean() < 2.0 and diff.max() < 40
+
+
+def test_other_modes_fall_back_to_pil_with_the_same_policy(tmp_path):
+    path = _jpeg(tmp_path / "cmyk.jpg", (96, 72), mode="CMYK")
+    out = _whole_image_transform(64)(path)
+    assert torch.equal(out, _reference(path, 64))
+    png = tmp_path / "a.png"
+    Image.fromarray(photo(np.random.default_rng(1), 96, 72)).save(png)
+    assert torch.equal(_whole_image_transform(64)(png), _reference(png, 64))
+
+
+def test_truncated_jpeg_is_still_refused(tmp_path):
+    path = _jpeg(tmp_path / "a.jpg", (96, 72))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert decode_jpeg_tensor(path) is None  # left to PIL, which refuses it
+    with pytest.raises(ImageDecodeError):
+        _whole_image_transform(64)(path)
+
+
+def test_augmentation_is_a_function_of_the_sample_seed(tmp_path):
+    root = tmp_path / "train"
+    for i in range(3):
+        (root / "c").mkdir(parents=True, exist_ok=True)
+        _jpeg(root / "c" / f"{i}.jpg", (200, 150), seed=i)
+    transform = TrainTransform(32, (0.08, 1.0), (3 / 4, 4 / 3), 0.5, 0.0, "bilinear")
+    dataset = TrainDataset(scan_split(root), transform)
+    a, b = dataset[(1, 12345)][0], dataset[(1, 12345)][0]
+    assert torch.equal(a, b)
+    assert not all(torch.equal(a, dataset[(1, seed)][0]) for seed in range(5))
+
+
+def test_normalize_batch_matches_the_formula_and_layout():
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    expected = (images.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    out = normalize_batch(images, mean, std, channels_last=True)
+    assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert normalize_batch(images, mean, std, dtype=torch.bfloat16).dtype == torch.bfloat16
