@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -139,7 +140,7 @@ class Trainer:
         cfg = self.cfg
         check_data_root(cfg)
         check_model_name(cfg.model.name)
-        self.device = select_device(cfg.train.device, int(__import__("os").environ.get("LOCAL_RANK", "0")))
+        self.device = select_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, dist_utils.env_world_size())
         self.dist = dist_utils.init_distributed(self.device.type)
@@ -539,7 +540,7 @@ class Trainer:
                         "prefetch (data.prefetch_factor, now %d), pinned memory on CUDA (data.pin_memory), a "
                         "smaller data.img_size, or images stored as JPEGs near the training size (decoding the "
                         "full-size file is most of the cost). `benchmark.py --mode loader` times the pipeline "
-                        "alone", 100 * wait, self.cfg.data.num_workers, __import__("os").cpu_count() or 1,
+                        "alone", 100 * wait, self.cfg.data.num_workers, os.cpu_count() or 1,
                         self.cfg.data.prefetch_factor)
 
     _bar = None
