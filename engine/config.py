@@ -61,6 +61,7 @@ class ModelConfig:
     sync_bn: bool = False
     drop_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
     drop_path_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    ema_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from data.transforms import normalize_batch
+from engine.checkpoint import unwrap
 from engine.distributed import all_ranks_true
 from engine.metrics import MetricSums
 from engine.schedule import window_length
@@ -52,6 +53,7 @@ class StepContext:
     nonfinite: str
     max_nonfinite_in_row: int
     distributed: bool
+    ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after each applied step
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -145,6 +147,8 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
                 window_ok = all_ranks_true(window_ok)
             skipped = _apply_update(ctx, window_ok)
             optimizer.zero_grad(set_to_none=True)
+            if ctx.ema is not None and not skipped:
+                ctx.ema.update_parameters(unwrap(model))
             lr_used = optimizer.param_groups[0]["lr"]  # logged: the LR this step ran with, not the next one
             ctx.scheduler.step()
             if ctx.nonfinite == "stop" and ctx.amp_dtype != torch.float16:

@@ -26,6 +26,7 @@ from engine.metrics import is_improvement
 from engine.optim import build_optimizer
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import build_scheduler, effective_batch, scaled_lr, steps_per_epoch, warmup_steps
+from models.ema import create_ema
 from models.factory import check_model_name, create_model, load_local_weights, load_matching_weights
 
 log = logging.getLogger("train")
@@ -209,7 +210,9 @@ class Trainer:
             log.info("model.sync_bn has no effect in a single process (ordinary BatchNorm)")
         memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
         model = model.to(self.device, memory_format=memory_format)
-        self.model = model  # the bare model: evaluated and saved
+        self.model = model  # the bare model: trained and saved in last.pt
+        self.ema = create_ema(model, cfg.model.ema_decay) if cfg.model.ema_decay is not None else None
+        self.eval_model = self.ema.module if self.ema is not None else model  # validated, saved in best.pt
 
         self.batches_per_epoch = self.data.sampler.num_batches()
         if cfg.data.limit_train_batches:
@@ -244,7 +247,7 @@ class Trainer:
             optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler, device=self.device,
             amp_dtype=self.amp_dtype, mean=cfg.data.mean, std=cfg.data.std, channels_last=cfg.train.channels_last,
             accum_steps=cfg.train.accum_steps, clip_grad_norm=cfg.train.clip_grad_norm, nonfinite=cfg.train.nonfinite,
-            max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, distributed=self.dist.enabled)
+            max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, distributed=self.dist.enabled, ema=self.ema)
         self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -288,6 +291,8 @@ class Trainer:
 
     def _restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
+        if self.ema is not None:
+            self.ema.load_state_dict(ckpt["model_ema"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
@@ -299,9 +304,11 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def _checkpoint(self, with_training_state: bool, metrics: Optional[dict] = None) -> dict:
+        """best.pt (`with_training_state` False) holds the evaluated weights (the EMA when on) under `model`;
+        last.pt holds the trained weights under `model` and, with EMA, the average under `model_ema`."""
         ckpt = {
             "format_version": 1,
-            "model": bare_state_dict(self.model),
+            "model": bare_state_dict(self.model if with_training_state else self.eval_model),
             "classes": list(self.classes),
             "config": self.cfg.to_dict(),
             "preprocessing": eval_preprocessing(self.cfg),
@@ -319,12 +326,16 @@ class Trainer:
                 "train_state": dataclasses.asdict(self.state),
                 "world_size": self.dist.world_size,
             })
+            if self.ema is not None:
+                ckpt["model_ema"] = {k: v.detach().clone().cpu() for k, v in self.ema.state_dict().items()}
         return ckpt
 
     def _sync_buffers(self) -> None:
         """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""
         if self.dist.enabled and not self.cfg.model.sync_bn:
             dist_utils.broadcast_buffers(self.model)
+            if self.ema is not None:
+                dist_utils.broadcast_buffers(self.ema.module)
 
     def save_last(self) -> None:
         # All ranks come here together (epoch ends, and steps the ranks agreed on): afterwards every rank
@@ -462,7 +473,7 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        sums, bad = evaluate(self.model, self.data.val_loader, self.device, len(self.classes), self.cfg.data.mean,
+        sums, bad = evaluate(self.eval_model, self.data.val_loader, self.device, len(self.classes), self.cfg.data.mean,
                              self.cfg.data.std, self.cfg.train.channels_last, self.amp_dtype)
         sums.all_reduce()
         bad = dist_utils.union_of_lists(bad)
