@@ -292,7 +292,8 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
         if self.ema is not None:
-            self.ema.load_state_dict(ckpt["model_ema"])
+            self.ema.module.load_state_dict(ckpt["model_ema"])
+            self.ema.n_averaged.fill_(ckpt["model_ema_updates"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
@@ -327,7 +328,9 @@ class Trainer:
                 "world_size": self.dist.world_size,
             })
             if self.ema is not None:
-                ckpt["model_ema"] = {k: v.detach().clone().cpu() for k, v in self.ema.state_dict().items()}
+                # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
+                ckpt["model_ema"] = bare_state_dict(self.ema.module)
+                ckpt["model_ema_updates"] = int(self.ema.n_averaged)
         return ckpt
 
     def _sync_buffers(self) -> None:

@@ -49,13 +49,20 @@ def test_validation_and_best_pt_use_the_average(data_root, tmp_path):
     assert result.returncode == 0, result.stderr
     last = torch.load(out / "last.pt", weights_only=True)
     best = torch.load(out / "best.pt", weights_only=True)
-    assert set(last["model_ema"]) - {"n_averaged"} == {f"module.{k}" for k in last["model"]}
+    assert set(last["model_ema"]) == set(last["model"]) and last["model_ema_updates"] == 12
     # last.pt: the trained weights, and the average beside them; they differ
-    assert any(not torch.equal(last["model"][k], last["model_ema"][f"module.{k}"]) for k in last["model"]
+    assert any(not torch.equal(last["model"][k], last["model_ema"][k]) for k in last["model"]
                if last["model"][k].is_floating_point())
+    # timm's validate.py path (load_checkpoint with use_ema) reads the average from last.pt
+    import timm
+    from timm.models import load_checkpoint
+
+    fresh = timm.create_model("resnet10t", num_classes=3)
+    load_checkpoint(fresh, str(out / "last.pt"), use_ema=True, strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], last["model_ema"][k]) for k in last["model_ema"])
     summary = json.loads((out / "summary.json").read_text())
     if summary["best_epoch"] == 2:  # best.pt was written at the end: it holds the average, not the weights
-        assert all(torch.equal(best["model"][k], last["model_ema"][f"module.{k}"]) for k in best["model"])
+        assert all(torch.equal(best["model"][k], last["model_ema"][k]) for k in best["model"])
     # eval.py on best.pt evaluates what validation evaluated
     evaluated = run_script("eval.py", "--checkpoint", str(out / "best.pt"), "--json", str(tmp_path / "e.json"))
     assert evaluated.returncode == 0, evaluated.stderr
