@@ -65,13 +65,18 @@ def run_benchmark(cfg, args) -> dict:
     if needs_data:
         from engine.config import check_data_root
 
+        from data.build import prepare_root
+
         check_data_root(cfg)
+        prepare_root(cfg)
     if args.mode == "find-batch":
         from engine.batch_finder import run_finder
 
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:
-            from data.build import scan_tree
+            from data.build import prepare_root, scan_tree
+
+            prepare_root(cfg)
 
             train_index, _ = scan_tree(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)

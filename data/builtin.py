@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from data.folder import DataTreeError
+
 BUILTIN = ("digits",)
 
 
@@ -23,13 +25,18 @@ def ensure_builtin(name: str, root: str | Path) -> Path:
         return root
     if name != "digits":
         raise ValueError(f"unknown built-in data set {name!r}; known: {', '.join(BUILTIN)}")
+    if root.exists() and any(root.iterdir()):
+        # Never overwrite a folder that is not ours: it may be the user's own data.
+        raise DataTreeError(f"'data.root' = {root} already holds files that are not the built-in '{name}' data set; "
+                            f"to train on that folder set data.builtin=null, or point data.root at an empty or "
+                            f"new folder for '{name}'")
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     try:
         _write_digits(staging)
         (staging / ".complete").touch()
         if root.exists():
-            shutil.rmtree(root)
+            root.rmdir()  # empty (checked above)
         os.replace(staging, root)
     finally:
         if staging.exists():

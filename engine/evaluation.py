@@ -147,8 +147,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
         raise ConfigError("the checkpoint's train.batch_size is 'auto'; pass --batch-size N")
     root = Path(cfg.data.root).expanduser()
-    if cfg.data.builtin and not (root / split).is_dir():
-        prepare_root(cfg)
+    if cfg.data.builtin and data_root is None and not (root / split).is_dir():
+        prepare_root(cfg)  # the checkpoint's own built-in data set, written anew; never a folder the user named
     if loaded.saved_val_limit and not cfg.data.limit_val_batches:
         log.warning("training validated this checkpoint on its first %d batch(es) only (data.limit_val_batches); "
                     "this evaluation reads the whole split (pass data.limit_val_batches=%d to match training)",
