@@ -110,7 +110,8 @@ class EvalTransform:
         self.interpolation = TV_INTERPOLATION[interpolation]
 
     def __call__(self, path) -> torch.Tensor:
-        width, height = oriented_size(open_image(path))
+        with open_image(path) as header:
+            width, height = oriented_size(header)
         short = min(width, height)
         need = (math.ceil(width * self.resize_to / short), math.ceil(height * self.resize_to / short))
         return self.from_image(load_rgb(path, min_size=need))

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from engine.device import pin_memory_for
 from engine.loop import EpochProgress, StepContext, StepHooks, train_one_epoch
 from engine.optim import build_optimizer
 from engine.schedule import build_scheduler
@@ -334,7 +335,7 @@ def bench_loader(cfg, device: torch.device, batch_size: int, steps: int, rounds:
     from data.build import build_train_data
     from data.transforms import normalize_batch
 
-    pin = cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
+    pin = pin_memory_for(cfg.data.pin_memory, device)
     data = build_train_data(cfg, batch_size, 0, 1, pin)
 
     def ours(images):
@@ -390,7 +391,7 @@ def bench_train(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
     else:
         from data.build import build_train_data
 
-        pin = cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
+        pin = pin_memory_for(cfg.data.pin_memory, device)
         data = build_train_data(cfg, batch_size, 0, 1, pin)
         num_classes = len(data.classes)
         batches = loader_batches(data.train_loader, data.sampler)
@@ -422,7 +423,7 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
         from data.build import eval_transform, scan_tree
         from data.inference import FileListDataset, build_inference_loader
 
-        pin = cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
+        pin = pin_memory_for(cfg.data.pin_memory, device)
         _, val_index = scan_tree(cfg)
         num_classes = len(val_index.classes)
         paths = list(val_index.paths) * max(1, ceil_div(steps * batch_size, len(val_index.paths)))

@@ -168,8 +168,10 @@ def rng_state() -> dict:
                   "cached_gaussian": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # This process's own device: under DDP every rank is seeded alike and draws alike, so rank 0's
+        # stream (the one saved) is every rank's.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -178,8 +180,8 @@ def set_rng_state(state: dict) -> None:
     n = state["numpy"]
     np.random.set_state((n["key"], n["state"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if isinstance(state.get("cuda"), torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _to_plain(value):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -20,6 +21,9 @@ def select_device(setting: str, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"'train.device' = {setting}, but CUDA is not available here; use train.device=cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
+    elif device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"'train.device' = {setting}: under torchrun each process takes the GPU of its local rank; "
+                          f"use train.device=auto (or cuda) and choose GPUs with CUDA_VISIBLE_DEVICES")
     return device
 
 
@@ -51,3 +55,8 @@ def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
     # so AVX512-BF16 is enough. Without either, bf16 has no native kernels (AVX2 converts around each op),
     # so auto keeps fp32 there (not measured on this machine, which has AVX512-BF16).
     return torch.bfloat16 if cpu_has_fast_bf16() else None
+
+
+def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
+    """`data.pin_memory`: null means pinned exactly when the batches go to a CUDA device."""
+    return setting if setting is not None else device.type == "cuda"

@@ -129,7 +129,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     from data.datasets import EvalDataset
     from data.folder import scan_split
     from data.loaders import build_eval_loader
-    from engine.device import resolve_amp, select_device
+    from engine.device import pin_memory_for, resolve_amp, select_device
     from engine.loop import evaluate
     from engine.metrics import per_class_report
 
@@ -157,9 +157,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
 
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as in training, so the same conv algorithms are chosen
     model = build_model(loaded, device, cfg.train.channels_last)
     dataset = EvalDataset(index, loaded.eval_transform(), cfg.data.img_size)
-    pin = cfg.data.pin_memory if cfg.data.pin_memory is not None else device.type == "cuda"
+    pin = pin_memory_for(cfg.data.pin_memory, device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
     loader = build_eval_loader(dataset, cfg.train.batch_size, cfg.data.num_workers, pin,
                                prefetch_factor=cfg.data.prefetch_factor, limit_samples=limit)

@@ -115,6 +115,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
                   amp: Optional[str], compile_model: bool, num_workers: int, device_setting: str = "auto") -> int:
     """Classify every input file; returns the exit status (0: at least one classified, 1: none)."""
     from data.inference import FileListDataset, build_inference_loader, expand_inputs
+    from engine.config import ConfigError
     from engine.device import resolve_amp, select_device
     from engine.evaluation import build_model, find_newest_checkpoint, read_checkpoint
 
@@ -127,8 +128,14 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
         print(f"checkpoint: {checkpoint_path}")
     loaded = read_checkpoint(checkpoint_path)
     cfg = loaded.cfg
-    device = select_device(device_setting)
-    amp_dtype = resolve_amp(amp or cfg.train.amp, device)
+    try:
+        device = select_device(device_setting)
+        setting = amp or cfg.train.amp
+        if amp is None and setting == "fp16" and device.type != "cuda":
+            setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
+        amp_dtype = resolve_amp(setting, device)
+    except ConfigError as err:
+        raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
     k = min(topk, len(loaded.classes))
 
     model = build_model(loaded, device, channels_last=True)

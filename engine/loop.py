@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -142,13 +143,13 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
                 window_ok &= torch.isfinite(grad_norm)
 
-            if ctx.distributed:
+            if ctx.distributed and ctx.amp_dtype != torch.float16:  # under fp16 the GradScaler decides
                 # a loss that is non-finite on one rank only: every rank must skip (or stop at) this step
                 window_ok = all_ranks_true(window_ok)
             skipped = _apply_update(ctx, window_ok)
             optimizer.zero_grad(set_to_none=True)
             if ctx.ema is not None and not skipped:
-                ctx.ema.update_parameters(unwrap(model))
+                ctx.ema.update(unwrap(model), step=state.step + 1)
             lr_used = optimizer.param_groups[0]["lr"]  # logged: the LR this step ran with, not the next one
             ctx.scheduler.step()
             if ctx.nonfinite == "stop" and ctx.amp_dtype != torch.float16:
@@ -222,25 +223,25 @@ def _raise_if_nonfinite(first_nonfinite: torch.Tensor) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, num_classes: int, mean, std,
-             channels_last: bool, amp_dtype: Optional[torch.dtype], limit_batches: Optional[int] = None,
-             tta_flip: bool = False) -> tuple[MetricSums, list[int]]:
+             channels_last: bool, amp_dtype: Optional[torch.dtype], tta_flip: bool = False) -> tuple[MetricSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the
-    indices of files that could not be read (excluded, never substituted)."""
+    indices of files that could not be read (excluded, never substituted). A limit on the samples
+    evaluated belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`)."""
     was_training = model.training
     model.eval()
     sums = MetricSums(num_classes, device)
     bad: list[int] = []
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    for i, (images, targets, valid, indices) in enumerate(loader):
-        if limit_batches is not None and i >= limit_batches:
-            break
+    for images, targets, valid, indices in loader:
         if not bool(valid.all()):
             bad.extend(int(j) for j in indices[~valid])
         images = normalize_batch(images.to(device, non_blocking=True), mean, std, channels_last=channels_last)
         with autocast:
             logits = model(images).float()
             if tta_flip:
-                logits = (logits.softmax(1) + model(images.flip(3)).float().softmax(1)).div(2).log()
+                # log of the mean of the two probabilities, in log space so it never underflows to -inf
+                flipped = model(images.flip(3)).float()
+                logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
         sums.update(logits, targets.to(device, non_blocking=True), valid.to(device, non_blocking=True))
     model.train(was_training)
     return sums, bad

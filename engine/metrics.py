@@ -40,11 +40,11 @@ class MetricSums:
         self.confusion.view(-1).index_add_(0, flat, weight)
 
     def all_reduce(self) -> None:
-        import torch.distributed as dist
+        """Sum over processes (a no-op in a single process), so every sample counts once."""
+        from engine.distributed import all_reduce_sum
 
-        if dist.is_available() and dist.is_initialized():
-            for t in (self.loss_sum, self.top1, self.topk, self.confusion):
-                dist.all_reduce(t)
+        for t in (self.loss_sum, self.top1, self.topk, self.confusion):
+            all_reduce_sum(t)
 
     def compute(self) -> dict:
         return reduce_metrics(self.loss_sum.item(), self.top1.item(), self.topk.item(), self.confusion.cpu())

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from engine.runlog import finite_or_null
+
 
 def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:
     """The eval JSON: INTERFACE keys first, then whatever else the caller records (checkpoint, split...)."""
@@ -21,7 +23,7 @@ def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, class
 def write_json(doc, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+    path.write_text(json.dumps(finite_or_null(doc), indent=2, allow_nan=False) + "\n")
 
 
 def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:

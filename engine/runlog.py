@@ -35,14 +35,19 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
 
 def write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    tmp.write_text(json.dumps(finite_or_null(payload), indent=2, allow_nan=False, default=str) + "\n")
     os.replace(tmp, path)
 
 
-def _json_default(value):
+def finite_or_null(value):
+    """Strict JSON for dashboards: a non-finite float (a NaN loss, the loss of an empty split) becomes null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    return str(value)
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 class RunLog:

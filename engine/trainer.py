@@ -18,9 +18,9 @@ from data.build import TrainData, build_train_data, prepare_root
 from data.images import ImageDecodeError
 from engine import distributed as dist_utils
 from engine.checkpoint import (CheckpointError, bare_state_dict, load_checkpoint, rng_state, save_atomic,
-                               set_rng_state, unwrap)
+                               set_rng_state)
 from engine.config import Config, ConfigError, check_data_root, dump_yaml
-from engine.device import resolve_amp, select_device
+from engine.device import pin_memory_for, resolve_amp, select_device
 from engine.loop import EpochProgress, NonFiniteError, StepContext, StepHooks, StopRequested, evaluate, train_one_epoch
 from engine.metrics import is_improvement
 from engine.optim import build_optimizer
@@ -187,7 +187,7 @@ class Trainer:
                                                                    self.dist)
             cfg.train.batch_size = batch_size
         self.batch_size = batch_size
-        pin = cfg.data.pin_memory if cfg.data.pin_memory is not None else self.device.type == "cuda"
+        pin = pin_memory_for(cfg.data.pin_memory, self.device)
         self.data: TrainData = build_train_data(cfg, batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
 
@@ -293,7 +293,6 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         if self.ema is not None:
             self.ema.module.load_state_dict(ckpt["model_ema"])
-            self.ema.n_averaged.fill_(ckpt["model_ema_updates"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
@@ -330,7 +329,6 @@ class Trainer:
             if self.ema is not None:
                 # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
                 ckpt["model_ema"] = bare_state_dict(self.ema.module)
-                ckpt["model_ema_updates"] = int(self.ema.n_averaged)
         return ckpt
 
     def _sync_buffers(self) -> None:
@@ -416,10 +414,6 @@ class Trainer:
             try:
                 train_one_epoch(self.ctx, self.data.train_loader, self.batches_per_epoch, start_batch, progress,
                                 self.state, hooks, cfg.output.log_interval, bar)
-            except NonFiniteError as err:
-                log.error("%s", err)
-                self.write_summary()
-                return 1
             finally:
                 if bar is not None:
                     bar.close()
@@ -429,14 +423,12 @@ class Trainer:
             self._record_bad_files(progress)
             self.state.skipped_steps += progress.skipped_steps
 
-            if not self._weights_finite():
-                log.error("the weights became non-finite during epoch %d; last.pt keeps the last good state", epoch + 1)
-                return 1
             metrics = self.validate()
             self.state.epoch = epoch + 1
             self.state.batch_in_epoch = 0
             self.state.progress = {}
-            samples_per_s = progress.samples / epoch_time if epoch_time > 0 else 0.0
+            # the whole job's rate, over the samples this process ran since it (re)started the epoch
+            samples_per_s = (progress.samples - resumed_samples) * self.dist.world_size / max(epoch_time, 1e-9)
             self._end_epoch(epoch, metrics, progress, samples_per_s, epoch_time)
             if dist_utils.any_rank(self.stop_signal.signum is not None, self.device):
                 raise StopRequested()
@@ -536,6 +528,7 @@ class Trainer:
     _wait_warned = False
 
     def _log_step(self, step: int, values: dict) -> None:
+        values["train/samples_per_s"] *= self.dist.world_size  # the whole job's rate
         self._last_wait = values.get("train/data_wait_frac")
         self.runlog.scalars(values, step)
         if self._bar is not None:
@@ -580,7 +573,7 @@ class Trainer:
             "epochs_completed": s.epoch,
             "steps_completed": s.step,
             "stopped_early": s.stopped_early,
-            "train_samples_per_s": s.train_samples / s.train_time_s if s.train_time_s > 0 else 0.0,
+            "train_samples_per_s": s.train_samples * self.dist.world_size / s.train_time_s if s.train_time_s > 0 else 0.0,
             "train_time_s": s.train_time_s,
             "skipped_files": list(s.skipped_files),
             "skipped_steps": s.skipped_steps,

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import timm
+from timm.layers import BatchNormAct2d, GroupNormAct
 import torch
 import torchvision
 
@@ -89,7 +90,19 @@ def _groups_for(channels: int, wanted: int) -> int:
 
 
 def batchnorm_to_groupnorm(module: torch.nn.Module, groups: int = 32) -> torch.nn.Module:
-    """Replace every BatchNorm2d with a GroupNorm of the same width (for small per-device batches)."""
+    """Replace every BatchNorm2d with a GroupNorm of the same width (for small per-device batches).
+
+    timm's fused norm + activation layers (BatchNormAct2d) become GroupNormAct with the same activation
+    and drop layers, so the network keeps its non-linearities."""
+    if isinstance(module, BatchNormAct2d):
+        gn = GroupNormAct(module.num_features, _groups_for(module.num_features, groups), eps=module.eps,
+                          affine=module.affine)
+        gn.act, gn.drop = module.act, module.drop
+        if module.affine:
+            with torch.no_grad():
+                gn.weight.copy_(module.weight)
+                gn.bias.copy_(module.bias)
+        return gn
     if isinstance(module, torch.nn.BatchNorm2d):
         gn = torch.nn.GroupNorm(_groups_for(module.num_features, groups), module.num_features, eps=module.eps,
                                 affine=module.affine)

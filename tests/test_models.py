@@ -126,3 +126,16 @@ def test_unknown_model_exits_2_before_any_work(monkeypatch, capsys, tiny_tree, t
     assert exit_info.value.code == 2
     assert "resnet5O" in err and "resnet50" in err
     assert not run_dir.exists()
+
+
+def test_group_norm_swap_keeps_timm_fused_activations():
+    """timm's BatchNormAct2d carries the activation: the swap must keep it (GroupNormAct), not drop it."""
+    from timm.layers import BatchNormAct2d
+
+    batch = create_model("test_efficientnet", 3)
+    group = create_model("test_efficientnet", 3, norm="group")
+    assert any(isinstance(m, BatchNormAct2d) for m in batch.modules())
+    acts = lambda model: sum(isinstance(m, (torch.nn.SiLU, torch.nn.ReLU, torch.nn.GELU)) for m in model.modules())
+    assert acts(group) == acts(batch) > 0
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in group.modules())
+    assert group(torch.randn(2, 3, 32, 32)).shape == (2, 3)
