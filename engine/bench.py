@@ -432,7 +432,7 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
                                         cfg.data.num_workers, pin, cfg.data.prefetch_factor)
         warm_loader = build_inference_loader(FileListDataset(paths[:batch_size], transform, cfg.data.img_size),
                                              batch_size, 0, pin)
-    model = create_model(cfg.model.name, num_classes)
+    model = create_model(cfg.model.name, num_classes, norm=cfg.model.norm, group_norm_groups=cfg.model.group_norm_groups)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format).eval()
     if cfg.train.compile:

@@ -5,7 +5,6 @@ SIGTERM / SIGINT made the run save and stop.
 """
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Callable
 
@@ -31,8 +30,7 @@ def run_main(main: Callable[[], int]) -> None:
     except DistributedSetupError as err:  # the job failed to start; the message names the torchrun variables
         print(f"error: {err}", file=sys.stderr)
         code = 1
-    except Exception as err:  # the job failed: say why in one line, keep the traceback in the log
-        logging.getLogger("train").debug("failure", exc_info=True)
+    except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why
         if _is_out_of_memory(err):
             print(f"error: out of memory: {err}\n{OUT_OF_MEMORY_ADVICE}", file=sys.stderr)
         else:

@@ -73,6 +73,7 @@ class EpochProgress:
     batches_done: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    data_time: float = 0.0  # seconds this process waited for the loader
     skipped_steps: int = 0
     nonfinite_in_row: int = 0
     bad_indices: set = field(default_factory=set)
@@ -102,7 +103,9 @@ def train_one_epoch(ctx: StepContext, loader, num_batches: int, start_batch: int
     for images, targets, bad in loader:
         if batch_index >= num_batches:
             break
-        interval["data_time"] += time.perf_counter() - data_start
+        waited = time.perf_counter() - data_start
+        interval["data_time"] += waited
+        progress.data_time += waited
         if (bad >= 0).any():
             progress.bad_indices.update(int(b) for b in bad[bad >= 0])
         images = ctx.prepare(images)

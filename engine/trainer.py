@@ -407,7 +407,7 @@ class Trainer:
             progress = EpochProgress(**self.state.progress) if start_batch else EpochProgress()
             if isinstance(progress.bad_indices, list):
                 progress.bad_indices = set(progress.bad_indices)
-            resumed_samples = progress.samples
+            resumed_samples, resumed_wait = progress.samples, progress.data_time
             self.data.sampler.set_epoch(epoch, start_batch)
             t0 = time.perf_counter()
             bar = self._progress_bar(epoch, start_batch)
@@ -429,6 +429,7 @@ class Trainer:
             self.state.progress = {}
             # the whole job's rate, over the samples this process ran since it (re)started the epoch
             samples_per_s = (progress.samples - resumed_samples) * self.dist.world_size / max(epoch_time, 1e-9)
+            self._epoch_wait = (progress.data_time - resumed_wait) / max(epoch_time, 1e-9)
             self._end_epoch(epoch, metrics, progress, samples_per_s, epoch_time)
             if dist_utils.any_rank(self.stop_signal.signum is not None, self.device):
                 raise StopRequested()
@@ -513,7 +514,7 @@ class Trainer:
                             self.state.step)
         self.runlog.epoch_row({
             "epoch": epoch + 1, "step": self.state.step, "lr": lr, "train_loss": train_loss,
-            "train_samples_per_s": samples_per_s, "data_wait_frac": self._last_wait, "epoch_time_s": epoch_time,
+            "train_samples_per_s": samples_per_s, "data_wait_frac": self._epoch_wait, "epoch_time_s": epoch_time,
             "val_top1": metrics["top1"], "val_top5": metrics["top5"], "val_loss": metrics["loss"],
             "val_mean_class_acc": metrics["mean_class_acc"], "val_num_samples": metrics["num_samples"],
             "skipped_files": len(self.state.skipped_files)})
@@ -523,13 +524,12 @@ class Trainer:
         self.save_last()
         self.write_summary()
 
-    _last_wait: Optional[float] = None
+    _epoch_wait: Optional[float] = None
     _val_skipped_files: list = []
     _wait_warned = False
 
     def _log_step(self, step: int, values: dict) -> None:
         values["train/samples_per_s"] *= self.dist.world_size  # the whole job's rate
-        self._last_wait = values.get("train/data_wait_frac")
         self.runlog.scalars(values, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.3g}",
