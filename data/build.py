@@ -20,8 +20,6 @@ class TrainData:
     classes: list[str]
     train_index: ImageFolderIndex
     val_index: ImageFolderIndex
-    train_dataset: TrainDataset
-    val_dataset: EvalDataset
     sampler: TrainSampler
     train_loader: object
     val_loader: object
@@ -66,5 +64,5 @@ def build_train_data(cfg, batch_size: int, rank: int, world_size: int, pin_memor
     val_loader = build_eval_loader(val_dataset, batch_size, d.num_workers, pin_memory, rank, world_size,
                                    persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor,
                                    limit_samples=val_limit)
-    return TrainData(train_index.classes, train_index, val_index, train_dataset, val_dataset, sampler,
+    return TrainData(train_index.classes, train_index, val_index, sampler,
                      train_loader, val_loader)

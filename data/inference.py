@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.folder import DataTreeError, list_images
-from data.images import ImageDecodeError
+from data.images import IMAGE_EXTENSIONS, ImageDecodeError
 from data.loaders import seed_worker
 
 _GLOB_CHARS = set("*?[")
@@ -44,14 +44,8 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     unique = list(dict.fromkeys(found))
     if not unique:
         raise DataTreeError(f"no image files found in {', '.join(inputs)} (looked for "
-                            f"{', '.join(_image_extensions())} files, hidden entries skipped)")
+                            f"{', '.join(IMAGE_EXTENSIONS)} files, hidden entries skipped)")
     return unique
-
-
-def _image_extensions() -> tuple:
-    from data.images import IMAGE_EXTENSIONS
-
-    return IMAGE_EXTENSIONS
 
 
 class FileListDataset(Dataset):

@@ -19,13 +19,14 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from engine.bench import (available_memory_bytes, build_step_context, ceil_div, current_rss_bytes, mib,
-                          repeat, synthetic_batch, time_train_steps)
+                          synthetic_batch, time_train_steps)
 
 log = logging.getLogger("train")
 

@@ -7,6 +7,7 @@ the code the trainer runs: the loaders from `data.build`, `engine.loop.train_one
 from __future__ import annotations
 
 import contextlib
+from itertools import repeat
 import resource
 import time
 from dataclasses import dataclass
@@ -198,11 +199,6 @@ def time_train_steps(ctx: StepContext, batches: Iterable, steps: int, warmup: in
     total = time.perf_counter() - start
     return StepTiming(steps, progress.samples, total, timed.wait_s, peak_memory_bytes(ctx.device),
                       process_tree_cpu_seconds() - cpu_start)
-
-
-def repeat(batch):
-    while True:
-        yield batch
 
 
 def loader_batches(loader, sampler=None, start_epoch: int = 0) -> Iterator:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import signal
 import sys
@@ -14,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from data.build import TrainData, build_train_data, prepare_root
+from data.build import TrainData, build_train_data, eval_transform, prepare_root
 from data.images import ImageDecodeError
 from engine import distributed as dist_utils
 from engine.checkpoint import (CheckpointError, bare_state_dict, load_checkpoint, rng_state, save_atomic,
@@ -101,7 +100,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 
 def eval_preprocessing(cfg: Config) -> dict:
     d = cfg.data
-    return {"img_size": d.img_size, "resize": int(math.floor(d.img_size / d.crop_pct)), "crop_pct": d.crop_pct,
+    return {"img_size": d.img_size, "resize": eval_transform(cfg).resize_to, "crop_pct": d.crop_pct,
             "mean": list(d.mean), "std": list(d.std), "interpolation": d.interpolation}
 
 
