@@ -6,8 +6,9 @@ JPEGs at the smallest draft scale that still covers what is kept, and both retur
 `img_size x img_size` uint8 tensors; the float cast and normalisation happen once per batch
 (`normalize_batch`), on the training device.
 
-Training decode path (measured, benchmark.py --mode loader): the crop is drawn from the header size
-first. When it allows a JPEG decode at 1/2, 1/4 or 1/8 scale, PIL's draft decoding does that; otherwise
+Training decode path (measured, benchmark.py --mode loader): the file is read once and its JPEG header
+parsed in Python (`data.images.parse_jpeg_header`, a tenth of PIL's open), and the crop is drawn from
+that size first. When it allows a JPEG decode at 1/2, 1/4 or 1/8 scale, PIL's draft decoding does that; otherwise
 `torchvision.io.decode_jpeg` decodes the full image (same libjpeg-turbo pixels as PIL, ~15% faster, no
 PIL image copies). Either way the crop is resized as a uint8 channels-last tensor (torch's vectorised
 antialiased resize). CMYK, progressive-with-errors, truncated and non-JPEG files go through PIL
@@ -28,10 +29,12 @@ from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data.images import load_rgb, open_image, oriented_size
+from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
+# Antialiased uint8 resizing that torch does natively (vectorised on x86); nearest goes through torchvision.
+_TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
 
 
 class TrainTransform:
@@ -47,15 +50,18 @@ class TrainTransform:
         self.jitter = v2.ColorJitter(brightness=j, contrast=j, saturation=j) if j > 0 else None
 
     def __call__(self, path) -> torch.Tensor:
-        with open_image(path) as header:
-            width, height = oriented_size(header)
-            plain_jpeg = header.format == "JPEG" and header.mode in ("RGB", "L")
+        data, header = read_jpeg(path)
+        if header is not None:
+            width, height = header.oriented_size
+        else:
+            with open_image(path) as pil_header:
+                width, height = oriented_size(pil_header)
         top, left, h, w = RandomResizedCrop.get_params(_size_only(width, height), self.scale, self.ratio)
         # The decoded image only has to keep the crop at >= img_size pixels.
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
         image = None
-        if plain_jpeg and not draft_reduces(need, (width, height)):
-            image = decode_jpeg_tensor(path)
+        if data is not None and not draft_reduces(need, (width, height)):
+            image = decode_jpeg_tensor(data, (height, width))
         if image is None:
             image = F.pil_to_tensor(load_rgb(path, min_size=need))
         out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
@@ -74,18 +80,36 @@ def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
 _JPEG_END = b"\xff\xd9"
 
 
-def decode_jpeg_tensor(path) -> torch.Tensor | None:
-    """A baseline/progressive RGB or grayscale JPEG -> uint8 RGB CHW tensor (EXIF orientation applied), or
-    None where PIL must decide (no end-of-image marker: truncated or trailing data; decoder errors)."""
+def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
+    """The bytes and header of a grayscale or colour JPEG that the tensor decoder can take, else (None, None)
+    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy)."""
+    if decode_jpeg is None:
+        return None, None
+    try:
+        data = read_file(str(path))
+    except (RuntimeError, OSError, ValueError):
+        return None, None
+    header = parse_jpeg_header(memoryview(data.numpy()))
+    if header is None or header.components not in (1, 3):
+        return None, None
+    return data, header
+
+
+def decode_jpeg_tensor(data: torch.Tensor, oriented_hw: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """JPEG bytes (a uint8 tensor) -> uint8 RGB CHW tensor with the EXIF orientation applied, or None where PIL
+    must decide: no end-of-image marker (truncated or trailing data), a decoder error, or a result whose
+    (height, width) is not `oriented_hw` (the header and the decoder read the orientation differently)."""
     if decode_jpeg is None:
         return None
     try:
-        data = read_file(str(path))
         if bytes(data[-2:].numpy()) != _JPEG_END:
             return None
-        return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        image = decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except (RuntimeError, OSError, ValueError):
         return None
+    if oriented_hw is not None and tuple(image.shape[-2:]) != tuple(oriented_hw):
+        return None
+    return image
 
 
 def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int, interpolation) -> torch.Tensor:
@@ -98,6 +122,9 @@ def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int
     # A packed channels-last copy of the crop takes torch's vectorised uint8 path: ~20% faster than resizing
     # the strided view, same pixels.
     crop = image[:, top:bottom, left:right].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+    if interpolation in _TORCH_MODES:  # straight to torch: v2's dispatch costs a third of a small resize
+        return torch.nn.functional.interpolate(crop, size=(size, size), mode=_TORCH_MODES[interpolation],
+                                               antialias=True, align_corners=False)[0]
     return F.resize(crop, [size, size], interpolation=interpolation, antialias=True)[0]
 
 

@@ -12,7 +12,8 @@ from torchvision.transforms.v2 import functional as F
 from data.datasets import TrainDataset
 from data.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
-from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch
+from data.images import open_image, oriented_size, parse_jpeg_header
+from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_jpeg
 from engine.bench import photo
 
 
@@ -46,7 +47,9 @@ def _whole_image_transform(img_size):
 @pytest.mark.parametrize("mode,orientation", [("RGB", None), ("L", None), ("RGB", 6), ("RGB", 3)])
 def test_tensor_decode_gives_the_same_pixels_as_pil(tmp_path, mode, orientation):
     path = _jpeg(tmp_path / "a.jpg", (96, 72), mode, orientation)
-    decoded = decode_jpeg_tensor(path)
+    data, header = read_jpeg(path)
+    assert header is not None and header.components == (1 if mode == "L" else 3)
+    decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
     assert decoded is not None and decoded.dtype == torch.uint8
     assert torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
 
@@ -81,7 +84,8 @@ def test_truncated_jpeg_is_still_refused(tmp_path):
     path = _jpeg(tmp_path / "a.jpg", (96, 72))
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    assert decode_jpeg_tensor(path) is None  # left to PIL, which refuses it
+    data, header = read_jpeg(path)
+    assert header is not None and decode_jpeg_tensor(data) is None  # left to PIL, which refuses it
     with pytest.raises(ImageDecodeError):
         _whole_image_transform(64)(path)
 
@@ -106,3 +110,48 @@ def test_normalize_batch_matches_the_formula_and_layout():
     assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(out, expected, atol=1e-5)
     assert normalize_batch(images, mean, std, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("orientation", [None, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("mode,progressive", [("RGB", False), ("L", False), ("RGB", True), ("CMYK", False)])
+def test_jpeg_header_parser_agrees_with_pil(tmp_path, orientation, mode, progressive):
+    path = tmp_path / "a.jpg"
+    img = Image.fromarray(photo(np.random.default_rng(0), 50, 30)).convert(mode)
+    kwargs = {"quality": 85, "progressive": progressive}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        exif[0x010F] = "maker"  # a second tag, so the orientation is not the only IFD entry
+        kwargs["exif"] = exif
+    img.save(path, **kwargs)
+    header = parse_jpeg_header(path.read_bytes())
+    with open_image(path) as pil:
+        assert header is not None
+        assert (header.width, header.height) == pil.size
+        assert header.components == len(pil.getbands())
+        assert header.oriented_size == oriented_size(pil)
+    if mode != "CMYK":  # the tensor decoder's orientation agrees with the header's
+        data, _ = read_jpeg(path)
+        decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
+        assert decoded is not None and torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
+    else:
+        assert read_jpeg(path) == (None, None)
+
+
+def test_jpeg_header_parser_leaves_odd_files_to_pil(tmp_path):
+    good = tmp_path / "a.jpg"
+    Image.fromarray(photo(np.random.default_rng(0), 40, 30)).save(good, quality=85)
+    data = good.read_bytes()
+    assert parse_jpeg_header(data) is not None
+    assert parse_jpeg_header(b"") is None
+    assert parse_jpeg_header(b"\x89PNG\r\n\x1a\n" + data[8:]) is None
+    assert parse_jpeg_header(data[:20]) is None                   # cut inside the header segments
+    assert parse_jpeg_header(data[:2] + b"\xff\xe0\xff\xff" + data[6:]) is None  # a length past the end
+    # orientation only in XMP: PIL rotates, libjpeg decoders do not; leave it to PIL
+    xmp = b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta><rdf:Description tiff:Orientation=\"6\"/></x:xmpmeta>"
+    segment = b"\xff\xe1" + (len(xmp) + 2).to_bytes(2, "big") + xmp
+    rotated = tmp_path / "xmp.jpg"
+    rotated.write_bytes(data[:2] + segment + data[2:])
+    assert parse_jpeg_header(rotated.read_bytes()) is None
+    out = TrainTransform(16, (1.0, 1.0), (4 / 3, 4 / 3), 0.0, 0.0, "bilinear")(rotated)
+    assert out.shape == (3, 16, 16)
