@@ -118,6 +118,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     from engine.config import ConfigError
     from engine.device import resolve_amp, select_device
     from engine.evaluation import build_model, find_newest_checkpoint, read_checkpoint
+    from models.factory import fold_batchnorm
 
     paths = expand_inputs(inputs)
     if checkpoint is None:
@@ -139,9 +140,11 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     k = min(topk, len(loaded.classes))
 
     model = build_model(loaded, device, channels_last=True)
+    model, folded = fold_batchnorm(model)
+    if folded:
+        model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
+        log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
     if device.type == "cuda":
-        import torch.backends.cudnn
-
         torch.backends.cudnn.benchmark = True  # padded batches: one input shape, tuned once
     if compile_model:
         model = torch.compile(model, dynamic=False)

@@ -116,6 +116,25 @@ def batchnorm_to_groupnorm(module: torch.nn.Module, groups: int = 32) -> torch.n
     return module
 
 
+def fold_batchnorm(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """For inference: fold each BatchNorm that directly follows a convolution into that convolution's weights
+    (torch.fx's conv/BN fusion on a traced copy). Returns (model, layers folded); a model that fx cannot trace,
+    or that has nothing to fold, comes back unchanged with 0. The model must be in eval mode; outputs agree
+    with the unfolded model to float rounding (~1e-6 relative in fp32)."""
+    from torch.fx.experimental.optimization import fuse
+
+    before = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    if before == 0 or model.training:
+        return model, 0
+    try:
+        fused = fuse(model)
+    except Exception as err:  # dynamic control flow, untraceable custom layers: keep the model as it is
+        log.debug("BatchNorm folding skipped: fx could not trace the model (%s)", err)
+        return model, 0
+    folded = before - sum(isinstance(m, torch.nn.BatchNorm2d) for m in fused.modules())
+    return (fused, folded) if folded else (model, 0)
+
+
 def read_weights_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():

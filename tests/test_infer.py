@@ -261,3 +261,22 @@ def test_usage_errors(checkpoint, images, tmp_path):
         infer.main([str(images), "--checkpoint", str(checkpoint), "--batch-size", "0"])
     result = run_script("infer.py", str(images), "--checkpoint", str(tmp_path / "missing.pt"))
     assert result.returncode == 2 and "missing.pt" in result.stderr
+
+
+def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, images, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="infer")
+    code, rows = _infer_json(tmp_path, images, "--checkpoint", checkpoint, "--num-workers", 0, "--topk", 3)
+    assert code == 0 and "folded" in caplog.text
+    loaded = read_checkpoint(checkpoint)
+    model = build_model(loaded, torch.device("cpu"), channels_last=True)  # as eval.py runs it: unfolded
+    dataset = FileListDataset([r["path"] for r in rows], loaded.eval_transform(), loaded.cfg.data.img_size)
+    from data.transforms import normalize_batch
+
+    d = loaded.cfg.data
+    with torch.inference_mode():
+        for i, row in enumerate(rows):
+            probs = model(normalize_batch(dataset[i][0][None], d.mean, d.std, channels_last=True)).softmax(1)[0]
+            assert row["top1_label"] == loaded.classes[int(probs.argmax())]
+            assert row["top1_prob"] == pytest.approx(float(probs.max()), abs=1e-4)

@@ -9,7 +9,7 @@ import torchvision
 import train
 from conftest import TEST_MODEL, tiny_overrides
 from engine.cli import run_main
-from models.factory import ModelError, batchnorm_to_groupnorm, create_model, load_local_weights
+from models.factory import ModelError, batchnorm_to_groupnorm, create_model, fold_batchnorm, load_local_weights
 
 
 def has_batchnorm(model: torch.nn.Module) -> bool:
@@ -139,3 +139,45 @@ def test_group_norm_swap_keeps_timm_fused_activations():
     assert acts(group) == acts(batch) > 0
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in group.modules())
     assert group(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def _with_running_stats(model: torch.nn.Module) -> torch.nn.Module:
+    """Non-trivial BatchNorm statistics and affine parameters, so folding them is visible in the numbers."""
+    generator = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=generator) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=generator) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=generator) + 0.5)
+            m.bias.data.copy_(torch.randn(m.num_features, generator=generator) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", [TEST_MODEL, "tv:resnet18"])
+def test_fold_batchnorm_removes_the_norms_and_keeps_the_outputs(name):
+    model = _with_running_stats(create_model(name, 5))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        folded, count = fold_batchnorm(model)
+        assert count > 0 and not has_batchnorm(folded)
+        assert torch.allclose(folded(x), expected, rtol=1e-4, atol=1e-4)
+    assert has_batchnorm(model)  # the original is left alone (eval.py must reproduce validation exactly)
+
+
+def test_fold_batchnorm_leaves_training_and_untraceable_models_alone():
+    model = create_model(TEST_MODEL, 5)
+    assert fold_batchnorm(model.train()) == (model, 0)
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.bn = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x))
+            return y if y.sum() > 0 else -y  # fx cannot trace a branch on a tensor value
+
+    odd = DataDependent().eval()
+    assert fold_batchnorm(odd) == (odd, 0)

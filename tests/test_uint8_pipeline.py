@@ -155,3 +155,15 @@ def test_jpeg_header_parser_leaves_odd_files_to_pil(tmp_path):
     assert parse_jpeg_header(rotated.read_bytes()) is None
     out = TrainTransform(16, (1.0, 1.0), (4 / 3, 4 / 3), 0.0, 0.0, "bilinear")(rotated)
     assert out.shape == (3, 16, 16)
+
+
+@pytest.mark.parametrize("size", [(120, 90), (90, 120), (97, 61)])
+def test_eval_tensor_path_matches_the_pil_resize(tmp_path, size):
+    from data.transforms import EvalTransform
+
+    path = _jpeg(tmp_path / "a.jpg", size)
+    transform = EvalTransform(48, 0.875, "bilinear")
+    out = transform(path)
+    reference = transform.from_image(load_rgb(path))  # PIL: resize the shorter side, centre crop
+    assert out.shape == reference.shape == (3, 48, 48) and out.dtype == torch.uint8
+    assert (out.int() - reference.int()).abs().max() <= 1
