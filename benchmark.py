@@ -3,7 +3,8 @@
 
 python benchmark.py --config CONFIG --mode loader|train|infer|find-batch [--synthetic] [--steps N]
                     [--warmup N] [--baseline torchvision] [--rounds N] [KEY=VALUE ...]
-python benchmark.py --make-photos DIR    # writes a tree of photo-like JPEGs to benchmark the loader on
+python benchmark.py --make-photos DIR [--photos N] [--photo-source generated|samples]
+                                         # writes a tree of photo JPEGs to benchmark the loader on
 """
 import argparse
 import json
@@ -27,14 +28,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="loader: alternating timed rounds per pipeline")
     parser.add_argument("--make-photos", metavar="DIR", help="write DIR/{train,val}/class_k/*.jpg and exit")
     parser.add_argument("--photos", type=int, default=200, help="with --make-photos: training images (val: a fifth)")
+    parser.add_argument("--photo-source", choices=["generated", "samples"], default="generated",
+                        help="with --make-photos: noisy generated photos of 500x375 to 1024x768 (decode-heavy), or "
+                             "crops of scikit-learn's two real sample photos at ImageNet sizes (400-640 px)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     args = parser.parse_args()
 
     if args.make_photos:
         from engine.bench import write_photo_tree
 
-        write_photo_tree(args.make_photos, args.photos, max(1, args.photos // 5))
-        print(json.dumps({"photos": args.make_photos, "train_images": args.photos}))
+        write_photo_tree(args.make_photos, args.photos, max(1, args.photos // 5), source=args.photo_source)
+        print(json.dumps({"photos": args.make_photos, "train_images": args.photos, "source": args.photo_source}))
         return 0
     if not args.config or not args.mode:
         raise ConfigError("benchmark.py needs --config and --mode (loader, train, infer or find-batch)")

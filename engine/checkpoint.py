@@ -6,7 +6,6 @@ target and the folder is fsynced, so a crash at any byte leaves the previous fil
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import random
@@ -57,9 +56,6 @@ def save_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> No
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getbuffer()
     with signals_deferred():
         # Temp files of an earlier save that was killed (SIGKILL, power loss); one writer per path.
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
@@ -69,7 +65,7 @@ def save_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> No
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                torch.save(obj, f)  # straight to the file: no in-memory copy of the whole checkpoint first
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

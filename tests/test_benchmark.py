@@ -79,3 +79,22 @@ def test_usage_errors_exit_2():
     assert result.returncode == 2 and "--baseline" in result.stderr
     result = run_script("benchmark.py", "--config", "base", "--mode", "loader", *TINY)
     assert result.returncode == 2 and "data.root" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["generated", "samples"])
+def test_make_photos_writes_a_class_tree_of_jpegs(tmp_path, source):
+    result = run_script("benchmark.py", "--make-photos", str(tmp_path / "p"), "--photos", "8",
+                        "--photo-source", source)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["source"] == source
+    train = sorted((tmp_path / "p" / "train").rglob("*.jpg"))
+    val = sorted((tmp_path / "p" / "val").rglob("*.jpg"))
+    assert len(train) == 8 and len(val) == 1
+    assert len({p.parent.name for p in train}) == 4
+    for path in train:
+        with Image.open(path) as img:
+            assert img.format == "JPEG" and img.mode == "RGB"
+            if source == "samples":  # ImageNet-sized crops of the real sample photos
+                assert 400 <= max(img.size) <= 640
+            else:
+                assert 500 <= max(img.size) <= 1024
