@@ -40,7 +40,7 @@ class TrainDataset(Dataset):
                     # The CPU generator only: torch.manual_seed would also queue seeds for CUDA/XPU/MTIA, which
                     # costs ~1 ms per sample in a worker (a stack trace per lazy call); transforms run on the CPU.
                     torch.default_generator.manual_seed(seed)
-                    image = self.transform(self.index.paths[index])
+                    image = self.transform(self.index.paths[index], seed)
                 return image, label, bad
             except ImageDecodeError:
                 if bad < 0:

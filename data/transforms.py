@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 
 import torch
 from PIL import Image
@@ -25,7 +26,7 @@ try:  # deprecated since torchvision 0.29 (in favour of torchcodec); without it 
     from torchvision.io import ImageReadMode, decode_jpeg, read_file
 except ImportError:  # pragma: no cover
     decode_jpeg = None
-from torchvision.transforms import InterpolationMode, RandomResizedCrop
+from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -38,7 +39,8 @@ _TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBI
 
 
 class TrainTransform:
-    """path -> uint8 tensor; all randomness comes from the torch RNG, which the caller seeds per sample."""
+    """(path, seed) -> uint8 tensor. The crop and flip come from `random.Random(seed)`; colour jitter from the
+    torch RNG, which the caller seeds with the same per-sample seed."""
 
     def __init__(self, img_size: int, scale, ratio, hflip: float, color_jitter: float, interpolation: str):
         self.img_size = img_size
@@ -49,14 +51,15 @@ class TrainTransform:
         j = color_jitter
         self.jitter = v2.ColorJitter(brightness=j, contrast=j, saturation=j) if j > 0 else None
 
-    def __call__(self, path) -> torch.Tensor:
+    def __call__(self, path, seed: int | None = None) -> torch.Tensor:
+        rng = random.Random(seed)
         data, header = read_jpeg(path)
         if header is not None:
             width, height = header.oriented_size
         else:
             with open_image(path) as pil_header:
                 width, height = oriented_size(pil_header)
-        top, left, h, w = RandomResizedCrop.get_params(_size_only(width, height), self.scale, self.ratio)
+        top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
         # The decoded image only has to keep the crop at >= img_size pixels.
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
         image = None
@@ -65,7 +68,7 @@ class TrainTransform:
         if image is None:
             image = F.pil_to_tensor(load_rgb(path, min_size=need))
         out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
-        if self.hflip > 0 and torch.rand(1).item() < self.hflip:
+        if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
         if self.jitter is not None:
             out = self.jitter(out)
@@ -167,9 +170,28 @@ class EvalTransform:
         return F.pil_to_tensor(img)
 
 
-def _size_only(width: int, height: int) -> torch.Tensor:
-    """A stand-in image for `RandomResizedCrop.get_params`, which only reads the size (no memory)."""
-    return torch.empty(1, 1, 1).expand(1, height, width)
+def sample_crop(width: int, height: int, scale, ratio, rng: random.Random) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's box (top, left, height, width), drawn as torchvision draws it (area fraction uniform
+    in `scale`, aspect ratio log-uniform in `ratio`, 10 tries, then the largest centred box with the ratio
+    clamped), but from a Python RNG: torchvision's tensor draws cost ~8 tensor ops per try, a few % of a
+    small image's whole pipeline."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def normalize_batch(images: torch.Tensor, mean, std, dtype=torch.float32, channels_last: bool = False) -> torch.Tensor:

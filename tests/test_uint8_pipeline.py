@@ -167,3 +167,29 @@ def test_eval_tensor_path_matches_the_pil_resize(tmp_path, size):
     reference = transform.from_image(load_rgb(path))  # PIL: resize the shorter side, centre crop
     assert out.shape == reference.shape == (3, 48, 48) and out.dtype == torch.uint8
     assert (out.int() - reference.int()).abs().max() <= 1
+
+
+def test_sample_crop_boxes_follow_scale_and_ratio():
+    import math
+    import random
+
+    from data.transforms import sample_crop
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        width, height = rng.randint(40, 900), rng.randint(40, 900)
+        top, left, h, w = sample_crop(width, height, (0.08, 1.0), (3 / 4, 4 / 3), rng)
+        assert 0 <= top and top + h <= height and 0 <= left and left + w <= width and h > 0 and w > 0
+        if (w, h) != (width, height) and (top, left) != ((height - h) // 2, (width - w) // 2):
+            # a drawn box (not the fallback): its area and aspect lie in the ranges, up to pixel rounding
+            assert 0.08 * width * height * 0.8 <= w * h <= width * height
+            assert 3 / 4 - 0.1 <= w / h <= 4 / 3 + 0.1
+    # the same seed draws the same box; positions vary across seeds
+    assert sample_crop(500, 375, (0.08, 1), (3 / 4, 4 / 3), random.Random(7)) == \
+        sample_crop(500, 375, (0.08, 1), (3 / 4, 4 / 3), random.Random(7))
+    assert len({sample_crop(500, 375, (0.08, 1), (3 / 4, 4 / 3), random.Random(s)) for s in range(20)}) == 20
+    # no box of that aspect fits a 1000x10 strip: the centred fallback with the ratio clamped
+    assert sample_crop(1000, 10, (0.5, 1.0), (3 / 4, 4 / 3), random.Random(0)) == (0, 493, 10, 13)
+    # scale pinned to 1 and the image's own ratio: the whole image
+    assert sample_crop(400, 300, (1.0, 1.0), (4 / 3, 4 / 3), random.Random(0)) == (0, 0, 300, 400)
+    assert math.isclose(400 / 300, 4 / 3)
