@@ -21,9 +21,9 @@ def _tensorboard_scalars(run_dir, tag):
 def test_slow_data_is_reported_once_with_advice(tmp_path, tiny_tree, monkeypatch):
     original = TrainTransform.__call__
 
-    def slow(self, path):
+    def slow(self, path, seed=None):
         time.sleep(0.1)  # 8 images per batch: 0.8 s of waiting against a fraction of that for a 16 px step
-        return original(self, path)
+        return original(self, path, seed)
 
     monkeypatch.setattr(TrainTransform, "__call__", slow)
     out = tmp_path / "run"
