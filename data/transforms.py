@@ -53,12 +53,7 @@ class TrainTransform:
 
     def __call__(self, path, seed: int | None = None) -> torch.Tensor:
         rng = random.Random(seed)
-        data, header = read_jpeg(path)
-        if header is not None:
-            width, height = header.oriented_size
-        else:
-            with open_image(path) as pil_header:
-                width, height = oriented_size(pil_header)
+        data, (width, height) = read_sized(path)
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
         # The decoded image only has to keep the crop at >= img_size pixels.
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
@@ -100,6 +95,16 @@ def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
     if header is None or header.components not in (1, 3):
         return None, None
     return data, header
+
+
+def read_sized(path) -> tuple[torch.Tensor | None, tuple[int, int]]:
+    """(the bytes when the tensor decoder can take the file, else None; its displayed (width, height)).
+    Raises ImageDecodeError when not even PIL can open the file."""
+    data, header = read_jpeg(path)
+    if header is not None:
+        return data, header.oriented_size
+    with open_image(path) as pil_header:
+        return None, oriented_size(pil_header)
 
 
 def decode_jpeg_tensor(data: torch.Tensor, oriented_hw: tuple[int, int] | None = None) -> torch.Tensor | None:
@@ -144,12 +149,7 @@ class EvalTransform:
         self.interpolation = TV_INTERPOLATION[interpolation]
 
     def __call__(self, path) -> torch.Tensor:
-        data, header = read_jpeg(path)
-        if header is not None:
-            width, height = header.oriented_size
-        else:
-            with open_image(path) as pil_header:
-                width, height = oriented_size(pil_header)
+        data, (width, height) = read_sized(path)
         short = min(width, height)
         need = (math.ceil(width * self.resize_to / short), math.ceil(height * self.resize_to / short))
         if data is not None and not draft_reduces(need, (width, height)):
