@@ -161,8 +161,8 @@ def parse_jpeg_header(buf) -> Optional[JpegHeader]:
         pos = end
     else:
         return None
-    if frame is None or frame[0] == 0 or frame[1] == 0 or (xmp_orientation and orientation is None):
-        return None
+    if frame is None or frame[0] == 0 or frame[1] == 0 or (xmp_orientation and not orientation):
+        return None  # (PIL takes XMP's orientation when EXIF has none)
     return JpegHeader(frame[0], frame[1], frame[2], orientation or 1)
 
 
@@ -176,8 +176,8 @@ def _u32(buf, at: int, big_endian: bool) -> int:
 
 
 def _exif_orientation(tiff: bytes) -> Optional[int]:
-    """The orientation tag (0x0112) of a TIFF block's first IFD: 1 when absent or out of range (PIL and libjpeg
-    decoders then leave the image as stored), None when the block is malformed or stores it unusually."""
+    """The orientation tag (0x0112) of a TIFF block's first IFD: 0 when absent, 1 when out of range (PIL and
+    libjpeg decoders then leave the image as stored), None when the block is malformed or stores it unusually."""
     if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
         return None
     big = tiff[:2] == b"MM"
@@ -192,4 +192,4 @@ def _exif_orientation(tiff: bytes) -> Optional[int]:
                 return None
             value = _u16(tiff, entry + 8, big)
             return value if 1 <= value <= 8 else 1
-    return 1
+    return 0

@@ -1,18 +1,18 @@
 """Fixed-size transforms that turn a file into a uint8 CHW tensor, and the per-batch normalisation.
 
 Training: RandomResizedCrop (`data.scale`, `data.ratio`) to `img_size`, horizontal flip, optional
-colour jitter. Evaluation: resize the shorter side to `img_size / crop_pct`, centre crop. Both decode
-JPEGs with the tensor decoder, or with PIL's draft mode where 1/4 or 1/8 scale still covers what is
-kept, and both return `img_size x img_size` uint8 tensors; the float cast and normalisation happen once per batch
+colour jitter. Evaluation: resize the shorter side to `img_size / crop_pct`, centre crop. Both return
+`img_size x img_size` uint8 tensors; the float cast and normalisation happen once per batch
 (`normalize_batch`), on the training device.
 
-Training decode path (measured, benchmark.py --mode loader): the file is read once and its JPEG header
-parsed in Python (`data.images.parse_jpeg_header`, a tenth of PIL's open), and the crop is drawn from
-that size first. When it allows a JPEG decode at 1/4 or 1/8 scale, PIL's draft decoding does that;
-otherwise `torchvision.io.decode_jpeg` decodes the full image (same libjpeg-turbo pixels as PIL, ~15% faster, no
-PIL image copies). Either way the crop is resized as a uint8 channels-last tensor (torch's vectorised
-antialiased resize). CMYK, progressive-with-errors, truncated and non-JPEG files go through PIL
-(`data.images.load_rgb`), so the pixel policy (EXIF orientation, modes, refusal of broken files) holds.
+Decode path (measured, benchmark.py --mode loader): the file is read once and its JPEG header parsed
+in Python (`data.images.parse_jpeg_header`, a tenth of the cost of PIL's open); the training crop is
+drawn from that size first. When what is kept still fits at 1/4 or 1/8 scale, PIL's draft decoding
+decodes at that scale; otherwise `torchvision.io.decode_jpeg` decodes the full image (the same
+libjpeg-turbo pixels as PIL, faster, no PIL image copies). The result is resized as a uint8
+channels-last tensor (torch's vectorised antialiased resize, equal to PIL's to +-1). CMYK, XMP-only
+orientation, truncated and non-JPEG files go through PIL (`data.images.load_rgb`), so the pixel policy
+(EXIF orientation, modes, refusal of broken files) holds.
 """
 from __future__ import annotations
 

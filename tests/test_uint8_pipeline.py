@@ -153,6 +153,14 @@ def test_jpeg_header_parser_leaves_odd_files_to_pil(tmp_path):
     rotated = tmp_path / "xmp.jpg"
     rotated.write_bytes(data[:2] + segment + data[2:])
     assert parse_jpeg_header(rotated.read_bytes()) is None
+    # EXIF without an orientation tag, XMP with one: PIL still takes XMP's, so the parser still defers
+    exif = Image.Exif()
+    exif[0x010F] = "maker"
+    with_exif = tmp_path / "exif.jpg"
+    Image.fromarray(photo(np.random.default_rng(0), 40, 30)).save(with_exif, quality=85, exif=exif)
+    exif_data = with_exif.read_bytes()
+    assert parse_jpeg_header(exif_data) is not None
+    assert parse_jpeg_header(exif_data[:2] + segment + exif_data[2:]) is None
     out = TrainTransform(16, (1.0, 1.0), (4 / 3, 4 / 3), 0.0, 0.0, "bilinear")(rotated)
     assert out.shape == (3, 16, 16)
 
