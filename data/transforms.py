@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 
 import torch
 from PIL import Image
 try:  # deprecated since torchvision 0.29 (in favour of torchcodec); without it PIL decodes every file
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+    from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover
     decode_jpeg = None
 from torchvision.transforms import InterpolationMode
@@ -79,19 +80,26 @@ def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
     return 4 * need[0] <= size[0] and 4 * need[1] <= size[1]
 
 
-_JPEG_END = b"\xff\xd9"
+_JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 
 
 def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
     """The bytes and header of a grayscale or colour JPEG that the tensor decoder can take, else (None, None)
-    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy)."""
+    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy). Only the
+    first two bytes of a file that is not a JPEG are read here."""
     if decode_jpeg is None:
         return None, None
     try:
-        data = read_file(str(path))
-    except (RuntimeError, OSError, ValueError):
+        with open(path, "rb") as f:
+            if f.read(2) != _JPEG_START:
+                return None, None
+            buf = bytearray(max(2, os.fstat(f.fileno()).st_size))
+            buf[:2] = _JPEG_START
+            size = 2 + (f.readinto(memoryview(buf)[2:]) or 0)
+    except OSError:
         return None, None
-    header = parse_jpeg_header(memoryview(data.numpy()))
+    data = torch.frombuffer(buf, dtype=torch.uint8)[:size]
+    header = parse_jpeg_header(memoryview(buf)[:size])
     if header is None or header.components not in (1, 3):
         return None, None
     return data, header

@@ -15,6 +15,27 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_MODEL = "resnet10t"
 
 
+class HalfWriter:
+    """Wraps a file opened for a checkpoint save: the first write puts half its bytes on disk, flushes them,
+    then calls `then()` (which halts the process or raises), as a crash or a full disk mid-write would."""
+
+    def __init__(self, f, then):
+        self.f = f
+        self.then = then
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, data):
+        view = memoryview(data)
+        self.f.write(view[: len(view) // 2])
+        self.f.flush()
+        self.then()
+
+
 def class_image(label: int, size=(24, 24), rng=None) -> Image.Image:
     """An RGB image whose colour pattern depends on the class, plus noise: learnable in a few steps."""
     rng = rng or np.random.default_rng(label)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 
 def halt(marker: str) -> None:
@@ -82,32 +83,18 @@ def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
 
 def pause_in_save(marker: str, n: int) -> None:
     import engine.checkpoint as checkpoint
+    from conftest import HalfWriter
 
     real_save = checkpoint.save_atomic
     real_fdopen = os.fdopen
     calls = {"n": 0}
 
-    class HalfWriter:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            view = memoryview(data)
-            self.f.write(view[: len(view) // 2])
-            self.f.flush()
-            halt(marker)
-
     def save_atomic(obj, path, keep_previous=False):
         if Path(path).name == "last.pt":
             calls["n"] += 1
             if calls["n"] == n:
-                checkpoint.os.fdopen = lambda fd, mode="r", *a, **k: HalfWriter(real_fdopen(fd, mode, *a, **k))
+                checkpoint.os.fdopen = lambda fd, mode="r", *a, **k: HalfWriter(real_fdopen(fd, mode, *a, **k),
+                                                                                 lambda: halt(marker))
         return real_save(obj, path, keep_previous)
 
     checkpoint.save_atomic = save_atomic

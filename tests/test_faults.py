@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tree, tiny_overrides
+from conftest import HalfWriter, make_tree, tiny_overrides
 from engine import checkpoint
 from engine.checkpoint import load_checkpoint, save_atomic
 from engine.cli import run_main
@@ -66,22 +66,11 @@ def test_an_interrupted_save_leaves_the_old_file_whole_and_no_temp_file(tmp_path
     if fail_at == "write":
         real_fdopen = os.fdopen
 
-        class HalfThenFail:
-            def __init__(self, f):
-                self.f = f
+        def disk_full():
+            raise OSError("injected failure halfway through the write (disk full)")
 
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                self.f.close()
-
-            def write(self, data):
-                self.f.write(memoryview(data)[: len(data) // 2])
-                self.f.flush()
-                raise OSError("injected failure halfway through the write (disk full)")
-
-        monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, *a, **k: HalfThenFail(real_fdopen(fd, *a, **k)))
+        monkeypatch.setattr(checkpoint.os, "fdopen",
+                            lambda fd, *a, **k: HalfWriter(real_fdopen(fd, *a, **k), disk_full))
     elif fail_at == "replace":
         real_replace = os.replace
         monkeypatch.setattr(checkpoint.os, "replace",
