@@ -11,8 +11,8 @@ import json
 import logging
 import sys
 
-from engine.cli import run_main
-from engine.config import ConfigError, load_config
+from commands.cli import run_main
+from core.errors import ConfigError
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.make_photos:
-        from engine.bench import write_photo_tree
+        from benchmarking.photos import write_photo_tree
 
         write_photo_tree(args.make_photos, args.photos, max(1, args.photos // 5), source=args.photo_source)
         print(json.dumps({"photos": args.make_photos, "train_images": args.photos, "source": args.photo_source}))
@@ -49,6 +49,8 @@ def main() -> int:
         raise ConfigError("--warmup must be >= 0")
     if args.baseline and args.mode != "loader":
         raise ConfigError("--baseline torchvision only applies to --mode loader")
+    from core.config import load_config
+
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     print(json.dumps(run_benchmark(cfg, args)))
@@ -58,19 +60,17 @@ def main() -> int:
 def run_benchmark(cfg, args) -> dict:
     import torch
 
-    from engine import bench
-    from engine.device import resolve_amp, select_device
+    from benchmarking.loader import bench_loader
+    from benchmarking.modes import bench_infer, bench_train, settings
+    from core.config import check_data_root
+    from data.build import prepare_root, scan_tree
+    from engine.device import enable_cudnn_autotune, resolve_amp, select_device
 
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+    enable_cudnn_autotune(device)
     needs_data = args.mode == "loader" or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:
-        from engine.config import check_data_root
-
-        from data.build import prepare_root
-
         check_data_root(cfg)
         prepare_root(cfg)
     if args.mode == "find-batch":
@@ -78,27 +78,24 @@ def run_benchmark(cfg, args) -> dict:
 
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:
-            from data.build import prepare_root, scan_tree
-
             prepare_root(cfg)
-
             train_index, _ = scan_tree(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
         report = run_finder(cfg, device, amp_dtype, num_classes, train_images)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
-        out["settings"] = bench.settings(cfg, device, amp_dtype, report["batch_size"], True)
+        out["settings"] = settings(cfg, device, amp_dtype, report["batch_size"], True)
         return out
     batch = cfg.train.batch_size
     if batch == "auto":
         raise ConfigError("benchmark.py needs a number for train.batch_size (use --mode find-batch to pick one)")
     torch.manual_seed(cfg.train.seed)
     if args.mode == "loader":
-        out = bench.bench_loader(cfg, device, batch, args.steps, args.rounds, args.baseline)
+        out = bench_loader(cfg, device, batch, args.steps, args.rounds, args.baseline)
     elif args.mode == "train":
-        out = bench.bench_train(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
+        out = bench_train(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
     else:
-        out = bench.bench_infer(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
-    out["settings"] = bench.settings(cfg, device, amp_dtype, batch, args.synthetic)
+        out = bench_infer(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
+    out["settings"] = settings(cfg, device, amp_dtype, batch, args.synthetic)
     return out
 
 

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from engine.cli import run_main
+from commands.cli import run_main
 
 
 def main(argv=None) -> int:
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
-    from engine.evaluation import evaluate_checkpoint
-    from engine.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
+    from commands.evaluate import evaluate_checkpoint
+    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides)
     s = result.settings

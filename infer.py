@@ -12,15 +12,13 @@ import logging
 import os
 import sys
 
-from engine.cli import run_main
+from commands.cli import run_main
+from core.host import usable_cpus
 
 
 def default_workers() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return min(8, cores)
+    """Up to 8 decoding processes, one per usable core."""
+    return min(8, usable_cpus())
 
 
 def main(argv=None) -> int:
@@ -39,8 +37,8 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
-    from engine.config import ConfigError
-    from engine.inference import OUTPUT_FORMATS
+    from commands.infer import OUTPUT_FORMATS
+    from core.errors import ConfigError
 
     for flag, value, low in (("--batch-size", args.batch_size, 1), ("--topk", args.topk, 1),
                              ("--num-workers", args.num_workers, 0)):
@@ -49,7 +47,7 @@ def main(argv=None) -> int:
     if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
 
-    from engine.inference import run_inference
+    from commands.infer import run_inference
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device)

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import ConfigError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
 from data.folder import ImageFolderIndex, scan_split
@@ -16,7 +17,10 @@ log = logging.getLogger("train")
 
 
 @dataclass
-class TrainData:
+class RunData:
+    """What a training run reads: the training split with its sampler and loader, the validation split
+    with its loader."""
+
     classes: list[str]
     train_index: ImageFolderIndex
     val_index: ImageFolderIndex
@@ -39,23 +43,22 @@ def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
     return train_index, val_index
 
 
-def eval_transform(cfg) -> EvalTransform:
-    return EvalTransform(cfg.data.img_size, cfg.data.crop_pct, cfg.data.interpolation)
+def eval_transform(data_cfg) -> EvalTransform:
+    """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation)."""
+    return EvalTransform(data_cfg.img_size, data_cfg.crop_pct, data_cfg.interpolation)
 
 
-def build_train_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> TrainData:
+def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
     train_index, val_index = scan_tree(cfg)
     d = cfg.data
     transform = TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation)
     train_dataset = TrainDataset(train_index, transform)
-    val_dataset = EvalDataset(val_index, eval_transform(cfg), d.img_size)
+    val_dataset = EvalDataset(val_index, eval_transform(d), d.img_size)
     if d.sampler == "sequential":
         log.warning("data.sampler=sequential: the training split is read in a fixed order every epoch; the loss "
                     "will cycle with the class order. Use data.sampler=random (or weighted) unless you mean it.")
     sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size)
     if sampler.num_batches() == 0:
-        from engine.config import ConfigError
-
         raise ConfigError(f"'train.batch_size' = {batch_size} is larger than this process's share of the training "
                           f"split ({len(sampler.shuffler)} images); lower it")
     train_loader = build_train_loader(train_dataset, sampler, batch_size, d.num_workers, pin_memory,
@@ -64,5 +67,4 @@ def build_train_data(cfg, batch_size: int, rank: int, world_size: int, pin_memor
     val_loader = build_eval_loader(val_dataset, batch_size, d.num_workers, pin_memory, rank, world_size,
                                    persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor,
                                    limit_samples=val_limit)
-    return TrainData(train_index.classes, train_index, val_index, sampler,
-                     train_loader, val_loader)
+    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader)

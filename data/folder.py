@@ -9,11 +9,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+
+from core.errors import DataTreeError
 from data.images import is_image_file
 
-
-class DataTreeError(Exception):
-    """A data tree that cannot be used as it is (exit 2)."""
+log = logging.getLogger("train")
 
 
 @dataclass
@@ -51,10 +52,7 @@ def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolder
     if not found:
         raise DataTreeError(f"{split_dir} holds no class folders (expected one sub-folder per class)")
     if classes is not None and found != classes:
-        missing = sorted(set(classes) - set(found))
-        extra = sorted(set(found) - set(classes))
-        raise DataTreeError(f"{split_dir}: its classes differ from the training classes; "
-                            f"missing here: {missing or 'none'}; not in training: {extra or 'none'}")
+        raise DataTreeError(class_difference(split_dir, found, classes, "the training classes", "training"))
     paths, labels, empty = [], [], []
     for label, name in enumerate(found):
         images = list_images(split_dir / name)
@@ -65,3 +63,27 @@ def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolder
     if empty:
         raise DataTreeError(f"{split_dir}: class folder(s) with no image files: {', '.join(empty)}")
     return ImageFolderIndex(split_dir, found, paths, labels)
+
+
+def class_difference(where, found: list[str], wanted: list[str], wanted_name: str, wanted_short: str) -> str:
+    """The message for a split whose class folders are not the `wanted` ones."""
+    missing = sorted(set(wanted) - set(found))
+    extra = sorted(set(found) - set(wanted))
+    return (f"{where}: its class folders differ from {wanted_name}; missing here: {missing or 'none'}; "
+            f"not in {wanted_short}: {extra or 'none'}")
+
+
+def match_classes(index: ImageFolderIndex, classes: list[str]) -> ImageFolderIndex:
+    """Relabel a scanned split so that label i means `classes[i]` (a model's order).
+
+    The folder must hold exactly those class names; the same names in another order are remapped, any
+    difference is a DataTreeError (exit 2) that lists it."""
+    if set(index.classes) != set(classes):
+        raise DataTreeError(class_difference(index.root, index.classes, classes, "the checkpoint's classes",
+                                             "the checkpoint"))
+    if index.classes == classes:
+        return index
+    position = {name: i for i, name in enumerate(classes)}
+    remap = [position[name] for name in index.classes]
+    log.info("class folders are in another order than the checkpoint's classes; labels remapped by name")
+    return ImageFolderIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels])

@@ -14,13 +14,11 @@ from typing import Optional
 import numpy as np
 from PIL import Image, ImageOps
 
+from core.errors import ImageDecodeError
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 BACKGROUND = (255, 255, 255)
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
-
-
-class ImageDecodeError(Exception):
-    """A file that cannot be turned into an image (truncated, empty, not an image, too large, odd mode)."""
 
 
 def is_image_file(path: str | Path) -> bool:

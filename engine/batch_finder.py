@@ -25,8 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.bench import (available_memory_bytes, build_step_context, ceil_div, current_rss_bytes, mib,
-                          synthetic_batch, time_train_steps)
+from engine.device import DeviceInput, is_out_of_memory, memory_format, precision_name
+from engine.distributed import min_over_ranks
+from engine.memory import available_memory_bytes, current_rss_bytes, mib
+from engine.schedule import ceil_div
+from engine.step import build_train_step
+from engine.timing import synthetic_batch, time_train_steps
+from models.factory import build_model
 
 log = logging.getLogger("train")
 
@@ -45,10 +50,6 @@ class StepResult:
 
 
 StepFn = Callable[[int], StepResult]   # batch size -> measurement; raises torch.OutOfMemoryError if it does not fit
-
-
-def is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def search_max_batch(fits: Callable[[int], bool], limit: int, start: int = 1,
@@ -180,7 +181,7 @@ def run_or_none(step: StepFn, batch: int) -> Optional[StepResult]:
     try:
         return step(batch)
     except Exception as err:  # noqa: BLE001 - only out-of-memory means "does not fit"
-        if not is_oom(err):
+        if not is_out_of_memory(err):
             raise
     free_device_memory()
     return None
@@ -226,19 +227,28 @@ class TrainingStepProbe:
         self.device = device
         self.steps = steps
         self.warmup = warmup
-        self.ctx = build_step_context(cfg, num_classes, device, amp_dtype)
+        self.step = build_training_probe(cfg, num_classes, device, amp_dtype)
 
     def __call__(self, batch: int) -> StepResult:
         try:
             data = synthetic_batch(batch, self.cfg.data.img_size, self.num_classes, self.device)
-            timing = time_train_steps(self.ctx, repeat(data), self.steps, self.warmup)
+            timing = time_train_steps(self.step, repeat(data), self.steps, self.warmup)
             return StepResult(timing.step_s, timing.peak_memory_bytes)
         finally:
-            self.ctx.optimizer.zero_grad(set_to_none=True)
+            self.step.optimizer.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        self.ctx = None
+        self.step = None
         free_device_memory()
+
+
+def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype, compile_model: bool = False):
+    """A fresh model and `TrainStep` built like the trainer's (constant LR, one micro-batch per step), for
+    measuring what a training step costs."""
+    model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
+    train_model = torch.compile(model, dynamic=False) if compile_model else model
+    return build_train_step(cfg, model, DeviceInput.from_config(cfg, device, amp_dtype), cfg.optim.lr,
+                            train_model=train_model, accum_steps=1)
 
 
 def target_effective_batch(cfg) -> int:
@@ -262,8 +272,8 @@ def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_ima
         if probe is not None:
             probe.close()
     batch, accum = accumulation_for(result.chosen_batch, target, world_size)
-    amp = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
-    return {"device": str(device), "model": cfg.model.name, "img_size": cfg.data.img_size, "amp": amp,
+    return {"device": str(device), "model": cfg.model.name, "img_size": cfg.data.img_size,
+            "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "search_limit": per_device_cap,
             "target_effective_batch": target, "world_size": world_size, "max_batch": result.max_batch,
             "fastest_small_batch": result.chosen_batch, "batch_size": batch, "accum_steps": accum,
@@ -271,7 +281,7 @@ def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_ima
             "memory_model": result.memory_model, "fit_probes": result.fit_probes, "table": result.table}
 
 
-def format_table(report: dict) -> str:
+def format_finder_table(report: dict) -> str:
     lines = [f"{'batch':>7} {'img/s':>10} {'peak MiB':>10}"]
     for row in report["table"]:
         mark = "  <- chosen" if row["batch"] == report["fastest_small_batch"] else ""
@@ -294,16 +304,14 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     report = run_finder(cfg, device, amp_dtype, len(train_index.classes), len(train_index), dist.world_size)
     chosen = report["fastest_small_batch"]
     if dist.enabled:
-        tensor = torch.tensor([chosen], device=device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
-        chosen = int(tensor.item())
+        chosen = min_over_ranks(chosen, device)
         report["fastest_small_batch"] = chosen
         report["batch_size"], report["accum_steps"] = accumulation_for(chosen, report["target_effective_batch"],
                                                                        dist.world_size)
         report["effective_batch"] = report["batch_size"] * report["accum_steps"] * dist.world_size
     log.info("batch-size finder (largest fitting batch %d; %s):\n%s", report["max_batch"],
              f"CPU memory budget {report['memory_budget_mb']:.0f} MiB" if report["memory_budget_mb"] else
-             "out-of-memory search", format_table(report))
+             "out-of-memory search", format_finder_table(report))
     log.info("train.batch_size=auto -> batch %d x accum_steps %d x %d process(es) = effective batch %d "
              "(target %d, train.target_effective_batch)", report["batch_size"], report["accum_steps"],
              dist.world_size, report["effective_batch"], report["target_effective_batch"])

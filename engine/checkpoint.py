@@ -1,27 +1,23 @@
-"""Crash-safe checkpoint files and safe loading.
+"""Crash-safe checkpoint files, plain-data RNG state and bare state_dicts (the file level; what goes into
+last.pt and best.pt is `engine.checkpointer`'s).
 
 Writes go to a temp file in the same folder, are flushed and fsynced, then `os.replace`d over the
-target and the folder is fsynced, so a crash at any byte leaves the previous file whole. Loading uses
-`weights_only=True` with no fallback: a pickle that would run code is refused.
+target and the folder is fsynced, so a crash at any byte leaves the previous file whole. Loading is
+`core.safe_load.load_checkpoint` (`weights_only=True` with no fallback).
 """
 from __future__ import annotations
 
 import os
-import pickle
 import random
-import re
 import signal
 import tempfile
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from timm.utils import unwrap_model
 
-
-class CheckpointError(Exception):
-    """A checkpoint that is missing, damaged or not plain data."""
 
 
 @contextmanager
@@ -96,61 +92,10 @@ def _keep_previous(path: Path) -> None:
     os.replace(staging, previous)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        with warnings.catch_warnings():  # a plain pickle makes torch ask for a bug report; the error says enough
-            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            obj = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # torch.load raises many types for damaged files (KeyError, EOFError, ...)
-        blocked = _blocked_global(err)
-        if blocked:
-            raise CheckpointError(
-                f"checkpoint {path} was refused: it asks to load {blocked}, which is neither a tensor nor plain "
-                f"data, and unpickling it could run code. Nothing from it was run. Only load files from a "
-                f"source you trust; checkpoints written by train.py never need this") from err
-        raise CheckpointError(f"checkpoint {path} is damaged or truncated, or not a checkpoint "
-                              f"({type(err).__name__}: {_first_informative_line(err)})") from err
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"checkpoint {path} does not hold a dict")
-    return obj
-
-
-_GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)")
-
-
-def _blocked_global(err: Exception):
-    """The `module.name` a weights-only load refused to import, if that is why it failed."""
-    if not isinstance(err, pickle.UnpicklingError):
-        return None
-    match = _GLOBAL_PATTERN.search(str(err))
-    return match.group(1) if match else None
-
-
-def _first_informative_line(err: Exception) -> str:
-    """torch's weights-only message opens with advice to retry the unsafe way: never show that."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    useful = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Please file an issue",
-                                                        "Check the documentation"))]
-    return (useful or lines or ["no details"])[0][:200]
-
-
 def bare_state_dict(model: torch.nn.Module) -> dict:
     """The state_dict of the underlying model: no `module.` (DDP) or `_orig_mod.` (compile) prefixes."""
-    inner = unwrap(model)
+    inner = unwrap_model(model)
     return {k: v.detach().clone().cpu() for k, v in inner.state_dict().items()}
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
 
 
 # ---------------------------------------------------------------- RNG state as plain data

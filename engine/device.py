@@ -1,16 +1,34 @@
-"""Device and precision choices."""
+"""Device and precision choices, and `DeviceInput`: how a uint8 batch becomes the model's input.
+
+One `DeviceInput` (device, mean, std, channels_last, AMP dtype) serves training, evaluation and
+prediction: `prepare()` moves and normalises a batch, `autocast()` opens the precision context.
+"""
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from engine.config import ConfigError
+from core.errors import ConfigError
+from data.transforms import normalize_batch
+
+PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def select_device(setting: str, local_rank: int = 0) -> torch.device:
+def precision_name(amp_dtype: Optional[torch.dtype]) -> str:
+    """`fp32`, `bf16` or `fp16`: what a log line or a benchmark reports."""
+    return PRECISION_NAMES[amp_dtype]
+
+
+def amp_setting(amp_dtype: Optional[torch.dtype]) -> str:
+    """The `train.amp` value that selects this precision (`none` for full precision)."""
+    return "none" if amp_dtype is None else PRECISION_NAMES[amp_dtype]
+
+
+def select_device(setting: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
     if setting == "auto":
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -21,7 +39,7 @@ def select_device(setting: str, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"'train.device' = {setting}, but CUDA is not available here; use train.device=cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
-    elif device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    elif device.type == "cuda" and world_size > 1:
         raise ConfigError(f"'train.device' = {setting}: under torchrun each process takes the GPU of its local rank; "
                           f"use train.device=auto (or cuda) and choose GPUs with CUDA_VISIBLE_DEVICES")
     return device
@@ -50,13 +68,61 @@ def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
         return torch.float16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # Measured (benchmark.py --mode train --synthetic, resnet18, one thread, README "Performance"): on an
-    # AVX512-BF16 CPU without AMX, bf16 autocast trains 1.2x faster than fp32 at 32 px and 1.8x at 128 px,
-    # so AVX512-BF16 is enough. Without either, bf16 has no native kernels (AVX2 converts around each op),
-    # so auto keeps fp32 there (not measured on this machine, which has AVX512-BF16).
+    # Without AMX or AVX512-BF16, bf16 has no native CPU kernels (AVX2 converts around each op), so auto
+    # keeps fp32 there; the measured bf16 speed-ups on AVX512-BF16 are in docs/performance.md.
     return torch.bfloat16 if cpu_has_fast_bf16() else None
 
 
 def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     """`data.pin_memory`: null means pinned exactly when the batches go to a CUDA device."""
     return setting if setting is not None else device.type == "cuda"
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def autocast(device: torch.device, amp_dtype: Optional[torch.dtype]):
+    """The autocast context for `amp_dtype`, or a no-op for full precision."""
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype)
+
+
+def enable_cudnn_autotune(device: torch.device) -> None:
+    """cudnn picks the fastest convolution algorithms for the (fixed) input shapes; the same choice in
+    training, evaluation and inference, so eval.py reproduces validation's numbers."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+@dataclass
+class DeviceInput:
+    """How loader batches (uint8, CHW) reach the model: on `device`, normalised, in `channels_last`, under
+    autocast to `amp_dtype` (None: fp32)."""
+
+    device: torch.device
+    mean: tuple
+    std: tuple
+    channels_last: bool
+    amp_dtype: Optional[torch.dtype]
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device, amp_dtype: Optional[torch.dtype],
+                    channels_last: Optional[bool] = None) -> "DeviceInput":
+        cl = cfg.train.channels_last if channels_last is None else channels_last
+        return cls(device, tuple(cfg.data.mean), tuple(cfg.data.std), cl, amp_dtype)
+
+    def prepare(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, non_blocking=True)
+        return normalize_batch(images, self.mean, self.std, channels_last=self.channels_last)
+
+    def labels(self, targets: torch.Tensor) -> torch.Tensor:
+        return targets.to(self.device, non_blocking=True)
+
+    def autocast(self):
+        return autocast(self.device, self.amp_dtype)

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-class DistributedSetupError(Exception):
-    """The environment asks for distributed training but the process group cannot start (exit 1)."""
+from core.errors import ConfigError, DistributedSetupError
 
 
 @dataclass
@@ -28,7 +26,16 @@ class DistInfo:
 
 
 def env_world_size() -> int:
+    """The process count torchrun announces (1 outside torchrun); the only readers of these variables."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 # Device types PyTorch's SyncBatchNorm runs on (DistributedDataParallel refuses it on CPU).
@@ -38,8 +45,6 @@ SYNC_BN_DEVICES = ("cuda", "xpu", "hpu")
 def check_sync_bn(sync_bn: bool, device_type: str, world_size: int) -> None:
     """`model.sync_bn` under DDP needs accelerator processes; refuse it up front (exit 2) elsewhere."""
     if sync_bn and world_size > 1 and device_type not in SYNC_BN_DEVICES:
-        from engine.config import ConfigError
-
         raise ConfigError(f"'model.sync_bn' = true needs GPU processes: PyTorch's SyncBatchNorm does not run on "
                           f"{device_type}. Drop model.sync_bn, or use model.norm=group for small per-process batches")
 
@@ -49,8 +54,8 @@ def init_distributed(device_type: str) -> DistInfo:
     world = env_world_size()
     if world <= 1:
         return DistInfo()
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = env_rank()
+    local_rank = env_local_rank()
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -101,6 +106,15 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (the same on all ranks)."""
+    if not is_initialized():
+        return value
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_ranks_true(flag: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import ConfigError
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 def effective_batch(batch_size: int, accum_steps: int, world_size: int) -> int:
     return batch_size * accum_steps * world_size
@@ -70,3 +76,35 @@ class WarmupCosine:
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, start_factor: float,
                     min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total, start_factor, min_ratio))
+
+
+@dataclass
+class RunPlan:
+    """The run's batch and step arithmetic, fixed at start-up (the start-up line prints it)."""
+
+    batch_size: int            # per process
+    accum_steps: int
+    world_size: int
+    batches_per_epoch: int     # per process, after data.limit_train_batches
+    effective_batch: int
+    peak_lr: float
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+
+def plan_run(cfg, batch_size: int, batches_in_split: int, world_size: int) -> RunPlan:
+    """RunPlan for `cfg` at a per-process `batch_size` whose sampler yields `batches_in_split` batches.
+    ConfigError (exit 2) when `schedule.min_lr` lies above the scaled peak LR."""
+    batches = min(batches_in_split, cfg.data.limit_train_batches or batches_in_split)
+    accum = cfg.train.accum_steps
+    effective = effective_batch(batch_size, accum, world_size)
+    peak = scaled_lr(cfg.optim.lr, effective, cfg.optim.base_batch_size, cfg.optim.lr_scaling)
+    if cfg.schedule.min_lr > peak:
+        raise ConfigError(f"'schedule.min_lr' = {cfg.schedule.min_lr} is above the peak LR {peak:.6g} "
+                          f"(optim.lr {cfg.optim.lr} with {cfg.optim.lr_scaling} scaling to effective batch "
+                          f"{effective}); lower schedule.min_lr")
+    per_epoch = steps_per_epoch(batches, accum)
+    total = per_epoch * cfg.train.epochs
+    warmup = min(warmup_steps(cfg.schedule.warmup_epochs, per_epoch), total)
+    return RunPlan(batch_size, accum, world_size, batches, effective, peak, per_epoch, total, warmup)

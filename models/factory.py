@@ -15,14 +15,11 @@ from timm.layers import BatchNormAct2d, GroupNormAct
 import torch
 import torchvision
 
-from engine.checkpoint import CheckpointError, load_checkpoint
+from core.errors import CheckpointError, ModelError
+from core.safe_load import load_checkpoint
 
 log = logging.getLogger("train")
 TORCHVISION_PREFIX = "tv:"
-
-
-class ModelError(Exception):
-    """An unknown model name or unusable weights file (exit 2)."""
 
 
 def model_exists(name: str) -> bool:
@@ -80,6 +77,12 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_
     if norm == "group":
         model = batchnorm_to_groupnorm(model, group_norm_groups)
     return model
+
+
+def build_model(model_cfg, num_classes: int) -> torch.nn.Module:
+    """The classifier that `model_cfg` (the config's `model` section) describes, with fresh weights."""
+    m = model_cfg
+    return create_model(m.name, num_classes, m.drop_rate, m.drop_path_rate, m.norm, m.group_norm_groups)
 
 
 def _groups_for(channels: int, wanted: int) -> int:

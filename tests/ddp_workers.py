@@ -7,7 +7,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from engine.loop import EpochProgress, StepContext, StepHooks, train_one_epoch
+from engine.device import DeviceInput
+from engine.loop import StepHooks, train_one_epoch
+from engine.state import EpochCounters
+from engine.step import TrainStep
 
 
 def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -24,18 +27,18 @@ def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -
         return loss + float("inf") if rank == 0 and len(calls) == 2 else loss
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx = StepContext(model=torch.nn.parallel.DistributedDataParallel(model), criterion=criterion,
-                      optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                      scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"), amp_dtype=None,
-                      mean=[0.5] * 3, std=[0.5] * 3, channels_last=False, accum_steps=1, clip_grad_norm=None,
-                      nonfinite="skip", max_nonfinite_in_row=10, distributed=True)
+    ctx = TrainStep(model=torch.nn.parallel.DistributedDataParallel(model), criterion=criterion,
+                    optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    input=DeviceInput(torch.device("cpu"), [0.5] * 3, [0.5] * 3, False, None), accum_steps=1,
+                    clip_grad_norm=None, nonfinite="skip", max_nonfinite_in_row=10, distributed=True)
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8, generator=g),
                torch.randint(0, 2, (4,), generator=g), torch.full((4,), -1)) for _ in range(4)]
     hooks = StepHooks(checkpoint_due=lambda s: False, stop_requested=lambda s: False, save=lambda p: None,
-                      log_step=lambda s, v: None)
-    progress = EpochProgress()
-    train_one_epoch(ctx, loader, 4, 0, progress, SimpleNamespace(step=0), hooks, log_interval=100)
+                      log_step=lambda s, v: None, log_interval=100)
+    progress = EpochCounters()
+    train_one_epoch(ctx, loader, 4, progress, SimpleNamespace(step=0), hooks)
     torch.save({"skipped": progress.skipped_steps, "params": [p.detach() for p in model.parameters()]},
                f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

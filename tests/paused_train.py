@@ -29,6 +29,7 @@ def halt(marker: str) -> None:
 
 def pause_in_validation(marker: str, n: int) -> None:
     import engine.trainer as trainer
+    import engine.checkpointer as checkpointer
 
     real_evaluate = trainer.evaluate
     calls = {"n": 0}
@@ -45,6 +46,7 @@ def pause_in_validation(marker: str, n: int) -> None:
 
 def wait_for_signal_after_save(marker: str, n: int) -> None:
     import engine.trainer as trainer
+    import engine.checkpointer as checkpointer
 
     real_handle = trainer.StopSignal._handle
     got = []
@@ -66,6 +68,7 @@ def wait_for_signal_after_save(marker: str, n: int) -> None:
 def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
     import engine.checkpoint as checkpoint
     import engine.trainer as trainer
+    import engine.checkpointer as checkpointer
 
     real_save = checkpoint.save_atomic
     calls = {"n": 0}
@@ -78,7 +81,7 @@ def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
                 at_pause(marker)
 
     checkpoint.save_atomic = save_atomic
-    trainer.save_atomic = save_atomic
+    checkpointer.save_atomic = save_atomic
 
 
 def pause_in_save(marker: str, n: int) -> None:
@@ -99,8 +102,9 @@ def pause_in_save(marker: str, n: int) -> None:
 
     checkpoint.save_atomic = save_atomic
     import engine.trainer as trainer
+    import engine.checkpointer as checkpointer
 
-    trainer.save_atomic = save_atomic
+    checkpointer.save_atomic = save_atomic
 
 
 if __name__ == "__main__":
@@ -112,6 +116,6 @@ if __name__ == "__main__":
     sys.argv = [str(REPO / "train.py"), *sys.argv[4:]]
     import train
 
-    from engine.cli import run_main
+    from commands.cli import run_main
 
     run_main(train.main)

@@ -4,11 +4,13 @@ import copy
 import pytest
 import torch
 
-from engine.config import OptimConfig
-from engine.loop import EpochProgress, StepContext, StepHooks, train_one_epoch
+from core.config import OptimConfig
+from engine.device import DeviceInput
+from engine.loop import StepHooks, train_one_epoch
 from engine.optim import build_optimizer
 from engine.schedule import build_scheduler, steps_per_epoch
-from engine.trainer import TrainState
+from engine.state import EpochCounters, TrainState
+from engine.step import TrainStep
 
 MEAN, STD = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
 
@@ -38,15 +40,15 @@ def batches(images, labels, batch_size):
 
 
 def make_context(model, accum_steps, num_batches, clip=None, momentum=0.9):
-    """A StepContext built the way Trainer.setup builds one (CPU, fp32)."""
+    """A TrainStep built the way Trainer.setup builds one (CPU, fp32)."""
     optim_cfg = OptimConfig(name="sgd", momentum=momentum, nesterov=momentum > 0, weight_decay=1e-3)
     optimizer = build_optimizer(model, optim_cfg, lr=0.05)
     total = steps_per_epoch(num_batches, accum_steps)
     scheduler = build_scheduler(optimizer, warmup=1, total=total, start_factor=0.0, min_ratio=0.0)
-    return StepContext(model=model, criterion=torch.nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
-                       scaler=torch.amp.GradScaler("cpu", enabled=False), device=torch.device("cpu"), amp_dtype=None,
-                       mean=MEAN, std=STD, channels_last=False, accum_steps=accum_steps, clip_grad_norm=clip,
-                       nonfinite="stop", max_nonfinite_in_row=10, distributed=False)
+    return TrainStep(model=model, criterion=torch.nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
+                     scaler=torch.amp.GradScaler("cpu", enabled=False),
+                     input=DeviceInput(torch.device("cpu"), MEAN, STD, False, None), accum_steps=accum_steps,
+                     clip_grad_norm=clip, nonfinite="stop", max_nonfinite_in_row=10, distributed=False)
 
 
 def run_epoch(model, loader, accum_steps, clip=None, momentum=0.9):
@@ -54,9 +56,10 @@ def run_epoch(model, loader, accum_steps, clip=None, momentum=0.9):
     state = TrainState()
     logged = []
     hooks = StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
-                      save=lambda progress: None, log_step=lambda step, values: logged.append((step, values)))
-    progress = EpochProgress()
-    train_one_epoch(ctx, loader, len(loader), 0, progress, state, hooks, log_interval=1)
+                      save=lambda snapshot: None, log_step=lambda step, values: logged.append((step, values)),
+                      log_interval=1)
+    progress = EpochCounters()
+    train_one_epoch(ctx, loader, len(loader), progress, state, hooks)
     return state, progress, logged
 
 

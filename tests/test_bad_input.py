@@ -23,8 +23,8 @@ from data.datasets import EvalDataset, TrainDataset
 from data.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.transforms import EvalTransform, TrainTransform
-from engine.cli import run_main
-from engine.config import load_config
+from commands.cli import run_main
+from core.config import load_config
 from engine.trainer import run
 
 # ---------------------------------------------------------------- broken files

@@ -141,7 +141,7 @@ def test_train_with_auto_batch(tmp_path, tiny_tree):
 
 
 def test_out_of_memory_message_names_the_batch_size_and_the_options(capsys):
-    from engine.cli import run_main
+    from commands.cli import run_main
 
     def main():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -8,8 +8,8 @@ import yaml
 
 import train
 from conftest import run_script, tiny_overrides
-from engine.cli import run_main
-from engine.config import (CONFIG_DIR, Config, ConfigError, all_keys, load_config, read_yaml,
+from commands.cli import run_main
+from core.config import (CONFIG_DIR, Config, ConfigError, all_keys, load_config, read_yaml,
                            resolve_config_path)
 
 
@@ -209,7 +209,7 @@ def test_every_base_yaml_key_is_documented_on_its_line():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    from engine.config import config_from_dict, dump_yaml
+    from core.config import config_from_dict, dump_yaml
 
     cfg = load_config("quickstart", tiny_overrides(tmp_path / "data", tmp_path / "run"))
     path = tmp_path / "config.yaml"

@@ -5,7 +5,7 @@ import csv
 import time
 
 from data.transforms import TrainTransform
-from engine.config import load_config
+from core.config import load_config
 from engine.trainer import run
 from tests.conftest import tiny_overrides
 

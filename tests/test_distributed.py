@@ -22,9 +22,10 @@ from data.folder import scan_split
 from data.loaders import build_eval_loader
 from data.samplers import ShardSampler, TrainSampler
 from data.transforms import EvalTransform
-from engine.config import ConfigError
+from core.config import ConfigError
 from engine.distributed import check_sync_bn, convert_sync_bn
-from engine.loop import evaluate
+from engine.device import DeviceInput
+from engine.evaluate import evaluate
 from models.factory import create_model
 
 # 17 validation images: not a multiple of world size x batch (2 x 2), and the two ranks get different
@@ -76,8 +77,8 @@ def evaluate_checkpoint(path: Path, data: Path, limit_samples=None, unreadable=(
     dataset = EvalDataset(index, EvalTransform(pre["img_size"], pre["crop_pct"], pre["interpolation"]),
                           pre["img_size"])
     loader = build_eval_loader(dataset, 5, 0, False, limit_samples=limit_samples)
-    sums, bad = evaluate(model, loader, torch.device("cpu"), len(ckpt["classes"]), pre["mean"], pre["std"],
-                         channels_last=False, amp_dtype=None)
+    sums, bad = evaluate(model, loader, DeviceInput(torch.device("cpu"), pre["mean"], pre["std"], False, None),
+                         len(ckpt["classes"]))
     assert bad == list(unreadable)
     return sums.compute()
 

@@ -13,8 +13,8 @@ from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
 from data.folder import DataTreeError
-from engine.config import ConfigError
-from engine.evaluation import evaluate_checkpoint
+from core.config import ConfigError
+from commands.evaluate import evaluate_checkpoint
 
 COUNTS = {"a": (16, 6), "b": (16, 6), "c": (16, 7)}
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -81,7 +81,7 @@ def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     assert b["f1"] == pytest.approx(100 * 2 * (6 / 19) / (1 + 6 / 19))
     assert result.per_class["a"] == {"accuracy": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "count": 6}
 
-    from engine.report import draw_confusion
+    from commands.report import draw_confusion
 
     with Image.open(draw_confusion(result.confusion, result.classes, tmp_path / "c.png")) as img:
         pixels = np.asarray(img.convert("RGB")).reshape(-1, 3)

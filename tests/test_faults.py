@@ -15,10 +15,12 @@ import torch
 
 from conftest import HalfWriter, make_tree, tiny_overrides
 from engine import checkpoint
-from engine.checkpoint import load_checkpoint, save_atomic
-from engine.cli import run_main
-from engine.config import ConfigError, load_config
-from engine.trainer import Trainer, resolve_resume_path, run
+from core.safe_load import load_checkpoint
+from engine.checkpoint import save_atomic
+from commands.cli import run_main
+from core.config import ConfigError, load_config
+from engine.checkpointer import resolve_resume
+from engine.trainer import Trainer, run
 
 SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
 
@@ -133,13 +135,13 @@ def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_ru
     shutil.copytree(finished_run, run_dir)
     damage(run_dir / "last.pt", how)
     with caplog.at_level("WARNING", logger="train"):
-        ckpt = resolve_resume_path("auto", run_dir)
+        ckpt = resolve_resume("auto", run_dir)
     assert ckpt["step"] == 4  # last.prev.pt: the end of epoch 1
     assert any("damaged or truncated" in r.message and "trying the previous state" in r.message
                for r in caplog.records)
     damage(run_dir / "last.prev.pt", how)
     with pytest.raises(ConfigError, match="no loadable checkpoint"):
-        resolve_resume_path("auto", run_dir)
+        resolve_resume("auto", run_dir)
 
 
 def test_resume_auto_with_a_damaged_last_pt_continues_the_run(data_root, finished_run, tmp_path):
@@ -219,7 +221,7 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(data_root
     out = tmp_path / "run"
     trainer = Trainer(make_cfg(data_root, out))
     trainer.setup()
-    criterion, calls = trainer.ctx.criterion, [0]
+    criterion, calls = trainer.step.criterion, [0]
 
     def interrupting(logits, targets):
         calls[0] += 1
@@ -227,7 +229,7 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(data_root
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during step 2
         return criterion(logits, targets)
 
-    trainer.ctx.criterion = interrupting
+    trainer.step.criterion = interrupting
     handler_before = signal.getsignal(signal.SIGINT)
     assert trainer.fit() == 130
     assert signal.getsignal(signal.SIGINT) is handler_before
@@ -302,7 +304,7 @@ class NaNAt:
 def nan_trainer(data_root, out, steps, snapshot_before=(), **extra):
     trainer = Trainer(make_cfg(data_root, out, **extra))
     trainer.setup()
-    trainer.ctx.criterion = NaNAt(trainer.ctx.criterion, steps)
+    trainer.step.criterion = NaNAt(trainer.step.criterion, steps)
     snapshots, calls = {}, [0]
 
     def before_forward(module, args):  # the state before training step k's forward (accum_steps 1)

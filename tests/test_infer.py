@@ -15,11 +15,12 @@ from PIL import Image
 import infer
 from conftest import class_image, make_tree, run_script, tiny_overrides
 from data.folder import DataTreeError
-from data.inference import FileListDataset, build_inference_loader, expand_inputs
-from engine.checkpoint import CheckpointError
-from engine.config import ConfigError
-from engine.evaluation import build_model, read_checkpoint
-from engine.inference import predict
+from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from core.errors import CheckpointError
+from core.config import ConfigError
+from engine.checkpointer import build_eval_model, read_checkpoint
+from engine.device import DeviceInput
+from engine.evaluate import predict
 
 CLASSES = ["a", "b", "c"]
 
@@ -75,14 +76,14 @@ def test_padded_batches_give_the_same_results_for_any_batch_size(checkpoint, ima
 
 def test_every_forward_pass_sees_the_full_batch_and_padding_is_dropped(checkpoint, images):
     loaded = read_checkpoint(checkpoint)
-    model = build_model(loaded, torch.device("cpu"), channels_last=True)
+    model = build_eval_model(loaded, torch.device("cpu"), channels_last=True)
     shapes = []
     model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     paths = sorted(str(p) for p in images.iterdir())
     dataset = FileListDataset(paths, loaded.eval_transform(), loaded.cfg.data.img_size)
     loader = build_inference_loader(dataset, 3, 0, pin_memory=False)
     d = loaded.cfg.data
-    preds = predict(model, loader, torch.device("cpu"), d.mean, d.std, True, None, k=3)
+    preds = predict(model, loader, DeviceInput(torch.device("cpu"), d.mean, d.std, True, None), k=3)
     assert shapes == [(3, 3, d.img_size, d.img_size)] * 3  # 7 images: 3 + 3 + (1 real + 2 padding)
     assert preds.top_probs.shape == (7, 3) and bool(preds.valid.all())
     # the unpadded reference: each image alone through the model
@@ -270,7 +271,7 @@ def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, im
     code, rows = _infer_json(tmp_path, images, "--checkpoint", checkpoint, "--num-workers", 0, "--topk", 3)
     assert code == 0 and "folded" in caplog.text
     loaded = read_checkpoint(checkpoint)
-    model = build_model(loaded, torch.device("cpu"), channels_last=True)  # as eval.py runs it: unfolded
+    model = build_eval_model(loaded, torch.device("cpu"), channels_last=True)  # as eval.py runs it: unfolded
     dataset = FileListDataset([r["path"] for r in rows], loaded.eval_transform(), loaded.cfg.data.img_size)
     from data.transforms import normalize_batch
 

@@ -8,7 +8,7 @@ import torchvision
 
 import train
 from conftest import TEST_MODEL, tiny_overrides
-from engine.cli import run_main
+from commands.cli import run_main
 from models.factory import ModelError, batchnorm_to_groupnorm, create_model, fold_batchnorm, load_local_weights
 
 

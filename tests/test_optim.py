@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import TEST_MODEL
-from engine.config import OptimConfig
+from core.config import OptimConfig
 from engine.optim import build_optimizer, param_groups
 from models.factory import create_model
 

@@ -3,9 +3,9 @@ from collections import Counter
 
 import pytest
 
-from data.build import build_train_data
+from data.build import build_run_data
 from data.samplers import TrainSampler
-from engine.config import load_config
+from core.config import load_config
 from conftest import make_tree, tiny_overrides
 
 IMBALANCED = [0] * 200 + [1] * 20 + [2] * 5
@@ -80,7 +80,7 @@ def test_config_weighted_sampler_balances_what_the_loader_yields(tmp_path):
     root = make_tree(tmp_path / "data", {"a": (200, 1), "b": (20, 1), "c": (5, 1)}, size=(8, 8))
     cfg = load_config(None, tiny_overrides(root, tmp_path / "run", **{"data.sampler": "weighted",
                                                                       "train.batch_size": 25}))
-    data = build_train_data(cfg, cfg.train.batch_size, 0, 1, False)
+    data = build_run_data(cfg, cfg.train.batch_size, 0, 1, False)
     counts = Counter()
     for epoch in range(2):
         data.sampler.set_epoch(epoch)

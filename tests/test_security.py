@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import REPO, make_tree, tiny_overrides
-from engine.checkpoint import CheckpointError, load_checkpoint
-from engine.cli import run_main
-from engine.config import ConfigError, load_config, parse_override
+from core.errors import CheckpointError
+from core.safe_load import load_checkpoint
+from commands.cli import run_main
+from core.config import ConfigError, load_config, parse_override
 from engine.trainer import run
 
 

@@ -8,7 +8,7 @@ import timm
 import torch
 
 from conftest import TEST_MODEL, make_tree, run_script, tiny_overrides
-from engine.config import Config, load_config
+from core.config import Config, load_config
 from engine.schedule import lr_factor
 
 SUMMARY_BEST_KEYS = {"top1", "top5", "loss", "mean_class_acc", "num_samples"}

@@ -14,7 +14,7 @@ from data.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.images import open_image, oriented_size, parse_jpeg_header
 from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_jpeg
-from engine.bench import photo
+from benchmarking.photos import photo
 
 
 def _jpeg(path, size, mode="RGB", orientation=None, seed=0):

@@ -16,20 +16,23 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from core.errors import ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(Exception):
-    """A usage or config mistake; the entry scripts exit 2 with this message."""
+def _range(lo=None, hi=None, lo_open=False, resume_free=False):
+    """Field metadata: the allowed range, and whether the key may change on --resume (it does not change
+    the math of the run: paths, workers, logging, checkpoint cadence, stopping policy)."""
+    return {"min": lo, "max": hi, "lo_open": lo_open, "resume_free": resume_free}
 
 
-def _range(lo=None, hi=None, lo_open=False):
-    return {"min": lo, "max": hi, "lo_open": lo_open}
+FREE = _range(resume_free=True)  # a key without a range that may change on --resume
 
 
 @dataclass
 class DataConfig:
-    root: Optional[str] = None
+    root: Optional[str] = field(default=None, metadata=FREE)
     train_split: str = "train"
     val_split: str = "val"
     builtin: Optional[Literal["digits"]] = None
@@ -43,13 +46,13 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     sampler: Literal["random", "weighted", "sequential"] = "random"
-    num_workers: int = field(default=2, metadata=_range(0))
-    pin_memory: Optional[bool] = None
-    persistent_workers: bool = True
-    prefetch_factor: int = field(default=4, metadata=_range(1))
-    max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0))
+    num_workers: int = field(default=2, metadata=_range(0, resume_free=True))
+    pin_memory: Optional[bool] = field(default=None, metadata=FREE)
+    persistent_workers: bool = field(default=True, metadata=FREE)
+    prefetch_factor: int = field(default=4, metadata=_range(1, resume_free=True))
+    max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0, resume_free=True))
     limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
-    limit_val_batches: Optional[int] = field(default=None, metadata=_range(1))
+    limit_val_batches: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
 
 
 @dataclass
@@ -74,11 +77,11 @@ class TrainConfig:
     clip_grad_norm: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
     seed: int = 0
     channels_last: bool = True
-    compile: bool = False
-    device: str = "auto"
-    nonfinite: Literal["stop", "skip"] = "stop"
-    max_nonfinite_in_row: int = field(default=10, metadata=_range(1))
-    memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
+    compile: bool = field(default=False, metadata=FREE)
+    device: str = field(default="auto", metadata=FREE)
+    nonfinite: Literal["stop", "skip"] = field(default="stop", metadata=FREE)
+    max_nonfinite_in_row: int = field(default=10, metadata=_range(1, resume_free=True))
+    memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True, resume_free=True))
     target_effective_batch: Optional[int] = field(default=None, metadata=_range(1))
 
 
@@ -105,21 +108,21 @@ class ScheduleConfig:
 @dataclass
 class EarlyStopConfig:
     metric: Literal["top1", "top5", "loss", "mean_class_acc"] = "top1"
-    patience: Optional[int] = field(default=None, metadata=_range(1))
-    min_delta: float = field(default=0.0, metadata=_range(0.0))
+    patience: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
+    min_delta: float = field(default=0.0, metadata=_range(0.0, resume_free=True))
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = field(default=0, metadata=_range(0))
+    every_steps: int = field(default=0, metadata=_range(0, resume_free=True))
 
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs/default"
-    log_interval: int = field(default=50, metadata=_range(1))
-    tensorboard: bool = True
-    progress_bar: Union[bool, Literal["auto"]] = "auto"
+    dir: str = field(default="runs/default", metadata=FREE)
+    log_interval: int = field(default=50, metadata=_range(1, resume_free=True))
+    tensorboard: bool = field(default=True, metadata=FREE)
+    progress_bar: Union[bool, Literal["auto"]] = field(default="auto", metadata=FREE)
 
 
 @dataclass
@@ -140,6 +143,11 @@ class Config:
 # ---------------------------------------------------------------- loading
 
 
+def available_configs() -> list[str]:
+    """The config names in configs/ (what `--config NAME` takes besides a path)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
 def resolve_config_path(name: str) -> Path:
     """`resnet50`, `resnet50.yaml` or a path to a YAML file."""
     candidates = [Path(name)]
@@ -149,7 +157,7 @@ def resolve_config_path(name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    known = available_configs()
     hint = _did_you_mean(Path(name).stem, known)
     raise ConfigError(f"config '{name}' not found (a YAML path or one of: {', '.join(known)}){hint}")
 
@@ -194,11 +202,16 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
     cfg = Config()
     if name:
         apply_dict(cfg, read_yaml(resolve_config_path(name)), source=str(name))
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Dotted KEY=VALUE overrides (values parsed as YAML) on top of `cfg`; the caller validates."""
     for text in overrides:
         key, value = parse_override(text)
         apply_dict(cfg, nest(key, value), source="command line")
-    validate(cfg)
-    return cfg
 
 
 def config_from_dict(values: dict) -> Config:
@@ -351,6 +364,40 @@ def check_data_root(cfg: Config) -> Path:
         if not (root / split).is_dir():
             raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / data.val_split)")
     return root
+
+
+# ---------------------------------------------------------------- resume
+
+
+def resume_free_keys(obj=None, prefix: str = "") -> set[str]:
+    """Dotted keys whose field metadata says they may change between a run and its resume."""
+    obj = obj if obj is not None else Config()
+    keys = set()
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys |= resume_free_keys(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("resume_free"):
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses)."""
+    free = resume_free_keys()
+    a, b = flatten(saved), flatten(current)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in free and a.get(k) != b.get(k)]
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -1,58 +1,24 @@
-"""Batched prediction over a file list with fixed-shape (padded) batches, and the result rows.
-
-Every forward pass sees exactly `batch_size` images; the padding rows are dropped before softmax/top-k.
-Results stay on the device until the loop ends and come to the host in one copy, so the loop itself
-never waits for the device.
-"""
+"""infer.py's work: classify a file list with a checkpoint in padded fixed-shape batches, and the
+result rows (a table on stdout, CSV or JSON files)."""
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from data.transforms import normalize_batch
+from core.errors import ConfigError
+from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from engine.checkpointer import build_eval_model, find_newest_checkpoint, read_checkpoint
+from engine.device import DeviceInput, enable_cudnn_autotune, resolve_amp, select_device
+from engine.evaluate import Predictions, predict
+from models.factory import fold_batchnorm
 
 log = logging.getLogger("infer")
-
-
-@dataclass
-class Predictions:
-    top_probs: torch.Tensor    # [N, k] float32, by input order; rows of unreadable files are undefined
-    top_indices: torch.Tensor  # [N, k] int64
-    valid: torch.Tensor        # [N] bool
-    errors: dict               # input index -> reason the file could not be read
-
-
-def predict(model: torch.nn.Module, loader, device: torch.device, mean, std, channels_last: bool,
-            amp_dtype: Optional[torch.dtype], k: int) -> Predictions:
-    """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order."""
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    probs_out, indices_out, valid_out = [], [], []
-    errors: dict = {}
-    with torch.inference_mode():
-        for images, valid, indices, reasons in loader:
-            n = len(indices)
-            batch = normalize_batch(images.to(device, non_blocking=True), mean, std, channels_last=channels_last)
-            with autocast:
-                logits = model(batch)
-            top = logits[:n].float().softmax(dim=1).topk(k, dim=1)
-            probs_out.append(top.values)
-            indices_out.append(top.indices)
-            valid_out.append(valid)
-            for i, reason in zip(indices.tolist(), reasons):
-                if reason:
-                    errors[i] = reason
-    if not probs_out:
-        empty = torch.zeros(0, k)
-        return Predictions(empty, empty.long(), torch.zeros(0, dtype=torch.bool), errors)
-    return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors)
 
 
 def result_columns(k: int) -> list[str]:
@@ -83,7 +49,7 @@ def result_rows(paths: list[str], preds: Predictions, classes: list[str]) -> lis
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def format_predictions_table(rows: list[dict]) -> str:
     width = max([len("path")] + [len(r["path"]) for r in rows])
     label_width = max([len("label")] + [len(r["label"]) for r in rows if r["label"] is not None])
     lines = [f"{'path':<{width}}  {'label':<{label_width}}  {'prob':>6}"]
@@ -114,12 +80,6 @@ def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int, topk: int, output: Optional[str],
                   amp: Optional[str], compile_model: bool, num_workers: int, device_setting: str = "auto") -> int:
     """Classify every input file; returns the exit status (0: at least one classified, 1: none)."""
-    from data.inference import FileListDataset, build_inference_loader, expand_inputs
-    from engine.config import ConfigError
-    from engine.device import resolve_amp, select_device
-    from engine.evaluation import build_model, find_newest_checkpoint, read_checkpoint
-    from models.factory import fold_batchnorm
-
     paths = expand_inputs(inputs)
     if checkpoint is None:
         checkpoint_path = find_newest_checkpoint("runs")
@@ -139,21 +99,20 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
     k = min(topk, len(loaded.classes))
 
-    model = build_model(loaded, device, channels_last=True)
+    model = build_eval_model(loaded, device, channels_last=True)
     model, folded = fold_batchnorm(model)
     if folded:
         model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
         log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # padded batches: one input shape, tuned once
+    enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
     if compile_model:
         model = torch.compile(model, dynamic=False)
     dataset = FileListDataset(paths, loaded.eval_transform(), cfg.data.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
-    preds = predict(model, loader, device, cfg.data.mean, cfg.data.std, True, amp_dtype, k)
+    preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k)
     rows = result_rows(paths, preds, loaded.classes)
 
-    print(format_table(rows))
+    print(format_predictions_table(rows))
     failed = [r for r in rows if r["error"] is not None]
     for r in failed:
         log.warning("could not read %s: %s", r["path"], r["error"])

@@ -1,20 +1,22 @@
-"""Shared entry-script plumbing: argument parsing of KEY=VALUE overrides and exit codes.
+"""Entry-script plumbing: run a command's `main` and turn its outcome into an exit status.
 
 Exit status: 0 done; 1 the job failed; 2 usage or config error (before any work); 143 / 130 after a
-SIGTERM / SIGINT made the run save and stop.
+SIGTERM / SIGINT made the run save and stop. Nothing here imports torch, so `--help` and usage errors
+answer before the heavy imports.
 """
 from __future__ import annotations
 
 import sys
 from typing import Callable
 
-from data.folder import DataTreeError
-from engine.checkpoint import CheckpointError
-from engine.config import ConfigError
-from engine.distributed import DistributedSetupError
-from models.factory import ModelError
+from core.errors import USAGE_ERRORS, DistributedSetupError
 
-USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
+OUT_OF_MEMORY_ADVICE = (
+    "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
+    "train.accum_steps=K to keep the effective batch (batch_size x accum_steps x processes); "
+    "train.batch_size=auto to find the largest batch that fits and keep the effective batch "
+    "(train.target_effective_batch); mixed precision (train.amp=bf16, or fp16 on CUDA); a smaller "
+    "data.img_size; on the CPU, train.memory_budget_gb bounds what batch_size=auto may use.")
 
 
 def run_main(main: Callable[[], int]) -> None:
@@ -42,13 +44,9 @@ def run_main(main: Callable[[], int]) -> None:
     sys.exit(code)
 
 
-OUT_OF_MEMORY_ADVICE = (
-    "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
-    "train.accum_steps=K to keep the effective batch (batch_size x accum_steps x processes); "
-    "train.batch_size=auto to find the largest batch that fits and keep the effective batch "
-    "(train.target_effective_batch); mixed precision (train.amp=bf16, or fp16 on CUDA); a smaller "
-    "data.img_size; on the CPU, train.memory_budget_gb bounds what batch_size=auto may use.")
-
-
 def _is_out_of_memory(err: Exception) -> bool:
-    return "out of memory" in str(err).lower() or type(err).__name__ == "OutOfMemoryError"
+    if "torch" in sys.modules:  # any out-of-memory error came from torch, which is then imported
+        from engine.device import is_out_of_memory
+
+        return is_out_of_memory(err)
+    return "out of memory" in str(err).lower()

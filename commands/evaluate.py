@@ -1,0 +1,82 @@
+"""eval.py's work: evaluate a checkpoint on a split exactly as training validated it."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import ConfigError
+from data.build import prepare_root
+from data.datasets import EvalDataset
+from data.folder import match_classes, scan_split
+from data.loaders import build_eval_loader
+from engine.checkpointer import build_eval_model, read_checkpoint
+from engine.device import (DeviceInput, amp_setting, enable_cudnn_autotune, pin_memory_for, resolve_amp,
+                           select_device)
+from engine.evaluate import evaluate
+from engine.metrics import per_class_report
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class EvalResult:
+    metrics: dict
+    per_class: dict
+    confusion: torch.Tensor
+    classes: list[str]
+    skipped_files: list[str]
+    settings: dict
+
+
+def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
+                        batch_size: int | None = None, tta: bool = False, overrides: list[str] = ()) -> EvalResult:
+    """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
+    size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
+    `engine.evaluate.evaluate`."""
+    loaded = read_checkpoint(checkpoint, overrides)
+    cfg = loaded.cfg
+    if data_root is not None:
+        cfg.data.root = data_root
+    if batch_size is not None:
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size {batch_size}: must be >= 1")
+        cfg.train.batch_size = batch_size
+    split = split or cfg.data.val_split
+    if not cfg.data.root:
+        raise ConfigError("no data folder: the checkpoint's config has no data.root; pass --data ROOT")
+    if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
+        raise ConfigError("the checkpoint's train.batch_size is 'auto'; pass --batch-size N")
+    root = Path(cfg.data.root).expanduser()
+    if cfg.data.builtin and data_root is None and not (root / split).is_dir():
+        prepare_root(cfg)  # the checkpoint's own built-in data set, written anew; never a folder the user named
+    if loaded.saved_val_limit and not cfg.data.limit_val_batches:
+        log.warning("training validated this checkpoint on its first %d batch(es) only (data.limit_val_batches); "
+                    "this evaluation reads the whole split (pass data.limit_val_batches=%d to match training)",
+                    loaded.saved_val_limit, loaded.saved_val_limit)
+    index = match_classes(scan_split(root / split), loaded.classes)
+
+    device = select_device(cfg.train.device)
+    amp_dtype = resolve_amp(cfg.train.amp, device)
+    enable_cudnn_autotune(device)
+    model = build_eval_model(loaded, device, cfg.train.channels_last)
+    dataset = EvalDataset(index, loaded.eval_transform(), cfg.data.img_size)
+    pin = pin_memory_for(cfg.data.pin_memory, device)
+    limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
+    loader = build_eval_loader(dataset, cfg.train.batch_size, cfg.data.num_workers, pin,
+                               prefetch_factor=cfg.data.prefetch_factor, limit_samples=limit)
+    sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
+                                tta_flip=tta)
+    metrics = sums.compute()
+    confusion = sums.confusion.cpu()
+    skipped = [index.paths[i] for i in sorted(unreadable)]
+    settings = {"checkpoint": str(loaded.path), "epoch": loaded.epoch, "data": str(root), "split": split,
+                "batch_size": cfg.train.batch_size, "amp": amp_setting(amp_dtype),
+                "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
+                "preprocessing": {"img_size": cfg.data.img_size, "crop_pct": cfg.data.crop_pct,
+                                  "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
+                                  "std": list(cfg.data.std)}}
+    return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
+                      settings)

@@ -1,0 +1,71 @@
+"""The evaluation pass (sample-weighted sums over a labelled split) and the prediction pass (padded
+fixed-shape batches over a file list, results in input order).
+
+Both keep their results on the device until the pass ends, so the loop never waits for the device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.device import DeviceInput
+from engine.metrics import MetricSums
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
+             tta_flip: bool = False) -> tuple[MetricSums, list[int]]:
+    """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
+    of files that could not be read (excluded, never substituted). A limit on the samples evaluated
+    belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`)."""
+    was_training = model.training
+    model.eval()
+    sums = MetricSums(num_classes, device_input.device)
+    unreadable: list[int] = []
+    for images, targets, valid, indices in loader:
+        if not bool(valid.all()):
+            unreadable.extend(int(j) for j in indices[~valid])
+        images = device_input.prepare(images)
+        with device_input.autocast():
+            logits = model(images).float()
+            if tta_flip:
+                # log of the mean of the two probabilities, in log space so it never underflows to -inf
+                flipped = model(images.flip(3)).float()
+                logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
+        sums.update(logits, device_input.labels(targets), valid.to(device_input.device, non_blocking=True))
+    model.train(was_training)
+    return sums, unreadable
+
+
+@dataclass
+class Predictions:
+    top_probs: torch.Tensor    # [N, k] float32, by input order; rows of unreadable files are undefined
+    top_indices: torch.Tensor  # [N, k] int64
+    valid: torch.Tensor        # [N] bool
+    errors: dict               # input index -> reason the file could not be read
+
+
+def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -> Predictions:
+    """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order; the
+    padding rows are dropped before softmax / top-k."""
+    probs_out, indices_out, valid_out = [], [], []
+    errors: dict = {}
+    with torch.inference_mode():
+        for images, valid, indices, reasons in loader:
+            n = len(indices)
+            batch = device_input.prepare(images)
+            with device_input.autocast():
+                logits = model(batch)
+            top = logits[:n].float().softmax(dim=1).topk(k, dim=1)
+            probs_out.append(top.values)
+            indices_out.append(top.indices)
+            valid_out.append(valid)
+            for i, reason in zip(indices.tolist(), reasons):
+                if reason:
+                    errors[i] = reason
+    if not probs_out:
+        empty = torch.zeros(0, k)
+        return Predictions(empty, empty.long(), torch.zeros(0, dtype=torch.bool), errors)
+    return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors)

@@ -1,0 +1,81 @@
+"""The run's bookkeeping: `TrainState` (saved in last.pt) and `EpochCounters` (one epoch's totals, saved
+mid-epoch so a resumed epoch reports the same totals)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from core.errors import NonFiniteError
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class EpochCounters:
+    """Totals of the epoch so far; `batches_done` is also where a resumed epoch starts."""
+
+    batches_done: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    data_time: float = 0.0  # seconds this process waited for the loader
+    skipped_steps: int = 0
+    nonfinite_in_row: int = 0
+    unreadable: set = field(default_factory=set)  # training-split indices of files that could not be read
+
+    def note_unreadable(self, replaced: torch.Tensor) -> None:
+        """`replaced` (CPU, from the loader): per sample the index of the unreadable file it stands in for, or -1."""
+        if (replaced >= 0).any():
+            self.unreadable.update(int(i) for i in replaced[replaced >= 0])
+
+    def count_update(self, skipped: bool, step: int, max_in_row: int) -> None:
+        """After optimizer step `step`: a skipped update is counted and logged; too many in a row stop the run."""
+        if not skipped:
+            self.nonfinite_in_row = 0
+            return
+        self.skipped_steps += 1
+        self.nonfinite_in_row += 1
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.nonfinite_in_row)
+        if self.nonfinite_in_row >= max_in_row:
+            raise NonFiniteError(f"{self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
+                                 f"gradients (last at step {step}); stopping (train.max_nonfinite_in_row)")
+
+    def snapshot(self, extra_loss: float = 0.0) -> dict:
+        """Plain data for last.pt, with `extra_loss` (the device-side sum not yet added) included."""
+        out = dataclasses.asdict(self)
+        out["loss_sum"] = self.loss_sum + extra_loss
+        out["unreadable"] = sorted(self.unreadable)
+        return out
+
+    @classmethod
+    def restore(cls, saved: dict) -> "EpochCounters":
+        values = dict(saved)
+        # checkpoints written before the rename call the unreadable-file indices `bad_indices`
+        values["unreadable"] = set(values.pop("unreadable", values.pop("bad_indices", [])))
+        return cls(**values)
+
+
+@dataclass
+class TrainState:
+    """Bookkeeping that goes into last.pt beside the model, optimizer, scheduler, scaler and RNG."""
+
+    epoch: int = 0               # epochs completed
+    step: int = 0                # optimizer steps done
+    batch_in_epoch: int = 0      # batches of epoch `epoch` already consumed
+    best_value: Optional[float] = None
+    best_epoch: int = 0
+    best_metrics: dict = field(default_factory=dict)
+    bad_epochs: int = 0
+    stopped_early: bool = False
+    skipped_files: list = field(default_factory=list)
+    skipped_steps: int = 0
+    train_samples: int = 0
+    train_time_s: float = 0.0
+    progress: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
+
+    def epoch_counters(self) -> EpochCounters:
+        """The counters to continue the current epoch with (fresh at an epoch start)."""
+        return EpochCounters.restore(self.progress) if self.batch_in_epoch else EpochCounters()

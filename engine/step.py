@@ -1,0 +1,129 @@
+"""The training step: forward and backward of one micro-batch, and the update that ends an
+accumulation window (unscale, gradient norm and clipping, the non-finite decision, optimizer step,
+EMA, LR schedule).
+
+`build_train_step` is the one way to assemble it; the trainer, the batch-size finder, `benchmark.py` and
+the tests all use it, so what they time or check is what training runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from timm.utils import unwrap_model
+
+from engine.device import DeviceInput
+from engine.distributed import all_ranks_true
+from engine.optim import build_optimizer
+from engine.schedule import build_scheduler
+
+
+@dataclass
+class WindowUpdate:
+    """What the end of an accumulation window did."""
+
+    skipped: bool                        # no optimizer step (fp16 overflow, or train.nonfinite=skip)
+    window_ok: torch.Tensor              # device bool: loss and gradients finite (agreed over ranks)
+    grad_norm: Optional[torch.Tensor]    # device scalar, when it was computed
+    lr_used: float                       # the LR this step ran with (the scheduler has moved on since)
+
+
+@dataclass
+class TrainStep:
+    model: torch.nn.Module               # what runs forward (DDP- and compile-wrapped where set)
+    criterion: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    input: DeviceInput
+    accum_steps: int = 1
+    clip_grad_norm: Optional[float] = None
+    nonfinite: str = "stop"              # train.nonfinite: stop | skip
+    max_nonfinite_in_row: int = 10
+    distributed: bool = False
+    ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after each applied step
+
+    @property
+    def fp16(self) -> bool:
+        return self.input.amp_dtype == torch.float16
+
+    @property
+    def watches_nonfinite(self) -> bool:
+        """The run stops at the first non-finite step (under fp16 the GradScaler skips such steps instead)."""
+        return self.nonfinite == "stop" and not self.fp16
+
+    def forward_backward(self, images: torch.Tensor, targets: torch.Tensor, window: int,
+                         sync_gradients: bool) -> torch.Tensor:
+        """Loss of one micro-batch (detached); its gradient, divided by the window length, is accumulated.
+        Under DDP the gradient all-reduce runs only on the window's last micro-batch."""
+        no_sync = self.distributed and not sync_gradients
+        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+            with self.input.autocast():
+                logits = self.model(images)
+                loss = self.criterion(logits, targets)
+            self.scaler.scale(loss / window).backward()
+        return loss.detach()
+
+    def finish_window(self, window_ok: torch.Tensor, step_number: int, want_norm: bool) -> WindowUpdate:
+        """End an accumulation window as optimizer step `step_number` (from 1). No host sync except where
+        a skip must be decided on the host (fp16, or train.nonfinite=skip)."""
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+            window_ok = window_ok & torch.isfinite(grad_norm)
+        if grad_norm is None and (want_norm or not self.fp16):
+            # Also the non-finite check of the gradients (a finite loss can still give inf gradients); it
+            # stays on the device. Under fp16 the GradScaler does that check itself.
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            window_ok = window_ok & torch.isfinite(grad_norm)
+        if self.distributed and not self.fp16:  # under fp16 the GradScaler decides
+            # a loss that is non-finite on one rank only: every rank must skip (or stop at) this step
+            window_ok = all_ranks_true(window_ok)
+        skipped = self._apply_update(window_ok)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None and not skipped:
+            self.ema.update(unwrap_model(self.model), step=step_number)
+        lr_used = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        return WindowUpdate(skipped, window_ok, grad_norm, lr_used)
+
+    def _apply_update(self, window_ok: torch.Tensor) -> bool:
+        """Step the optimizer; True when the step was skipped (fp16 overflow or nonfinite: skip)."""
+        scaler = self.scaler
+        if scaler.is_enabled():
+            scale_before = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            return scaler.get_scale() < scale_before
+        if self.nonfinite == "skip" and not bool(window_ok):
+            return True
+        self.optimizer.step()
+        return False
+
+
+def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, peak_lr: float,
+                     warmup_steps: int = 0, total_steps: Optional[int] = None,
+                     train_model: Optional[torch.nn.Module] = None, ema: Optional[torch.nn.Module] = None,
+                     distributed: bool = False, accum_steps: Optional[int] = None) -> TrainStep:
+    """The optimizer, LR schedule, GradScaler and loss of `cfg` around `model` (the bare model, whose
+    parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
+    `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
+    accumulation; what measuring a step needs."""
+    optimizer = build_optimizer(model, cfg.optim, peak_lr)
+    if total_steps is None:
+        scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
+    else:
+        scheduler = build_scheduler(optimizer, warmup_steps, total_steps, cfg.schedule.warmup_start_factor,
+                                    cfg.schedule.min_lr / peak_lr)
+    scaler = torch.amp.GradScaler(device_input.device.type, enabled=device_input.amp_dtype == torch.float16)
+    t = cfg.train
+    return TrainStep(model=train_model if train_model is not None else model,
+                     criterion=torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing), optimizer=optimizer,
+                     scheduler=scheduler, scaler=scaler, input=device_input,
+                     accum_steps=t.accum_steps if accum_steps is None else accum_steps,
+                     clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
+                     max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema)
