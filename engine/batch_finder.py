@@ -319,3 +319,18 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
         write_json_atomic(Path(run_dir) / "batch_finder.json", report)
     return report["batch_size"], report["accum_steps"]
 
+
+
+def resolve_batch_size(cfg, resume_ckpt: Optional[dict], device: torch.device, amp_dtype, run_dir: Path,
+                       dist) -> tuple[int, int]:
+    """(per-device batch, accum_steps) for the run: the configured ones, or for `train.batch_size: auto` the
+    finder's choice. A resumed run keeps the batch the finder chose the first time: a new search could
+    pick another one, which would change the math."""
+    if cfg.train.batch_size != "auto":
+        return cfg.train.batch_size, cfg.train.accum_steps
+    saved_train = ((resume_ckpt or {}).get("config") or {}).get("train")
+    if isinstance(saved_train, dict) and isinstance(saved_train.get("batch_size"), int):
+        log.info("train.batch_size=auto: resuming with the batch chosen before, %d x accum %d",
+                 saved_train["batch_size"], saved_train["accum_steps"])
+        return saved_train["batch_size"], saved_train["accum_steps"]
+    return resolve_auto_batch(cfg, device, amp_dtype, run_dir, dist)

@@ -126,15 +126,16 @@ def all_ranks_true(flag: torch.Tensor) -> torch.Tensor:
     return agreed.bool()
 
 
-def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
-    """Copy BatchNorm running statistics (and other buffers) from rank `src` to all ranks.
+def broadcast_buffers(*models: torch.nn.Module) -> None:
+    """Copy BatchNorm running statistics (and other buffers) of `models` from rank 0 to all ranks.
 
     Each rank's BN statistics drift with its own last batches; after this every rank holds rank 0's,
     which are the ones rank 0 saves, so the model evaluated is the model saved."""
     if not is_initialized():
         return
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src)
+    for model in models:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, 0)
 
 
 def convert_sync_bn(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:

@@ -21,12 +21,13 @@ from data.health import check_bad_fraction
 from engine import distributed as dist_utils
 from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, load_finetune_source,
                                  resolve_resume)
-from engine.device import (DeviceInput, enable_cudnn_autotune, memory_format, pin_memory_for, precision_name,
-                           resolve_amp, select_device)
+from engine.batch_finder import resolve_batch_size
+from engine.device import (DeviceInput, enable_cudnn_autotune, memory_format, pin_memory_for, resolve_amp,
+                           select_device)
 from engine.evaluate import evaluate
 from engine.loop import StepHooks, train_one_epoch
 from engine.metrics import is_improvement
-from engine.progress import StepReporter
+from engine.progress import RunReporter
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import RunPlan, plan_run
 from engine.signals import StopSignal
@@ -67,7 +68,7 @@ class Trainer:
         # start or restore
         self.checkpointer: Optional[Checkpointer] = None
         self.runlog: Optional[RunLog] = None
-        self.reporter: Optional[StepReporter] = None
+        self.reporter: Optional[RunReporter] = None
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
 
@@ -80,7 +81,7 @@ class Trainer:
         self._setup_wrapping()
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
-        self._log_startup()
+        self.reporter.log_startup(self.data, self.device, self.amp_dtype, self.plan)
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
@@ -111,18 +112,8 @@ class Trainer:
 
     def _setup_data(self, resume_ckpt: Optional[dict]) -> None:
         cfg = self.cfg
-        saved_train = ((resume_ckpt or {}).get("config") or {}).get("train")
-        if cfg.train.batch_size == "auto" and isinstance(saved_train, dict) and isinstance(saved_train.get("batch_size"), int):
-            # A resumed run keeps the batch the finder chose the first time: a new search could pick
-            # another one, which would change the math.
-            cfg.train.batch_size, cfg.train.accum_steps = saved_train["batch_size"], saved_train["accum_steps"]
-            log.info("train.batch_size=auto: resuming with the batch chosen before, %d x accum %d",
-                     cfg.train.batch_size, cfg.train.accum_steps)
-        if cfg.train.batch_size == "auto":
-            from engine.batch_finder import resolve_auto_batch
-
-            cfg.train.batch_size, cfg.train.accum_steps = resolve_auto_batch(cfg, self.device, self.amp_dtype,
-                                                                             self.run_dir, self.dist)
+        cfg.train.batch_size, cfg.train.accum_steps = resolve_batch_size(cfg, resume_ckpt, self.device, self.amp_dtype,
+                                                                         self.run_dir, self.dist)
         pin = pin_memory_for(cfg.data.pin_memory, self.device)
         self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
@@ -171,7 +162,7 @@ class Trainer:
         if resume_ckpt is not None:
             self.state = self.checkpointer.restore(resume_ckpt)
         self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
-        self.reporter = StepReporter(cfg, self.runlog, self.dist.is_main, self.dist.world_size,
+        self.reporter = RunReporter(cfg, self.runlog, self.dist.is_main, self.dist.world_size,
                                      self.plan.total_steps, self.plan.batches_per_epoch)
         if not self.dist.is_main:
             return
@@ -183,18 +174,6 @@ class Trainer:
             log.warning("%s holds last.pt of an earlier run; this new run replaces it (to continue that "
                         "run instead, stop now and pass --resume auto)", self.run_dir)
         self.runlog.drop_epochs_from(1)  # metrics.csv describes this run only
-
-    def _log_startup(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        log.info("data: %d training images, %d validation images, %d classes (%s)", len(self.data.train_index),
-                 len(self.data.val_index), len(self.classes), ", ".join(self.classes[:10]) +
-                 (", ..." if len(self.classes) > 10 else ""))
-        log.info("model %s on %s, precision %s, channels_last %s, %d process(es)", cfg.model.name, self.device,
-                 precision_name(self.amp_dtype), cfg.train.channels_last, self.dist.world_size)
-        log.info("effective batch %d (batch %d x accum %d x %d process(es)) | steps/epoch %d | total steps %d | "
-                 "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
-                 plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
-                 plan.warmup_steps, plan.peak_lr, cfg.optim.lr_scaling, cfg.optim.lr, cfg.optim.base_batch_size)
 
     # ------------------------------------------------------------ the run
 
@@ -285,9 +264,7 @@ class Trainer:
     def _sync_buffers(self) -> None:
         """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""
         if self.dist.enabled and not self.cfg.model.sync_bn:
-            dist_utils.broadcast_buffers(self.model)
-            if self.ema is not None:
-                dist_utils.broadcast_buffers(self.ema.module)
+            dist_utils.broadcast_buffers(self.model, *([self.ema.module] if self.ema is not None else []))
 
     def save_last(self) -> None:
         # All ranks come here together (epoch ends, and steps the ranks agreed on): afterwards every rank
@@ -314,7 +291,8 @@ class Trainer:
     def _end_epoch(self, epoch: int, metrics: dict, counters: EpochCounters, samples_per_s: float,
                    seconds: float) -> None:
         improved = self._track_best(epoch, metrics)
-        self._report_epoch(epoch, metrics, counters, samples_per_s, seconds, improved)
+        self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
+                                   self.step.optimizer.param_groups[0]["lr"], self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
         self.save_last()
@@ -334,46 +312,8 @@ class Trainer:
                 s.stopped_early = True
         return improved
 
-    def _report_epoch(self, epoch: int, metrics: dict, counters: EpochCounters, samples_per_s: float,
-                      seconds: float, improved: bool) -> None:
-        cfg, es = self.cfg, self.cfg.early_stop
-        train_loss = counters.loss_sum / max(counters.samples, 1)
-        log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  top5 %.2f  loss %.4f  mean class acc %.2f  "
-                 "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
-                 metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"], samples_per_s,
-                 "best" if improved else f"no improvement for {self.state.bad_epochs} epoch(s)")
-        if self.state.stopped_early:
-            log.info("early stopping: %s has not improved by more than %g for %d epochs; best epoch %d",
-                     es.metric, es.min_delta, es.patience, self.state.best_epoch)
-        self.runlog.scalars({f"val/{k}": metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc")} |
-                            {"train/epoch_loss": train_loss, "train/epoch_samples_per_s": samples_per_s},
-                            self.state.step)
-        self.runlog.epoch_row({
-            "epoch": epoch + 1, "step": self.state.step, "lr": self.step.optimizer.param_groups[0]["lr"],
-            "train_loss": train_loss, "train_samples_per_s": samples_per_s, "data_wait_frac": self.epoch_wait_frac,
-            "epoch_time_s": seconds, "val_top1": metrics["top1"], "val_top5": metrics["top5"],
-            "val_loss": metrics["loss"], "val_mean_class_acc": metrics["mean_class_acc"],
-            "val_num_samples": metrics["num_samples"], "skipped_files": len(self.state.skipped_files)})
-        self.runlog.flush()
-
     def write_summary(self) -> None:
-        s = self.state
-        self.runlog.summary({
-            "best_epoch": s.best_epoch,
-            "best": s.best_metrics,
-            "best_metric": self.cfg.early_stop.metric,
-            "epochs_completed": s.epoch,
-            "steps_completed": s.step,
-            "stopped_early": s.stopped_early,
-            "train_samples_per_s": s.train_samples * self.dist.world_size / s.train_time_s if s.train_time_s > 0 else 0.0,
-            "train_time_s": s.train_time_s,
-            "skipped_files": list(s.skipped_files),
-            "skipped_steps": s.skipped_steps,
-            "skipped_val_files": list(self.val_skipped_files),
-            "classes": list(self.classes),
-            "effective_batch": self.plan.effective_batch,
-            "peak_lr": self.plan.peak_lr,
-        })
+        self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
 
 
 def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None) -> int:
