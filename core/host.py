@@ -26,3 +26,12 @@ def choose_threads(setting, loader_workers: int, cpus: int, env: dict) -> tuple[
         return int(from_env), "OMP_NUM_THREADS"
     threads = max(1, cpus - loader_workers)
     return threads, f"auto: {cpus} core(s) - {loader_workers} loader worker(s)"
+
+
+def prefer_passive_omp_wait(env=None) -> None:
+    """OpenMP threads that wait for work sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), unless the
+    user chose a policy. Spinning threads take the cores the loader workers and other jobs need, and on a
+    busy machine every step then waits for them. OpenMP reads this once, when torch loads it, so this runs
+    before torch is imported; docs/performance.md has the measurements."""
+    env = os.environ if env is None else env
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_tree, tiny_overrides
 from core.config import load_config
-from core.host import choose_threads
+from core.host import choose_threads, prefer_passive_omp_wait
 from engine.schedule import validation_due
 from engine.trainer import Trainer, run
 
@@ -64,3 +64,26 @@ def test_val_interval_validates_every_nth_epoch_and_early_stopping_counts_valida
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_epoch"] == 2 and summary["stopped_early"] and summary["epochs_completed"] == 4
     assert torch.load(out / "best.pt", weights_only=True)["epoch"] == 2
+
+
+def test_openmp_threads_sleep_by_default_but_a_users_policy_stays():
+    env = {}
+    prefer_passive_omp_wait(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    prefer_passive_omp_wait(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_entry_scripts_set_the_wait_policy_before_torch_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    probe = ("import os, sys; sys.argv = ['train.py', '--help']; from commands.cli import run_main; "
+             "import atexit; atexit.register(lambda: print('policy', os.environ.get('OMP_WAIT_POLICY'), "
+             "'torch' in sys.modules)); import train; run_main(train.main)")
+    env = {k: v for k, v in __import__('os').environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, env=env).stdout
+    assert "policy PASSIVE False" in out
