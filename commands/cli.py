@@ -10,6 +10,7 @@ import sys
 from typing import Callable
 
 from core.errors import USAGE_ERRORS, DistributedSetupError
+from core.host import prefer_passive_omp_wait
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
@@ -20,7 +21,10 @@ OUT_OF_MEMORY_ADVICE = (
 
 
 def run_main(main: Callable[[], int]) -> None:
-    """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line."""
+    """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
+    First, before any command imports torch, OpenMP's waiting threads are told to sleep rather than spin
+    (`core.host.prefer_passive_omp_wait`)."""
+    prefer_passive_omp_wait()
     try:
         code = main()
     except USAGE_ERRORS as err:

@@ -83,6 +83,8 @@ class TrainConfig:
     max_nonfinite_in_row: int = field(default=10, metadata=_range(1, resume_free=True))
     memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True, resume_free=True))
     target_effective_batch: Optional[int] = field(default=None, metadata=_range(1))
+    threads: Union[int, Literal["auto"]] = field(default="auto", metadata=_range(1, resume_free=True))
+    val_interval: int = field(default=1, metadata=_range(1, resume_free=True))
 
 
 @dataclass

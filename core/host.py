@@ -10,3 +10,28 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def choose_threads(setting, loader_workers: int, cpus: int, env: dict) -> tuple[int, str]:
+    """Intra-op threads for the main process, and where the number came from.
+
+    An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process). `auto`
+    leaves the loader workers their cores: max(1, cores - workers). The main process's threads spin
+    while they wait for work, so on a machine whose cores the workers (or other jobs) also want, more
+    threads than free cores slow every step down; docs/performance.md has the measurements."""
+    if setting != "auto":
+        return int(setting), "train.threads"
+    from_env = env.get("OMP_NUM_THREADS", "").strip()
+    if from_env.isdigit() and int(from_env) > 0:
+        return int(from_env), "OMP_NUM_THREADS"
+    threads = max(1, cpus - loader_workers)
+    return threads, f"auto: {cpus} core(s) - {loader_workers} loader worker(s)"
+
+
+def prefer_passive_omp_wait(env=None) -> None:
+    """OpenMP threads that wait for work sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), unless the
+    user chose a policy. Spinning threads take the cores the loader workers and other jobs need, and on a
+    busy machine every step then waits for them. OpenMP reads this once, when torch loads it, so this runs
+    before torch is imported; docs/performance.md has the measurements."""
+    env = os.environ if env is None else env
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")

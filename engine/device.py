@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from core.errors import ConfigError
+from core.host import choose_threads, usable_cpus
 from data.transforms import normalize_batch
 
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -76,6 +78,13 @@ def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
 def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     """`data.pin_memory`: null means pinned exactly when the batches go to a CUDA device."""
     return setting if setting is not None else device.type == "cuda"
+
+
+def apply_thread_policy(setting, loader_workers: int) -> tuple[int, str]:
+    """Set torch's intra-op threads by `core.host.choose_threads`; returns (threads, where from)."""
+    threads, source = choose_threads(setting, loader_workers, usable_cpus(), os.environ)
+    torch.set_num_threads(threads)
+    return threads, source
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

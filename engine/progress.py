@@ -27,13 +27,14 @@ class RunReporter:
         self.bar = None
         self.wait_warned = False
 
-    def log_startup(self, data, device, amp_dtype, plan) -> None:
+    def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str]) -> None:
         """What the run will do: the data, the model and precision, the batch and step arithmetic."""
         cfg, classes = self.cfg, data.classes
         log.info("data: %d training images, %d validation images, %d classes (%s)", len(data.train_index),
                  len(data.val_index), len(classes), ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))
-        log.info("model %s on %s, precision %s, channels_last %s, %d process(es)", cfg.model.name, device,
-                 precision_name(amp_dtype), cfg.train.channels_last, self.world_size)
+        log.info("model %s on %s, precision %s, channels_last %s, %d process(es), %d CPU thread(s) (%s)",
+                 cfg.model.name, device, precision_name(amp_dtype), cfg.train.channels_last, self.world_size,
+                 *threads)
         log.info("effective batch %d (batch %d x accum %d x %d process(es)) | steps/epoch %d | total steps %d | "
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
@@ -77,17 +78,23 @@ class RunReporter:
             d = self.cfg.data
             log.warning("%s", data_wait_advice(wait, d.num_workers, usable_cpus(), d.prefetch_factor))
 
-    def report_epoch(self, epoch: int, state, metrics: dict, counters, samples_per_s: float, seconds: float,
-                     improved: bool, lr: float, wait_frac: Optional[float]) -> None:
-        """The epoch line, its TensorBoard scalars and its metrics.csv row."""
+    def report_epoch(self, epoch: int, state, metrics: Optional[dict], counters, samples_per_s: float,
+                     seconds: float, improved: bool, lr: float, wait_frac: Optional[float]) -> None:
+        """The epoch line, its TensorBoard scalars and its metrics.csv row (validation columns empty in an
+        epoch without validation)."""
         cfg, es = self.cfg, self.cfg.early_stop
         train_loss = counters.loss_sum / max(counters.samples, 1)
-        log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  top5 %.2f  loss %.4f  mean class acc %.2f  "
-                 "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
-                 metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"], samples_per_s,
-                 "best" if improved else f"no improvement for {state.bad_epochs} epoch(s)")
+        if metrics is None:
+            log.info("epoch %d/%d  train loss %.4f  %.0f img/s  (no validation: train.val_interval=%d)", epoch + 1,
+                     cfg.train.epochs, train_loss, samples_per_s, cfg.train.val_interval)
+            metrics = dict.fromkeys(("top1", "top5", "loss", "mean_class_acc", "num_samples"))
+        else:
+            log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  top5 %.2f  loss %.4f  mean class acc %.2f  "
+                     "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
+                     metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"],
+                     samples_per_s, "best" if improved else f"no improvement for {state.bad_epochs} validation(s)")
         if state.stopped_early:
-            log.info("early stopping: %s has not improved by more than %g for %d epochs; best epoch %d",
+            log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)
         self.runlog.scalars({f"val/{k}": metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc")} |
                             {"train/epoch_loss": train_loss, "train/epoch_samples_per_s": samples_per_s}, state.step)

@@ -78,6 +78,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total, start_factor, min_ratio))
 
 
+def validation_due(epochs_done: int, epochs: int, val_interval: int) -> bool:
+    """Validate after every `val_interval`-th epoch and always after the last one."""
+    return epochs_done % val_interval == 0 or epochs_done == epochs
+
+
 @dataclass
 class RunPlan:
     """The run's batch and step arithmetic, fixed at start-up (the start-up line prints it)."""

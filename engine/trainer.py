@@ -22,14 +22,14 @@ from engine import distributed as dist_utils
 from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, load_finetune_source,
                                  resolve_resume)
 from engine.batch_finder import resolve_batch_size
-from engine.device import (DeviceInput, enable_cudnn_autotune, memory_format, pin_memory_for, resolve_amp,
-                           select_device)
+from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, memory_format, pin_memory_for,
+                           resolve_amp, select_device)
 from engine.evaluate import evaluate
 from engine.loop import StepHooks, train_one_epoch
 from engine.metrics import is_improvement
 from engine.progress import RunReporter
 from engine.runlog import RunLog, setup_logging
-from engine.schedule import RunPlan, plan_run
+from engine.schedule import RunPlan, plan_run, validation_due
 from engine.signals import StopSignal
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
@@ -51,6 +51,7 @@ class Trainer:
         # runtime
         self.device: Optional[torch.device] = None
         self.amp_dtype: Optional[torch.dtype] = None
+        self.threads: tuple[int, str] = (0, "")  # intra-op threads and where the number came from
         self.dist = dist_utils.DistInfo()
         self.run_dir = Path(cfg.output.dir)
         # data
@@ -81,7 +82,7 @@ class Trainer:
         self._setup_wrapping()
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
-        self.reporter.log_startup(self.data, self.device, self.amp_dtype, self.plan)
+        self.reporter.log_startup(self.data, self.device, self.amp_dtype, self.plan, self.threads)
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
@@ -90,6 +91,7 @@ class Trainer:
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
+        self.threads = apply_thread_policy(cfg.train.threads, cfg.data.num_workers)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
         self.dist = dist_utils.init_distributed(self.device.type)
         if self.dist.is_main:
@@ -203,7 +205,8 @@ class Trainer:
                           log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             counters, seconds, resumed = self._train_epoch(epoch, hooks)
-            metrics = self.validate()
+            due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
+            metrics = self.validate() if due else None
             self.state.epoch, self.state.batch_in_epoch, self.state.progress = epoch + 1, 0, {}
             # the whole job's rate, over the samples this process ran since it (re)started the epoch
             samples_per_s = (counters.samples - resumed.samples) * self.dist.world_size / max(seconds, 1e-9)
@@ -288,9 +291,10 @@ class Trainer:
         self.val_skipped_files = paths
         return metrics
 
-    def _end_epoch(self, epoch: int, metrics: dict, counters: EpochCounters, samples_per_s: float,
+    def _end_epoch(self, epoch: int, metrics: Optional[dict], counters: EpochCounters, samples_per_s: float,
                    seconds: float) -> None:
-        improved = self._track_best(epoch, metrics)
+        """`metrics` None: an epoch without validation (train.val_interval)."""
+        improved = self._track_best(epoch, metrics) if metrics is not None else False
         self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
                                    self.step.optimizer.param_groups[0]["lr"], self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
