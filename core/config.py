@@ -409,9 +409,10 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses)."""
+    """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses). A key the
+    saved config lacks (written before the key existed) counts as its default, which is what that run did."""
     free = resume_free_keys()
-    a, b = flatten(saved), flatten(current)
+    a, b = {**flatten(Config().to_dict()), **flatten(saved)}, flatten(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k not in free and a.get(k) != b.get(k)]
 

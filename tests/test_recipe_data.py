@@ -12,13 +12,13 @@ from torchvision.transforms import InterpolationMode
 
 from commands.evaluate import evaluate_checkpoint
 from conftest import make_tree, tiny_overrides
-from core.config import ConfigError, load_config
+from core.config import Config, ConfigError, config_differences, load_config
 from data.build import build_run_data, describe_augmentation, eval_transform, train_transform
 from data.datasets import TrainDataset
 from data.folder import scan_split
 from data.samplers import TrainSampler
-from data.transforms import auto_augment_policy
-from engine.checkpointer import read_checkpoint
+from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
+from engine.checkpointer import build_eval_model, read_checkpoint
 from engine.trainer import run
 from test_config import run_train_in_process
 from test_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
@@ -154,7 +154,8 @@ def test_eval_img_size_sets_the_eval_transform_and_the_start_up_lines(photos):
 
 def test_validation_checkpoint_and_eval_use_eval_img_size(photos, tmp_path):
     """A resnet10t trained at 16 px, validated at 24 (its global pooling takes any size): best.pt records the
-    eval size, and eval.py reproduces validation exactly from it; an override still changes the size."""
+    eval size, eval.py reproduces validation exactly from it (an override still changes the size), and
+    infer.py classifies at that size."""
     run_dir = tmp_path / "run"
     cfg = load_config("base", tiny_overrides(photos, run_dir, **{"data.eval_img_size": 24, "train.batch_size": 4,
                                                                  "train.epochs": 1, "output.tensorboard": False}))
@@ -172,8 +173,35 @@ def test_validation_checkpoint_and_eval_use_eval_img_size(photos, tmp_path):
     assert other.settings["preprocessing"]["img_size"] == 32 and other.metrics["num_samples"] == 6
     assert other.metrics["loss"] != summary["best"]["loss"]
 
+    import infer                                                        # infer.py classifies at 24 px too
+    out = tmp_path / "pred.json"
+    assert infer.main([str(photos / "val"), "--checkpoint", str(run_dir / "best.pt"), "--batch-size", "4",
+                       "--output", str(out), "--num-workers", "0"]) == 0
+    rows = json.loads(out.read_text())
+    model = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
+
+    def top_probs(size: int) -> torch.Tensor:
+        transform = EvalTransform(size, 0.875, "bilinear")
+        images = normalize_batch(torch.stack([transform(r["path"]) for r in rows]), cfg.data.mean, cfg.data.std)
+        with torch.no_grad():
+            return model(images).softmax(1).max(1).values
+
+    infer_probs = torch.tensor([r["prob"] for r in rows])
+    assert torch.allclose(infer_probs, top_probs(24), atol=1e-4)        # BatchNorm folding: float rounding only
+    assert not torch.allclose(infer_probs, top_probs(16), atol=1e-3)
+
 
 # ---------------------------------------------------------------- exact resume with the policies on
+
+
+def test_a_checkpoint_from_before_the_recipe_keys_resumes_with_their_defaults():
+    saved = Config().to_dict()
+    for key in ("auto_augment", "auto_augment_magnitude", "auto_augment_ops", "repeated_augment", "eval_img_size"):
+        del saved["data"][key]
+    assert config_differences(saved, Config().to_dict()) == []
+    changed = load_config(None, ["data.auto_augment=randaugment", "data.repeated_augment=2"]).to_dict()
+    assert config_differences(saved, changed) == ["data.auto_augment: None -> 'randaugment'",
+                                                  "data.repeated_augment: 1 -> 2"]
 
 
 def test_sigkill_and_resume_with_randaugment_and_repeats_is_bitwise_equal(tmp_path):
