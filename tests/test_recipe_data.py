@@ -74,6 +74,19 @@ def test_magnitude_ops_and_interpolation_reach_the_torchvision_policies():
         load_config(None, ["data.auto_augment=randaug"])
 
 
+def test_the_torchvision_loader_baseline_applies_the_same_policy(photos):
+    from torchvision.transforms import v2
+
+    from benchmarking.loader import torchvision_train_loader
+
+    cfg = load_config(None, tiny_overrides(photos, photos / "unused", **{"data.auto_augment": "trivialaugment"}))
+    steps = torchvision_train_loader(cfg, 4, False).dataset.transform.transforms
+    assert [type(t) for t in steps].count(v2.TrivialAugmentWide) == 1
+    cfg.data.auto_augment = None
+    assert not any(isinstance(t, v2.TrivialAugmentWide) for t in torchvision_train_loader(cfg, 4, False)
+                   .dataset.transform.transforms)
+
+
 # ---------------------------------------------------------------- repeated augmentation
 
 
