@@ -39,17 +39,20 @@ def time_loader_epochs(loader, min_batches: int, sampler=None, epoch: int = 0,
 
 def torchvision_train_loader(cfg, batch_size: int, pin_memory: bool):
     """The common reference pipeline: ImageFolder + PIL + torchvision.transforms, float tensors normalised
-    in the workers, with the same augmentation, workers and prefetch as ours."""
+    in the workers, with the same augmentation (the auto-augment policy on the PIL crop, as torchvision's
+    reference scripts apply it), workers and prefetch as ours."""
     import torchvision
     from torchvision import transforms as T
 
-    from data.transforms import TV_INTERPOLATION
+    from data.transforms import TV_INTERPOLATION, auto_augment_policy
 
     d = cfg.data
+    policy = auto_augment_policy(d.auto_augment, d.auto_augment_magnitude, d.auto_augment_ops, d.interpolation)
     transform = T.Compose([
         T.RandomResizedCrop(d.img_size, scale=tuple(d.scale), ratio=tuple(d.ratio),
                             interpolation=TV_INTERPOLATION[d.interpolation]),
         T.RandomHorizontalFlip(d.hflip),
+        *([policy] if policy is not None else []),
         T.ToTensor(),
         T.Normalize(d.mean, d.std),
     ])

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from core.config import eval_size
 from engine.batch_finder import build_training_probe
 from engine.device import DeviceInput, memory_format, pin_memory_for, precision_name
 from engine.evaluate import predict
@@ -67,7 +68,7 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
     at least `steps` batches."""
     if synthetic:
         num_classes = 1000
-        images = synthetic_batch(batch_size, cfg.data.img_size, num_classes, device, train=False)[0]
+        images = synthetic_batch(batch_size, eval_size(cfg.data), num_classes, device, train=False)[0]
         batch = (images, torch.ones(batch_size, dtype=torch.bool), torch.arange(batch_size), [""] * batch_size)
         loader, warm_loader = [batch] * steps, [batch] * max(1, warmup)
     else:
@@ -79,9 +80,9 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
         num_classes = len(val_index.classes)
         paths = list(val_index.paths) * max(1, ceil_div(steps * batch_size, len(val_index.paths)))
         transform = eval_transform(cfg.data)
-        loader = build_inference_loader(FileListDataset(paths, transform, cfg.data.img_size), batch_size,
+        loader = build_inference_loader(FileListDataset(paths, transform, transform.img_size), batch_size,
                                         cfg.data.num_workers, pin, cfg.data.prefetch_factor)
-        warm_loader = build_inference_loader(FileListDataset(paths[:batch_size], transform, cfg.data.img_size),
+        warm_loader = build_inference_loader(FileListDataset(paths[:batch_size], transform, transform.img_size),
                                              batch_size, 0, pin)
     model = build_model(cfg.model, num_classes)
     model = model.to(device, memory_format=memory_format(cfg.train.channels_last)).eval()

@@ -63,7 +63,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     apply_thread_policy(cfg.train.threads, cfg.data.num_workers)
     enable_cudnn_autotune(device)
     model = build_eval_model(loaded, device, cfg.train.channels_last)
-    dataset = EvalDataset(index, loaded.eval_transform(), cfg.data.img_size)
+    transform = loaded.eval_transform()
+    dataset = EvalDataset(index, transform, transform.img_size)
     pin = pin_memory_for(cfg.data.pin_memory, device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
     loader = build_eval_loader(dataset, cfg.train.batch_size, cfg.data.num_workers, pin,
@@ -76,7 +77,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     settings = {"checkpoint": str(loaded.path), "epoch": loaded.epoch, "data": str(root), "split": split,
                 "batch_size": cfg.train.batch_size, "amp": amp_setting(amp_dtype),
                 "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
-                "preprocessing": {"img_size": cfg.data.img_size, "crop_pct": cfg.data.crop_pct,
+                "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
+                                  "crop_pct": cfg.data.crop_pct,
                                   "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
                                   "std": list(cfg.data.std)}}
     return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,

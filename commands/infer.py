@@ -108,7 +108,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
     if compile_model:
         model = torch.compile(model, dynamic=False)
-    dataset = FileListDataset(paths, loaded.eval_transform(), cfg.data.img_size)
+    transform = loaded.eval_transform()
+    dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
     preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k)
     rows = result_rows(paths, preds, loaded.classes)

@@ -28,6 +28,8 @@ def _range(lo=None, hi=None, lo_open=False, resume_free=False):
 
 
 FREE = _range(resume_free=True)  # a key without a range that may change on --resume
+# torchvision's RandAugment magnitudes are bins 0..30 (num_magnitude_bins=31, as timm's scale)
+RANDAUGMENT_MAX_MAGNITUDE = 30
 
 
 @dataclass
@@ -53,6 +55,11 @@ class DataConfig:
     max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0, resume_free=True))
     limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
     limit_val_batches: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
+    auto_augment: Optional[Literal["randaugment", "trivialaugment", "autoaugment", "augmix"]] = None
+    auto_augment_magnitude: int = field(default=9, metadata=_range(0, RANDAUGMENT_MAX_MAGNITUDE))
+    auto_augment_ops: int = field(default=2, metadata=_range(1))
+    repeated_augment: int = field(default=1, metadata=_range(1))
+    eval_img_size: Optional[int] = field(default=None, metadata=_range(8))
 
 
 @dataclass
@@ -349,8 +356,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"'optim.betas' = {cfg.optim.betas} must be two numbers in [0, 1)")
     if isinstance(cfg.train.batch_size, int) and cfg.train.batch_size < 1:
         raise ConfigError(f"'train.batch_size' = {cfg.train.batch_size} must be >= 1 or 'auto'")
+    if d.repeated_augment > 1 and d.sampler != "random":
+        raise ConfigError(f"'data.repeated_augment' = {d.repeated_augment} needs 'data.sampler' = random (it is "
+                          f"{d.sampler}): repeats are drawn from a shuffled epoch; set data.repeated_augment=1 "
+                          f"for the {d.sampler} sampler")
     if cfg.model.norm == "group" and cfg.model.sync_bn:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
+
+
+def eval_size(data_cfg: DataConfig) -> int:
+    """The evaluation input size: `data.eval_img_size`, or `data.img_size` when that is null."""
+    return data_cfg.eval_img_size or data_cfg.img_size
 
 
 def check_data_root(cfg: Config) -> Path:
@@ -395,9 +411,10 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses)."""
+    """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses). A key the
+    saved config lacks (written before the key existed) counts as its default, which is what that run did."""
     free = resume_free_keys()
-    a, b = flatten(saved), flatten(current)
+    a, b = {**flatten(Config().to_dict()), **flatten(saved)}, flatten(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k not in free and a.get(k) != b.get(k)]
 

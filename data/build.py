@@ -5,13 +5,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.config import eval_size
 from core.errors import ConfigError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
 from data.folder import ImageFolderIndex, scan_split
 from data.loaders import build_eval_loader, build_train_loader
 from data.samplers import TrainSampler
-from data.transforms import EvalTransform, TrainTransform
+from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger("train")
 
@@ -44,20 +45,47 @@ def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
 
 
 def eval_transform(data_cfg) -> EvalTransform:
-    """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation)."""
-    return EvalTransform(data_cfg.img_size, data_cfg.crop_pct, data_cfg.interpolation)
+    """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation), at
+    `data.eval_img_size` when set (FixRes: evaluate at another size than training)."""
+    return EvalTransform(eval_size(data_cfg), data_cfg.crop_pct, data_cfg.interpolation)
+
+
+def train_transform(data_cfg) -> TrainTransform:
+    d = data_cfg
+    policy = auto_augment_policy(d.auto_augment, d.auto_augment_magnitude, d.auto_augment_ops, d.interpolation)
+    return TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation, policy)
+
+
+def describe_augmentation(data_cfg) -> list[str]:
+    """Start-up lines for the data-side recipe knobs that are on (nothing when all are off)."""
+    d = data_cfg
+    lines = []
+    if d.auto_augment == "randaugment":
+        lines.append(f"auto-augment: randaugment, {d.auto_augment_ops} ops at magnitude {d.auto_augment_magnitude}")
+    elif d.auto_augment is not None:
+        lines.append(f"auto-augment: {d.auto_augment}" + (f" (severity {d.auto_augment_magnitude}, clipped to 1..10)"
+                                                          if d.auto_augment == "augmix" else ""))
+    if d.repeated_augment > 1:
+        lines.append(f"repeated augmentation x{d.repeated_augment}: each epoch takes 1/{d.repeated_augment} of the "
+                     f"training images, each {d.repeated_augment} times with its own augmentation")
+    if eval_size(d) != d.img_size:
+        lines.append(f"training at {d.img_size} px, evaluating at {eval_size(d)} px "
+                     f"(resize {eval_transform(d).resize_to}, centre crop)")
+    return lines
 
 
 def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
     train_index, val_index = scan_tree(cfg)
     d = cfg.data
-    transform = TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation)
-    train_dataset = TrainDataset(train_index, transform)
-    val_dataset = EvalDataset(val_index, eval_transform(d), d.img_size)
+    train_dataset = TrainDataset(train_index, train_transform(d))
+    val_dataset = EvalDataset(val_index, eval_transform(d), eval_size(d))
+    for line in describe_augmentation(d):
+        log.info(line)
     if d.sampler == "sequential":
         log.warning("data.sampler=sequential: the training split is read in a fixed order every epoch; the loss "
                     "will cycle with the class order. Use data.sampler=random (or weighted) unless you mean it.")
-    sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size)
+    sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size,
+                           repeats=d.repeated_augment)
     if sampler.num_batches() == 0:
         raise ConfigError(f"'train.batch_size' = {batch_size} is larger than this process's share of the training "
                           f"split ({len(sampler.shuffler)} images); lower it")

@@ -3,6 +3,12 @@
 `TrainSampler` yields `(sample index, augmentation seed)` pairs for one rank's share of an epoch. The
 augmentation seed is derived from (seed, epoch, rank, position), never from worker state, so the same
 sample at the same position gets the same crop whatever the worker count or a resume.
+
+Repeated augmentation (`data.repeated_augment` = k > 1, torchvision's RASampler / timm's
+RepeatAugSampler): the epoch takes the first ceil(N / k) images of a seeded permutation, each k times in
+a row, cut to the epoch's usual length, and rank r takes positions r, r + world, ... of that list. The
+epoch keeps the dataset's length; the k copies of an image sit at different positions (so get different
+augmentation seeds) and, with at least k processes, on different ranks.
 """
 from __future__ import annotations
 
@@ -22,6 +28,16 @@ def mix_seed(*parts: int) -> int:
     return h & _MASK
 
 
+def repeated_order(n: int, repeats: int, total: int, generator: torch.Generator) -> list[int]:
+    """`total` positions: a permutation of range(n) (drawn from `generator`) with each image repeated
+    `repeats` times in a row, cut to `total` (from the start: the last images of the permutation are left
+    out, as RASampler does; wrapping around when `total` exceeds n x repeats)."""
+    order = torch.randperm(n, generator=generator).repeat_interleave(repeats).tolist()
+    while len(order) < total:
+        order += order[: total - len(order)]
+    return order[:total]
+
+
 def class_balanced_weights(labels: list[int]) -> torch.Tensor:
     counts = torch.bincount(torch.tensor(labels))
     return 1.0 / counts[torch.tensor(labels)].double()
@@ -32,11 +48,16 @@ class TrainSampler(Sampler):
 
     mode: `random` (shuffled, via DistributedSampler), `weighted` (class-balanced draws with
     replacement, one seeded draw per epoch split into disjoint per-rank shares) or `sequential`.
+    repeats: repeated augmentation (`random` mode only): each image taken this many times per epoch.
     """
 
-    def __init__(self, labels: list[int], mode: str, seed: int, batch_size: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, labels: list[int], mode: str, seed: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 repeats: int = 1):
+        if repeats > 1 and mode != "random":
+            raise ValueError(f"repeated augmentation needs the random sampler, not {mode!r}")
         self.labels = labels
         self.mode = mode
+        self.repeats = repeats
         self.seed = seed
         self.batch_size = batch_size
         self.rank = rank
@@ -54,11 +75,15 @@ class TrainSampler(Sampler):
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """This rank's sample indices for `epoch`, in order."""
+        n = len(self.labels)
+        per_rank = -(-n // self.world_size)
+        if self.repeats > 1:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, 0x2EA7))
+            order = repeated_order(n, self.repeats, per_rank * self.world_size, generator)
+            return order[self.rank::self.world_size]
         if self.mode != "weighted":
             self.shuffler.set_epoch(epoch)
             return list(self.shuffler)
-        n = len(self.labels)
-        per_rank = -(-n // self.world_size)
         generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, 0x5EED))
         draws = list(WeightedRandomSampler(self.weights, per_rank * self.world_size, replacement=True,
                                            generator=generator))

@@ -1,9 +1,11 @@
 """Fixed-size transforms that turn a file into a uint8 CHW tensor, and the per-batch normalisation.
 
-Training: RandomResizedCrop (`data.scale`, `data.ratio`) to `img_size`, horizontal flip, optional
-colour jitter. Evaluation: resize the shorter side to `img_size / crop_pct`, centre crop. Both return
-`img_size x img_size` uint8 tensors; the float cast and normalisation happen once per batch
-(`normalize_batch`), on the training device.
+Training: RandomResizedCrop (`data.scale`, `data.ratio`) to `img_size`, horizontal flip, an optional
+auto-augment policy (`data.auto_augment`: torchvision.transforms.v2's RandAugment, TrivialAugmentWide,
+AutoAugment's ImageNet policy or AugMix, on the uint8 crop), optional colour jitter. Evaluation: resize
+the shorter side to `size / crop_pct`, centre crop `size` (`data.eval_img_size`, else `img_size`). Both
+return square uint8 tensors; the float cast and normalisation happen once per batch (`normalize_batch`),
+on the training device.
 
 Decode path (measured, benchmark.py --mode loader): the file is read once and its JPEG header parsed
 in Python (`data.images.parse_jpeg_header`, a tenth of the cost of PIL's open); the training crop is
@@ -39,16 +41,43 @@ TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": Interpola
 _TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
 
 
-class TrainTransform:
-    """(path, seed) -> uint8 tensor. The crop and flip come from `random.Random(seed)`; colour jitter from the
-    torch RNG, which the caller seeds with the same per-sample seed."""
+AUTO_AUGMENT_POLICIES = ("randaugment", "trivialaugment", "autoaugment", "augmix")
+AUGMIX_SEVERITY = (1, 10)  # the range torchvision's AugMix accepts
 
-    def __init__(self, img_size: int, scale, ratio, hflip: float, color_jitter: float, interpolation: str):
+
+def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpolation: str):
+    """torchvision.transforms.v2's policy for `data.auto_augment` (None: off), on uint8 CHW tensors.
+
+    `magnitude` is RandAugment's (bins 0..30) and AugMix's severity (clipped to 1..10); `num_ops` is
+    RandAugment's ops per image. The policies draw from torch's default generator."""
+    if name is None:
+        return None
+    mode = TV_INTERPOLATION[interpolation]
+    if name == "randaugment":
+        return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, interpolation=mode)
+    if name == "trivialaugment":
+        return v2.TrivialAugmentWide(interpolation=mode)
+    if name == "autoaugment":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)
+    if name == "augmix":
+        severity = min(max(magnitude, AUGMIX_SEVERITY[0]), AUGMIX_SEVERITY[1])
+        return v2.AugMix(severity=severity, interpolation=mode)
+    raise ValueError(f"unknown auto-augment policy {name!r}; one of {', '.join(AUTO_AUGMENT_POLICIES)}")
+
+
+class TrainTransform:
+    """(path, seed) -> uint8 tensor. The crop and flip come from `random.Random(seed)`; the auto-augment
+    policy and colour jitter from the torch RNG, which the caller seeds with the same per-sample seed
+    (`data.datasets.TrainDataset`), so the output is a function of (file, seed)."""
+
+    def __init__(self, img_size: int, scale, ratio, hflip: float, color_jitter: float, interpolation: str,
+                 auto_augment=None):
         self.img_size = img_size
         self.scale = tuple(scale)
         self.ratio = tuple(ratio)
         self.hflip = hflip
         self.interpolation = TV_INTERPOLATION[interpolation]
+        self.auto_augment = auto_augment
         j = color_jitter
         self.jitter = v2.ColorJitter(brightness=j, contrast=j, saturation=j) if j > 0 else None
 
@@ -66,6 +95,10 @@ class TrainTransform:
         out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
+        if self.auto_augment is not None:
+            # The resize leaves a channels-last view; some of the policies' ops (autocontrast, colour) are 2-6x
+            # slower on it than on a packed CHW copy (RandAugment: ~15% of its cost), and the pixels are the same.
+            out = self.auto_augment(out.contiguous())
         if self.jitter is not None:
             out = self.jitter(out)
         return out
@@ -149,7 +182,8 @@ def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int
 
 
 class EvalTransform:
-    """path -> uint8 tensor: shorter side to img_size / crop_pct, then a centre crop of img_size."""
+    """path -> uint8 tensor: shorter side to img_size / crop_pct, then a centre crop of img_size (the eval
+    size: `data.eval_img_size` when set)."""
 
     def __init__(self, img_size: int, crop_pct: float, interpolation: str):
         self.img_size = img_size

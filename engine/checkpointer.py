@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, apply_overrides, config_differences, config_from_dict, validate
+from core.config import Config, apply_overrides, config_differences, config_from_dict, eval_size, validate
 from core.errors import CheckpointError, ConfigError, NonFiniteError
 from data.build import eval_transform
 from data.transforms import EvalTransform
@@ -35,10 +35,12 @@ PREPROCESSING_KEYS = ("img_size", "crop_pct", "interpolation", "mean", "std")
 
 
 def preprocessing_record(cfg: Config) -> dict:
-    """The eval preprocessing saved beside the weights, which eval.py and infer.py apply."""
+    """The eval preprocessing saved beside the weights, which eval.py and infer.py apply: `img_size` is the
+    eval input size (`data.eval_img_size` when set), `train_img_size` the training crop's."""
     d = cfg.data
-    return {"img_size": d.img_size, "resize": eval_transform(d).resize_to, "crop_pct": d.crop_pct,
-            "mean": list(d.mean), "std": list(d.std), "interpolation": d.interpolation}
+    return {"img_size": eval_size(d), "resize": eval_transform(d).resize_to, "crop_pct": d.crop_pct,
+            "mean": list(d.mean), "std": list(d.std), "interpolation": d.interpolation,
+            "train_img_size": d.img_size}
 
 
 # ---------------------------------------------------------------- training: save and restore
@@ -203,6 +205,9 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
         raise CheckpointError(f"checkpoint {path}: its saved config does not load: {err}") from err
     saved_val_limit = cfg.data.limit_val_batches
     preprocessing = ckpt.get("preprocessing") or {}
+    # The loaded config describes evaluation: data.img_size is the size validation used, so an override
+    # data.img_size=N (or data.eval_img_size=N) sets the eval size.
+    cfg.data.img_size, cfg.data.eval_img_size = eval_size(cfg.data), None
     for key in PREPROCESSING_KEYS:
         if key in preprocessing:
             setattr(cfg.data, key, preprocessing[key])
