@@ -13,8 +13,8 @@ from data.datasets import EvalDataset
 from data.folder import match_classes, scan_split
 from data.loaders import build_eval_loader
 from engine.checkpointer import build_eval_model, read_checkpoint
-from engine.device import (DeviceInput, amp_setting, apply_thread_policy, enable_cudnn_autotune, pin_memory_for,
-                           resolve_amp, select_device)
+from engine.device import (DeviceInput, amp_setting, apply_thread_policy, enable_cudnn_autotune, eval_threads,
+                           pin_memory_for, resolve_amp, select_device)
 from engine.evaluate import evaluate
 from engine.metrics import per_class_report
 
@@ -60,7 +60,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
 
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
-    apply_thread_policy(cfg.train.threads, cfg.data.num_workers)
+    apply_thread_policy(eval_threads(cfg.train.threads, loaded.threads), loader_workers=0)
     enable_cudnn_autotune(device)
     model = build_eval_model(loaded, device, cfg.train.channels_last)
     transform = loaded.eval_transform()

@@ -14,7 +14,7 @@ import torch
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from engine.checkpointer import build_eval_model, find_newest_checkpoint, read_checkpoint
-from engine.device import DeviceInput, apply_thread_policy, enable_cudnn_autotune, resolve_amp, select_device
+from engine.device import DeviceInput, apply_thread_policy, enable_cudnn_autotune, eval_threads, resolve_amp, select_device
 from engine.evaluate import Predictions, predict
 from models.factory import fold_batchnorm
 
@@ -98,7 +98,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
     k = min(topk, len(loaded.classes))
-    apply_thread_policy(loaded.cfg.train.threads, num_workers)
+    apply_thread_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loader_workers=0)  # as eval.py
 
     model = build_eval_model(loaded, device, channels_last=True)
     model, folded = fold_batchnorm(model)

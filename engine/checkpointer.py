@@ -73,7 +73,10 @@ class Checkpointer:
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
                 "config": self.cfg.to_dict(), "preprocessing": preprocessing_record(self.cfg),
-                "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {})}
+                "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
+                # the CPU threads validation ran with: eval.py takes the same by default, since sums over
+                # another thread count round differently in the last digits
+                "threads": torch.get_num_threads()}
 
     def last_contents(self, state: TrainState) -> dict:
         p = self.parts
@@ -181,6 +184,7 @@ class LoadedCheckpoint:
     state_dict: dict
     epoch: int
     saved_val_limit: Optional[int] = None  # data.limit_val_batches of the training run
+    threads: Optional[int] = None          # CPU threads the training run validated with
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)
@@ -214,7 +218,9 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     cfg.data.limit_val_batches = None  # a training dry-run setting; evaluation reads the whole split unless asked
     apply_overrides(cfg, overrides)
     validate(cfg)
-    return LoadedCheckpoint(path, cfg, list(classes), ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit)
+    threads = ckpt.get("threads") if isinstance(ckpt.get("threads"), int) else None
+    return LoadedCheckpoint(path, cfg, list(classes), ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit,
+                            threads)
 
 
 def build_eval_model(loaded: LoadedCheckpoint, device: torch.device, channels_last: bool) -> torch.nn.Module:

@@ -87,6 +87,16 @@ def apply_thread_policy(setting, loader_workers: int) -> tuple[int, str]:
     return threads, source
 
 
+def eval_threads(setting, trained_with: Optional[int]):
+    """The thread setting for evaluating a checkpoint: `train.threads` or OMP_NUM_THREADS when set, else
+    the count its training run validated with (at most this machine's cores), so eval.py reproduces
+    validation's numbers to the last digit whatever its worker count; else `auto` (every core: no loader
+    share is taken, the numbers must not depend on --num-workers)."""
+    if setting != "auto" or os.environ.get("OMP_NUM_THREADS", "").strip() or not trained_with:
+        return setting
+    return min(trained_with, usable_cpus())
+
+
 def memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 

@@ -87,3 +87,16 @@ def test_entry_scripts_set_the_wait_policy_before_torch_loads(tmp_path):
     env = {k: v for k, v in __import__('os').environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, env=env).stdout
     assert "policy PASSIVE False" in out
+
+
+def test_evaluation_takes_the_thread_count_validation_ran_with(monkeypatch):
+    from core.host import usable_cpus
+    from engine.device import eval_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert eval_threads("auto", 1) == 1
+    assert eval_threads("auto", 10_000) == usable_cpus()   # never more than this machine has
+    assert eval_threads("auto", None) == "auto"             # a checkpoint from before the record
+    assert eval_threads(3, 1) == 3                          # an explicit setting wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert eval_threads("auto", 1) == "auto"                # and so does the environment
