@@ -74,7 +74,7 @@ def apply_mix(images: torch.Tensor, labels: torch.Tensor, draw: MixDraw, num_cla
         top, bottom, left, right = draw.box
         images[:, :, top:bottom, left:right] = partner[:, :, top:bottom, left:right]
     own = torch.nn.functional.one_hot(labels, num_classes).float()
-    return images, own.mul_(draw.lam).add_(own.roll(1, 0), alpha=1.0 - draw.lam)
+    return images, torch.lerp(own.roll(1, 0), own, draw.lam)
 
 
 def erase_boxes(batch: int, height: int, width: int, prob: float, generator: torch.Generator) -> torch.Tensor:
