@@ -454,7 +454,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def config_differences(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for every key that differs and is not resume-free (what --resume refuses)."""
     free = resume_free_keys()
-    a, b = flatten(saved), flatten(current)
+    # A key the checkpoint lacks was added after it was written; every new key's default keeps the old math.
+    a, b = {**flatten(Config().to_dict()), **flatten(saved)}, flatten(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if k not in free and a.get(k) != b.get(k)]
 

@@ -251,3 +251,16 @@ def test_a_bad_recipe_combination_exits_2_through_train_py(monkeypatch, capsys, 
                                      "schedule.milestones=[2,1]")
     assert code == 2 and "schedule.milestones" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_checkpoint_written_before_the_recipe_keys_sees_no_difference():
+    from core.config import config_differences
+
+    saved = Config().to_dict()
+    for section, key in (("train", "mixup_alpha"), ("train", "loss"), ("schedule", "name"), ("data", "random_erasing"),
+                         ("model", "ema_every_steps")):
+        del saved[section][key]
+    assert config_differences(saved, Config().to_dict()) == []
+    current = Config()
+    current.train.mixup_alpha = 0.2
+    assert config_differences(saved, current.to_dict()) == ["train.mixup_alpha: 0.0 -> 0.2"]

@@ -245,3 +245,21 @@ def test_start_up_warnings_name_what_the_lr_will_do():
     assert "never decays" in _warnings("schedule.name=step", "schedule.step_epochs=30", "train.epochs=10",
                                        "schedule.warmup_epochs=1")[0]
     assert _warnings("train.epochs=10", "schedule.warmup_epochs=1") == []
+
+
+def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
+    import logging
+
+    from engine.progress import RunReporter
+
+    cfg = load_config("base", ["schedule.warmup_epochs=5", "train.epochs=4", "train.mixup_alpha=0.2",
+                               "schedule.name=multistep", "optim.name=lamb", "train.loss=bce"])
+    plan = plan_run(cfg, 8, 10, 1)
+    reporter = RunReporter(cfg, None, True, 1, plan.total_steps, plan.batches_per_epoch)
+    data = SimpleNamespace(classes=["a", "b"], train_index=[0] * 80, val_index=[0] * 8)
+    with caplog.at_level(logging.INFO, logger="train"):
+        reporter.log_startup(data, torch.device("cpu"), None, plan)
+    for text in ("mixing: mixup alpha 0.2", "loss: binary cross-entropy", "optimizer: lamb (betas",
+                 "then multistep: x 0.1 at epochs 30, 60, 80", "as long as the whole run (train.epochs=4, 40 steps)"):
+        assert text in caplog.text, text
+    assert any(r.levelno == logging.WARNING and "never decays" in r.getMessage() for r in caplog.records)
