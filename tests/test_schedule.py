@@ -263,3 +263,29 @@ def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
                  "then multistep: x 0.1 at epochs 30, 60, 80", "as long as the whole run (train.epochs=4, 40 steps)"):
         assert text in caplog.text, text
     assert any(r.levelno == logging.WARNING and "never decays" in r.getMessage() for r in caplog.records)
+
+
+def test_plateau_through_train_py_decays_when_validation_stops_improving(tiny_tree, tmp_path):
+    import csv
+
+    from conftest import run_script, tiny_overrides
+
+    out = tmp_path / "run"
+    result = run_script("train.py", "--config", "base", *tiny_overrides(
+        tiny_tree, out, **{"schedule.name": "plateau", "schedule.plateau_patience": 1, "schedule.gamma": 0.5,
+                           "schedule.warmup_epochs": 0, "early_stop.metric": "top1", "train.epochs": 4,
+                           "data.limit_train_batches": 2, "optim.lr": 0.05, "output.tensorboard": "false"}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    # replay the rule on the logged top-1: the LR logged at an epoch's end is the one the next epoch runs with
+    peak, best, reductions, expected = 0.05 * 8 / 256, None, 0, []
+    for row in rows:
+        top1 = float(row["val_top1"])
+        if best is None or top1 > best:
+            best = top1
+        else:
+            reductions += 1
+        expected.append(peak * 0.5 ** reductions)
+    assert [float(r["lr"]) for r in rows] == pytest.approx(expected, rel=1e-6)
+    assert reductions >= 1 and "schedule plateau: top1 has not improved" in result.stderr
