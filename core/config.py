@@ -60,6 +60,7 @@ class DataConfig:
     auto_augment_ops: int = field(default=2, metadata=_range(1))
     repeated_augment: int = field(default=1, metadata=_range(1))
     eval_img_size: Optional[int] = field(default=None, metadata=_range(8))
+    random_erasing: float = field(default=0.0, metadata=_range(0.0, 1.0))
 
 
 @dataclass
@@ -72,6 +73,8 @@ class ModelConfig:
     drop_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
     drop_path_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
     ema_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    ema_every_steps: int = field(default=1, metadata=_range(1))
+    ema_warmup: bool = False
 
 
 @dataclass
@@ -92,11 +95,18 @@ class TrainConfig:
     target_effective_batch: Optional[int] = field(default=None, metadata=_range(1))
     threads: Union[int, Literal["auto"]] = field(default="auto", metadata=_range(1, resume_free=True))
     val_interval: int = field(default=1, metadata=_range(1, resume_free=True))
+    mixup_alpha: float = field(default=0.0, metadata=_range(0.0))
+    cutmix_alpha: float = field(default=0.0, metadata=_range(0.0))
+    mix_prob: float = field(default=1.0, metadata=_range(0.0, 1.0))
+    mix_switch_prob: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    mix_off_epoch: Optional[int] = field(default=None, metadata=_range(1))
+    loss: Literal["ce", "bce"] = "ce"
+    bce_target_thresh: Optional[float] = field(default=None, metadata=_range(0.0, 1.0))
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["sgd", "adamw"] = "sgd"
+    name: Literal["sgd", "adamw", "lamb", "lars", "lion", "rmsprop"] = "sgd"
     lr: float = field(default=0.1, metadata=_range(0.0, lo_open=True))
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     base_batch_size: int = field(default=256, metadata=_range(1))
@@ -112,6 +122,12 @@ class ScheduleConfig:
     warmup_epochs: float = field(default=5.0, metadata=_range(0.0))
     warmup_start_factor: float = field(default=0.0, metadata=_range(0.0, 1.0))
     min_lr: float = field(default=0.0, metadata=_range(0.0))
+    name: Literal["cosine", "step", "multistep", "poly", "constant", "plateau"] = "cosine"
+    milestones: list[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])
+    gamma: float = field(default=0.1, metadata=_range(0.0, 1.0, lo_open=True))
+    step_epochs: float = field(default=30.0, metadata=_range(0.0, lo_open=True))
+    power: float = field(default=1.0, metadata=_range(0.0, lo_open=True))
+    plateau_patience: int = field(default=10, metadata=_range(1))
 
 
 @dataclass
@@ -362,6 +378,49 @@ def validate(cfg: Config) -> None:
                           f"for the {d.sampler} sampler")
     if cfg.model.norm == "group" and cfg.model.sync_bn:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
+    _check_optimizer_options(cfg.optim)
+    _check_recipe(cfg)
+
+
+# The optim.* options each optimizer takes besides lr and weight_decay (engine/optim.py passes exactly these).
+OPTIMIZER_OPTIONS = {
+    "sgd": ("momentum", "nesterov"),
+    "adamw": ("betas", "eps"),
+    "lamb": ("betas", "eps"),
+    "lars": ("momentum", "nesterov", "eps"),
+    "lion": ("betas",),
+    "rmsprop": ("momentum", "eps"),
+}
+
+
+def _check_optimizer_options(o: OptimConfig) -> None:
+    """An option set away from its default that `optim.name` does not take is a mistake, not a no-op."""
+    defaults, taken = OptimConfig(), OPTIMIZER_OPTIONS[o.name]
+    for option in ("momentum", "nesterov", "betas", "eps"):
+        if option not in taken and getattr(o, option) != getattr(defaults, option):
+            raise ConfigError(f"'optim.{option}' = {getattr(o, option)!r}: optim.name={o.name} does not take it "
+                              f"({o.name} takes {', '.join(('lr', 'weight_decay') + taken)}); remove it or choose "
+                              f"an optimizer that uses it")
+
+
+def _check_recipe(cfg: Config) -> None:
+    """Combinations of the schedule, loss and EMA keys that cannot do what they say."""
+    s, t, m = cfg.schedule, cfg.train, cfg.model
+    if s.name == "multistep":
+        if not s.milestones or s.milestones[0] <= 0 or any(b <= a for a, b in zip(s.milestones, s.milestones[1:])):
+            raise ConfigError(f"'schedule.milestones' = {s.milestones}: schedule.name=multistep needs a non-empty, "
+                              f"strictly increasing list of epochs > 0 (fractions allowed), e.g. [30, 60, 80]")
+    patience = cfg.early_stop.patience
+    if s.name == "plateau" and patience is not None and patience <= s.plateau_patience:
+        raise ConfigError(f"'early_stop.patience' = {patience} with 'schedule.plateau_patience' = "
+                          f"{s.plateau_patience}: early stopping would end the run before the plateau schedule "
+                          f"ever lowers the LR; make early_stop.patience larger than schedule.plateau_patience")
+    if t.bce_target_thresh is not None and t.loss != "bce":
+        raise ConfigError(f"'train.bce_target_thresh' = {t.bce_target_thresh} applies to train.loss=bce only "
+                          f"(train.loss is {t.loss}); set train.loss=bce or remove it")
+    if m.ema_decay is None and (m.ema_every_steps != 1 or m.ema_warmup):
+        key = "model.ema_every_steps" if m.ema_every_steps != 1 else "model.ema_warmup"
+        raise ConfigError(f"'{key}' needs the weight EMA on: set model.ema_decay (e.g. 0.9998)")
 
 
 def eval_size(data_cfg: DataConfig) -> int:

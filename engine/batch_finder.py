@@ -248,7 +248,7 @@ def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype,
     model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     return build_train_step(cfg, model, DeviceInput.from_config(cfg, device, amp_dtype), cfg.optim.lr,
-                            train_model=train_model, accum_steps=1)
+                            train_model=train_model, accum_steps=1, num_classes=num_classes)
 
 
 def target_effective_batch(cfg) -> int:

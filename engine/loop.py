@@ -99,7 +99,8 @@ def is_update_batch(batch_index: int, num_batches: int, accum_steps: int) -> boo
 
 def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCounters, state,
                     hooks: StepHooks) -> None:
-    """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps."""
+    """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps and
+    `state.epoch` is the epoch (0-based) being trained."""
     step.model.train()
     sums = EpochSums(step.input.device)
     meter = IntervalMeter(sums.loss)
@@ -116,10 +117,11 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
         images, targets = step.input.prepare(images), step.input.labels(targets)
         window = window_length(batch_index, num_batches, step.accum_steps)
         is_update = is_update_batch(batch_index, num_batches, step.accum_steps)
+        images, targets = step.mix(images, targets, state.epoch, state.step + 1, batch_index % step.accum_steps)
 
         loss = step.forward_backward(images, targets, window, sync_gradients=is_update)
 
-        batch = targets.shape[0]
+        batch = images.shape[0]
         window_ok &= sums.add_loss(loss, batch)
         counters.samples += batch
         meter.samples += batch

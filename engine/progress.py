@@ -9,8 +9,10 @@ from typing import Optional
 
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import usable_cpus
+from core.config import OPTIMIZER_OPTIONS
 from engine.device import precision_name
 from engine.runlog import RunLog
+from engine.schedule import schedule_warnings
 
 log = logging.getLogger("train")
 
@@ -39,6 +41,10 @@ class RunReporter:
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
                  plan.warmup_steps, plan.peak_lr, cfg.optim.lr_scaling, cfg.optim.lr, cfg.optim.base_batch_size)
+        for line in recipe_lines(cfg, plan):
+            log.info("%s", line)
+        for warning in schedule_warnings(cfg, plan):
+            log.warning("%s", warning)
 
     def open_bar(self, epoch: int, start_batch: int) -> None:
         """A tqdm bar for the epoch when `output.progress_bar` says so (auto: on a terminal), rank 0 only."""
@@ -124,3 +130,40 @@ class RunReporter:
             "effective_batch": plan.effective_batch,
             "peak_lr": plan.peak_lr,
         })
+
+
+def _schedule_text(cfg, plan) -> str:
+    s = cfg.schedule
+    warmup = (f"warmup {s.warmup_epochs:g} epochs ({plan.warmup_steps} steps) from {s.warmup_start_factor:g} x peak, "
+              f"then " if plan.warmup_steps else "")
+    decay = {"cosine": f"cosine to {s.min_lr:g}", "constant": "constant",
+             "poly": f"poly (power {s.power:g}) to {s.min_lr:g}",
+             "step": f"step: x {s.gamma:g} every {s.step_epochs:g} epochs",
+             "multistep": f"multistep: x {s.gamma:g} at epochs {', '.join(f'{m:g}' for m in s.milestones)}",
+             "plateau": f"plateau: x {s.gamma:g} after {s.plateau_patience} epochs without a better "
+                        f"{cfg.early_stop.metric}"}[s.name]
+    floor = f" (floor {s.min_lr:g})" if s.name in ("step", "multistep", "plateau") and s.min_lr > 0 else ""
+    return f"schedule: {warmup}{decay}{floor}, per optimizer step ({plan.total_steps} steps)"
+
+
+def recipe_lines(cfg, plan) -> list[str]:
+    """The recipe in the start-up lines: augmentation, mixing, loss, optimizer, schedule, EMA."""
+    d, t, o, m = cfg.data, cfg.train, cfg.optim, cfg.model
+    mixes = [f"mixup alpha {t.mixup_alpha:g}"] * (t.mixup_alpha > 0) + [f"cutmix alpha {t.cutmix_alpha:g}"] * (
+        t.cutmix_alpha > 0)
+    mixing = "off" if not mixes else (" / ".join(mixes) + (f" (cutmix share {t.mix_switch_prob:g})" if len(mixes) > 1
+                                                           else "") + f", {t.mix_prob:.0%} of micro-batches"
+                                      + (f", first {t.mix_off_epoch} epochs" if t.mix_off_epoch else ""))
+    loss = ("cross-entropy" if t.loss == "ce" else "binary cross-entropy" +
+            (f", targets thresholded at {t.bce_target_thresh:g}" if t.bce_target_thresh is not None else ""))
+    options = ", ".join(f"{k} {getattr(o, k)}" for k in OPTIMIZER_OPTIONS[o.name])
+    ema = ("off" if m.ema_decay is None else f"decay {m.ema_decay:g} every {m.ema_every_steps} step(s)"
+           + (", warmup" if m.ema_warmup else ""))
+    return [f"augmentation: random resized crop {d.img_size} px (scale {d.scale}), hflip {d.hflip:g}, colour jitter "
+            f"{d.color_jitter:g}, auto-augment {d.auto_augment or 'off'}, random erasing {d.random_erasing:g}"
+            + (f", repeated x{d.repeated_augment}" if d.repeated_augment > 1 else ""),
+            f"mixing: {mixing}",
+            f"loss: {loss}, label smoothing {t.label_smoothing:g}",
+            f"optimizer: {o.name} ({options}), weight decay {o.weight_decay:g} (not on norm and bias parameters)",
+            _schedule_text(cfg, plan),
+            f"weight EMA: {ema}"]

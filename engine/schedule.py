@@ -1,12 +1,16 @@
-"""Pure functions for batch arithmetic and the learning-rate schedule (warmup, then cosine)."""
+"""Pure functions for batch arithmetic and the learning-rate schedule: a linear warmup, then cosine, step,
+multistep, poly, constant or plateau decay, stepped per optimizer step (plateau decays at epoch ends)."""
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from core.errors import ConfigError
+from engine.metrics import is_improvement
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -47,6 +51,21 @@ def warmup_steps(warmup_epochs: float, steps_in_epoch: int) -> int:
     return max(1, math.floor(warmup_epochs * steps_in_epoch + 0.5))
 
 
+def epochs_to_steps(epochs: float, steps_in_epoch: int) -> int:
+    """A (fractional) epoch count in optimizer steps, rounded half up."""
+    return math.floor(epochs * steps_in_epoch + 0.5)
+
+
+def warmup_factor(step: int, warmup: int, start_factor: float = 0.0) -> float:
+    """Linear warmup from `start_factor`: step `warmup - 1` is one increment short of the peak."""
+    return start_factor + (1.0 - start_factor) * (step + 1) / (warmup + 1)
+
+
+def decay_progress(step: int, warmup: int, total: int) -> float:
+    """How far step `step` is through the decay after the warmup: 0 at its first step, 1 at `total`."""
+    return min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+
+
 def lr_factor(step: int, warmup: int, total: int, start_factor: float = 0.0, min_ratio: float = 0.0) -> float:
     """Multiplier of the peak LR for optimizer step `step` (0-based; the LR used by that step).
 
@@ -54,28 +73,104 @@ def lr_factor(step: int, warmup: int, total: int, start_factor: float = 0.0, min
     from 1.0 down to `min_ratio` at step `total`.
     """
     if warmup > 0 and step < warmup:
-        return start_factor + (1.0 - start_factor) * (step + 1) / (warmup + 1)
-    decay_steps = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
+        return warmup_factor(step, warmup, start_factor)
+    progress = decay_progress(step, warmup, total)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def poly_factor(step: int, warmup: int, total: int, power: float, min_ratio: float = 0.0) -> float:
+    """After the warmup: (1 - progress) ** power from 1.0 down to `min_ratio` at step `total`."""
+    return min_ratio + (1.0 - min_ratio) * (1.0 - decay_progress(step, warmup, total)) ** power
+
+
+def step_decay_factor(step: int, period: int, gamma: float) -> float:
+    """x gamma every `period` steps, counted from the run's first step (torch's StepLR, per step)."""
+    return gamma ** (step // period)
+
+
+def multistep_factor(step: int, milestones: list[int], gamma: float) -> float:
+    """x gamma at each milestone (in steps from the run's start) that `step` has reached (MultiStepLR)."""
+    return gamma ** bisect.bisect_right(milestones, step)
+
+
 @dataclass
-class WarmupCosine:
-    """Picklable-free LR lambda for `LambdaLR`; its fields are plain numbers, so its state saves safely."""
+class LrSchedule:
+    """The `LambdaLR` lambda: warmup, then `name`'s decay. Its fields are plain numbers and lists (the
+    plateau state too), so `LambdaLR.state_dict()` saves the whole schedule in last.pt and a resume
+    continues it exactly. Milestones, the step period and the plateau patience are in optimizer steps /
+    epochs as documented per field."""
 
     warmup: int
     total: int
     start_factor: float = 0.0
     min_ratio: float = 0.0
+    name: str = "cosine"
+    milestones: list = field(default_factory=list)  # multistep: optimizer steps
+    period: int = 1                                 # step: optimizer steps between decays
+    gamma: float = 0.1
+    power: float = 1.0
+    patience: int = 10                              # plateau: bad epochs before a decay
+    reductions: int = 0                             # plateau state: decays so far
+    best: Optional[float] = None                    # plateau state: best metric after the warmup
+    bad_epochs: int = 0                             # plateau state
 
     def __call__(self, step: int) -> float:
-        return lr_factor(step, self.warmup, self.total, self.start_factor, self.min_ratio)
+        if self.warmup > 0 and step < self.warmup:
+            return warmup_factor(step, self.warmup, self.start_factor)
+        if self.name == "cosine":
+            return lr_factor(step, self.warmup, self.total, self.start_factor, self.min_ratio)
+        if self.name == "poly":
+            return poly_factor(step, self.warmup, self.total, self.power, self.min_ratio)
+        if self.name == "constant":
+            return 1.0
+        if self.name == "step":
+            factor = step_decay_factor(step, self.period, self.gamma)
+        elif self.name == "multistep":
+            factor = multistep_factor(step, self.milestones, self.gamma)
+        else:  # plateau
+            factor = self.gamma ** self.reductions
+        return max(self.min_ratio, factor)
+
+    def observe(self, value: float, metric: str, steps_done: int) -> bool:
+        """plateau: an epoch ended with `metric` = `value`; True when the LR decays. Epochs that end within
+        the warmup are not counted."""
+        if self.name != "plateau" or steps_done <= self.warmup:
+            return False
+        if is_improvement(value, self.best, metric, 0.0):
+            self.best, self.bad_epochs = value, 0
+            return False
+        self.bad_epochs += 1
+        if self.bad_epochs < self.patience:
+            return False
+        self.reductions, self.bad_epochs = self.reductions + 1, 0
+        return True
+
+
+def schedule_from_config(sched_cfg, warmup: int, total: int, steps_in_epoch: int, min_ratio: float) -> LrSchedule:
+    """`schedule.*` in optimizer steps (fractional epochs converted like the warmup)."""
+    s = sched_cfg
+    return LrSchedule(warmup, total, s.warmup_start_factor, min_ratio, s.name,
+                      [epochs_to_steps(m, steps_in_epoch) for m in s.milestones],
+                      max(1, epochs_to_steps(s.step_epochs, steps_in_epoch)), s.gamma, s.power, s.plateau_patience)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, start_factor: float,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total, start_factor, min_ratio))
+                    min_ratio: float, schedule: Optional[LrSchedule] = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR stepped once per optimizer step; `schedule` None: warmup then cosine."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or LrSchedule(warmup, total, start_factor, min_ratio))
+
+
+def observe_epoch(scheduler: torch.optim.lr_scheduler.LambdaLR, value: float, metric: str) -> bool:
+    """plateau: feed the epoch's validation metric; on a decay the optimizer's LR changes now, before the
+    next step (LambdaLR would only apply it at its next step()). True when the LR decayed."""
+    schedule = scheduler.lr_lambdas[0]
+    if not schedule.observe(value, metric, scheduler.last_epoch):
+        return False
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return True
 
 
 def validation_due(epochs_done: int, epochs: int, val_interval: int) -> bool:
@@ -113,3 +208,36 @@ def plan_run(cfg, batch_size: int, batches_in_split: int, world_size: int) -> Ru
     total = per_epoch * cfg.train.epochs
     warmup = min(warmup_steps(cfg.schedule.warmup_epochs, per_epoch), total)
     return RunPlan(batch_size, accum, world_size, batches, effective, peak, per_epoch, total, warmup)
+
+
+def schedule_warnings(cfg, plan: RunPlan) -> list[str]:
+    """What a schedule that cannot do what it says will actually do (train.py logs each at start-up)."""
+    s, epochs, total, warmup = cfg.schedule, cfg.train.epochs, plan.total_steps, plan.warmup_steps
+    out = []
+    if warmup > 0 and warmup >= total:
+        top = warmup_factor(total - 1, warmup, s.warmup_start_factor)
+        out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is as long as the whole run (train.epochs={epochs}, "
+                   f"{total} steps): the LR climbs for all {total} steps, reaches {top:.3g} x the peak at the "
+                   f"last one and never decays ({s.name} never starts); lower schedule.warmup_epochs")
+    warmup_epochs = warmup / max(plan.steps_per_epoch, 1)
+    decays = not out  # a run spent in warmup has no decay to warn about
+    if decays and s.name == "multistep":
+        late = [m for m in s.milestones if m >= epochs]
+        if late:
+            reached = len(s.milestones) - len(late)
+            out.append(f"schedule.milestones {late} lie at or past the last epoch ({epochs}): never reached; the LR "
+                       f"ends at {s.gamma ** reached:.3g} x the peak ({reached} decay(s))")
+        early = [m for m in s.milestones if m * plan.steps_per_epoch <= warmup and m < epochs]
+        if early:
+            out.append(f"schedule.milestones {early} fall within the warmup ({warmup_epochs:g} epochs): the LR "
+                       f"after the warmup starts at {s.gamma ** len(early):.3g} x the peak, not at the peak")
+    if decays and s.name == "step" and s.step_epochs >= epochs:
+        out.append(f"schedule.step_epochs={s.step_epochs:g} >= train.epochs={epochs}: the LR never decays "
+                   f"(constant at the peak after the warmup)")
+    if decays and s.name == "plateau" and epochs - warmup_epochs <= s.plateau_patience:
+        out.append(f"schedule.plateau_patience={s.plateau_patience} epochs >= the {epochs - warmup_epochs:g} epochs "
+                   f"after the warmup: the LR never decays (constant at the peak after the warmup)")
+    off = cfg.train.mix_off_epoch
+    if off is not None and off >= epochs and (cfg.train.mixup_alpha > 0 or cfg.train.cutmix_alpha > 0):
+        out.append(f"train.mix_off_epoch={off} >= train.epochs={epochs}: mixing stays on for the whole run")
+    return out

@@ -1,5 +1,5 @@
-"""The training step: forward and backward of one micro-batch, and the update that ends an
-accumulation window (unscale, gradient norm and clipping, the non-finite decision, optimizer step,
+"""The training step: erasing and mixing of one micro-batch, its forward and backward, and the update that
+ends an accumulation window (unscale, gradient norm and clipping, the non-finite decision, optimizer step,
 EMA, LR schedule).
 
 `build_train_step` is the one way to assemble it; the trainer, the batch-size finder, `benchmark.py` and
@@ -16,8 +16,10 @@ from timm.utils import unwrap_model
 
 from engine.device import DeviceInput
 from engine.distributed import all_ranks_true
+from engine.losses import build_criterion
+from engine.mixing import BatchMixing
 from engine.optim import build_optimizer
-from engine.schedule import build_scheduler
+from engine.schedule import build_scheduler, observe_epoch, schedule_from_config
 
 
 @dataclass
@@ -43,7 +45,8 @@ class TrainStep:
     nonfinite: str = "stop"              # train.nonfinite: stop | skip
     max_nonfinite_in_row: int = 10
     distributed: bool = False
-    ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after each applied step
+    ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after applied steps
+    mixing: Optional[BatchMixing] = None   # data.random_erasing, mixup / CutMix (None: all off)
 
     @property
     def fp16(self) -> bool:
@@ -53,6 +56,13 @@ class TrainStep:
     def watches_nonfinite(self) -> bool:
         """The run stops at the first non-finite step (under fp16 the GradScaler skips such steps instead)."""
         return self.nonfinite == "stop" and not self.fp16
+
+    def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
+        """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
+        the seed, the step and `micro`); (images, labels) unchanged when both are off."""
+        if self.mixing is None:
+            return images, labels
+        return self.mixing(images, labels, epoch, step_number, micro)
 
     def forward_backward(self, images: torch.Tensor, targets: torch.Tensor, window: int,
                          sync_gradients: bool) -> torch.Tensor:
@@ -91,6 +101,10 @@ class TrainStep:
         self.scheduler.step()
         return WindowUpdate(skipped, window_ok, grad_norm, lr_used)
 
+    def end_epoch(self, value: float, metric: str) -> bool:
+        """The epoch's validation `metric` for `schedule.name=plateau`; True when the LR decayed."""
+        return observe_epoch(self.scheduler, value, metric)
+
     def _apply_update(self, window_ok: torch.Tensor) -> bool:
         """Step the optimizer; True when the step was skipped (fp16 overflow or nonfinite: skip)."""
         scaler = self.scaler
@@ -108,22 +122,28 @@ class TrainStep:
 def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, peak_lr: float,
                      warmup_steps: int = 0, total_steps: Optional[int] = None,
                      train_model: Optional[torch.nn.Module] = None, ema: Optional[torch.nn.Module] = None,
-                     distributed: bool = False, accum_steps: Optional[int] = None) -> TrainStep:
-    """The optimizer, LR schedule, GradScaler and loss of `cfg` around `model` (the bare model, whose
-    parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
+                     distributed: bool = False, accum_steps: Optional[int] = None,
+                     num_classes: Optional[int] = None, steps_per_epoch: int = 1, rank: int = 0) -> TrainStep:
+    """The optimizer, LR schedule, GradScaler, loss and batch mixing of `cfg` around `model` (the bare model,
+    whose parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
     `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
-    accumulation; what measuring a step needs."""
+    accumulation; what measuring a step needs. `num_classes` is needed when mixing is on;
+    `steps_per_epoch` converts the schedule's epochs to steps."""
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
     if total_steps is None:
         scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
     else:
+        schedule = schedule_from_config(cfg.schedule, warmup_steps, total_steps, steps_per_epoch,
+                                        cfg.schedule.min_lr / peak_lr)
         scheduler = build_scheduler(optimizer, warmup_steps, total_steps, cfg.schedule.warmup_start_factor,
-                                    cfg.schedule.min_lr / peak_lr)
+                                    cfg.schedule.min_lr / peak_lr, schedule)
     scaler = torch.amp.GradScaler(device_input.device.type, enabled=device_input.amp_dtype == torch.float16)
+    mixing = BatchMixing.from_config(cfg, num_classes or 0, rank)
+    if mixing is not None and mixing.mixes and not num_classes:
+        raise ValueError("build_train_step: mixup / CutMix need num_classes")
     t = cfg.train
-    return TrainStep(model=train_model if train_model is not None else model,
-                     criterion=torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing), optimizer=optimizer,
-                     scheduler=scheduler, scaler=scaler, input=device_input,
+    return TrainStep(model=train_model if train_model is not None else model, criterion=build_criterion(t),
+                     optimizer=optimizer, scheduler=scheduler, scaler=scaler, input=device_input,
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
-                     max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema)
+                     max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing)

@@ -137,7 +137,8 @@ class Trainer:
         elif cfg.model.sync_bn:
             log.info("model.sync_bn has no effect in a single process (ordinary BatchNorm)")
         self.model = model.to(self.device, memory_format=memory_format(cfg.train.channels_last))
-        self.ema = create_ema(self.model, cfg.model.ema_decay) if cfg.model.ema_decay is not None else None
+        m = cfg.model
+        self.ema = create_ema(self.model, m.ema_decay, m.ema_every_steps, m.ema_warmup) if m.ema_decay else None
         self.eval_model = self.ema.module if self.ema is not None else self.model
 
     def _setup_wrapping(self) -> None:
@@ -154,7 +155,9 @@ class Trainer:
         self.plan = plan_run(cfg, cfg.train.batch_size, self.data.sampler.num_batches(), self.dist.world_size)
         self.step = build_train_step(cfg, self.model, DeviceInput.from_config(cfg, self.device, self.amp_dtype),
                                      self.plan.peak_lr, self.plan.warmup_steps, self.plan.total_steps,
-                                     train_model=self.train_model, ema=self.ema, distributed=self.dist.enabled)
+                                     train_model=self.train_model, ema=self.ema, distributed=self.dist.enabled,
+                                     num_classes=len(self.classes), steps_per_epoch=self.plan.steps_per_epoch,
+                                     rank=self.dist.rank)
 
     def _start_or_restore(self, resume_ckpt: Optional[dict]) -> None:
         cfg, step = self.cfg, self.step
@@ -295,6 +298,10 @@ class Trainer:
                    seconds: float) -> None:
         """`metrics` None: an epoch without validation (train.val_interval)."""
         improved = self._track_best(epoch, metrics) if metrics is not None else False
+        if metrics is not None and self.step.end_epoch(metrics[self.cfg.early_stop.metric], self.cfg.early_stop.metric):
+            log.info("schedule plateau: %s has not improved for %d validations; LR now %.6g",
+                     self.cfg.early_stop.metric, self.cfg.schedule.plateau_patience,
+                     self.step.optimizer.param_groups[0]["lr"])
         self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
                                    self.step.optimizer.param_groups[0]["lr"], self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first

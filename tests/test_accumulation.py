@@ -122,3 +122,44 @@ def test_clipping_happens_once_per_update_on_the_whole_window(monkeypatch):
     # the logged grad norm is the pre-clipping norm of each update
     assert [v["train/grad_norm"] for _, v in logged_small] == pytest.approx(calls_small, rel=1e-5)
     assert [step for step, _ in logged_small] == [1, 2]
+
+
+def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
+    from engine.mixing import BatchMixing
+
+    images, labels = fixed_data(128)
+    seen = []
+
+    class SpyLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, targets):
+            seen.append(targets.detach().clone())
+            return super().forward(logits, targets)
+
+    def run(model):
+        ctx = make_context(model, accum_steps=4, num_batches=8)
+        ctx.criterion = SpyLoss(label_smoothing=0.1)
+        ctx.mixing = BatchMixing(num_classes=4, seed=5, erase_prob=0.5, mixup_alpha=0.4, cutmix_alpha=1.0)
+        hooks = StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
+                          save=lambda snapshot: None, log_step=lambda step, values: None)
+        loader = batches(images, labels, 16)
+        train_one_epoch(ctx, loader, len(loader), EpochCounters(), TrainState(), hooks)
+
+    start = bn_free_model()
+    a, b = copy.deepcopy(start), copy.deepcopy(start)
+    run(a)
+    first, seen[:] = list(seen), []
+    run(b)
+    assert all(torch.equal(x, y) for x, y in zip(first, seen))
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))  # the same draws again
+    assert len(first) == 8 and all(t.shape == (16, 4) for t in first)
+    lams = []
+    for i, targets in enumerate(first):
+        # each micro-batch's label mass stays its own: its partners come from within it
+        counts = torch.bincount(labels[16 * i:16 * (i + 1)], minlength=4).float()
+        assert torch.allclose(targets.sum(0), counts, atol=1e-5)
+        # micro-batch i is micro-batch i % 4 of optimizer step i // 4 + 1, and its lambda is that draw's
+        draw = BatchMixing(num_classes=4, seed=5, mixup_alpha=0.4, cutmix_alpha=1.0).draw(0, i // 4 + 1, i % 4, 8, 8)
+        own = torch.eye(4)[labels[16 * i:16 * (i + 1)]]
+        assert torch.allclose(targets, draw.lam * own + (1 - draw.lam) * own.roll(1, 0), atol=1e-6)
+        lams.append(draw.lam)
+    assert len(set(lams)) == 8, "the micro-batches of a window draw their own lambdas"

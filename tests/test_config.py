@@ -224,3 +224,43 @@ def test_min_lr_above_the_scaled_peak_exits_2(monkeypatch, capsys, tiny_tree, tm
                                      *tiny_overrides(tiny_tree, tmp_path / "run", **{"schedule.min_lr": 0.01}))
     assert code == 2 and "'schedule.min_lr'" in err and "0.0015625" in err
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["schedule.name=multistep", "schedule.milestones=[30,20]"], ["schedule.milestones", "strictly increasing"]),
+    (["schedule.name=multistep", "schedule.milestones=[]"], ["schedule.milestones", "non-empty"]),
+    (["schedule.name=plateau", "schedule.plateau_patience=5", "early_stop.patience=3"],
+     ["early_stop.patience", "schedule.plateau_patience"]),
+    (["train.bce_target_thresh=0.2"], ["train.bce_target_thresh", "train.loss=bce"]),
+    (["model.ema_every_steps=4"], ["model.ema_every_steps", "model.ema_decay"]),
+    (["model.ema_warmup=true"], ["model.ema_warmup", "model.ema_decay"]),
+    (["optim.name=adamw", "optim.momentum=0.5"], ["optim.momentum", "adamw"]),
+    (["train.mix_prob=1.5"], ["train.mix_prob", "<= 1.0"]),
+    (["data.random_erasing=-0.1"], ["data.random_erasing", ">= 0.0"]),
+    (["schedule.name=linear"], ["schedule.name", "'multistep'"]),
+])
+def test_bad_recipe_combinations_are_refused_naming_the_keys(overrides, names):
+    with pytest.raises(ConfigError) as err:
+        load_config("base", overrides)
+    assert all(name in str(err.value) for name in names), str(err.value)
+
+
+def test_a_bad_recipe_combination_exits_2_through_train_py(monkeypatch, capsys, tiny_tree, tmp_path):
+    code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
+                                     *tiny_overrides(tiny_tree, tmp_path / "run"), "schedule.name=multistep",
+                                     "schedule.milestones=[2,1]")
+    assert code == 2 and "schedule.milestones" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_checkpoint_written_before_the_recipe_keys_sees_no_difference():
+    from core.config import config_differences
+
+    saved = Config().to_dict()
+    for section, key in (("train", "mixup_alpha"), ("train", "loss"), ("schedule", "name"), ("data", "random_erasing"),
+                         ("model", "ema_every_steps")):
+        del saved[section][key]
+    assert config_differences(saved, Config().to_dict()) == []
+    current = Config()
+    current.train.mixup_alpha = 0.2
+    assert config_differences(saved, current.to_dict()) == ["train.mixup_alpha: 0.0 -> 0.2"]

@@ -97,3 +97,30 @@ def test_resume_with_ema_is_bitwise_equal(data_root, tmp_path):
     for key in ("model", "model_ema"):
         assert a[key].keys() == b[key].keys()
         assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+
+
+def test_ema_every_n_steps_updates_at_multiples_with_the_decay_to_the_nth():
+    model = torch.nn.Linear(3, 2, bias=False)
+    ema = create_ema(model, decay=0.9, every_steps=3)
+    initial = ema.module.weight[0, 0].item()
+    values = {}
+    for step in range(1, 10):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        ema.update(model, step=step)
+        values[step] = ema.module.weight[0, 0].item()
+    assert values[1] == values[2] == initial      # no update before step 3
+    assert values[3] == 3.0                       # the first update copies (its window starts at step 1)
+    assert values[4] == values[5] == 3.0          # nothing between the multiples
+    assert values[6] == pytest.approx(0.9 ** 3 * 3.0 + (1 - 0.9 ** 3) * 6.0)
+    assert values[9] == pytest.approx(0.9 ** 3 * values[6] + (1 - 0.9 ** 3) * 9.0)
+
+
+def test_ema_warmup_ramps_the_decay_up_to_ema_decay():
+    ema = create_ema(torch.nn.Linear(2, 2), decay=0.999, warmup=True)
+    decays = [ema.get_decay(step) for step in (1, 2, 10, 100, 10**6)]
+    assert decays[0] == 0.0
+    assert decays[1] == pytest.approx(1 - 2 ** (-2 / 3))   # timm: 1 - (1 + t) ** -2/3 with t = step - 1
+    assert decays[1] < decays[2] < decays[3] < 0.999
+    assert decays[4] == 0.999
+    assert create_ema(torch.nn.Linear(2, 2), decay=0.999).get_decay(2) == 0.999

@@ -43,3 +43,72 @@ def test_sgd_and_adamw_get_their_settings():
     assert adamw.param_groups[0]["betas"] == (0.8, 0.99) and adamw.param_groups[0]["eps"] == 1e-6
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.05, 0.0]
     assert adamw.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+# ---------------------------------------------------------------- optim.name: every optimizer steps and resumes exactly
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
+              "lamb": "Lamb", "lars": "Lars", "lion": "Lion"}
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+
+
+def _train(model, optimizer, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_optimizer_steps_and_resumes_exactly(name, tmp_path):
+    import timm.optim
+
+    cfg = OptimConfig(name=name, weight_decay=0.01)
+    model = _small_model()
+    optimizer = build_optimizer(model, cfg, lr=0.01)
+    expected = OPTIMIZERS[name]
+    assert isinstance(optimizer, getattr(timm.optim, expected) if isinstance(expected, str) else expected)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]  # never on norm and bias
+    start = [p.detach().clone() for p in model.parameters()]
+    _train(model, optimizer, 3, seed=1)
+    assert all(not torch.equal(a, p) for a, p in zip(start, model.parameters()))  # every tensor moved
+
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "last.pt")
+    saved = torch.load(tmp_path / "last.pt", weights_only=True)
+    resumed = _small_model()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer = build_optimizer(resumed, cfg, lr=0.01)
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    _train(model, optimizer, 3, seed=2)
+    _train(resumed, resumed_optimizer, 3, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_optimizers_get_the_options_they_take():
+    model = torch.nn.Linear(4, 2)
+    lamb = build_optimizer(model, OptimConfig(name="lamb", betas=[0.8, 0.9], eps=1e-6), lr=1e-3)
+    assert lamb.param_groups[0]["betas"] == (0.8, 0.9) and lamb.param_groups[0]["eps"] == 1e-6
+    lars = build_optimizer(model, OptimConfig(name="lars", momentum=0.8, nesterov=True), lr=1.0)
+    assert lars.param_groups[0]["momentum"] == 0.8 and lars.param_groups[0]["nesterov"] is True
+    lion = build_optimizer(model, OptimConfig(name="lion", betas=[0.9, 0.99]), lr=1e-4)
+    assert lion.param_groups[0]["betas"] == (0.9, 0.99)
+    rmsprop = build_optimizer(model, OptimConfig(name="rmsprop", momentum=0.5, eps=1e-3), lr=1e-2)
+    assert rmsprop.param_groups[0]["momentum"] == 0.5 and rmsprop.param_groups[0]["eps"] == 1e-3
+
+
+@pytest.mark.parametrize("name, override", [("adamw", "optim.momentum=0.8"), ("lion", "optim.eps=1e-6"),
+                                            ("sgd", "optim.betas=[0.8,0.9]"), ("lamb", "optim.nesterov=false")])
+def test_an_option_the_optimizer_does_not_take_is_a_usage_error(name, override):
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("base", [f"optim.name={name}", override])
+    key = override.split("=")[0]
+    assert f"'{key}'" in str(err.value) and f"optim.name={name} does not take it" in str(err.value)

@@ -180,3 +180,31 @@ def test_a_stop_signal_saves_exits_143_or_130_and_resumes_to_the_same_weights(da
         extra = [] if to_group else ["data.num_workers=0"]
         run_to_end(train_cmd(data_root, run, "--resume", "auto", *extra))
         assert_same_result(run, reference)
+
+
+# Every random piece of the recipes on at once: random erasing, mixup and CutMix (drawn per micro-batch from
+# (seed, step, micro-batch)), with BCE, LAMB, a multistep schedule and a strided, warmed-up EMA.
+RECIPE = ["train.mixup_alpha=0.4", "train.cutmix_alpha=1.0", "train.mix_prob=0.8", "data.random_erasing=0.5",
+          "train.label_smoothing=0.1", "train.loss=bce", "optim.name=lamb", "optim.lr=0.01",
+          "schedule.name=multistep", "schedule.milestones=[1.5]", "model.ema_decay=0.9", "model.ema_every_steps=2",
+          "model.ema_warmup=true", "train.accum_steps=2", "data.num_workers=0"]
+
+
+def test_sigkill_with_erasing_mixup_and_cutmix_on_resumes_bitwise_equal(data_root, tmp_path):
+    reference, run, marker = tmp_path / "reference", tmp_path / "run", tmp_path / "paused"
+    done = run_to_end(train_cmd(data_root, reference, *RECIPE))
+    assert "mixing: mixup alpha 0.4 / cutmix alpha 1" in done.stderr and "random erasing 0.5" in done.stderr
+    # 4 batches of 8, accumulation 2: 2 optimizer steps per epoch; killed after step 3 (mid epoch 2)
+    proc = start(train_cmd(data_root, run, *RECIPE, script=paused(marker, "after_save:4")))
+    kill_at_pause(proc, marker)
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (1, 3, 2)
+    run_to_end(train_cmd(data_root, run, *RECIPE, "--resume", "auto"))
+    a = torch.load(reference / "last.pt", map_location="cpu", weights_only=True)
+    b = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert a["step"] == b["step"] == 4
+    for key in ("model", "model_ema"):
+        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+    assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
+    with (run / "metrics.csv").open() as f, (reference / "metrics.csv").open() as g:
+        assert [r["train_loss"] for r in csv.DictReader(f)] == [r["train_loss"] for r in csv.DictReader(g)]
