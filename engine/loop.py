@@ -129,7 +129,9 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
 
         if is_update:
             number = state.step + 1  # steps are numbered from 1, as in the log lines ("step k/N")
-            update = step.finish_window(window_ok, number, want_norm=hooks.logs_at(number))
+            # every log_interval steps, and at each epoch's last step, whatever the interval
+            log_now = hooks.logs_at(number) or batch_index == num_batches
+            update = step.finish_window(window_ok, number, want_norm=log_now)
             if step.watches_nonfinite:
                 sums.note_window(update.window_ok, number)
             counters.count_update(update.skipped, number, step.max_nonfinite_in_row)
@@ -137,7 +139,7 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
             state.step = number
             counters.batches_done = batch_index
 
-            if hooks.logs_at(state.step):
+            if log_now:
                 sums.raise_if_nonfinite()
                 hooks.log_step(state.step, meter.read(sums.loss, update))
             stop = hooks.stop_requested(state.step)
