@@ -41,7 +41,7 @@ CASES = {
     "benchmark --help": ("benchmark.py", ["--help"], 0),
     "benchmark with a bad --mode": ("benchmark.py", ["--mode", "fast"], 2),
     "benchmark without --config": ("benchmark.py", ["--mode", "train"], 2),
-    "benchmark with a config mistake": ("benchmark.py", ["--config", "quickstart", "--mode", "train", "train.epochz=3"], 2),
+    "benchmark with a config mistake": ("benchmark.py", ["--config", "quickstart", "--mode", "train", "x.y=3"], 2),
 }
 
 
