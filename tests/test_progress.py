@@ -4,12 +4,19 @@ line plus TensorBoard step scalars at each epoch's last step when the epoch is s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
+import os
+import pty
 import re
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
-from conftest import make_tree, tiny_overrides
+from conftest import REPO, make_tree, tiny_overrides
 from core.config import load_config
 from engine.trainer import run
 
@@ -62,3 +69,31 @@ def test_the_bar_carries_the_epoch_count_and_data_wait_and_log_lines_stand_alone
     # the console shows the records of train.log (which later readers in this process may append to), no more
     assert (out / "train.log").read_text().splitlines()[:len(records)] == records
     assert "INFO done: " in records[-1]
+
+
+def test_on_a_real_terminal_auto_shows_the_bar_and_train_log_keeps_the_step_lines(tmp_path):
+    """`output.progress_bar: auto` with stderr on a pseudo-terminal, as a user's shell gives it."""
+    data = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
+    out = tmp_path / "run"
+    overrides = tiny_overrides(data, out, **{"output.progress_bar": "auto", "output.log_interval": 50,
+                                             "train.epochs": 1, "output.tensorboard": "false"})
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100, as a window has
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", "base", *overrides], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=300) == 0
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"epoch 1/1: +\d+%\|", terminal)  # the bar was drawn
+    assert step_lines(out) == ["step 2/2"]  # 16 images, batch 8: the epoch's last step, logged
