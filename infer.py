@@ -13,7 +13,10 @@ import os
 import sys
 
 from commands.cli import run_main
+from core.errors import ConfigError
 from core.host import usable_cpus
+
+OUTPUT_FORMATS = (".csv", ".json")
 
 
 def default_workers() -> int:
@@ -36,9 +39,6 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
-
-    from commands.infer import OUTPUT_FORMATS
-    from core.errors import ConfigError
 
     for flag, value, low in (("--batch-size", args.batch_size, 1), ("--topk", args.topk, 1),
                              ("--num-workers", args.num_workers, 0)):

@@ -18,9 +18,11 @@ def main() -> int:
     args = parser.parse_intermixed_args()  # KEY=VALUE may come before and after --resume / --finetune
 
     from core.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # config mistakes exit 2 before torch is imported
+
     from engine.trainer import run
 
-    cfg = load_config(args.config, args.overrides)
     return run(cfg, resume=args.resume, finetune=args.finetune)
 
 

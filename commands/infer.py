@@ -61,9 +61,6 @@ def format_predictions_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-OUTPUT_FORMATS = (".csv", ".json")
-
-
 def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +68,7 @@ def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
         path.write_text(json.dumps(rows, indent=1) + "\n")
         return
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=result_columns(k))
+        writer = csv.DictWriter(f, fieldnames=result_columns(k), lineterminator="\n")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: "" if value is None else value for key, value in row.items()})
@@ -83,10 +80,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     paths = expand_inputs(inputs)
     if checkpoint is None:
         checkpoint_path = find_newest_checkpoint("runs")
-        print(f"checkpoint: {checkpoint_path} (the newest best.pt under runs/)")
+        print(f"checkpoint: {checkpoint_path} (the newest best.pt under runs/)", file=sys.stderr)
     else:
         checkpoint_path = checkpoint
-        print(f"checkpoint: {checkpoint_path}")
+        print(f"checkpoint: {checkpoint_path}", file=sys.stderr)
     loaded = read_checkpoint(checkpoint_path)
     cfg = loaded.cfg
     try:

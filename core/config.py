@@ -148,6 +148,7 @@ class OutputConfig:
     log_interval: int = field(default=50, metadata=_range(1, resume_free=True))
     tensorboard: bool = field(default=True, metadata=FREE)
     progress_bar: Union[bool, Literal["auto"]] = field(default="auto", metadata=FREE)
+    overwrite: bool = field(default=False, metadata=FREE)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import random
 import torch
 from torch.utils.data import Dataset
 
+from data.file_list import describe_failure
 from data.folder import ImageFolderIndex
 from data.images import ImageDecodeError
 
@@ -48,6 +49,17 @@ class TrainDataset(Dataset):
                 index = redraw.choice(self.by_class[label])
         raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.classes[label]}' in a row could "
                                f"not be read, starting with {self.index.paths[bad]}")
+
+    def failure_reason(self, index: int) -> str:
+        """Why file `index` could not be read, in infer.py's words ("empty file", "truncated", ...): read
+        again here, as the loader worker that failed on it keeps only the index."""
+        path = self.index.paths[index]
+        try:
+            with torch.random.fork_rng(devices=[]):  # the training run's RNG stream stays untouched
+                self.transform(path, 0)
+        except (ImageDecodeError, OSError) as err:
+            return describe_failure(path, err)
+        return "could not be read during training (it reads now)"
 
 
 class EvalDataset(Dataset):

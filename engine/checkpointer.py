@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -171,6 +172,43 @@ def load_finetune_source(path: str) -> dict:
         return load_checkpoint(path)
     except CheckpointError as err:
         raise ConfigError(f"--finetune {path}: {err}") from err
+
+
+CHECKPOINT_FILES = ("last.pt", "last.prev.pt", "best.pt")
+# What output.overwrite=true deletes besides the checkpoints: every other file a run writes (train.log is
+# emptied rather than deleted, as this run's log is already open on it). Nothing else in the folder is touched.
+RUN_FILES = ("summary.json", "metrics.csv", "config.yaml", "batch_finder.json")
+
+
+def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main: bool) -> None:
+    """Before a new run writes into `run_dir` (call right after the log is set up): a folder holding another
+    run's checkpoints is refused (ConfigError, exit 2) unless `output.overwrite`, which deletes that run's
+    files first. `--resume PATH` continues a run, and so does `--resume auto` when a last.pt is there."""
+    found = [name for name in CHECKPOINT_FILES if (run_dir / name).exists()]
+    resuming = resume is not None and (resume != "auto" or "last.pt" in found or "last.prev.pt" in found)
+    if resuming or not found:
+        return
+    if not overwrite:
+        if "last.pt" in found or "last.prev.pt" in found:
+            keep = "Continue that run with --resume auto"
+        else:
+            keep = f"Train on from its weights with --finetune {run_dir / 'best.pt'} and a new output.dir"
+        raise ConfigError(f"output.dir {run_dir} holds checkpoints of another run ({', '.join(found)}), which a new "
+                          f"run would replace. {keep}, start a new run in a new output.dir=..., or pass "
+                          f"output.overwrite=true to delete that run's files (checkpoints, metrics.csv, "
+                          f"summary.json, TensorBoard events, train.log) and start afresh here")
+    if not is_main:
+        return
+    removed = [*found, *(name for name in RUN_FILES if (run_dir / name).exists())]
+    for name in removed:
+        (run_dir / name).unlink()
+    events = sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    for path in events:
+        path.unlink()
+    if (run_dir / "train.log").exists():
+        os.truncate(run_dir / "train.log", 0)
+    log.warning("output.overwrite=true: deleted the previous run's %s%s from %s and emptied its train.log",
+                ", ".join(removed), f" and {len(events)} TensorBoard event file(s)" if events else "", run_dir)
 
 
 # ---------------------------------------------------------------- reading back for eval.py and infer.py

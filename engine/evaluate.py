@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -16,10 +17,11 @@ from engine.metrics import MetricSums
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
-             tta_flip: bool = False) -> tuple[MetricSums, list[int]]:
+             tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None) -> tuple[MetricSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
     of files that could not be read (excluded, never substituted). A limit on the samples evaluated
-    belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`)."""
+    belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`). `on_batch` runs after each
+    batch (a progress bar)."""
     was_training = model.training
     model.eval()
     sums = MetricSums(num_classes, device_input.device)
@@ -35,6 +37,8 @@ def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_clas
                 flipped = model(images.flip(3)).float()
                 logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
         sums.update(logits, device_input.labels(targets), valid.to(device_input.device, non_blocking=True))
+        if on_batch is not None:
+            on_batch()
     model.train(was_training)
     return sums, unreadable
 

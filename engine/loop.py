@@ -29,15 +29,16 @@ class StepHooks:
     log_step: Callable[[int, dict], None]
     log_interval: int = 10**9
     on_batch: Optional[Callable[[], None]] = None  # after every micro-batch (a progress bar)
+    log_epoch_end: bool = True  # also log each epoch's last step, however short the epoch
 
-    def logs_at(self, step: int) -> bool:
-        return step % self.log_interval == 0
+    def logs_at(self, step: int, epoch_end: bool = False) -> bool:
+        return step % self.log_interval == 0 or (epoch_end and self.log_epoch_end)
 
 
 def no_hooks() -> StepHooks:
     """Hooks that never log, save or stop: for measuring steps."""
     return StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
-                     save=lambda snapshot: None, log_step=lambda step, values: None)
+                     save=lambda snapshot: None, log_step=lambda step, values: None, log_epoch_end=False)
 
 
 class EpochSums:
@@ -131,7 +132,8 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
 
         if is_update:
             number = state.step + 1  # steps are numbered from 1, as in the log lines ("step k/N")
-            update = step.finish_window(window_ok, number, want_norm=hooks.logs_at(number))
+            log_now = hooks.logs_at(number, epoch_end=batch_index == num_batches)
+            update = step.finish_window(window_ok, number, want_norm=log_now)
             if step.watches_nonfinite:
                 sums.note_window(update.window_ok, number)
             counters.count_update(update.skipped, number, step.max_nonfinite_in_row)
@@ -139,7 +141,7 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
             state.step = number
             counters.batches_done = batch_index
 
-            if hooks.logs_at(state.step):
+            if log_now:
                 sums.raise_if_nonfinite()
                 hooks.log_step(state.step, meter.read(sums.loss, update))
             stop = hooks.stop_requested(state.step)

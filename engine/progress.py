@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
@@ -27,6 +29,9 @@ class RunReporter:
         self.total_steps = total_steps
         self.batches_per_epoch = batches_per_epoch
         self.bar = None
+        self.redirect = None      # tqdm's logging redirection while a bar is up
+        self.epoch = 0
+        self.step_lines = 0
         self.wait_warned = False
 
     def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str]) -> None:
@@ -48,38 +53,59 @@ class RunReporter:
 
     def open_bar(self, epoch: int, start_batch: int) -> None:
         """A tqdm bar for the epoch when `output.progress_bar` says so (auto: on a terminal), rank 0 only."""
+        self.epoch = epoch
+        self._open_bar(self.batches_per_epoch, start_batch, self._epoch_label())
+
+    def _epoch_label(self) -> str:
+        return f"epoch {self.epoch + 1}/{self.cfg.train.epochs}"
+
+    def _open_bar(self, total: int, initial: int, desc: str) -> None:
         mode = self.cfg.output.progress_bar
         on = mode is True or (mode == "auto" and sys.stderr.isatty())
         self.bar = None
         if on and self.is_main:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=self.batches_per_epoch, initial=start_batch, desc=f"epoch {epoch + 1}",
-                            dynamic_ncols=True, leave=False)
+            # While the bar is up, log records (step lines, warnings) print above it on their own lines.
+            self.redirect = logging_redirect_tqdm()
+            self.redirect.__enter__()
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=False)
 
     def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+            self.redirect.__exit__(None, None, None)
 
     def on_batch(self) -> Optional[callable]:
         """The per-batch callback for the loop (None without a bar: nothing to do per batch)."""
         return self.bar.update if self.bar is not None else None
 
+    @contextmanager
+    def validation(self, num_batches: int):
+        """Around a validation pass: a line, and a bar on a terminal; yields the per-batch callback."""
+        log.info("%s: validating (%d batches)", self._epoch_label(), num_batches)
+        self._open_bar(num_batches, 0, f"{self._epoch_label()} validation")
+        try:
+            yield self.on_batch()
+        finally:
+            self.close_bar()
+
     def log_step(self, step: int, values: dict) -> None:
+        """A step line in the log (whether or not a bar is shown), its TensorBoard scalars, the bar's numbers."""
         values["train/samples_per_s"] *= self.world_size  # the whole job's rate
         self.runlog.scalars(values, step)
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.3g}",
-                                 img_s=f"{values['train/samples_per_s']:.0f}")
-        else:
-            grad_norm = values["train/grad_norm"]
-            log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%", step,
-                     self.total_steps, values["train/loss"], values["train/lr"],
-                     "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"],
-                     100 * values["train/data_wait_frac"])
         wait = values["train/data_wait_frac"]
-        if wait > DATA_WAIT_WARN_FRAC and not self.wait_warned and step > 2 * self.cfg.output.log_interval:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {values['train/loss']:.4f}, data wait {100 * wait:.0f}%")
+        grad_norm = values["train/grad_norm"]
+        log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%", step,
+                 self.total_steps, values["train/loss"], values["train/lr"],
+                 "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"], 100 * wait)
+        self.step_lines += 1
+        # the first two intervals include the loader's start-up
+        if wait > DATA_WAIT_WARN_FRAC and not self.wait_warned and self.step_lines > 2:
             self.wait_warned = True
             d = self.cfg.data
             log.warning("%s", data_wait_advice(wait, d.num_workers, usable_cpus(), d.prefetch_factor))
@@ -121,7 +147,7 @@ class RunReporter:
             "epochs_completed": s.epoch,
             "steps_completed": s.step,
             "stopped_early": s.stopped_early,
-            "train_samples_per_s": s.train_samples * self.world_size / s.train_time_s if s.train_time_s > 0 else 0.0,
+            "train_samples_per_s": self.train_rate(s),
             "train_time_s": s.train_time_s,
             "skipped_files": list(s.skipped_files),
             "skipped_steps": s.skipped_steps,
@@ -130,6 +156,38 @@ class RunReporter:
             "effective_batch": plan.effective_batch,
             "peak_lr": plan.peak_lr,
         })
+
+    def train_rate(self, state) -> float:
+        """The whole job's training images per second over the run (its resumed parts included)."""
+        return state.train_samples * self.world_size / state.train_time_s if state.train_time_s > 0 else 0.0
+
+    def _best_text(self, state, run_dir) -> str:
+        if not state.best_metrics:
+            return "no best.pt (no epoch was validated)"
+        metric = self.cfg.early_stop.metric
+        value = state.best_metrics[metric]
+        return (f"best epoch {state.best_epoch}: {metric} {value:.4f}" if metric == "loss" else
+                f"best epoch {state.best_epoch}: {metric} {value:.2f}") + f" ({Path(run_dir) / 'best.pt'})"
+
+    def log_done(self, state, run_dir, wall_s: float) -> None:
+        """The run's last line: what it reached, where the files are, how long it took."""
+        log.info("done: %d epoch(s)%s, %s | summary %s | wall time %s | %.0f img/s", state.epoch,
+                 " (stopped early)" if state.stopped_early else "", self._best_text(state, run_dir),
+                 Path(run_dir) / "summary.json", format_duration(wall_s), self.train_rate(state))
+
+    def report_complete(self, state, run_dir) -> None:
+        """`--resume` of a run that has nothing left to do: say so, and how to train further."""
+        done = (f"stopped early after epoch {state.epoch}" if state.stopped_early else
+                f"all {state.epoch} epochs done")
+        log.info("the run in %s is complete (%s): %s. Nothing to resume. To train further: --finetune %s with a "
+                 "new output.dir (a new schedule from these weights), or a larger train.epochs with a new "
+                 "output.dir (a new run)", run_dir, done, self._best_text(state, run_dir), Path(run_dir) / "best.pt")
+
+
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _schedule_text(cfg, plan) -> str:

@@ -73,7 +73,7 @@ class RunLog:
         path = self.run_dir / "metrics.csv"
         new = not path.exists()
         with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS, lineterminator="\n")
             if new:
                 writer.writeheader()
             writer.writerow({k: _fmt(row.get(k)) for k in METRICS_COLUMNS})
@@ -87,7 +87,7 @@ class RunLog:
             rows = [r for r in csv.DictReader(f) if r.get("epoch") and int(r["epoch"]) < epoch]
         tmp = path.with_name(".metrics.csv.tmp")
         with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS, lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
         os.replace(tmp, path)

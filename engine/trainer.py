@@ -19,8 +19,8 @@ from core.errors import BadDataError, ImageDecodeError, NonFiniteError, StopRequ
 from data.build import RunData, build_run_data, prepare_root
 from data.health import check_bad_fraction
 from engine import distributed as dist_utils
-from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, load_finetune_source,
-                                 resolve_resume)
+from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir,
+                                 load_finetune_source, resolve_resume)
 from engine.batch_finder import resolve_batch_size
 from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, memory_format, pin_memory_for,
                            resolve_amp, select_device)
@@ -44,6 +44,7 @@ BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None):
         self.cfg = cfg
+        self.started = time.perf_counter()
         self.resume = resume
         self.finetune = finetune
         self.stop_signal = StopSignal()
@@ -98,6 +99,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist_utils.barrier()
         setup_logging(self.run_dir, self.dist.is_main)
+        claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
         torch.manual_seed(cfg.train.seed)
@@ -175,9 +177,6 @@ class Trainer:
         if resume_ckpt is not None:
             self.runlog.drop_epochs_from(self.state.epoch + 1)
             return
-        if (self.run_dir / "last.pt").exists():
-            log.warning("%s holds last.pt of an earlier run; this new run replaces it (to continue that "
-                        "run instead, stop now and pass --resume auto)", self.run_dir)
         self.runlog.drop_epochs_from(1)  # metrics.csv describes this run only
 
     # ------------------------------------------------------------ the run
@@ -206,6 +205,9 @@ class Trainer:
         hooks = StepHooks(checkpoint_due=lambda step: every > 0 and step % every == 0,
                           stop_requested=self._stop_requested, save=self._save_mid_epoch,
                           log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
+        if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
+            self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
+            return 0
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             counters, seconds, resumed = self._train_epoch(epoch, hooks)
             due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
@@ -220,6 +222,7 @@ class Trainer:
             if self.state.stopped_early:
                 break
         self.write_summary()
+        self.reporter.log_done(self.state, self.run_dir, time.perf_counter() - self.started)
         dist_utils.barrier()
         return 0
 
@@ -260,10 +263,12 @@ class Trainer:
 
     def _record_unreadable(self, indices) -> None:
         every_rank = dist_utils.union_of_lists(sorted(indices))
-        new = [p for p in (self.data.train_index.paths[i] for i in every_rank) if p not in self.state.skipped_files]
-        for p in new:
-            log.warning("unreadable training file skipped (replaced by another image of its class): %s", p)
-        self.state.skipped_files.extend(new)
+        paths, dataset = self.data.train_index.paths, self.data.train_loader.dataset
+        new = [i for i in every_rank if paths[i] not in self.state.skipped_files]
+        for i in new:
+            log.warning("unreadable training file skipped (%s; replaced by another image of its class): %s",
+                        dataset.failure_reason(i), paths[i])
+        self.state.skipped_files.extend(paths[i] for i in new)
         check_bad_fraction(self.state.skipped_files, len(self.data.train_index), "training",
                            self.cfg.data.max_bad_fraction)
 
@@ -282,7 +287,9 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes))
+        with self.reporter.validation(len(self.data.val_loader)) as on_batch:
+            sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
+                                        on_batch=on_batch)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]

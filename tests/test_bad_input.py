@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -261,8 +263,15 @@ def test_a_salted_tree_trains_keeps_the_classes_and_names_the_broken_files(tmp_p
     assert summary["best"]["num_samples"] == 9  # 10 validation files, the broken one left out
     assert summary["steps_completed"] == 4
     log = (out / "train.log").read_text()
-    for path in bad_train:
-        assert path in log
+    # each skipped file is named with the reason, in infer.py's words
+    reasons = {path: reason for reason, path in re.findall(
+        r"unreadable training file skipped \((.+); replaced by another image of its class\): (\S+)", log)}
+    assert sorted(reasons) == bad_train
+    by_name = {os.path.basename(path).removeprefix("zz_"): reason for path, reason in reasons.items()}
+    assert by_name["empty.jpg"] == "empty file"
+    assert "cannot identify image file" in by_name["text.jpg"]
+    assert "DecompressionBombError" in by_name["bomb.png"]
+    assert all(reason and not reason.startswith("could not be read") for reason in by_name.values())
     assert "32 training images" in log
     ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["classes"] == ["a", "b", "c"]

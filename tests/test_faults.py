@@ -209,7 +209,8 @@ def test_resume_free_keys_may_change(data_root, finished_run, tmp_path):
     save_atomic(ckpt, run_dir / "last.pt")  # back to the end of epoch 1
     # batch_size=auto on resume keeps the batch of the run instead of searching again.
     cfg = make_cfg(data_root, run_dir, **{"output.log_interval": 1, "checkpoint.every_steps": 3,
-                                          "train.nonfinite": "skip", "train.batch_size": "auto"})
+                                          "train.nonfinite": "skip", "train.batch_size": "auto",
+                                          "output.overwrite": "true"})  # a resume deletes nothing
     assert run(cfg, resume="auto") == 0
     assert "resuming with the batch chosen before, 8 x accum 1" in (run_dir / "train.log").read_text()
     redone, original = load_checkpoint(run_dir / "last.pt"), load_checkpoint(finished_run / "last.pt")
@@ -365,11 +366,62 @@ def test_nonfinite_skip_stops_after_n_in_a_row(data_root, tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps_completed"] == 2  # the 3rd did not complete
 
 
-def test_a_new_run_in_a_used_run_directory_warns_and_starts_a_fresh_metrics_file(data_root, finished_run, tmp_path):
+def file_bytes(run_dir: Path) -> dict:
+    return {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("keep", ["all", "best_only"])
+def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_changes_nothing(
+        data_root, finished_run, tmp_path, capsys, keep):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
-    assert run(make_cfg(data_root, run_dir, **{"train.epochs": 1})) == 0
-    assert "holds last.pt of an earlier run" in (run_dir / "train.log").read_text()
+    if keep == "best_only":
+        (run_dir / "last.pt").unlink()
+        (run_dir / "last.prev.pt").unlink()
+    before = file_bytes(run_dir)
+    # a dry run, the way a newcomer replaced a good best.pt; --resume auto without a last.pt is a new run too
+    cfg = make_cfg(data_root, run_dir, **{"data.limit_train_batches": 1, "train.epochs": 1})
+    assert exit_code(lambda: run(cfg, resume="auto" if keep == "best_only" else None)) == 2
+    err = capsys.readouterr().err
+    assert f"output.dir {run_dir} holds checkpoints of another run" in err
+    assert "a new output.dir=" in err and "output.overwrite=true" in err
+    if keep == "all":
+        assert "(last.pt, last.prev.pt, best.pt)" in err and "--resume auto" in err
+    else:
+        assert "(best.pt)" in err and f"--finetune {run_dir / 'best.pt'}" in err and "--resume" not in err
+    assert file_bytes(run_dir) == before  # refused before any work
+
+
+def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(data_root, finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    (run_dir / "notes.txt").write_text("the user's own file")
+    (run_dir / "tensorboard").mkdir()
+    (run_dir / "tensorboard" / "events.out.tfevents.1.old.0").write_bytes(b"old events")
+    assert run(make_cfg(data_root, run_dir, **{"train.epochs": 1, "output.overwrite": "true"})) == 0
+    log = (run_dir / "train.log").read_text()
+    assert log.index("output.overwrite=true: deleted the previous run's last.pt, last.prev.pt, best.pt, "
+                     "summary.json, metrics.csv, config.yaml and 1 TensorBoard event file(s)") < log.index("data: ")
+    assert log.count("effective batch") == 1  # the old run's log is gone
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 2 and rows[1].startswith("1,")  # the header and this run's one epoch
-    assert load_checkpoint(run_dir / "last.pt")["step"] == 4
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 4 and not (run_dir / "last.prev.pt").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["epochs_completed"] == 1
+    assert (run_dir / "notes.txt").read_text() == "the user's own file"
+    assert not (run_dir / "tensorboard" / "events.out.tfevents.1.old.0").exists()
+
+
+def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_further(data_root, finished_run,
+                                                                                     tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = file_bytes(run_dir)
+    assert run(make_cfg(data_root, run_dir), resume="auto") == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    line = (run_dir / "train.log").read_text().splitlines()[-1]
+    assert f"the run in {run_dir} is complete (all 2 epochs done)" in line
+    assert f"best epoch {summary['best_epoch']}: top1 {summary['best']['top1']:.2f} ({run_dir / 'best.pt'})" in line
+    assert f"--finetune {run_dir / 'best.pt'} with a new output.dir" in line and "a larger train.epochs" in line
+    after = file_bytes(run_dir)
+    for name in ("last.pt", "last.prev.pt", "best.pt", "summary.json", "metrics.csv"):
+        assert after[Path(name)] == before[Path(name)], name  # nothing trained, nothing rewritten

@@ -186,7 +186,12 @@ def test_broken_files_get_error_rows_and_the_run_goes_on(checkpoint, images, tmp
         assert row["error"] == "" and row["label"] == row["top1_label"] in CLASSES
         assert float(row["top1_prob"]) >= float(row["top2_prob"]) >= float(row["top3_prob"]) > 0
     assert "classified 7 of 10" in result.stderr
-    table = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[2:]}  # after checkpoint, header
+    assert b"\r" not in out.read_bytes()  # \n line endings, for cut and friends
+    # stdout is the table alone (header and one row per file): status lines go to stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["path", "label", "prob"] and len(lines) == 11
+    assert f"checkpoint: {checkpoint}" in result.stderr
+    table = {line.split()[0]: line.split()[1:] for line in lines[1:]}
     assert table[str(images / "img0.png")] == [rows["img0.png"]["label"], f"{float(rows['img0.png']['prob']):.4f}"]
     assert table[str(images / "empty.png")][:3] == ["-", "-", "error:"]
 
@@ -219,7 +224,9 @@ def test_default_checkpoint_is_the_newest_best_pt_under_runs(checkpoint, images,
 
     capsys.readouterr()
     assert infer.main([str(images), "--topk", "2"]) == 0
-    assert "checkpoint: runs/old/best.pt (the newest best.pt under runs/)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "checkpoint: runs/old/best.pt (the newest best.pt under runs/)" in captured.err
+    assert captured.out.splitlines()[0].split() == ["path", "label", "prob"]
 
     empty = tmp_path / "empty_cwd"
     empty.mkdir()

@@ -69,6 +69,25 @@ def test_metrics_csv_has_one_row_per_epoch(finished_run):
     assert all(float(r["train_loss"]) > 0 for r in rows)
 
 
+def test_metrics_csv_has_unix_line_endings(finished_run):
+    run_dir, _ = finished_run
+    assert b"\r" not in (run_dir / "metrics.csv").read_bytes()
+
+
+def test_without_a_terminal_the_log_has_step_and_validation_lines_and_ends_with_a_summary_line(finished_run):
+    run_dir, result = finished_run
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert re.findall(r"INFO step (\d+)/12 ", "\n".join(log)) == ["2", "4", "6", "8", "10", "12"]  # log_interval 2
+    assert sum("INFO epoch 1/2: validating (3 batches)" in line for line in log) == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = log[-1]
+    assert last == result.stderr.splitlines()[-1]  # the console's last line too
+    assert (f"INFO done: 2 epoch(s), best epoch {summary['best_epoch']}: top1 {summary['best']['top1']:.2f} "
+            f"({run_dir / 'best.pt'}) | summary {run_dir / 'summary.json'} | wall time ") in last
+    wall = re.search(r"wall time (\d+)m(\d\d)s \| (\d+) img/s$", last)
+    assert wall and int(wall.group(3)) == round(summary["train_samples_per_s"])
+
+
 def test_resolved_config_is_saved_and_reloads(finished_run, data_root):
     run_dir, _ = finished_run
     saved = load_config(str(run_dir / "config.yaml"))
