@@ -16,7 +16,7 @@ from timm.utils import unwrap_model
 
 from engine.device import DeviceInput
 from engine.distributed import all_ranks_true
-from engine.optim import build_optimizer
+from engine.optim import base_lr, build_optimizer
 from engine.schedule import build_scheduler
 
 
@@ -87,7 +87,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not skipped:
             self.ema.update(unwrap_model(self.model), step=step_number)
-        lr_used = self.optimizer.param_groups[0]["lr"]
+        lr_used = base_lr(self.optimizer)
         self.scheduler.step()
         return WindowUpdate(skipped, window_ok, grad_norm, lr_used)
 
