@@ -238,6 +238,9 @@ def load_pretrained(model_cfg) -> torch.nn.Module:
     (the hub cache, downloading when allowed), or torchvision's default weights for tv: names. ModelError
     (exit 2) when they cannot be had, naming the model and how to provide them."""
     name = model_cfg.name
+    if "." in name and not name.startswith((HF_HUB_PREFIX, LOCAL_DIR_PREFIX)) and not timm.list_pretrained(name):
+        raise ModelError(f"'model.name' = {name}: timm has no pretrained weights with that tag "
+                         f"(timm.list_pretrained('{name.split('.')[0]}.*') lists them)")
     try:
         if name.startswith(TORCHVISION_PREFIX):
             return torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], weights="DEFAULT")
@@ -338,7 +341,7 @@ class BackboneFreeze:
         self.unfreeze_epoch = unfreeze_epoch
         self.head = sorted(head)
         self.hooks: list = []
-        self.frozen = False
+        self.frozen: Optional[bool] = None  # None: not set yet (the first epoch of this process says which)
 
     def set_epoch(self, epoch: int) -> None:
         """Freeze or unfreeze for `epoch` (0-based); call at each epoch start (also the resumed one)."""

@@ -127,10 +127,12 @@ def test_offline_hub_model_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
-def test_torchvision_weights_offline_are_a_model_error(monkeypatch):
+def test_torchvision_weights_offline_and_unknown_tags_are_model_errors(monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("[Errno -2] Name or service not known")
 
+    with pytest.raises(ModelError, match="no pretrained weights with that tag"):
+        load_pretrained(load_config(None, ["model.name=resnet10t.no_such_tag", "model.pretrained=true"]).model)
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
     with pytest.raises(ModelError, match="tv:resnet18.*model.weights=FILE.*TORCH_HOME"):
         load_pretrained(load_config(None, ["model.name=tv:resnet18", "model.pretrained=true"]).model)
