@@ -16,7 +16,7 @@ from core.errors import ModelError
 from engine.checkpointer import read_checkpoint
 from engine.optim import base_lr, build_optimizer, param_groups
 from engine.schedule import build_scheduler
-from models.factory import check_model_name, create_model, load_pretrained
+from models.factory import check_model_name, create_model, load_pretrained, pretrained_preprocessing
 from test_config import run_train_in_process
 
 
@@ -136,3 +136,11 @@ def test_torchvision_weights_offline_and_unknown_tags_are_model_errors(monkeypat
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
     with pytest.raises(ModelError, match="tv:resnet18.*model.weights=FILE.*TORCH_HOME"):
         load_pretrained(load_config(None, ["model.name=tv:resnet18", "model.pretrained=true"]).model)
+
+
+def test_torchvision_and_timm_preprocessing_come_from_their_weights_configs():
+    tv = pretrained_preprocessing("tv:resnet18", None)  # the weights' transforms: nothing downloaded
+    assert tv == {"data.mean": [0.485, 0.456, 0.406], "data.std": [0.229, 0.224, 0.225],
+                  "data.interpolation": "bilinear", "data.crop_pct": 224 / 256}
+    timm_values = pretrained_preprocessing("test_resnet", create_model("test_resnet", 3))
+    assert timm_values["data.mean"] == [0.5, 0.5, 0.5] and timm_values["data.crop_pct"] == 0.95
