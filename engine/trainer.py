@@ -134,7 +134,7 @@ class Trainer:
         if cfg.model.weights and resume_ckpt is None:
             load_local_weights(model, cfg.model.weights)
         if self.pretrained is not None:
-            load_pretrained_weights(model, self.pretrained, cfg.model.name)
+            load_pretrained_weights(model, self.pretrained, cfg.model.name, self.classes)
             self.pretrained = None
         if finetune_ckpt is not None:
             loaded, skipped = load_matching_weights(model, finetune_ckpt.get("model", {}))

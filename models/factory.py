@@ -2,7 +2,8 @@
 reads), or torchvision models as `tv:<name>`.
 
 Pretrained weights (`model.pretrained`): timm's loader, or torchvision's default weights, into a model
-with its own classifier; their tensors are copied into ours, whose classifier is new for our classes.
+with its own classifier; their tensors are copied into ours, whose classifier is new for our classes
+(kept only when the pretrained labels are our classes).
 Fine-tuning helpers: the classifier's parameters, and `BackboneFreeze` (`model.freeze=backbone`).
 
 Optional local weights (`model.weights`): a safetensors file, a plain state_dict saved with
@@ -285,17 +286,19 @@ def prepare_pretrained(cfg, resume_config: Optional[dict]) -> tuple[Optional[tor
                               f"{cfg.model.name}'s pretrained config")
 
 
-def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, name: str) -> None:
-    """Copy every tensor of `source` whose name and shape match into `model`; its classifier, sized for other
-    classes, keeps the fresh initialisation. Says which."""
-    loaded, skipped = load_matching_weights(model, source.state_dict())
-    head = [n for n in sorted(classifier_parameter_names(model)) if n not in loaded]
-    own = model.state_dict()
-    if head:
-        shapes = ", ".join(f"{n} {list(own[n].shape)}" for n in head)
-        detail = f"new classifier initialised for our {own[head[0]].shape[0]} classes ({shapes})"
+def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, name: str, classes: list[str]) -> None:
+    """Copy every tensor of `source` whose name and shape match into `model`, except its classifier: ours is new,
+    initialised for `classes`, unless the pretrained config's label_names are exactly those (a model trained
+    on these classes, as our timm export writes it). Says which."""
+    head = classifier_parameter_names(model)
+    labels = list((getattr(source, "pretrained_cfg", None) or {}).get("label_names") or [])
+    same_classes = labels == list(classes)
+    state = {k: v for k, v in source.state_dict().items() if same_classes or k not in head}
+    loaded, skipped = load_matching_weights(model, state)
+    if same_classes and head <= set(loaded):
+        detail = "classifier loaded too (its label_names are our classes)"
     else:
-        detail = "classifier loaded too (the same number of classes)"
+        detail = f"new classifier initialised for our {len(classes)} classes ({', '.join(sorted(head))})"
     log.info("model.pretrained: %d tensors loaded from %s; %s", len(loaded), name, detail)
     others = [n for n in skipped if n not in head]
     if others:

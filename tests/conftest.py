@@ -18,7 +18,8 @@ PRETRAINED_PREPROCESSING = {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3], "i
                             "crop_pct": 0.9}
 
 
-def write_pretrained_folder(folder: Path, architecture: str = "test_resnet", num_classes: int = 5, seed: int = 0) -> dict:
+def write_pretrained_folder(folder: Path, architecture: str = "test_resnet", num_classes: int = 5, seed: int = 0,
+                            label_names=None) -> dict:
     """A timm model folder (config.json + model.safetensors, written by timm's save_for_hf) that
     `local-dir:FOLDER` names, with PRETRAINED_PREPROCESSING in its pretrained_cfg and non-trivial BatchNorm
     statistics; returns its state_dict."""
@@ -33,7 +34,8 @@ def write_pretrained_folder(folder: Path, architecture: str = "test_resnet", num
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 1.5)
     model.pretrained_cfg = dict(model.pretrained_cfg, **PRETRAINED_PREPROCESSING)
-    save_for_hf(model, str(folder), safe_serialization=True)
+    save_for_hf(model, str(folder), safe_serialization=True,
+                model_config={"label_names": label_names} if label_names else None)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

@@ -16,7 +16,8 @@ from core.errors import ModelError
 from engine.checkpointer import read_checkpoint
 from engine.optim import base_lr, build_optimizer, param_groups
 from engine.schedule import build_scheduler
-from models.factory import check_model_name, create_model, load_pretrained, pretrained_preprocessing
+from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
+                            pretrained_preprocessing)
 from test_config import run_train_in_process
 
 
@@ -144,3 +145,20 @@ def test_torchvision_and_timm_preprocessing_come_from_their_weights_configs():
                   "data.interpolation": "bilinear", "data.crop_pct": 224 / 256}
     timm_values = pretrained_preprocessing("test_resnet", create_model("test_resnet", 3))
     assert timm_values["data.mean"] == [0.5, 0.5, 0.5] and timm_values["data.crop_pct"] == 0.95
+
+
+@pytest.mark.parametrize("labels, kept", [(["a", "b", "c"], True), (None, False), (["x", "y", "z"], False)])
+def test_the_pretrained_classifier_is_kept_only_for_our_classes(tmp_path, caplog, labels, kept):
+    """Three pretrained classes are not ours unless the folder's label_names say so: the classifier is new."""
+    import logging
+
+    source = write_pretrained_folder(tmp_path / "folder", num_classes=3, label_names=labels)
+    cfg = load_config(None, [f"model.name=local-dir:{tmp_path / 'folder'}", "model.pretrained=true"])
+    torch.manual_seed(5)
+    model = build_model(cfg.model, 3)
+    fresh = model.fc.weight.detach().clone()
+    with caplog.at_level(logging.INFO, logger="train"):
+        load_pretrained_weights(model, load_pretrained(cfg.model), cfg.model.name, ["a", "b", "c"])
+    assert torch.equal(model.fc.weight, source["fc.weight"] if kept else fresh)
+    assert torch.equal(model.conv1[0].weight, source["conv1.0.weight"])
+    assert ("classifier loaded too" if kept else "new classifier initialised for our 3 classes") in caplog.text
