@@ -75,6 +75,9 @@ class ModelConfig:
     ema_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
     ema_every_steps: int = field(default=1, metadata=_range(1))
     ema_warmup: bool = False
+    pretrained: bool = False
+    freeze: Optional[Literal["backbone"]] = None
+    unfreeze_epoch: Optional[int] = field(default=None, metadata=_range(1))
 
 
 @dataclass
@@ -115,6 +118,8 @@ class OptimConfig:
     weight_decay: float = field(default=5e-5, metadata=_range(0.0))
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
+    layer_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    head_lr_scale: float = field(default=1.0, metadata=_range(0.0, lo_open=True))
 
 
 @dataclass
@@ -161,6 +166,12 @@ class Config:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        # Dotted keys that a config file or an override set (not base.yaml, which only restates the
+        # defaults): defaults that depend on something else (the pretrained model's preprocessing) leave
+        # these alone. Not a config key; never saved.
+        self.explicit_keys: set[str] = set()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,7 +238,10 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file, then the dotted overrides; validated."""
     cfg = Config()
     if name:
-        apply_dict(cfg, read_yaml(resolve_config_path(name)), source=str(name))
+        path = resolve_config_path(name)
+        keys = apply_dict(cfg, read_yaml(path), source=str(name))
+        if path.resolve() != (CONFIG_DIR / "base.yaml").resolve():
+            cfg.explicit_keys |= keys
     apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg
@@ -237,7 +251,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> None:
     """Dotted KEY=VALUE overrides (values parsed as YAML) on top of `cfg`; the caller validates."""
     for text in overrides:
         key, value = parse_override(text)
-        apply_dict(cfg, nest(key, value), source="command line")
+        cfg.explicit_keys |= apply_dict(cfg, nest(key, value), source="command line")
 
 
 def config_from_dict(values: dict) -> Config:
@@ -264,11 +278,13 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def apply_dict(obj, values: dict, source: str, prefix: str = "") -> None:
+def apply_dict(obj, values: dict, source: str, prefix: str = "") -> set[str]:
+    """Set `values` (nested like the YAML) on `obj`; returns the dotted keys set."""
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of keys")
     names = {f.name: f for f in dataclasses.fields(obj)}
     hints = typing.get_type_hints(type(obj))
+    keys = set()
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in names:
@@ -276,9 +292,27 @@ def apply_dict(obj, values: dict, source: str, prefix: str = "") -> None:
             raise ConfigError(f"{source}: unknown config key '{dotted}'{hint}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            apply_dict(current, value, source, prefix=f"{dotted}.")
+            keys |= apply_dict(current, value, source, prefix=f"{dotted}.")
         else:
             setattr(obj, key, _coerce(dotted, value, hints[key], source))
+            keys.add(dotted)
+    return keys
+
+
+def fill_unset(cfg: Config, values: dict, origin: str) -> list[str]:
+    """Set each dotted key of `values` that the user did not set (`cfg.explicit_keys`), validated; returns
+    one line per key saying which value is used and where it came from."""
+    lines = []
+    for key, value in values.items():
+        section, name = key.rsplit(".", 1)
+        current = getattr(getattr(cfg, section), name)
+        if key in cfg.explicit_keys:
+            lines.append(f"{key} = {current!r} (set in the config; {origin} has {value!r})")
+        else:
+            apply_dict(cfg, nest(key, value), source=origin)
+            lines.append(f"{key} = {getattr(getattr(cfg, section), name)!r} (from {origin})")
+    validate(cfg)
+    return lines
 
 
 # ---------------------------------------------------------------- types
@@ -377,6 +411,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"'data.repeated_augment' = {d.repeated_augment} needs 'data.sampler' = random (it is "
                           f"{d.sampler}): repeats are drawn from a shuffled epoch; set data.repeated_augment=1 "
                           f"for the {d.sampler} sampler")
+    m = cfg.model
+    if m.unfreeze_epoch is not None and m.freeze is None:
+        raise ConfigError(f"'model.unfreeze_epoch' = {m.unfreeze_epoch} needs 'model.freeze' = backbone "
+                          "(the backbone is not frozen otherwise); set model.freeze=backbone or model.unfreeze_epoch=null")
+    if m.pretrained and m.weights:
+        raise ConfigError("'model.pretrained' = true and 'model.weights' are both set: use one source of weights "
+                          "(model.pretrained=false with model.weights=FILE, or model.weights=null)")
     if cfg.model.norm == "group" and cfg.model.sync_bn:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
     _check_optimizer_options(cfg.optim)
@@ -392,6 +433,10 @@ OPTIMIZER_OPTIONS = {
     "lion": ("betas",),
     "rmsprop": ("momentum", "eps"),
 }
+
+# torch's fused (one kernel for every tensor) implementations: the same update rule, on the CPU several times
+# cheaper per step than the per-tensor loop torch defaults to there (docs/performance.md)
+FUSED_OPTIMIZERS = ("sgd", "adamw")
 
 
 def _check_optimizer_options(o: OptimConfig) -> None:

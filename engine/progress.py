@@ -34,8 +34,9 @@ class RunReporter:
         self.step_lines = 0
         self.wait_warned = False
 
-    def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str]) -> None:
-        """What the run will do: the data, the model and precision, the batch and step arithmetic."""
+    def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str] = (0, "not set")) -> None:
+        """What the run will do: the data, the model and precision, the CPU threads (count, where it came
+        from), the batch and step arithmetic, the recipe."""
         cfg, classes = self.cfg, data.classes
         log.info("data: %d training images, %d validation images, %d classes (%s)", len(data.train_index),
                  len(data.val_index), len(classes), ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))

@@ -18,7 +18,7 @@ from engine.device import DeviceInput
 from engine.distributed import all_ranks_true
 from engine.losses import build_criterion
 from engine.mixing import BatchMixing
-from engine.optim import build_optimizer
+from engine.optim import base_lr, build_optimizer
 from engine.schedule import build_scheduler, observe_epoch, schedule_from_config
 
 
@@ -97,7 +97,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not skipped:
             self.ema.update(unwrap_model(self.model), step=step_number)
-        lr_used = self.optimizer.param_groups[0]["lr"]
+        lr_used = base_lr(self.optimizer)
         self.scheduler.step()
         return WindowUpdate(skipped, window_ok, grad_norm, lr_used)
 
@@ -129,7 +129,7 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
     `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
     accumulation; what measuring a step needs. `num_classes` is needed when mixing is on;
     `steps_per_epoch` converts the schedule's epochs to steps."""
-    optimizer = build_optimizer(model, cfg.optim, peak_lr)
+    optimizer = build_optimizer(model, cfg.optim, peak_lr, fused=cfg.model.freeze is None)
     if total_steps is None:
         scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
     else:

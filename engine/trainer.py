@@ -27,6 +27,7 @@ from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotu
 from engine.evaluate import evaluate
 from engine.loop import StepHooks, train_one_epoch
 from engine.metrics import is_improvement
+from engine.optim import base_lr, describe_groups
 from engine.progress import RunReporter
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import RunPlan, plan_run, validation_due
@@ -34,7 +35,8 @@ from engine.signals import StopSignal
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
 from models.ema import create_ema
-from models.factory import build_model, check_model_name, load_local_weights, load_matching_weights
+from models.factory import (BackboneFreeze, build_model, check_model_name, load_local_weights, load_matching_weights,
+                            load_pretrained_weights, prepare_pretrained)
 
 log = logging.getLogger("train")
 
@@ -61,6 +63,8 @@ class Trainer:
         # model: the bare model is trained and saved in last.pt; eval_model (the EMA when on) is validated
         # and saved in best.pt; train_model is what runs forward (DDP- and compile-wrapped where set)
         self.model: Optional[torch.nn.Module] = None
+        self.pretrained: Optional[torch.nn.Module] = None  # model.pretrained: the source, until copied into model
+        self.freeze: Optional[BackboneFreeze] = None
         self.ema: Optional[torch.nn.Module] = None
         self.eval_model: Optional[torch.nn.Module] = None
         self.train_model: Optional[torch.nn.Module] = None
@@ -102,6 +106,10 @@ class Trainer:
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
+        if cfg.model.pretrained:  # before the data: no weights (offline) is a usage error, exit 2
+            self.pretrained, lines = prepare_pretrained(cfg, resume_ckpt.get("config") if resume_ckpt else None)
+            for line in lines:
+                log.info("%s", line)
         torch.manual_seed(cfg.train.seed)
         enable_cudnn_autotune(self.device)
         # The built-in data set is written once: by rank 0 first, then by the first process of each other
@@ -129,6 +137,9 @@ class Trainer:
         model = build_model(cfg.model, len(self.classes))
         if cfg.model.weights and resume_ckpt is None:
             load_local_weights(model, cfg.model.weights)
+        if self.pretrained is not None:
+            load_pretrained_weights(model, self.pretrained, cfg.model.name, self.classes)
+            self.pretrained = None
         if finetune_ckpt is not None:
             loaded, skipped = load_matching_weights(model, finetune_ckpt.get("model", {}))
             log.info("--finetune: %d tensors loaded from %s; not loaded: %s", len(loaded), self.finetune,
@@ -147,7 +158,9 @@ class Trainer:
         train_model = self.model
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            train_model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            # a frozen backbone gets no gradients: DDP must not wait for them
+            train_model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids,
+                                                                    find_unused_parameters=bool(self.cfg.model.freeze))
         if self.cfg.train.compile:
             train_model = torch.compile(train_model, dynamic=False)
         self.train_model = train_model
@@ -160,6 +173,11 @@ class Trainer:
                                      train_model=self.train_model, ema=self.ema, distributed=self.dist.enabled,
                                      num_classes=len(self.classes), steps_per_epoch=self.plan.steps_per_epoch,
                                      rank=self.dist.rank)
+        if cfg.optim.layer_decay is not None or cfg.optim.head_lr_scale != 1.0:
+            log.info("optim: %s (layer_decay %s, head_lr_scale %g)", describe_groups(self.step.optimizer),
+                     cfg.optim.layer_decay, cfg.optim.head_lr_scale)
+        # after the optimizer: its groups hold every parameter, frozen or not, so they resume across the unfreeze
+        self.freeze = BackboneFreeze(self.model, cfg.model.unfreeze_epoch) if cfg.model.freeze else None
 
     def _start_or_restore(self, resume_ckpt: Optional[dict]) -> None:
         cfg, step = self.cfg, self.step
@@ -209,6 +227,8 @@ class Trainer:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             return 0
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            if self.freeze is not None:
+                self.freeze.set_epoch(epoch)
             counters, seconds, resumed = self._train_epoch(epoch, hooks)
             due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
             metrics = self.validate() if due else None
@@ -308,9 +328,9 @@ class Trainer:
         if metrics is not None and self.step.end_epoch(metrics[self.cfg.early_stop.metric], self.cfg.early_stop.metric):
             log.info("schedule plateau: %s has not improved for %d validations; LR now %.6g",
                      self.cfg.early_stop.metric, self.cfg.schedule.plateau_patience,
-                     self.step.optimizer.param_groups[0]["lr"])
+                     base_lr(self.step.optimizer))
         self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
-                                   self.step.optimizer.param_groups[0]["lr"], self.epoch_wait_frac)
+                                   base_lr(self.step.optimizer), self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
         self.save_last()

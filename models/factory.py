@@ -1,4 +1,10 @@
-"""Build a classifier by name: timm models, or torchvision models as `tv:<name>`.
+"""Build a classifier by name: timm models (also `hf-hub:ORG/NAME` and `local-dir:PATH`, which timm
+reads), or torchvision models as `tv:<name>`.
+
+Pretrained weights (`model.pretrained`): timm's loader, or torchvision's default weights, into a model
+with its own classifier; their tensors are copied into ours, whose classifier is new for our classes
+(kept only when the pretrained labels are our classes).
+Fine-tuning helpers: the classifier's parameters, and `BackboneFreeze` (`model.freeze=backbone`).
 
 Optional local weights (`model.weights`): a safetensors file, a plain state_dict saved with
 torch.save, or one of our checkpoints; every tensor whose name and shape match is loaded, the rest
@@ -7,19 +13,29 @@ torch.save, or one of our checkpoints; every tensor whose name and shape match i
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import re
 from pathlib import Path
+from typing import Optional
 
 import timm
 from timm.layers import BatchNormAct2d, GroupNormAct
 import torch
 import torchvision
 
+from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
 from core.safe_load import load_checkpoint
 
 log = logging.getLogger("train")
 TORCHVISION_PREFIX = "tv:"
+HF_HUB_PREFIX = "hf-hub:"
+LOCAL_DIR_PREFIX = "local-dir:"
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
+# the data.* keys that follow the pretrained model's preprocessing unless the user set them
+PRETRAINED_DATA_KEYS = ("data.mean", "data.std", "data.interpolation", "data.crop_pct")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
 
 def model_exists(name: str) -> bool:
@@ -28,8 +44,31 @@ def model_exists(name: str) -> bool:
     return timm.is_model(name)
 
 
+def _check_local_dir(name: str) -> None:
+    folder = Path(name[len(LOCAL_DIR_PREFIX):]).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelError(f"'model.name' = {name}: no {config} (a local-dir: model is a folder with config.json "
+                         f"and model.safetensors, as timm saves them)")
+    try:
+        architecture = json.loads(config.read_text()).get("architecture")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelError(f"'model.name' = {name}: {config} is not a timm model config ({err})") from err
+    if not isinstance(architecture, str) or not timm.is_model(architecture):
+        raise ModelError(f"'model.name' = {name}: {config} names architecture {architecture!r}, not a timm model")
+
+
 def check_model_name(name: str) -> None:
-    """Raise ModelError naming close matches when `name` is neither a timm nor a tv:<torchvision> model."""
+    """Raise ModelError naming close matches when `name` is neither a timm nor a tv:<torchvision> model, nor a
+    well-formed hf-hub:ORG/NAME, nor a local-dir: folder holding a timm config.json."""
+    if name.startswith(HF_HUB_PREFIX):
+        if not _HUB_ID.match(name[len(HF_HUB_PREFIX):]):
+            raise ModelError(f"'model.name' = {name}: a Hugging Face hub model is named hf-hub:ORG/NAME[@REVISION] "
+                             f"(for example hf-hub:timm/resnet50.a1_in1k)")
+        return
+    if name.startswith(LOCAL_DIR_PREFIX):
+        _check_local_dir(name)
+        return
     if model_exists(name):
         return
     import difflib
@@ -172,3 +211,157 @@ def load_local_weights(model: torch.nn.Module, path: str) -> None:
         raise ModelError(f"'model.weights' = {path}: no tensor matches the model's parameter names and shapes")
     log.info("loaded %d tensors from %s; not loaded (new or mismatched): %s", len(loaded), path,
              ", ".join(skipped) if skipped else "none")
+
+
+# ---------------------------------------------------------------- pretrained weights
+
+
+def _has_weight_source(pretrained_cfg: dict) -> bool:
+    return any(pretrained_cfg.get(k) for k in ("url", "file", "state_dict", "hf_hub_id"))
+
+
+def _unavailable(name: str, err: Exception) -> ModelError:
+    """One line: the model, why its weights could not be had, and the ways to provide them."""
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
+    if name.startswith(LOCAL_DIR_PREFIX):
+        return ModelError(f"'model.name' = {name}: cannot load its pretrained weights ({reason}); the folder needs "
+                          f"config.json and model.safetensors (or pytorch_model.bin), as timm's save_for_hf writes them")
+    cache = ("torch's hub cache (TORCH_HOME, default ~/.cache/torch/hub/checkpoints)"
+             if name.startswith(TORCHVISION_PREFIX) else
+             "the Hugging Face hub cache (HF_HOME: download once where there is a network, then set HF_HUB_OFFLINE=1)")
+    return ModelError(f"'model.name' = {name}: its pretrained weights are not cached here and cannot be downloaded "
+                      f"({reason}); provide them with model.weights=FILE (and model.pretrained=false), a "
+                      f"local-dir:/path/to/folder model name (config.json + model.safetensors), or {cache}")
+
+
+def load_pretrained(model_cfg) -> torch.nn.Module:
+    """The model named by `model_cfg.name` with its pretrained weights and its own classifier: timm's loader
+    (the hub cache, downloading when allowed), or torchvision's default weights for tv: names. ModelError
+    (exit 2) when they cannot be had, naming the model and how to provide them."""
+    name = model_cfg.name
+    if "." in name and not name.startswith((HF_HUB_PREFIX, LOCAL_DIR_PREFIX)) and not timm.list_pretrained(name):
+        raise ModelError(f"'model.name' = {name}: timm has no pretrained weights with that tag "
+                         f"(timm.list_pretrained('{name.split('.')[0]}.*') lists them)")
+    try:
+        if name.startswith(TORCHVISION_PREFIX):
+            return torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], weights="DEFAULT")
+        model = timm.create_model(name, pretrained=True)
+    except (OSError, ValueError, KeyError) as err:  # hub / URL errors are OSErrors; no DEFAULT weights: ValueError
+        raise _unavailable(name, err) from err
+    if not _has_weight_source(model.pretrained_cfg):
+        raise ModelError(f"'model.name' = {name}: timm has no pretrained weights for it (pick a name with a "
+                         f"pretrained tag, e.g. from timm.list_pretrained(), or set model.pretrained=false)")
+    return model
+
+
+def pretrained_preprocessing(name: str, model: torch.nn.Module) -> dict:
+    """The pretrained weights' preprocessing as data.* values: timm's resolve_data_config of the model's
+    pretrained_cfg, or the torchvision weights' transforms. An interpolation we do not offer is left out."""
+    if name.startswith(TORCHVISION_PREFIX):
+        transforms = torchvision.models.get_model_weights(name[len(TORCHVISION_PREFIX):]).DEFAULT.transforms()
+        values = {"mean": list(transforms.mean), "std": list(transforms.std),
+                  "interpolation": transforms.interpolation.value,
+                  "crop_pct": transforms.crop_size[0] / transforms.resize_size[0]}
+    else:
+        resolved = timm.data.resolve_data_config({}, model=model)
+        values = {k: resolved[k] for k in ("mean", "std", "interpolation", "crop_pct")}
+        values["mean"], values["std"] = list(values["mean"]), list(values["std"])
+    if values["interpolation"] not in INTERPOLATIONS:
+        log.warning("the pretrained config's interpolation %r is not one of %s; data.interpolation keeps its value",
+                    values.pop("interpolation"), ", ".join(INTERPOLATIONS))
+    return {f"data.{k}": v for k, v in values.items()}
+
+
+def prepare_pretrained(cfg, resume_config: Optional[dict]) -> tuple[Optional[torch.nn.Module], list[str]]:
+    """For model.pretrained: the model with its pretrained weights (see load_pretrained), and the data.*
+    preprocessing of its pretrained config filled in where the user set none. Returns (that model, lines for the
+    log). When resuming nothing is loaded (last.pt restores the weights) and the resumed run's values are used."""
+    if resume_config is not None:
+        saved = resume_config.get("data", {})
+        values = {k: saved[k.split(".")[1]] for k in PRETRAINED_DATA_KEYS if k.split(".")[1] in saved}
+        return None, (["model.pretrained: resuming, so nothing is loaded (last.pt restores the weights)"]
+                      + fill_unset(cfg, values, "the resumed run's config"))
+    source = load_pretrained(cfg.model)
+    return source, fill_unset(cfg, pretrained_preprocessing(cfg.model.name, source),
+                              f"{cfg.model.name}'s pretrained config")
+
+
+def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, name: str, classes: list[str]) -> None:
+    """Copy every tensor of `source` whose name and shape match into `model`, except its classifier: ours is new,
+    initialised for `classes`, unless the pretrained config's label_names are exactly those (a model trained
+    on these classes, as our timm export writes it). Says which."""
+    head = classifier_parameter_names(model)
+    labels = list((getattr(source, "pretrained_cfg", None) or {}).get("label_names") or [])
+    same_classes = labels == list(classes)
+    state = {k: v for k, v in source.state_dict().items() if same_classes or k not in head}
+    loaded, skipped = load_matching_weights(model, state)
+    if same_classes and head <= set(loaded):
+        detail = "classifier loaded too (its label_names are our classes)"
+    else:
+        detail = f"new classifier initialised for our {len(classes)} classes ({', '.join(sorted(head))})"
+    log.info("model.pretrained: %d tensors loaded from %s; %s", len(loaded), name, detail)
+    others = [n for n in skipped if n not in head]
+    if others:
+        log.warning("model.pretrained: not loaded (absent or another shape in the pretrained weights): %s",
+                    ", ".join(others))
+
+
+# ---------------------------------------------------------------- fine-tuning helpers
+
+
+def classifier_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of the classifier's parameters: timm's get_classifier(); for other models the last Linear layer."""
+    heads = model.get_classifier() if hasattr(model, "get_classifier") else ()
+    heads = [h for h in (heads if isinstance(heads, (tuple, list)) else (heads,)) if isinstance(h, torch.nn.Module)]
+    ids = {id(p) for h in heads for p in h.parameters()}
+    if not ids:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        if not linears:
+            raise ModelError(f"cannot tell the classifier of {type(model).__name__}: no get_classifier() and no "
+                             f"Linear layer (model.freeze and optim.head_lr_scale need one)")
+        ids = {id(p) for p in linears[-1].parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def _keep_eval(module: torch.nn.Module, args) -> None:
+    module.training = False  # a frozen BatchNorm normalises with, and keeps, its pretrained statistics
+
+
+class BackboneFreeze:
+    """model.freeze=backbone: every parameter but the classifier's has requires_grad off until epoch
+    `unfreeze_epoch` (0-based; None: the whole run), so it gets no gradient, and so no optimizer state (SGD
+    momentum and Adam moments start at the unfreeze). BatchNorm layers outside the classifier then run as in
+    eval mode: they normalise with their running statistics and do not update them, so every frozen tensor
+    stays bitwise unchanged. The modules stay in place, so state_dicts and optimizer groups keep their shape
+    and a run resumes across the unfreeze."""
+
+    def __init__(self, model: torch.nn.Module, unfreeze_epoch: Optional[int]):
+        head = classifier_parameter_names(model)
+        self.params = [p for n, p in model.named_parameters() if n not in head]
+        head_ids = {id(p) for n, p in model.named_parameters() if n in head}
+        self.norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                      and not any(id(p) in head_ids for p in m.parameters())]
+        self.unfreeze_epoch = unfreeze_epoch
+        self.head = sorted(head)
+        self.hooks: list = []
+        self.frozen: Optional[bool] = None  # None: not set yet (the first epoch of this process says which)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Freeze or unfreeze for `epoch` (0-based); call at each epoch start (also the resumed one)."""
+        frozen = self.unfreeze_epoch is None or epoch < self.unfreeze_epoch
+        if frozen == self.frozen:
+            return
+        for p in self.params:
+            p.requires_grad_(not frozen)
+        if frozen:
+            self.hooks = [m.register_forward_pre_hook(_keep_eval) for m in self.norms]
+            until = f"until epoch {self.unfreeze_epoch + 1}" if self.unfreeze_epoch is not None else "for the whole run"
+            log.info("model.freeze=backbone: %d parameter tensors frozen %s (BatchNorm statistics kept); "
+                     "training only the classifier (%s)", len(self.params), until, ", ".join(self.head))
+        else:
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
+            log.info("epoch %d: backbone unfrozen (model.unfreeze_epoch=%d); all parameters train", epoch + 1,
+                     self.unfreeze_epoch)
+        self.frozen = frozen

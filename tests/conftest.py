@@ -11,8 +11,32 @@ import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
-# A small, fast model for tests that train; pretrained weights are never used.
+# A small, fast model for tests that train; nothing is downloaded (pretrained tests write local-dir: folders).
 TEST_MODEL = "resnet10t"
+# The preprocessing a test's pretrained folder declares (none of it is our default)
+PRETRAINED_PREPROCESSING = {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3], "interpolation": "bicubic",
+                            "crop_pct": 0.9}
+
+
+def write_pretrained_folder(folder: Path, architecture: str = "test_resnet", num_classes: int = 5, seed: int = 0,
+                            label_names=None) -> dict:
+    """A timm model folder (config.json + model.safetensors, written by timm's save_for_hf) that
+    `local-dir:FOLDER` names, with PRETRAINED_PREPROCESSING in its pretrained_cfg and non-trivial BatchNorm
+    statistics; returns its state_dict."""
+    import timm
+    import torch
+    from timm.models import save_for_hf
+
+    torch.manual_seed(seed)
+    model = timm.create_model(architecture, num_classes=num_classes)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    model.pretrained_cfg = dict(model.pretrained_cfg, **PRETRAINED_PREPROCESSING)
+    save_for_hf(model, str(folder), safe_serialization=True,
+                model_config={"label_names": label_names} if label_names else None)
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 class HalfWriter:

@@ -264,3 +264,31 @@ def test_resume_of_a_checkpoint_written_before_the_recipe_keys_sees_no_differenc
     current = Config()
     current.train.mixup_alpha = 0.2
     assert config_differences(saved, current.to_dict()) == ["train.mixup_alpha: 0.0 -> 0.2"]
+def test_the_loader_records_the_keys_a_config_or_an_override_set():
+    cfg = load_config("quickstart", ["train.epochs=3", "data.mean=[0.5,0.5,0.5]"])
+    assert {"data.crop_pct", "data.img_size", "train.epochs", "data.mean"} <= cfg.explicit_keys
+    assert "data.std" not in cfg.explicit_keys and "explicit_keys" not in cfg.to_dict()
+    assert load_config("base").explicit_keys == set()  # base.yaml restates the defaults: nothing set by the user
+
+
+def test_fill_unset_keeps_what_the_user_set():
+    from core.config import fill_unset
+
+    cfg = load_config(None, ["data.std=[0.3,0.3,0.3]"])
+    lines = fill_unset(cfg, {"data.mean": (0.5, 0.4, 0.3), "data.std": [0.2, 0.2, 0.2], "data.crop_pct": 0.95}, "X")
+    assert (cfg.data.mean, cfg.data.std, cfg.data.crop_pct) == ([0.5, 0.4, 0.3], [0.3, 0.3, 0.3], 0.95)
+    assert lines[1] == "data.std = [0.3, 0.3, 0.3] (set in the config; X has [0.2, 0.2, 0.2])"
+    with pytest.raises(ConfigError, match="data.crop_pct"):
+        fill_unset(cfg, {"data.crop_pct": 1.5}, "X")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.unfreeze_epoch=2"], "model.freeze"),
+    (["model.freeze=head"], "model.freeze"),
+    (["model.pretrained=true", "model.weights=w.pt"], "model.weights"),
+    (["optim.layer_decay=0"], "optim.layer_decay"),
+    (["optim.head_lr_scale=-1"], "optim.head_lr_scale"),
+])
+def test_fine_tuning_keys_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

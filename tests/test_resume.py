@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, make_tree, tiny_overrides
+from conftest import REPO, make_tree, tiny_overrides, write_pretrained_folder
 
 # 36 training images, batch 8: 4 optimizer steps per epoch (the short last batch is dropped), 2 epochs.
 STEPS_PER_EPOCH = 4
@@ -208,3 +208,28 @@ def test_sigkill_with_erasing_mixup_and_cutmix_on_resumes_bitwise_equal(data_roo
     assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
     with (run / "metrics.csv").open() as f, (reference / "metrics.csv").open() as g:
         assert [r["train_loss"] for r in csv.DictReader(f)] == [r["train_loss"] for r in csv.DictReader(g)]
+def test_sigkill_before_and_after_the_unfreeze_then_resume_is_bitwise_equal(data_root, tmp_path_factory, tmp_path):
+    """Fine-tuning a pretrained folder with the backbone frozen in epoch 1 (classifier LR x5): killed in epoch 1
+    (frozen), resumed and killed again in epoch 2 (unfrozen, backbone momentum started), resumed to the end:
+    bitwise the uninterrupted run. A resume loads no pretrained weights (last.pt restores them)."""
+    folder = tmp_path_factory.mktemp("pretrained") / "folder"
+    write_pretrained_folder(folder)
+    finetune = [f"model.name=local-dir:{folder}", "model.pretrained=true", "model.freeze=backbone",
+                "model.unfreeze_epoch=1", "optim.head_lr_scale=5", "data.num_workers=0"]
+    reference = tmp_path / "reference"
+    run_to_end(train_cmd(data_root, reference, *finetune))
+    run, marker = tmp_path / "run", tmp_path / "paused"
+
+    kill_at_pause(start(train_cmd(data_root, run, *finetune, script=paused(marker, "after_save:2"))), marker)
+    assert torch.load(run / "last.pt", map_location="cpu", weights_only=True)["step"] == 2
+    # resumed at step 2, its saves: steps 3 and 4, epoch 1's end, step 5 (epoch 2's first, unfrozen)
+    proc = start(train_cmd(data_root, run, *finetune, "--resume", "auto", script=paused(marker, "after_save:4")))
+    kill_at_pause(proc, marker)
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["epoch"], saved["step"]) == (1, STEPS_PER_EPOCH + 1)
+    assert len(saved["optimizer"]["state"]) > 2, "after the unfreeze the backbone has optimizer state"
+
+    done = run_to_end(train_cmd(data_root, run, *finetune, "--resume", "auto"))
+    assert "resuming, so nothing is loaded" in done.stderr and "tensors loaded from" not in done.stderr
+    assert "backbone unfrozen" in done.stderr
+    assert_same_result(run, reference)
