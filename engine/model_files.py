@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -182,8 +183,21 @@ def onnx_session(path: Path, device: torch.device = torch.device("cpu")):
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as err:  # onnxruntime raises its own pybind types (InvalidProtobuf, Fail, InvalidGraph...)
-        reason = " ".join(str(err).split())[:300]
-        raise CheckpointError(f"{path}: onnxruntime {ort.__version__} cannot load this model: {reason}") from err
+        raise CheckpointError(f"{path}: onnxruntime {ort.__version__} cannot load this model: "
+                              f"{_runtime_refusal(str(err))}") from err
+
+
+_RUNTIME_SOURCE = re.compile(r"/onnxruntime_src/\S+:\d+ .*?\)\s")  # the C++ file and function signature
+_OPSET = re.compile(r"Opset (\d+) is under development.*?till opset (\d+)", re.S)
+
+
+def _runtime_refusal(message: str) -> str:
+    """onnxruntime's reason in one line, an unsupported opset said plainly."""
+    opset = _OPSET.search(message)
+    if opset:
+        return (f"the model is stamped with ONNX opset {opset.group(1)}, and this onnxruntime runs opsets up to "
+                f"{opset.group(2)} (export with an older opset, or upgrade onnxruntime)")
+    return " ".join(_RUNTIME_SOURCE.sub("", message).split())[:300]
 
 
 def _onnx_function(session) -> Callable:
