@@ -14,7 +14,7 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int]) -> 
     """Export `checkpoint` as `fmt` to `output` (batch None: any batch size); returns the exit status."""
     kind = model_file_kind(checkpoint)
     if kind != "checkpoint" and Path(checkpoint).exists():
-        raise CheckpointError(f"--checkpoint {checkpoint} is a {KIND_NAMES[kind]}; export.py takes a checkpoint "
+        raise CheckpointError(f"--checkpoint {checkpoint} is {KIND_NAMES[kind]}; export.py takes a checkpoint "
                               f"written by train.py (best.pt or last.pt)")
     path = check_output_path(fmt, output)
     if fmt == "timm":

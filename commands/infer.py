@@ -95,7 +95,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
         print(f"checkpoint: {checkpoint_path}")
     loaded = load_model_file(checkpoint_path, classes_file=classes_file)
     if loaded.kind != "checkpoint":
-        log.info("%s: a %s", checkpoint_path, KIND_NAMES[loaded.kind])
+        log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     cfg = loaded.cfg

@@ -8,6 +8,7 @@ onnx, onnxscript and onnxruntime are imported only here and by engine/model_file
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import logging
@@ -86,7 +87,8 @@ def export_checkpoint(loaded: LoadedCheckpoint, fmt: str, output: Path, batch: O
 
 def write_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, dynamic: bool, metadata: dict) -> None:
     """torch.onnx's recommended (torch.export-based) exporter at its default opset; metadata in metadata_props."""
-    import onnxscript  # noqa: F401  the exporter needs it; a missing install fails here with its name
+    if importlib.util.find_spec("onnxscript") is None:
+        raise ExportError("torch.onnx's exporter needs onnxscript: pip install -r requirements.txt")
 
     quiet = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir")]
     levels = [logger.level for logger in quiet]

@@ -31,8 +31,8 @@ METADATA_VERSION = 1
 ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
 PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
 TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
-KIND_NAMES = {"checkpoint": "checkpoint", "onnx": "ONNX model", "pt2": "torch.export program",
-              "timm": "timm model folder"}
+KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
+              "timm": "a timm model folder"}
 
 
 @dataclass

@@ -186,7 +186,7 @@ def test_bad_model_files_exit_2_with_one_line(trained, tmp_path, capsys):
         assert code == 2 and message in line, line
     code, line = _exit(export.main, ["--checkpoint", str(exports["onnx"]), "--format", "pt2", "--output",
                                      str(tmp_path / "x.pt2")], capsys)
-    assert code == 2 and "is a ONNX model; export.py takes a checkpoint written by train.py" in line
+    assert code == 2 and "is an ONNX model; export.py takes a checkpoint written by train.py" in line
     code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", "onnx", "--output",
                                      str(tmp_path / "x.pt2")], capsys)
     assert code == 2 and "must end in .onnx" in line
