@@ -185,7 +185,7 @@ def check_export(loaded: LoadedCheckpoint, fmt: str, output: Path, batch: Option
 # ---------------------------------------------------------------- exporter errors, shortened
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(\S[^\n]*)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)(?:\n[ \t]+(\S[^\n]*))?')
 
 
 def shorten_export_error(err: Exception, model: torch.nn.Module) -> str:
@@ -203,7 +203,8 @@ def shorten_export_error(err: Exception, model: torch.nn.Module) -> str:
     file, line, function, code = frame.groups()
     layer = layer_defined_at(model, file, int(line))
     where = f"in layer {layer}, " if layer else ""
-    return f"{reason[:200]} ({where}{Path(file).name}:{line} in {function}: {code.strip()[:80]})"
+    code = f": {code.strip()[:80]}" if code else ""
+    return f"{reason[:200]} ({where}{Path(file).name}:{line} in {function}{code})"
 
 
 def layer_defined_at(model: torch.nn.Module, file: str, line: int) -> Optional[str]:

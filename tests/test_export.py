@@ -13,7 +13,7 @@ import torch
 import eval as eval_script
 import export
 import infer
-from conftest import REPO, make_tree, run_script, tiny_overrides
+from conftest import REPO, train_tiny
 from commands.cli import run_main
 from core.errors import CheckpointError, ConfigError, ExportError
 from data.folder import list_images
@@ -32,17 +32,13 @@ EXPORTS = {"onnx": ("model.onnx", ["--batch-size", "4"]), "pt2": ("model.pt2", [
 def trained(tmp_path_factory):
     """(data root, best.pt, {format: exported path}) of one tiny run, exported once in each format."""
     base = tmp_path_factory.mktemp("export")
-    data = make_tree(base / "data", {name: (12, 4) for name in CLASSES})
-    run_dir = base / "run"
-    result = run_script("train.py", "--config", "base", *tiny_overrides(data, run_dir, **{"train.epochs": 1}))
-    assert result.returncode == 0, result.stderr[-2000:]
+    data, checkpoint = train_tiny(base, {name: (12, 4) for name in CLASSES})
     exports = {}
     for fmt, (name, options) in EXPORTS.items():
         out = base / "exports" / name
-        assert export.main(["--checkpoint", str(run_dir / "best.pt"), "--format", fmt, "--output", str(out),
-                            *options]) == 0
+        assert export.main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(out), *options]) == 0
         exports[fmt] = out
-    return data, run_dir / "best.pt", exports
+    return data, checkpoint, exports
 
 
 def _val_batch(data, loaded):
