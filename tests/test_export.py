@@ -104,6 +104,36 @@ def test_timm_create_model_reproduces_the_model_from_the_folder(trained):
     assert model.pretrained_cfg["label_names"] == CLASSES
 
 
+def test_plain_onnxruntime_with_the_metadata_preprocessing_agrees_with_infer(trained, tmp_path):
+    """A deployer's client: onnxruntime, PIL and numpy only, preprocessing read from the model's metadata."""
+    import numpy as np
+    import onnxruntime as ort
+    from PIL import Image
+
+    data, checkpoint, exports = trained
+    session = ort.InferenceSession(str(exports["onnx"]), providers=["CPUExecutionProvider"])
+    meta = session.get_modelmeta().custom_metadata_map
+    classes, prep = json.loads(meta["imgcls.classes"]), json.loads(meta["imgcls.preprocessing"])
+    batch = session.get_inputs()[0].shape[0]
+    paths = list_images(data / "val")
+    arrays = []
+    for path in paths:
+        img = Image.open(path).convert("RGB")
+        scale = prep["resize"] / min(img.size)
+        img = img.resize((round(img.width * scale), round(img.height * scale)), Image.BILINEAR)
+        left, top = round((img.width - prep["img_size"]) / 2), round((img.height - prep["img_size"]) / 2)
+        img = img.crop((left, top, left + prep["img_size"], top + prep["img_size"]))
+        pixels = (np.asarray(img, dtype=np.float32) / 255 - prep["mean"]) / prep["std"]
+        arrays.append(pixels.transpose(2, 0, 1).astype(np.float32))
+    arrays += [np.zeros_like(arrays[0])] * (-len(arrays) % batch)
+    logits = np.concatenate([session.run(None, {"images": np.stack(arrays[i:i + batch])})[0]
+                             for i in range(0, len(arrays), batch)])[:len(paths)]
+    out = tmp_path / "rows.json"
+    assert infer.main([str(data / "val"), "--checkpoint", str(checkpoint), "--num-workers", "0",
+                       "--output", str(out)]) == 0
+    assert [classes[i] for i in logits.argmax(1)] == [r["label"] for r in json.loads(out.read_text())]
+
+
 def test_eval_and_infer_give_the_same_metrics_and_labels_from_every_export(trained, tmp_path):
     data, checkpoint, exports = trained
     results = {}
