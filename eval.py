@@ -37,8 +37,9 @@ def main(argv=None) -> int:
                                  args.classes)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
-    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['data']}/{s['split']}: batch {s['batch_size']}, "
-          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
+    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['data']}/{s['split']}: "
+          f"batch {s['batch_size']}, precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, "
+          f"device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:

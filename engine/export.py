@@ -33,6 +33,8 @@ FORMATS = ("onnx", "pt2", "timm")
 SUFFIXES = {"onnx": ".onnx", "pt2": ".pt2"}
 MAX_PROB_DIFF = 1e-4   # fp32: an exported graph agrees with PyTorch to float rounding, far below this
 CHECK_IMAGES = 8
+# the exporter's progress lines (graph passes, "No unused functions to remove") at INFO: kept quiet
+EXPORTER_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir")
 # pretrained_cfg entries that describe timm's published weights, not the ones we trained
 PROVENANCE_KEYS = ("tag", "hf_hub_id", "hf_hub_filename", "url", "file", "source", "license", "origin",
                    "origin_url", "paper_ids", "paper_name", "notes", "state_dict")
@@ -90,7 +92,7 @@ def write_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, dynami
     if importlib.util.find_spec("onnxscript") is None:
         raise ExportError("torch.onnx's exporter needs onnxscript: pip install -r requirements.txt")
 
-    quiet = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir")]
+    quiet = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)

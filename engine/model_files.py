@@ -280,22 +280,27 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
     if not config_path.is_file():
         raise CheckpointError(f"{path} is a folder without config.json: not a timm model folder (export.py "
                               f"--format timm writes one; a checkpoint is a .pt file, an ONNX model a .onnx file)")
+    d = Config().data
     try:
         hf_config = json.loads(config_path.read_text())
         pretrained_cfg = hf_config["pretrained_cfg"]
         architecture = hf_config["architecture"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{config_path}: not a timm config.json (needs 'architecture' and "
-                              f"'pretrained_cfg'): {err}") from err
+        preprocessing = {"img_size": pretrained_cfg["input_size"][-1],
+                         "crop_pct": pretrained_cfg.get("crop_pct", d.crop_pct),
+                         "interpolation": pretrained_cfg.get("interpolation", d.interpolation),
+                         "mean": list(pretrained_cfg.get("mean", d.mean)),
+                         "std": list(pretrained_cfg.get("std", d.std))}
+        names = hf_config.get("label_names") or pretrained_cfg.get("label_names")
+        if isinstance(names, dict):  # timm allows {index: name}
+            names = [names[key] for key in sorted(names, key=int)]
+        count = int(hf_config.get("num_classes") or pretrained_cfg["num_classes"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(f"{config_path}: not a timm config.json (needs 'architecture', 'num_classes' and "
+                              f"'pretrained_cfg' with 'input_size'): {type(err).__name__}: {err}") from err
     ours = hf_config.get(TIMM_METADATA_KEY) or {}
-    preprocessing = {"img_size": pretrained_cfg["input_size"][-1], "crop_pct": pretrained_cfg.get("crop_pct", 0.875),
-                     "interpolation": pretrained_cfg.get("interpolation", "bilinear"),
-                     "mean": list(pretrained_cfg["mean"]), "std": list(pretrained_cfg["std"])}
     saved_config = ours.get("config") or {"model": {"name": architecture}}
     cfg, saved_val_limit = eval_config(saved_config, preprocessing, overrides, str(config_path))
-    names = hf_config.get("label_names") or pretrained_cfg.get("label_names")
-    count = hf_config.get("num_classes") or pretrained_cfg.get("num_classes")
-    classes = check_class_names(list(names), str(config_path)) if names else numbered_classes(int(count), path)
+    classes = check_class_names(list(names), str(config_path)) if names else numbered_classes(count, path)
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
         import timm
