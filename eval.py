@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Evaluate a checkpoint on a class-folder split, exactly as training validated it.
 
-python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [KEY=VALUE ...]
+python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [--classes FILE]
+               [KEY=VALUE ...]
+
+CKPT: a checkpoint written by train.py, or a model written by export.py (FILE.onnx, FILE.pt2, a timm folder).
 """
 import argparse
 import logging
@@ -12,13 +15,16 @@ from commands.cli import run_main
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
+                                                            "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
     parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root)")
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
     parser.add_argument("--json", help="write the metrics here, and the confusion matrix as <name>_confusion.png beside it")
     parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
+    parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign ONNX "
+                                          "file; default class_0, class_1, ...)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
@@ -27,10 +33,13 @@ def main(argv=None) -> int:
     from commands.evaluate import evaluate_checkpoint
     from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
 
-    result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides)
+    result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
+                                 args.classes)
     s = result.settings
-    print(f"checkpoint {s['checkpoint']} (epoch {s['epoch']}) on {s['data']}/{s['split']}: batch {s['batch_size']}, "
-          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
+    kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
+    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['data']}/{s['split']}: "
+          f"batch {s['batch_size']}, precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, "
+          f"device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:

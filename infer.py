@@ -2,7 +2,10 @@
 """Classify images, folders (recursively) or globs with a trained checkpoint.
 
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
-                [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda]
+                [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
+
+CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
+FILE.pt2; a timm folder).
 
 Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
 classified, 1 when none could be, 2 on a usage error.
@@ -27,8 +30,12 @@ def default_workers() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
-    parser.add_argument("--checkpoint", help="best.pt or last.pt (default: the newest best.pt under ./runs/)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass; the last batch is padded")
+    parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, a timm folder "
+                                             "(default: the newest best.pt under ./runs/)")
+    parser.add_argument("--batch-size", type=int, help="images per forward pass, the last batch padded (default 32; "
+                                                       "a fixed-batch export's own batch)")
+    parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign "
+                                          "ONNX file; default class_0, class_1, ...)")
     parser.add_argument("--topk", type=int, default=5, help="labels and probabilities kept per image (clipped to "
                                                             "the class count)")
     parser.add_argument("--output", help="write one row per input file to FILE.csv or FILE.json")
@@ -40,7 +47,8 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
-    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--topk", args.topk, 1),
+    batch_size = 1 if args.batch_size is None else args.batch_size  # None: the default (or the export's own)
+    for flag, value, low in (("--batch-size", batch_size, 1), ("--topk", args.topk, 1),
                              ("--num-workers", args.num_workers, 0)):
         if value < low:
             raise ConfigError(f"{flag} {value}: must be >= {low}")
@@ -50,7 +58,7 @@ def main(argv=None) -> int:
     from commands.infer import run_inference
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device)
+                         args.compile, args.num_workers, args.device, args.classes)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from core.errors import USAGE_ERRORS, DistributedSetupError
+from core.errors import JOB_FAILURES, USAGE_ERRORS
 from core.host import prefer_passive_omp_wait
 
 OUT_OF_MEMORY_ADVICE = (
@@ -33,7 +33,7 @@ def run_main(main: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    except DistributedSetupError as err:  # the job failed to start; the message names the torchrun variables
+    except JOB_FAILURES as err:  # the message says why (the torchrun variables, the exporter's reason)
         print(f"error: {err}", file=sys.stderr)
         code = 1
     except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why

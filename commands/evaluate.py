@@ -12,11 +12,11 @@ from data.build import prepare_root
 from data.datasets import EvalDataset
 from data.folder import match_classes, scan_split
 from data.loaders import build_eval_loader
-from engine.checkpointer import build_eval_model, read_checkpoint
 from engine.device import (DeviceInput, amp_setting, apply_thread_policy, enable_cudnn_autotune, eval_threads,
                            pin_memory_for, resolve_amp, select_device)
 from engine.evaluate import evaluate
 from engine.metrics import per_class_report
+from engine.model_files import load_model_file
 
 log = logging.getLogger("train")
 
@@ -32,11 +32,13 @@ class EvalResult:
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
-                        batch_size: int | None = None, tta: bool = False, overrides: list[str] = ()) -> EvalResult:
+                        batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
+                        classes_file: str | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
-    `engine.evaluate.evaluate`."""
-    loaded = read_checkpoint(checkpoint, overrides)
+    `engine.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
+    config it records; ONNX in fp32."""
+    loaded = load_model_file(checkpoint, overrides, classes_file)
     cfg = loaded.cfg
     if data_root is not None:
         cfg.data.root = data_root
@@ -59,10 +61,10 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     index = match_classes(scan_split(root / split), loaded.classes)
 
     device = select_device(cfg.train.device)
-    amp_dtype = resolve_amp(cfg.train.amp, device)
+    amp_dtype = None if loaded.fp32_only else resolve_amp(cfg.train.amp, device)
     apply_thread_policy(eval_threads(cfg.train.threads, loaded.threads), loader_workers=0)
     enable_cudnn_autotune(device)
-    model = build_eval_model(loaded, device, cfg.train.channels_last)
+    model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()
     dataset = EvalDataset(index, transform, transform.img_size)
     pin = pin_memory_for(cfg.data.pin_memory, device)
@@ -74,7 +76,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     metrics = sums.compute()
     confusion = sums.confusion.cpu()
     skipped = [index.paths[i] for i in sorted(unreadable)]
-    settings = {"checkpoint": str(loaded.path), "epoch": loaded.epoch, "data": str(root), "split": split,
+    settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
+                "data": str(root), "split": split,
                 "batch_size": cfg.train.batch_size, "amp": amp_setting(amp_dtype),
                 "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
                 "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,

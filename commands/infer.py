@@ -13,9 +13,11 @@ import torch
 
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from engine.checkpointer import build_eval_model, find_newest_checkpoint, read_checkpoint
-from engine.device import DeviceInput, apply_thread_policy, enable_cudnn_autotune, eval_threads, resolve_amp, select_device
+from engine.checkpointer import find_newest_checkpoint
+from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, eval_threads, resolve_amp,
+                           select_device)
 from engine.evaluate import Predictions, predict
+from engine.model_files import KIND_NAMES, load_model_file
 from models.factory import fold_batchnorm
 
 log = logging.getLogger("infer")
@@ -74,9 +76,14 @@ def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
             writer.writerow({key: "" if value is None else value for key, value in row.items()})
 
 
-def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int, topk: int, output: Optional[str],
-                  amp: Optional[str], compile_model: bool, num_workers: int, device_setting: str = "auto") -> int:
-    """Classify every input file; returns the exit status (0: at least one classified, 1: none)."""
+DEFAULT_BATCH_SIZE = 32
+
+
+def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
+                  output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
+                  device_setting: str = "auto", classes_file: Optional[str] = None) -> int:
+    """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
+    returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
     if checkpoint is None:
         checkpoint_path = find_newest_checkpoint("runs")
@@ -84,20 +91,18 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     else:
         checkpoint_path = checkpoint
         print(f"checkpoint: {checkpoint_path}", file=sys.stderr)
-    loaded = read_checkpoint(checkpoint_path)
+    loaded = load_model_file(checkpoint_path, classes_file=classes_file)
+    if loaded.kind != "checkpoint":
+        log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
+    if compile_model and loaded.kind == "onnx":
+        raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     cfg = loaded.cfg
-    try:
-        device = select_device(device_setting)
-        setting = amp or cfg.train.amp
-        if amp is None and setting == "fp16" and device.type != "cuda":
-            setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        amp_dtype = resolve_amp(setting, device)
-    except ConfigError as err:
-        raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
+    device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
+    batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
     apply_thread_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loader_workers=0)  # as eval.py
 
-    model = build_eval_model(loaded, device, channels_last=True)
+    model = loaded.build_model(device, channels_last=True)
     model, folded = fold_batchnorm(model)
     if folded:
         model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
@@ -121,3 +126,30 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: int,
     print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
           + (f"; wrote {output}" if output else ""), file=sys.stderr)
     return 0 if classified else 1
+
+
+def _device_and_precision(loaded, device_setting: str, amp: Optional[str]):
+    """The device and autocast dtype: `--amp`, else the checkpoint's train.amp resolved for this device;
+    an ONNX model always runs in fp32."""
+    try:
+        device = select_device(device_setting)
+        if loaded.fp32_only:
+            if amp not in (None, "none", "auto"):
+                log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
+            return device, None
+        setting = amp or loaded.cfg.train.amp
+        if amp is None and setting == "fp16" and device.type != "cuda":
+            setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
+        return device, resolve_amp(setting, device)
+    except ConfigError as err:
+        raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
+
+
+def _batch_size(loaded, asked: Optional[int]) -> int:
+    """--batch-size, or the batch an exported model was traced for (a fixed-batch model takes no other)."""
+    if loaded.fixed_batch is None:
+        return asked or DEFAULT_BATCH_SIZE
+    if asked is not None and asked != loaded.fixed_batch:
+        log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
+                    loaded.fixed_batch, loaded.fixed_batch, asked)
+    return loaded.fixed_batch

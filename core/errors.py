@@ -1,7 +1,8 @@
 """The project's error types, and which exit status each one means.
 
 Usage errors (exit 2, found before any work): ConfigError, DataTreeError, ModelError, CheckpointError.
-Job failures (exit 1): BadDataError, NonFiniteError, DistributedSetupError, ImageDecodeError escaping a split.
+Job failures (exit 1): BadDataError, NonFiniteError, DistributedSetupError, ExportError, ImageDecodeError escaping
+a split.
 """
 from __future__ import annotations
 
@@ -38,8 +39,14 @@ class DistributedSetupError(Exception):
     """The environment asks for distributed training but the process group cannot start (exit 1)."""
 
 
+class ExportError(Exception):
+    """export.py could not write the model, or the export disagrees with the checkpoint (exit 1)."""
+
+
 class StopRequested(Exception):
     """A signal asked the run to save and stop."""
 
 
 USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
+# failures of the job whose message says everything: one line, exit 1, no traceback
+JOB_FAILURES = (DistributedSetupError, ExportError)

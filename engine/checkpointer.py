@@ -236,17 +236,31 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     missing = [k for k in ("model", "classes", "config") if k not in ckpt]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not a checkpoint written by train.py")
-    classes = ckpt["classes"]
+    classes = check_class_names(ckpt["classes"], f"checkpoint {path}")
+    cfg, saved_val_limit = eval_config(ckpt["config"], ckpt.get("preprocessing") or {}, overrides,
+                                       f"checkpoint {path}")
+    threads = ckpt.get("threads") if isinstance(ckpt.get("threads"), int) else None
+    return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit, threads)
+
+
+def check_class_names(classes, where: str) -> list[str]:
+    """`classes` as a list of distinct names, or CheckpointError (exit 2) naming `where` they came from."""
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or not classes:
-        raise CheckpointError(f"checkpoint {path}: 'classes' must be a non-empty list of class names")
+        raise CheckpointError(f"{where}: 'classes' must be a non-empty list of class names")
     if len(set(classes)) != len(classes):
-        raise CheckpointError(f"checkpoint {path}: duplicate class names in 'classes'")
+        raise CheckpointError(f"{where}: duplicate class names in 'classes'")
+    return list(classes)
+
+
+def eval_config(saved_config: dict, preprocessing: dict, overrides: list[str] = (),
+                where: str = "checkpoint") -> tuple[Config, Optional[int]]:
+    """The config eval.py and infer.py run with: the saved training config, then the saved eval
+    preprocessing, then `overrides`. Returns it with the training run's data.limit_val_batches."""
     try:
-        cfg = config_from_dict(ckpt["config"])
+        cfg = config_from_dict(saved_config)
     except ConfigError as err:
-        raise CheckpointError(f"checkpoint {path}: its saved config does not load: {err}") from err
+        raise CheckpointError(f"{where}: its saved config does not load: {err}") from err
     saved_val_limit = cfg.data.limit_val_batches
-    preprocessing = ckpt.get("preprocessing") or {}
     # The loaded config describes evaluation: data.img_size is the size validation used, so an override
     # data.img_size=N (or data.eval_img_size=N) sets the eval size.
     cfg.data.img_size, cfg.data.eval_img_size = eval_size(cfg.data), None
@@ -256,9 +270,7 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     cfg.data.limit_val_batches = None  # a training dry-run setting; evaluation reads the whole split unless asked
     apply_overrides(cfg, overrides)
     validate(cfg)
-    threads = ckpt.get("threads") if isinstance(ckpt.get("threads"), int) else None
-    return LoadedCheckpoint(path, cfg, list(classes), ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit,
-                            threads)
+    return cfg, saved_val_limit
 
 
 def build_eval_model(loaded: LoadedCheckpoint, device: torch.device, channels_last: bool) -> torch.nn.Module:

@@ -109,3 +109,13 @@ def run_script(script: str, *args: str, cwd: Path | None = None, timeout: int = 
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd or REPO, capture_output=True,
                           text=True, timeout=timeout, env=full_env)
+
+
+def train_tiny(base: Path, counts: dict, **extra) -> tuple[Path, Path]:
+    """One tiny training run on a generated tree under `base` (1 epoch unless `extra` says otherwise), for a
+    module-scoped fixture: (data root, best.pt)."""
+    data = make_tree(base / "data", counts)
+    run_dir = base / "run"
+    result = run_script("train.py", "--config", "base", *tiny_overrides(data, run_dir, **{"train.epochs": 1, **extra}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return data, run_dir / "best.pt"

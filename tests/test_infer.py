@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import infer
-from conftest import class_image, make_tree, run_script, tiny_overrides
+from conftest import class_image, run_script, train_tiny
 from data.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
@@ -28,12 +28,7 @@ CLASSES = ["a", "b", "c"]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """best.pt of one tiny training run shared by the module."""
-    base = tmp_path_factory.mktemp("infer")
-    data = make_tree(base / "data", {name: (12, 3) for name in CLASSES})
-    run_dir = base / "run"
-    result = run_script("train.py", "--config", "base", *tiny_overrides(data, run_dir, **{"train.epochs": 1}))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return run_dir / "best.pt"
+    return train_tiny(tmp_path_factory.mktemp("infer"), {name: (12, 3) for name in CLASSES})[1]
 
 
 @pytest.fixture

@@ -1,0 +1,315 @@
+"""Every kind of model file that eval.py and infer.py take, behind one loader: a checkpoint written by
+train.py (`best.pt`, `last.pt`), an ONNX model (`.onnx`, run by onnxruntime), a torch.export program
+(`.pt2`), and a timm model folder (`config.json` + `model.safetensors`). Each gives the class names,
+the config to run with (the eval preprocessing in `cfg.data`) and a module that maps a normalised
+float batch to logits. Also the metadata that export.py writes beside an exported model, and reads back.
+
+onnxruntime and timm's folder loading are imported only when such a file is opened.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from core.config import Config
+from core.errors import CheckpointError, ConfigError
+from data.build import eval_transform
+from data.transforms import EvalTransform
+from engine.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
+                                 preprocessing_record, read_checkpoint)
+from engine.device import memory_format
+
+log = logging.getLogger("infer")
+
+METADATA_VERSION = 1
+ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
+PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
+TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
+KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
+              "timm": "a timm model folder"}
+
+
+@dataclass
+class ModelFile:
+    """A model file opened for evaluation or prediction."""
+
+    kind: str                       # checkpoint | onnx | pt2 | timm
+    path: Path
+    cfg: Config
+    classes: list[str]
+    epoch: Optional[int]
+    build: Callable                 # (device, channels_last) -> eval-mode module: normalised batch -> logits
+    fixed_batch: Optional[int] = None   # the batch an exported model was traced for (None: any)
+    saved_val_limit: Optional[int] = None
+    threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
+
+    @property
+    def fp32_only(self) -> bool:
+        """onnxruntime runs the exported fp32 graph; autocast does not reach it."""
+        return self.kind == "onnx"
+
+    def eval_transform(self) -> EvalTransform:
+        return eval_transform(self.cfg.data)
+
+    def build_model(self, device: torch.device, channels_last: bool) -> torch.nn.Module:
+        return self.build(device, channels_last)
+
+
+class FunctionModel(torch.nn.Module):
+    """A batch -> logits function (an onnxruntime session, an exported program) as a module in eval mode.
+    With a fixed batch, every call is cut into batches of exactly that size, the last one padded with
+    zeros whose outputs are dropped."""
+
+    def __init__(self, function: Callable, fixed_batch: Optional[int] = None):
+        super().__init__()
+        self.function = function  # a plain callable, not a submodule: exported programs refuse .eval()
+        self.fixed_batch = fixed_batch
+        self.eval()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.fixed_batch is None:
+            return self.function(images)
+        outputs = []
+        for chunk in images.split(self.fixed_batch):
+            n = len(chunk)
+            if n < self.fixed_batch:
+                chunk = torch.cat([chunk, chunk.new_zeros((self.fixed_batch - n, *chunk.shape[1:]))])
+            outputs.append(self.function(chunk)[:n])
+        return torch.cat(outputs)
+
+
+def model_file_kind(path: str | Path) -> str:
+    path = Path(path)
+    if path.is_dir():
+        return "timm"
+    return {".onnx": "onnx", ".pt2": "pt2"}.get(path.suffix.lower(), "checkpoint")
+
+
+def load_model_file(path: str | Path, overrides: list[str] = (), classes_file: Optional[str] = None) -> ModelFile:
+    """Open any model file eval.py and infer.py take (CheckpointError / ConfigError, exit 2, when it is
+    not one). `classes_file` (one name per line) names the classes of a model that records none."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    kind = model_file_kind(path)
+    opener = {"checkpoint": _open_checkpoint, "onnx": _open_onnx, "pt2": _open_pt2, "timm": _open_timm_folder}[kind]
+    opened = opener(path, list(overrides))
+    if classes_file is not None:
+        opened.classes = read_classes_file(classes_file, len(opened.classes))
+    return opened
+
+
+def read_classes_file(path: str | Path, count: int) -> list[str]:
+    """Class names, one per line (blank lines ignored); their number must match the model's outputs."""
+    path = Path(path)
+    try:
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--classes {path}: cannot read it ({err})") from err
+    if len(names) != count:
+        raise ConfigError(f"--classes {path}: {len(names)} name(s), but the model has {count} outputs")
+    return check_class_names(names, f"--classes {path}")
+
+
+def numbered_classes(count: int, path: Path) -> list[str]:
+    log.warning("%s records no class names: using class_0 .. class_%d (pass --classes FILE, one name per line)",
+                path, count - 1)
+    return [f"class_{i}" for i in range(count)]
+
+
+# ---------------------------------------------------------------- the metadata export.py writes
+
+
+def export_metadata(loaded: LoadedCheckpoint, batch: Optional[int]) -> dict:
+    """What an exported model carries: the class names, the eval preprocessing, the training config (so
+    eval.py finds the data and batch size as for the checkpoint), the epoch and the traced batch."""
+    config = loaded.cfg.to_dict()
+    config["data"]["limit_val_batches"] = loaded.saved_val_limit
+    return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
+            "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
+            "batch": batch}
+
+
+def onnx_metadata_props(metadata: dict) -> dict[str, str]:
+    return {ONNX_METADATA_PREFIX + key: json.dumps(value) for key, value in metadata.items()}
+
+
+def _metadata_from_onnx_props(props: dict[str, str], path: Path) -> Optional[dict]:
+    ours = {k[len(ONNX_METADATA_PREFIX):]: v for k, v in props.items() if k.startswith(ONNX_METADATA_PREFIX)}
+    if "classes" not in ours:
+        return None
+    try:
+        return {key: json.loads(value) for key, value in ours.items()}
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
+
+
+def _from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Config, list[str], Optional[int]]:
+    where = f"{path}"
+    classes = check_class_names(metadata.get("classes"), where)
+    cfg, saved_val_limit = eval_config(metadata.get("config") or {}, metadata.get("preprocessing") or {},
+                                       overrides, where)
+    return cfg, classes, saved_val_limit
+
+
+# ---------------------------------------------------------------- the four kinds
+
+
+def _open_checkpoint(path: Path, overrides: list[str]) -> ModelFile:
+    loaded = read_checkpoint(path, overrides)
+    return ModelFile("checkpoint", path, loaded.cfg, loaded.classes, loaded.epoch,
+                     lambda device, channels_last: build_eval_model(loaded, device, channels_last),
+                     saved_val_limit=loaded.saved_val_limit, threads=loaded.threads)
+
+
+def onnx_session(path: Path, device: torch.device = torch.device("cpu")):
+    """An onnxruntime session on `device` (the CUDA provider where installed, else the CPU); a file the
+    runtime refuses (not ONNX, an opset or operator it lacks) is a CheckpointError naming why."""
+    import onnxruntime as ort
+
+    providers = ["CPUExecutionProvider"]
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+        else:
+            log.warning("onnxruntime has no CUDA provider here (pip install onnxruntime-gpu): running on the CPU")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: the runtime's own warnings are not ours to show
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as err:  # onnxruntime raises its own pybind types (InvalidProtobuf, Fail, InvalidGraph...)
+        raise CheckpointError(f"{path}: onnxruntime {ort.__version__} cannot load this model: "
+                              f"{_runtime_refusal(str(err))}") from err
+
+
+_RUNTIME_SOURCE = re.compile(r"/onnxruntime_src/\S+:\d+ .*?\)\s")  # the C++ file and function signature
+_OPSET = re.compile(r"Opset (\d+) is under development.*?till opset (\d+)", re.S)
+
+
+def _runtime_refusal(message: str) -> str:
+    """onnxruntime's reason in one line, an unsupported opset said plainly."""
+    opset = _OPSET.search(message)
+    if opset:
+        return (f"the model is stamped with ONNX opset {opset.group(1)}, and this onnxruntime runs opsets up to "
+                f"{opset.group(2)} (export with an older opset, or upgrade onnxruntime)")
+    return " ".join(_RUNTIME_SOURCE.sub("", message).split())[:300]
+
+
+def _onnx_function(session) -> Callable:
+    input_name = session.get_inputs()[0].name
+
+    def run(images: torch.Tensor) -> torch.Tensor:
+        array = images.detach().to("cpu", torch.float32).contiguous().numpy()
+        return torch.from_numpy(session.run(None, {input_name: array})[0]).to(images.device)
+    return run
+
+
+def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
+    session = onnx_session(path)
+    shape = session.get_inputs()[0].shape  # [batch, 3, H, W]; symbolic dims are strings
+    if len(shape) != 4:
+        raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes [N, 3, H, W]")
+    fixed_batch = shape[0] if isinstance(shape[0], int) else None
+    metadata = _metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
+    if metadata is not None:
+        cfg, classes, saved_val_limit = _from_metadata(metadata, path, overrides)
+    else:
+        cfg, saved_val_limit = eval_config({}, _foreign_onnx_preprocessing(shape, path), overrides, str(path))
+        classes = numbered_classes(_onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), path)
+
+    def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
+        run_session = session if device.type == "cpu" else onnx_session(path, device)
+        return FunctionModel(_onnx_function(run_session), fixed_batch)
+    return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
+                     saved_val_limit)
+
+
+def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
+    d = Config().data
+    square = isinstance(shape[2], int) and shape[2] == shape[3]
+    size = shape[2] if square else d.img_size
+    log.warning("%s has no imgcls metadata (not written by export.py): preprocessing img_size %d (%s), "
+                "crop_pct %s, %s, mean %s, std %s (the config defaults otherwise; eval.py takes data.* overrides)",
+                path, size, "the model's input size" if square else "the default", d.crop_pct, d.interpolation,
+                d.mean, d.std)
+    return {"img_size": size}
+
+
+def _onnx_class_count(session, batch: int, img_size: int) -> int:
+    classes = session.get_outputs()[0].shape[-1]
+    if isinstance(classes, int):
+        return classes
+    probe = torch.zeros(batch, 3, img_size, img_size)
+    return int(_onnx_function(session)(probe).shape[-1])
+
+
+def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
+    extra = {PT2_METADATA_FILE: ""}
+    try:
+        program = torch.export.load(str(path), extra_files=extra)
+    except Exception as err:  # a damaged archive or another kind of file: torch raises many types
+        reason = " ".join(str(err).split())[:200]
+        raise CheckpointError(f"{path}: not a torch.export program ({type(err).__name__}: {reason})") from err
+    if not extra[PT2_METADATA_FILE]:
+        raise CheckpointError(f"{path}: a torch.export program without {PT2_METADATA_FILE} (classes and "
+                              f"preprocessing): not written by export.py")
+    try:
+        metadata = json.loads(extra[PT2_METADATA_FILE])
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its {PT2_METADATA_FILE} is not valid JSON ({err})") from err
+    cfg, classes, saved_val_limit = _from_metadata(metadata, path, overrides)
+    fixed_batch = metadata.get("batch")
+
+    def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
+        on_device = program
+        if device.type != "cpu":
+            from torch.export.passes import move_to_device_pass
+
+            on_device = move_to_device_pass(program, device)
+        return FunctionModel(on_device.module().__call__, fixed_batch)
+    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit)
+
+
+def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path} is a folder without config.json: not a timm model folder (export.py "
+                              f"--format timm writes one; a checkpoint is a .pt file, an ONNX model a .onnx file)")
+    d = Config().data
+    try:
+        hf_config = json.loads(config_path.read_text())
+        pretrained_cfg = hf_config["pretrained_cfg"]
+        architecture = hf_config["architecture"]
+        preprocessing = {"img_size": pretrained_cfg["input_size"][-1],
+                         "crop_pct": pretrained_cfg.get("crop_pct", d.crop_pct),
+                         "interpolation": pretrained_cfg.get("interpolation", d.interpolation),
+                         "mean": list(pretrained_cfg.get("mean", d.mean)),
+                         "std": list(pretrained_cfg.get("std", d.std))}
+        names = hf_config.get("label_names") or pretrained_cfg.get("label_names")
+        if isinstance(names, dict):  # timm allows {index: name}
+            names = [names[key] for key in sorted(names, key=int)]
+        count = int(hf_config.get("num_classes") or pretrained_cfg["num_classes"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(f"{config_path}: not a timm config.json (needs 'architecture', 'num_classes' and "
+                              f"'pretrained_cfg' with 'input_size'): {type(err).__name__}: {err}") from err
+    ours = hf_config.get(TIMM_METADATA_KEY) or {}
+    saved_config = ours.get("config") or {"model": {"name": architecture}}
+    cfg, saved_val_limit = eval_config(saved_config, preprocessing, overrides, str(config_path))
+    classes = check_class_names(list(names), str(config_path)) if names else numbered_classes(count, path)
+
+    def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
+        import timm
+
+        try:
+            model = timm.create_model(f"local-dir:{path}", pretrained=True)
+        except (OSError, RuntimeError, ValueError, KeyError) as err:  # missing or mismatched weights, unknown model
+            reason = " ".join(str(err).split())[:300]
+            raise CheckpointError(f"{path}: timm cannot load this folder: {reason}") from err
+        return model.to(device, memory_format=memory_format(channels_last)).eval()
+    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit)
