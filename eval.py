@@ -13,7 +13,8 @@ from commands.cli import run_main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
-    parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root)")
+    parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root), "
+                                       "or a CSV list (path,label) to evaluate")
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides)
     s = result.settings
-    print(f"checkpoint {s['checkpoint']} (epoch {s['epoch']}) on {s['data']}/{s['split']}: batch {s['batch_size']}, "
+    print(f"checkpoint {s['checkpoint']} (epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}, "
           f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)

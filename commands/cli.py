@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from core.errors import USAGE_ERRORS, DistributedSetupError
+from core.errors import USAGE_ERRORS, BadDataError, DistributedSetupError
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
@@ -29,7 +29,8 @@ def run_main(main: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    except DistributedSetupError as err:  # the job failed to start; the message names the torchrun variables
+    except (DistributedSetupError, BadDataError) as err:  # the job failed; the message says why and lists the files
+        # (or names the torchrun variables)
         print(f"error: {err}", file=sys.stderr)
         code = 1
     except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why

@@ -53,6 +53,15 @@ class DataConfig:
     max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0, resume_free=True))
     limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
     limit_val_batches: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
+    format: Literal["folder", "csv"] = "folder"
+    val_fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    split_seed: int = 0
+    # Paths may move on --resume; the checkpoint's record of the lists' contents decides whether they changed.
+    train_csv: Optional[str] = field(default=None, metadata=FREE)
+    val_csv: Optional[str] = field(default=None, metadata=FREE)
+    csv_path_column: str = "path"
+    csv_label_column: str = "label"
+    classes: Optional[str] = field(default=None, metadata=FREE)
 
 
 @dataclass
@@ -349,10 +358,32 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"'train.batch_size' = {cfg.train.batch_size} must be >= 1 or 'auto'")
     if cfg.model.norm == "group" and cfg.model.sync_bn:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
+    _check_data_source(d)
 
 
-def check_data_root(cfg: Config) -> Path:
-    """The data root must exist (or be creatable from a built-in data set)."""
+def _check_data_source(d: DataConfig) -> None:
+    """The keys of `data.format` that belong together."""
+    if d.val_fraction is not None and d.val_fraction >= 1.0:
+        raise ConfigError(f"'data.val_fraction' = {d.val_fraction} must be a fraction 0 < f < 1 (or null: no split)")
+    if d.format == "csv":
+        if not d.train_csv:
+            raise ConfigError("'data.format' = csv needs 'data.train_csv' (a CSV file with a header and the columns "
+                              f"'{d.csv_path_column}' and '{d.csv_label_column}')")
+        if d.val_csv and d.val_fraction is not None:
+            raise ConfigError("'data.val_csv' and 'data.val_fraction' are both set: validate on the CSV list or "
+                              "hold out a fraction of data.train_csv, not both")
+        if not d.val_csv and d.val_fraction is None:
+            raise ConfigError("'data.format' = csv needs 'data.val_csv', or 'data.val_fraction' to hold out a "
+                              "fraction of data.train_csv")
+    elif d.train_csv or d.val_csv:
+        raise ConfigError(f"'data.train_csv' / 'data.val_csv' are set but 'data.format' = {d.format}; "
+                          f"set data.format=csv to train from CSV lists")
+
+
+def check_data_root(cfg: Config) -> Optional[Path]:
+    """The data root must exist (or be creatable from a built-in data set); CSV lists must exist."""
+    if cfg.data.format == "csv":
+        return _check_csv_files(cfg.data)
     if not cfg.data.root:
         raise ConfigError("'data.root' is not set: pass data.root=/path/to/images (a folder with train/ and val/)")
     root = Path(cfg.data.root).expanduser()
@@ -360,10 +391,22 @@ def check_data_root(cfg: Config) -> Path:
         return root
     if not root.is_dir():
         raise ConfigError(f"'data.root' = {cfg.data.root}: no such folder")
+    if cfg.data.val_fraction is not None:
+        return root  # one class-folder tree, split by data.val_fraction
     for split in (cfg.data.train_split, cfg.data.val_split):
         if not (root / split).is_dir():
             raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / data.val_split)")
     return root
+
+
+def _check_csv_files(d: DataConfig) -> Optional[Path]:
+    for key in ("train_csv", "val_csv", "classes"):
+        value = getattr(d, key)
+        if value and not Path(value).expanduser().is_file():
+            raise ConfigError(f"'data.{key}' = {value}: no such file")
+    if d.root and not Path(d.root).expanduser().is_dir():
+        raise ConfigError(f"'data.root' = {d.root}: no such folder (the CSV lists' relative paths resolve against it)")
+    return Path(d.root).expanduser() if d.root else None
 
 
 # ---------------------------------------------------------------- resume

@@ -8,9 +8,10 @@ from pathlib import Path
 from core.errors import ConfigError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
-from data.folder import ImageFolderIndex, scan_split
+from data.folder import ImageFolderIndex
 from data.loaders import build_eval_loader, build_train_loader
 from data.samplers import TrainSampler
+from data.sources import DataSources, scan_sources
 from data.transforms import EvalTransform, TrainTransform
 
 log = logging.getLogger("train")
@@ -27,9 +28,12 @@ class RunData:
     sampler: TrainSampler
     train_loader: object
     val_loader: object
+    sources: DataSources   # the source's identity and split, for the checkpoint and the run directory
 
 
-def prepare_root(cfg) -> Path:
+def prepare_root(cfg) -> Path | None:
+    if not cfg.data.root:  # CSV lists without a root: their paths resolve against their own folders
+        return None
     root = Path(cfg.data.root).expanduser()
     if cfg.data.builtin:
         ensure_builtin(cfg.data.builtin, root)
@@ -37,10 +41,9 @@ def prepare_root(cfg) -> Path:
 
 
 def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
-    root = Path(cfg.data.root).expanduser()
-    train_index = scan_split(root / cfg.data.train_split)
-    val_index = scan_split(root / cfg.data.val_split, classes=train_index.classes)
-    return train_index, val_index
+    """The training and validation indexes of whatever `data.format` names."""
+    sources = scan_sources(cfg)
+    return sources.train_index, sources.val_index
 
 
 def eval_transform(data_cfg) -> EvalTransform:
@@ -49,7 +52,8 @@ def eval_transform(data_cfg) -> EvalTransform:
 
 
 def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
-    train_index, val_index = scan_tree(cfg)
+    sources = scan_sources(cfg)
+    train_index, val_index = sources.train_index, sources.val_index
     d = cfg.data
     transform = TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation)
     train_dataset = TrainDataset(train_index, transform)
@@ -67,4 +71,4 @@ def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory:
     val_loader = build_eval_loader(val_dataset, batch_size, d.num_workers, pin_memory, rank, world_size,
                                    persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor,
                                    limit_samples=val_limit)
-    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader)
+    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader, sources)
