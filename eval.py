@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Evaluate a checkpoint on a class-folder split, exactly as training validated it.
+"""Evaluate a checkpoint on its validation data (a class-folder split, the held-out files of a
+data.val_fraction split, a CSV list or WebDataset shards), exactly as training validated it.
 
 python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [KEY=VALUE ...]
 """

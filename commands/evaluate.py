@@ -8,10 +8,8 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError
-from data.build import prepare_root
-from data.datasets import EvalDataset
+from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
-from data.loaders import build_eval_loader
 from engine.checkpointer import build_eval_model, read_checkpoint
 from engine.device import (DeviceInput, amp_setting, enable_cudnn_autotune, pin_memory_for, resolve_amp,
                            select_device)
@@ -38,7 +36,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     `engine.evaluate.evaluate`."""
     loaded = read_checkpoint(checkpoint, overrides)
     cfg = loaded.cfg
-    list_arg = data_root is not None and data_root.lower().endswith(".csv")  # --data LIST.csv
+    list_arg = data_root is not None and data_root.lower().endswith((".csv", ".tar"))  # a CSV list or shards
     if data_root is not None and not list_arg:
         cfg.data.root = data_root
     if batch_size is not None:
@@ -62,11 +60,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     amp_dtype = resolve_amp(cfg.train.amp, device)
     enable_cudnn_autotune(device)
     model = build_eval_model(loaded, device, cfg.train.channels_last)
-    dataset = EvalDataset(index, loaded.eval_transform(), cfg.data.img_size)
     pin = pin_memory_for(cfg.data.pin_memory, device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
-    loader = build_eval_loader(dataset, cfg.train.batch_size, cfg.data.num_workers, pin,
-                               prefetch_factor=cfg.data.prefetch_factor, limit_samples=limit)
+    loader = build_eval_loader_for(index, loaded.eval_transform(), cfg.data.img_size, cfg.train.batch_size,
+                                   cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
+                                   limit_samples=limit)
     sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
                                 tta_flip=tta)
     metrics = sums.compute()

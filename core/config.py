@@ -53,7 +53,7 @@ class DataConfig:
     max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0, resume_free=True))
     limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
     limit_val_batches: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
-    format: Literal["folder", "csv"] = "folder"
+    format: Literal["folder", "csv", "webdataset"] = "folder"
     val_fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
     split_seed: int = 0
     # Paths may move on --resume; the checkpoint's record of the lists' contents decides whether they changed.
@@ -62,6 +62,11 @@ class DataConfig:
     csv_path_column: str = "path"
     csv_label_column: str = "label"
     classes: Optional[str] = field(default=None, metadata=FREE)
+    # Shard locations may move on --resume (the checkpoint records the shard names and the sample count).
+    train_shards: Union[str, list[str], None] = field(default=None, metadata=FREE)
+    val_shards: Union[str, list[str], None] = field(default=None, metadata=FREE)
+    shuffle_buffer: int = field(default=1000, metadata=_range(0))
+    train_samples: Optional[int] = field(default=None, metadata=_range(1))
 
 
 @dataclass
@@ -378,11 +383,30 @@ def _check_data_source(d: DataConfig) -> None:
     elif d.train_csv or d.val_csv:
         raise ConfigError(f"'data.train_csv' / 'data.val_csv' are set but 'data.format' = {d.format}; "
                           f"set data.format=csv to train from CSV lists")
+    if d.format == "webdataset":
+        _check_shard_keys(d)
+    elif d.train_shards or d.val_shards:
+        raise ConfigError(f"'data.train_shards' / 'data.val_shards' are set but 'data.format' = {d.format}; "
+                          f"set data.format=webdataset to train from shards")
+
+
+def _check_shard_keys(d: DataConfig) -> None:
+    missing = [f"data.{k}" for k in ("train_shards", "val_shards", "classes") if not getattr(d, k)]
+    if missing:
+        raise ConfigError(f"'data.format' = webdataset needs {', '.join(missing)} (shard patterns such as "
+                          f"train-{{000000..000127}}.tar, and the class list, one name per line)")
+    if d.val_fraction is not None:
+        raise ConfigError("'data.val_fraction' does not apply to shards: write the validation samples as their "
+                          "own shards (data.val_shards)")
+    if d.sampler == "weighted":
+        raise ConfigError("'data.sampler' = weighted needs random access to every sample; a shard stream reads "
+                          "in sequence. Use data.sampler=random with data.format=webdataset, or write "
+                          "class-balanced shards")
 
 
 def check_data_root(cfg: Config) -> Optional[Path]:
     """The data root must exist (or be creatable from a built-in data set); CSV lists must exist."""
-    if cfg.data.format == "csv":
+    if cfg.data.format in ("csv", "webdataset"):
         return _check_csv_files(cfg.data)
     if not cfg.data.root:
         raise ConfigError("'data.root' is not set: pass data.root=/path/to/images (a folder with train/ and val/)")
@@ -400,6 +424,7 @@ def check_data_root(cfg: Config) -> Optional[Path]:
 
 
 def _check_csv_files(d: DataConfig) -> Optional[Path]:
+    """The list files (CSV lists, the class list) exist; shards are checked when they are read."""
     for key in ("train_csv", "val_csv", "classes"):
         value = getattr(d, key)
         if value and not Path(value).expanduser().is_file():

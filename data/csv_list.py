@@ -39,9 +39,9 @@ def read_class_list(path: str | Path) -> list[str]:
     return names
 
 
-def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str) -> list[CsvRow]:
+def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | None) -> list[CsvRow]:
     """The rows of a CSV list, checked: the file exists and has a header naming both columns, and every row
-    has a path and a label."""
+    has a path and a label (without `label_column`: paths only, labels '')."""
     csv_path = Path(csv_path)
     try:
         f = open(csv_path, newline="", encoding="utf-8-sig")  # utf-8-sig: spreadsheet exports start with a BOM
@@ -55,10 +55,11 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str) -> 
                                 f"'{path_column}' and '{label_column}'")
         header = [name.strip() for name in header]
         for key, column in (("data.csv_path_column", path_column), ("data.csv_label_column", label_column)):
-            if column not in header:
+            if column is not None and column not in header:
                 raise DataTreeError(f"CSV list {csv_path}: no column '{column}' ({key}); the header has: "
                                     f"{', '.join(header)}")
-        at_path, at_label = header.index(path_column), header.index(label_column)
+        at_path = header.index(path_column)
+        at_label = header.index(label_column) if label_column is not None else at_path
         rows = []
         for fields in reader:
             if not any(field.strip() for field in fields):
@@ -67,8 +68,9 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str) -> 
             if len(fields) <= max(at_path, at_label):
                 raise DataTreeError(f"CSV list {csv_path} line {line}: {len(fields)} field(s), the header has "
                                     f"{len(header)}")
-            path, label = fields[at_path].strip(), fields[at_label].strip()
-            if not path or not label:
+            path = fields[at_path].strip()
+            label = fields[at_label].strip() if label_column is not None else ""
+            if not path or (label_column is not None and not label):
                 empty = path_column if not path else label_column
                 raise DataTreeError(f"CSV list {csv_path} line {line}: empty '{empty}'")
             rows.append(CsvRow(line, path, label))
@@ -95,3 +97,10 @@ def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: lis
         paths.append(path)
         labels.append(position[row.label])
     return ImageFolderIndex(Path(base), list(classes), paths, labels), missing
+
+
+def csv_paths(csv_path: str | Path, path_column: str = "path") -> list[str]:
+    """The image paths a CSV list names (relative ones resolved against the CSV's folder), in row order."""
+    base = Path(csv_path).parent
+    return [row.path if os.path.isabs(row.path) else str(base / row.path)
+            for row in read_csv_rows(csv_path, path_column, None)]

@@ -17,6 +17,7 @@ from typing import Optional
 from data.csv_list import CsvRow, csv_index, read_class_list, read_csv_rows
 from data.folder import ImageFolderIndex, match_classes, scan_split
 from data.health import check_bad_fraction
+from data.shards import ShardIndex, shard_index
 from data.split import SplitRecord, index_from_record, relative_key, split_index
 
 log = logging.getLogger("train")
@@ -24,8 +25,8 @@ log = logging.getLogger("train")
 
 @dataclass
 class DataSources:
-    train_index: ImageFolderIndex
-    val_index: ImageFolderIndex
+    train_index: ImageFolderIndex | ShardIndex
+    val_index: ImageFolderIndex | ShardIndex
     split: Optional[SplitRecord] = None
     identity: dict = field(default_factory=dict)  # what last.pt / best.pt record as `data_source`
 
@@ -105,16 +106,28 @@ def scan_folder(d) -> DataSources:
     return DataSources(train, val, None, {"format": "folder"})
 
 
+def scan_webdataset(d) -> DataSources:
+    classes = read_class_list(Path(d.classes).expanduser())
+    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards")
+    if d.train_samples is None:
+        log.info("set data.train_samples=%d to skip counting the training shards at start", train.total)
+    val = shard_index(d.val_shards, classes, None, "data.val_shards")
+    identity = {"format": "webdataset", "train_shards": [Path(url).name for url in train.urls],
+                "train_samples": train.total, "loader_workers": max(1, d.num_workers)}
+    return DataSources(train, val, None, identity)
+
+
 def scan_sources(cfg) -> DataSources:
     d = cfg.data
-    return scan_csv(d) if d.format == "csv" else scan_folder(d)
+    scan = {"csv": scan_csv, "webdataset": scan_webdataset}.get(d.format, scan_folder)
+    return scan(d)
 
 
 @dataclass
 class EvalSource:
-    index: ImageFolderIndex
+    index: ImageFolderIndex | ShardIndex
     data: str        # the data root or list evaluated
-    split: str       # the split's name: a folder name, 'held_out' (a data.val_fraction split) or 'csv'
+    split: str       # the split's name: a folder name, 'held_out' (a data.val_fraction split), 'csv', 'shards'
     described: str   # for people
 
 
@@ -125,6 +138,10 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     `data.val_fraction` split, its `data.val_csv`, or `<data.root>/<data.val_split>/`. `--data ROOT`
     relocates the data root of any of these."""
     known_as = "checkpoint's classes"
+    shards_arg = data_arg is not None and data_arg.lower().endswith(".tar")
+    if shards_arg or (data_arg is None and split is None and d.format == "webdataset"):
+        spec = data_arg if shards_arg else d.val_shards
+        return EvalSource(shard_index(spec, classes, None, "shards"), str(spec), "shards", str(spec))
     if data_arg is not None and data_arg.lower().endswith(".csv"):
         index = load_csv_list(d, data_arg, read_list(d, data_arg), classes, known_as, "evaluation")
         return EvalSource(index, data_arg, "csv", data_arg)

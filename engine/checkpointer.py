@@ -143,6 +143,10 @@ def data_source_differences(saved: Optional[dict], current: Optional[dict]) -> l
     for key, name in (("train_csv_sha256", "data.train_csv"), ("val_csv_sha256", "data.val_csv")):
         if saved.get(key) != current.get(key):
             diffs.append(f"{name}: its files and labels differ from the list the checkpoint was trained on")
+    for key, name in (("train_shards", "data.train_shards (shard names)"), ("train_samples", "training samples"),
+                      ("loader_workers", "data.num_workers (a shard stream is split across loader workers)")):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{name}: {saved.get(key)!r} -> {current.get(key)!r}")
     return diffs
 
 

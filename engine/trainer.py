@@ -119,7 +119,8 @@ class Trainer:
         self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
         if resume_ckpt is not None:
-            check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size, self.data.sources.identity)
+            check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size,
+                                    self.data.sources.identity)
 
     def _setup_model(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
         cfg = self.cfg

@@ -220,3 +220,11 @@ def test_training_from_csv_lists_and_eval_on_best_and_on_a_csv(csv_data, tmp_pat
         result = run_script("eval.py", "--checkpoint", str(run_dir / "best.pt"), *extra, "--json", str(report))
         assert result.returncode == 0, result.stderr[-3000:]
         assert {k: json.loads(report.read_text())[k] for k in METRIC_KEYS} == summary["best"]
+    # infer.py on a CSV list: one row per file of its path column (relative to the CSV's folder)
+    rows_file = tmp_path / "predictions.csv"
+    result = run_script("infer.py", str(csv_data / "val.csv"), "--checkpoint", str(run_dir / "best.pt"),
+                        "--num-workers", "0", "--output", str(rows_file))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with rows_file.open() as f:
+        predicted = [row["path"] for row in csv.DictReader(f)]
+    assert predicted == [str(csv_data / path) for path, _ in read_list(csv_data / "val.csv")]
