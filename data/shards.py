@@ -142,8 +142,9 @@ class ShardTrainStream(IterableDataset):
             random.Random(mix_seed(self.seed, self.epoch, 0x5A4D)).shuffle(order)
         return order[self.rank::self.world_size][virtual::self.workers]
 
-    def raw_samples(self, virtual: int) -> Iterator[tuple[int, dict]]:
-        """(sample id, sample) of worker `virtual`'s shards, cycled, through its seeded shuffle buffer."""
+    def raw_samples(self, virtual: int, epoch_share: int) -> Iterator[tuple[int, dict]]:
+        """(sample id, sample) of worker `virtual`'s shards, cycled, through its seeded shuffle buffer (at most
+        the worker's `epoch_share` of samples: a larger one would only re-read its cycled shards)."""
         shards = self.worker_shards(virtual)
 
         def cycled():
@@ -155,10 +156,11 @@ class ShardTrainStream(IterableDataset):
                     for n, sample in enumerate(read_shard(self.index.urls[shard])):
                         yield (shard << POSITION_BITS) | n, sample
 
-        if not self.shuffle_buffer:
+        size = min(self.shuffle_buffer, epoch_share)
+        if size < 2:
             return cycled()
         rng = random.Random(mix_seed(self.seed, self.epoch, self.rank, virtual, 0xB0F))
-        return wds.filters.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(cycled())
+        return wds.filters.shuffle(bufsize=size, initial=size, rng=rng)(cycled())
 
     def __iter__(self):
         actual, workers = worker_slot()
@@ -171,7 +173,7 @@ class ShardTrainStream(IterableDataset):
         own = range(virtual, nb, self.workers)
         skip = sum(1 for k in own if k < self.start_batch) * self.batch_size
         quota = len(own) * self.batch_size
-        stream = self.raw_samples(virtual)
+        stream = self.raw_samples(virtual, quota)
         ahead: collections.deque = collections.deque()
         for slot in range(quota):
             item = ahead.popleft() if ahead else next(stream)

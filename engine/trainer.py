@@ -260,7 +260,8 @@ class Trainer:
         every_rank = dist_utils.union_of_lists(sorted(indices))
         new = [p for p in (self.data.train_index.paths[i] for i in every_rank) if p not in self.state.skipped_files]
         for p in new:
-            log.warning("unreadable training file skipped (replaced by another image of its class): %s", p)
+            log.warning("unreadable training file skipped (replaced by another image of its class; in a shard "
+                        "stream by the next readable sample): %s", p)
         self.state.skipped_files.extend(new)
         check_bad_fraction(self.state.skipped_files, len(self.data.train_index), "training",
                            self.cfg.data.max_bad_fraction)

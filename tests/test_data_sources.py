@@ -106,7 +106,8 @@ def test_resume_refuses_another_split(split_run, tmp_path):
                                                "train.batch_size": 4, "train.epochs": 3})
     result = run_script("train.py", "--config", "base", *args, "--resume", "auto")
     assert result.returncode == 2
-    assert "data split (data.val_fraction): other files on each side (18 train / 6 val files -> 19 train" in result.stderr
+    assert ("data split (data.val_fraction): other files on each side (18 train / 6 val files -> 19 train"
+            in result.stderr)
     other_seed = run_script("train.py", "--config", "base", *tiny_overrides(data, run_copy, **{
         "data.val_fraction": 0.25, "data.split_seed": 4, "train.batch_size": 4}), "--resume", "auto")
     assert other_seed.returncode == 2 and "data.split_seed: 3 -> 4" in other_seed.stderr

@@ -159,6 +159,15 @@ def test_training_on_shards_skips_broken_samples_and_eval_reproduces_best(shard_
         assert {k: json.loads(report.read_text())[k] for k in METRIC_KEYS} == summary["best"]
 
 
+def test_benchmark_times_the_shard_loader(shard_data, tmp_path):
+    result = run_script("benchmark.py", "--config", "base", "--mode", "loader", "--steps", "3", "--rounds", "1",
+                        *shard_overrides(shard_data, tmp_path / "bench"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["train_images"] == 42 and report["images"] == 5 * 8  # one whole epoch of 5 batches, timed
+    assert report["img_per_s"] > 0 and report["cpu_ms_per_img"] > 0
+
+
 def test_two_process_ddp_on_shards_validates_each_sample_once_and_matches_eval(shard_data, shard_run, tmp_path):
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -203,4 +212,5 @@ def test_sigkill_mid_epoch_on_shards_then_resume_is_bitwise_equal(shard_data, sh
     assert sa["best"] == sb["best"]
     refused = run_script("train.py", "--config", "base", *shard_overrides(shard_data, run, **{
         "checkpoint.every_steps": 1, "data.num_workers": 2}), "--resume", "auto")
-    assert refused.returncode == 2 and "data.num_workers (a shard stream is split across loader workers)" in refused.stderr
+    assert refused.returncode == 2
+    assert "data.num_workers (a shard stream is split across loader workers): 1 -> 2" in refused.stderr
