@@ -370,6 +370,9 @@ def _check_data_source(d: DataConfig) -> None:
     """The keys of `data.format` that belong together."""
     if d.val_fraction is not None and d.val_fraction >= 1.0:
         raise ConfigError(f"'data.val_fraction' = {d.val_fraction} must be a fraction 0 < f < 1 (or null: no split)")
+    if d.builtin and (d.val_fraction is not None or d.format != "folder"):
+        raise ConfigError(f"'data.builtin' = {d.builtin} writes its own train/ and val/ folders: drop "
+                          f"data.val_fraction and keep data.format=folder")
     if d.format == "csv":
         if not d.train_csv:
             raise ConfigError("'data.format' = csv needs 'data.train_csv' (a CSV file with a header and the columns "
