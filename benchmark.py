@@ -52,6 +52,10 @@ def main() -> int:
     from core.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.baseline and cfg.data.format != "folder":
+        raise ConfigError(f"--baseline torchvision reads class-folder trees; data.format is {cfg.data.format}")
+    if args.mode == "infer" and not args.synthetic and cfg.data.format == "webdataset":
+        raise ConfigError("--mode infer times infer.py, which reads files: use a folder or CSV source (or --synthetic)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     print(json.dumps(run_benchmark(cfg, args)))
     return 0

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Evaluate a checkpoint on a class-folder split, exactly as training validated it.
+"""Evaluate a checkpoint on its validation data (a class-folder split, the held-out files of a
+data.val_fraction split, a CSV list or WebDataset shards), exactly as training validated it.
 
 python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [--classes FILE]
                [KEY=VALUE ...]
@@ -17,7 +18,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
                                                             "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
-    parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root)")
+    parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root), "
+                                       "or a CSV list (path,label) to evaluate")
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
@@ -37,9 +39,8 @@ def main(argv=None) -> int:
                                  args.classes)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
-    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['data']}/{s['split']}: "
-          f"batch {s['batch_size']}, precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, "
-          f"device {s['device']}")
+    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}, "
+          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:

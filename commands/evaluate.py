@@ -8,10 +8,8 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError
-from data.build import prepare_root
-from data.datasets import EvalDataset
-from data.folder import match_classes, scan_split
-from data.loaders import build_eval_loader
+from data.build import build_eval_loader_for, prepare_root
+from data.sources import eval_source
 from engine.device import (DeviceInput, amp_setting, apply_thread_policy, enable_cudnn_autotune, eval_threads,
                            pin_memory_for, resolve_amp, select_device)
 from engine.evaluate import evaluate
@@ -40,25 +38,25 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     config it records; ONNX in fp32."""
     loaded = load_model_file(checkpoint, overrides, classes_file)
     cfg = loaded.cfg
-    if data_root is not None:
+    list_arg = data_root is not None and data_root.lower().endswith((".csv", ".tar"))  # a CSV list or shards
+    if data_root is not None and not list_arg:
         cfg.data.root = data_root
     if batch_size is not None:
         if batch_size < 1:
             raise ConfigError(f"--batch-size {batch_size}: must be >= 1")
         cfg.train.batch_size = batch_size
-    split = split or cfg.data.val_split
-    if not cfg.data.root:
+    if not cfg.data.root and cfg.data.format == "folder" and not list_arg:
         raise ConfigError("no data folder: the checkpoint's config has no data.root; pass --data ROOT")
     if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
         raise ConfigError("the checkpoint's train.batch_size is 'auto'; pass --batch-size N")
-    root = Path(cfg.data.root).expanduser()
-    if cfg.data.builtin and data_root is None and not (root / split).is_dir():
+    if cfg.data.builtin and data_root is None and not (Path(cfg.data.root).expanduser() / cfg.data.val_split).is_dir():
         prepare_root(cfg)  # the checkpoint's own built-in data set, written anew; never a folder the user named
     if loaded.saved_val_limit and not cfg.data.limit_val_batches:
         log.warning("training validated this checkpoint on its first %d batch(es) only (data.limit_val_batches); "
                     "this evaluation reads the whole split (pass data.limit_val_batches=%d to match training)",
                     loaded.saved_val_limit, loaded.saved_val_limit)
-    index = match_classes(scan_split(root / split), loaded.classes)
+    source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
+    index = source.index
 
     device = select_device(cfg.train.device)
     amp_dtype = None if loaded.fp32_only else resolve_amp(cfg.train.amp, device)
@@ -66,18 +64,18 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     enable_cudnn_autotune(device)
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()
-    dataset = EvalDataset(index, transform, transform.img_size)
     pin = pin_memory_for(cfg.data.pin_memory, device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
-    loader = build_eval_loader(dataset, cfg.train.batch_size, cfg.data.num_workers, pin,
-                               prefetch_factor=cfg.data.prefetch_factor, limit_samples=limit)
+    loader = build_eval_loader_for(index, transform, transform.img_size, cfg.train.batch_size,
+                                   cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
+                                   limit_samples=limit)
     sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
                                 tta_flip=tta)
     metrics = sums.compute()
     confusion = sums.confusion.cpu()
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
-                "data": str(root), "split": split,
+                "data": source.data, "split": source.split, "source": source.described,
                 "batch_size": cfg.train.batch_size, "amp": amp_setting(amp_dtype),
                 "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
                 "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,

@@ -61,6 +61,20 @@ class DataConfig:
     repeated_augment: int = field(default=1, metadata=_range(1))
     eval_img_size: Optional[int] = field(default=None, metadata=_range(8))
     random_erasing: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    format: Literal["folder", "csv", "webdataset"] = "folder"
+    val_fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    split_seed: int = 0
+    # Paths may move on --resume; the checkpoint's record of the lists' contents decides whether they changed.
+    train_csv: Optional[str] = field(default=None, metadata=FREE)
+    val_csv: Optional[str] = field(default=None, metadata=FREE)
+    csv_path_column: str = "path"
+    csv_label_column: str = "label"
+    classes: Optional[str] = field(default=None, metadata=FREE)
+    # Shard locations may move on --resume (the checkpoint records the shard names and the sample count).
+    train_shards: Union[str, list[str], None] = field(default=None, metadata=FREE)
+    val_shards: Union[str, list[str], None] = field(default=None, metadata=FREE)
+    shuffle_buffer: int = field(default=1000, metadata=_range(0))
+    train_samples: Optional[int] = field(default=None, metadata=_range(1))
 
 
 @dataclass
@@ -422,6 +436,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
     _check_optimizer_options(cfg.optim)
     _check_recipe(cfg)
+    _check_data_source(d)
 
 
 # The optim.* options each optimizer takes besides lr and weight_decay (engine/optim.py passes exactly these).
@@ -474,8 +489,55 @@ def eval_size(data_cfg: DataConfig) -> int:
     return data_cfg.eval_img_size or data_cfg.img_size
 
 
-def check_data_root(cfg: Config) -> Path:
-    """The data root must exist (or be creatable from a built-in data set)."""
+def _check_data_source(d: DataConfig) -> None:
+    """The keys of `data.format` that belong together."""
+    if d.val_fraction is not None and d.val_fraction >= 1.0:
+        raise ConfigError(f"'data.val_fraction' = {d.val_fraction} must be a fraction 0 < f < 1 (or null: no split)")
+    if d.builtin and (d.val_fraction is not None or d.format != "folder"):
+        raise ConfigError(f"'data.builtin' = {d.builtin} writes its own train/ and val/ folders: drop "
+                          f"data.val_fraction and keep data.format=folder")
+    if d.format == "csv":
+        if not d.train_csv:
+            raise ConfigError("'data.format' = csv needs 'data.train_csv' (a CSV file with a header and the columns "
+                              f"'{d.csv_path_column}' and '{d.csv_label_column}')")
+        if d.val_csv and d.val_fraction is not None:
+            raise ConfigError("'data.val_csv' and 'data.val_fraction' are both set: validate on the CSV list or "
+                              "hold out a fraction of data.train_csv, not both")
+        if not d.val_csv and d.val_fraction is None:
+            raise ConfigError("'data.format' = csv needs 'data.val_csv', or 'data.val_fraction' to hold out a "
+                              "fraction of data.train_csv")
+    elif d.train_csv or d.val_csv:
+        raise ConfigError(f"'data.train_csv' / 'data.val_csv' are set but 'data.format' = {d.format}; "
+                          f"set data.format=csv to train from CSV lists")
+    if d.format == "webdataset":
+        _check_shard_keys(d)
+    elif d.train_shards or d.val_shards:
+        raise ConfigError(f"'data.train_shards' / 'data.val_shards' are set but 'data.format' = {d.format}; "
+                          f"set data.format=webdataset to train from shards")
+
+
+def _check_shard_keys(d: DataConfig) -> None:
+    missing = [f"data.{k}" for k in ("train_shards", "val_shards", "classes") if not getattr(d, k)]
+    if missing:
+        raise ConfigError(f"'data.format' = webdataset needs {', '.join(missing)} (shard patterns such as "
+                          f"train-{{000000..000127}}.tar, and the class list, one name per line)")
+    if d.val_fraction is not None:
+        raise ConfigError("'data.val_fraction' does not apply to shards: write the validation samples as their "
+                          "own shards (data.val_shards)")
+    if d.sampler == "weighted":
+        raise ConfigError("'data.sampler' = weighted needs random access to every sample; a shard stream reads "
+                          "in sequence. Use data.sampler=random with data.format=webdataset, or write "
+                          "class-balanced shards")
+    if d.repeated_augment > 1:
+        raise ConfigError(f"'data.repeated_augment' = {d.repeated_augment} needs random access to every sample; "
+                          f"a shard stream reads each sample once per epoch. Use data.repeated_augment=1 with "
+                          f"data.format=webdataset")
+
+
+def check_data_root(cfg: Config) -> Optional[Path]:
+    """The data root must exist (or be creatable from a built-in data set); CSV lists must exist."""
+    if cfg.data.format in ("csv", "webdataset"):
+        return _check_csv_files(cfg.data)
     if not cfg.data.root:
         raise ConfigError("'data.root' is not set: pass data.root=/path/to/images (a folder with train/ and val/)")
     root = Path(cfg.data.root).expanduser()
@@ -483,10 +545,23 @@ def check_data_root(cfg: Config) -> Path:
         return root
     if not root.is_dir():
         raise ConfigError(f"'data.root' = {cfg.data.root}: no such folder")
+    if cfg.data.val_fraction is not None:
+        return root  # one class-folder tree, split by data.val_fraction
     for split in (cfg.data.train_split, cfg.data.val_split):
         if not (root / split).is_dir():
             raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / data.val_split)")
     return root
+
+
+def _check_csv_files(d: DataConfig) -> Optional[Path]:
+    """The list files (CSV lists, the class list) exist; shards are checked when they are read."""
+    for key in ("train_csv", "val_csv", "classes"):
+        value = getattr(d, key)
+        if value and not Path(value).expanduser().is_file():
+            raise ConfigError(f"'data.{key}' = {value}: no such file")
+    if d.root and not Path(d.root).expanduser().is_dir():
+        raise ConfigError(f"'data.root' = {d.root}: no such folder (the CSV lists' relative paths resolve against it)")
+    return Path(d.root).expanduser() if d.root else None
 
 
 # ---------------------------------------------------------------- resume

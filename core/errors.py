@@ -49,4 +49,4 @@ class StopRequested(Exception):
 
 USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
 # failures of the job whose message says everything: one line, exit 1, no traceback
-JOB_FAILURES = (DistributedSetupError, ExportError)
+JOB_FAILURES = (DistributedSetupError, ExportError, BadDataError)

@@ -9,9 +9,11 @@ from core.config import eval_size
 from core.errors import ConfigError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
-from data.folder import ImageFolderIndex, scan_split
-from data.loaders import build_eval_loader, build_train_loader
+from data.folder import ImageFolderIndex
+from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
+from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
+from data.sources import DataSources, scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger("train")
@@ -28,9 +30,12 @@ class RunData:
     sampler: TrainSampler
     train_loader: object
     val_loader: object
+    sources: DataSources   # the source's identity and split, for the checkpoint and the run directory
 
 
-def prepare_root(cfg) -> Path:
+def prepare_root(cfg) -> Path | None:
+    if not cfg.data.root:  # CSV lists without a root: their paths resolve against their own folders
+        return None
     root = Path(cfg.data.root).expanduser()
     if cfg.data.builtin:
         ensure_builtin(cfg.data.builtin, root)
@@ -38,10 +43,9 @@ def prepare_root(cfg) -> Path:
 
 
 def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
-    root = Path(cfg.data.root).expanduser()
-    train_index = scan_split(root / cfg.data.train_split)
-    val_index = scan_split(root / cfg.data.val_split, classes=train_index.classes)
-    return train_index, val_index
+    """The training and validation indexes of whatever `data.format` names."""
+    sources = scan_sources(cfg)
+    return sources.train_index, sources.val_index
 
 
 def eval_transform(data_cfg) -> EvalTransform:
@@ -74,25 +78,50 @@ def describe_augmentation(data_cfg) -> list[str]:
     return lines
 
 
-def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
-    train_index, val_index = scan_tree(cfg)
+def build_eval_loader_for(index, transform: EvalTransform, img_size: int, batch_size: int, num_workers: int,
+                          pin_memory: bool, rank: int = 0, world_size: int = 1, persistent_workers: bool = False,
+                          prefetch_factor: int = 2, limit_samples: int | None = None):
+    """The evaluation loader of a split (a file index or a shard set): this rank's share, each sample once."""
+    if isinstance(index, ShardIndex):
+        stream = ShardEvalStream(index, transform, img_size, rank, world_size, limit_samples)
+        return build_stream_eval_loader(stream, batch_size, num_workers, pin_memory, prefetch_factor)
+    return build_eval_loader(EvalDataset(index, transform, img_size), batch_size, num_workers, pin_memory, rank,
+                             world_size, persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                             limit_samples=limit_samples)
+
+
+def build_train_stream(cfg, index: ShardIndex, transform, batch_size: int, rank: int, world_size: int,
+                       pin_memory: bool) -> tuple[ShardTrainStream, object]:
+    """A shard set's training stream (which is also the run's sampler) and its loader."""
     d = cfg.data
-    train_dataset = TrainDataset(train_index, train_transform(d))
-    val_dataset = EvalDataset(val_index, eval_transform(d), eval_size(d))
+    stream = ShardTrainStream(index, transform, cfg.train.seed, batch_size, rank, world_size, d.num_workers,
+                              d.shuffle_buffer, shuffle=d.sampler != "sequential")
+    return stream, build_stream_train_loader(stream, batch_size, d.num_workers, pin_memory, d.prefetch_factor)
+
+
+def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
+    sources = scan_sources(cfg)
+    train_index, val_index = sources.train_index, sources.val_index
+    d = cfg.data
+    transform = train_transform(d)
     for line in describe_augmentation(d):
         log.info(line)
     if d.sampler == "sequential":
         log.warning("data.sampler=sequential: the training split is read in a fixed order every epoch; the loss "
                     "will cycle with the class order. Use data.sampler=random (or weighted) unless you mean it.")
-    sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size,
-                           repeats=d.repeated_augment)
+    if isinstance(train_index, ShardIndex):
+        sampler, train_loader = build_train_stream(cfg, train_index, transform, batch_size, rank, world_size,
+                                                   pin_memory)
+    else:
+        sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size,
+                               repeats=d.repeated_augment)
+        train_loader = build_train_loader(TrainDataset(train_index, transform), sampler, batch_size, d.num_workers,
+                                          pin_memory, d.persistent_workers, d.prefetch_factor, cfg.train.seed)
     if sampler.num_batches() == 0:
         raise ConfigError(f"'train.batch_size' = {batch_size} is larger than this process's share of the training "
-                          f"split ({len(sampler.shuffler)} images); lower it")
-    train_loader = build_train_loader(train_dataset, sampler, batch_size, d.num_workers, pin_memory,
-                                      d.persistent_workers, d.prefetch_factor, cfg.train.seed)
+                          f"split ({len(train_index) // world_size} images); lower it")
     val_limit = d.limit_val_batches * batch_size if d.limit_val_batches else None
-    val_loader = build_eval_loader(val_dataset, batch_size, d.num_workers, pin_memory, rank, world_size,
-                                   persistent_workers=d.persistent_workers, prefetch_factor=d.prefetch_factor,
-                                   limit_samples=val_limit)
-    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader)
+    val_loader = build_eval_loader_for(val_index, eval_transform(d), eval_size(d), batch_size, d.num_workers,
+                                       pin_memory, rank, world_size, d.persistent_workers, d.prefetch_factor,
+                                       val_limit)
+    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader, sources)

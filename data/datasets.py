@@ -77,3 +77,11 @@ class EvalDataset(Dataset):
             return self.transform(self.index.paths[i]), self.index.labels[i], True, i
         except ImageDecodeError:
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), self.index.labels[i], False, i
+
+
+def failure_reason(dataset, index: int) -> str:
+    """Why training sample `index` of `dataset` could not be read: a file dataset reads it again to say; a
+    shard stream keeps no file to read again."""
+    if isinstance(dataset, TrainDataset):
+        return dataset.failure_reason(index)
+    return "a broken sample in its shard"

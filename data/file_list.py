@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.csv_list import csv_paths
 from data.folder import DataTreeError, list_images
 from data.images import IMAGE_EXTENSIONS, ImageDecodeError
 from data.loaders import seed_worker
@@ -21,13 +22,16 @@ _GLOB_CHARS = set("*?[")
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files as given (whatever their extension), folders recursively (image extensions, hidden entries
-    skipped), globs (`**` allowed) expanded the same way. Duplicates are kept once, in first-seen order.
+    """Files as given (whatever their extension), CSV lists (the files of their `path` column, relative to
+    the CSV's folder), folders recursively (image extensions, hidden entries skipped), globs (`**` allowed)
+    expanded the same way. Duplicates are kept once, in first-seen order.
     A path that does not exist, or a glob that matches nothing, is a DataTreeError (exit 2)."""
     found: list[str] = []
     missing: list[str] = []
     for item in inputs:
-        if os.path.isdir(item):
+        if item.lower().endswith(".csv") and os.path.isfile(item):  # a CSV list: the files of its path column
+            found.extend(csv_paths(item))
+        elif os.path.isdir(item):
             found.extend(list_images(Path(item)))
         elif os.path.exists(item):
             found.append(item)

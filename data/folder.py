@@ -73,17 +73,17 @@ def class_difference(where, found: list[str], wanted: list[str], wanted_name: st
             f"not in {wanted_short}: {extra or 'none'}")
 
 
-def match_classes(index: ImageFolderIndex, classes: list[str]) -> ImageFolderIndex:
+def match_classes(index: ImageFolderIndex, classes: list[str], wanted_name: str = "the checkpoint's classes",
+                  wanted_short: str = "the checkpoint") -> ImageFolderIndex:
     """Relabel a scanned split so that label i means `classes[i]` (a model's order).
 
     The folder must hold exactly those class names; the same names in another order are remapped, any
     difference is a DataTreeError (exit 2) that lists it."""
     if set(index.classes) != set(classes):
-        raise DataTreeError(class_difference(index.root, index.classes, classes, "the checkpoint's classes",
-                                             "the checkpoint"))
+        raise DataTreeError(class_difference(index.root, index.classes, classes, wanted_name, wanted_short))
     if index.classes == classes:
         return index
     position = {name: i for i, name in enumerate(classes)}
     remap = [position[name] for name in index.classes]
-    log.info("class folders are in another order than the checkpoint's classes; labels remapped by name")
+    log.info("class folders are in another order than %s; labels remapped by name", wanted_name)
     return ImageFolderIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels])

@@ -61,3 +61,19 @@ def build_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bo
                       num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
                       generator=torch.Generator().manual_seed(0),
                       **_worker_options(num_workers, persistent_workers, prefetch_factor))
+
+
+def build_stream_train_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool,
+                              prefetch_factor: int) -> DataLoader:
+    """A shard stream's loader. Workers are started anew each epoch (not persistent): an iterable dataset's
+    epoch (`set_epoch`) reaches the workers only when they start."""
+    options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if num_workers else {}
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
+                      drop_last=True, **options)
+
+
+def build_stream_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool,
+                             prefetch_factor: int = 2) -> DataLoader:
+    options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if num_workers else {}
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
+                      drop_last=False, **options)

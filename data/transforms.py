@@ -15,10 +15,14 @@ libjpeg-turbo pixels as PIL, faster, no PIL image copies). The result is resized
 channels-last tensor (torch's vectorised antialiased resize, equal to PIL's to +-1). CMYK, XMP-only
 orientation, truncated and non-JPEG files go through PIL (`data.images.load_rgb`), so the pixel policy
 (EXIF orientation, modes, refusal of broken files) holds.
+
+Every transform takes a file path or the file's bytes (a WebDataset sample's image): the same decode path
+and pixel policy either way.
 """
 from __future__ import annotations
 
 import functools
+import io
 import math
 import os
 import random
@@ -91,7 +95,7 @@ class TrainTransform:
         if data is not None and not draft_reduces(need, (width, height)):
             image = decode_jpeg_tensor(data, (height, width))
         if image is None:
-            image = F.pil_to_tensor(load_rgb(path, min_size=need))
+            image = F.pil_to_tensor(load_rgb(as_file(path), min_size=need))
         out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
@@ -116,26 +120,43 @@ def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
 _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 
 
+def as_file(source):
+    """A path as it is; an image's bytes as a file object PIL can open."""
+    return io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+
+
 def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
     """The bytes and header of a grayscale or colour JPEG that the tensor decoder can take, else (None, None)
     (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy). Only the
-    first two bytes of a file that is not a JPEG are read here."""
+    first two bytes of a file that is not a JPEG are read here. `path` may also be the file's bytes."""
     if decode_jpeg is None:
         return None, None
-    try:
-        with open(path, "rb") as f:
-            if f.read(2) != _JPEG_START:
-                return None, None
-            buf = bytearray(max(2, os.fstat(f.fileno()).st_size))
-            buf[:2] = _JPEG_START
-            size = 2 + (f.readinto(memoryview(buf)[2:]) or 0)
-    except OSError:
-        return None, None
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        if bytes(path[:2]) != _JPEG_START:
+            return None, None
+        buf, size = bytearray(path), len(path)
+    else:
+        buf, size = _read_jpeg_file(path)
+        if buf is None:
+            return None, None
     data = torch.frombuffer(buf, dtype=torch.uint8)[:size]
     header = parse_jpeg_header(memoryview(buf)[:size])
     if header is None or header.components not in (1, 3):
         return None, None
     return data, header
+
+
+def _read_jpeg_file(path) -> tuple[bytearray | None, int]:
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != _JPEG_START:
+                return None, 0
+            buf = bytearray(max(2, os.fstat(f.fileno()).st_size))
+            buf[:2] = _JPEG_START
+            size = 2 + (f.readinto(memoryview(buf)[2:]) or 0)
+    except OSError:
+        return None, 0
+    return buf, size
 
 
 def read_sized(path) -> tuple[torch.Tensor | None, tuple[int, int]]:
@@ -144,7 +165,7 @@ def read_sized(path) -> tuple[torch.Tensor | None, tuple[int, int]]:
     data, header = read_jpeg(path)
     if header is not None:
         return data, header.oriented_size
-    with open_image(path) as pil_header:
+    with open_image(as_file(path)) as pil_header:
         return None, oriented_size(pil_header)
 
 
@@ -198,7 +219,7 @@ class EvalTransform:
             image = decode_jpeg_tensor(data, (height, width))
             if image is not None:
                 return self.from_tensor(image)
-        return self.from_image(load_rgb(path, min_size=need))
+        return self.from_image(load_rgb(as_file(path), min_size=need))
 
     def from_tensor(self, image: torch.Tensor) -> torch.Tensor:
         """The same resize and crop on a uint8 CHW tensor (torch's antialiased resize matches PIL's to +-1)."""

@@ -4,7 +4,8 @@ eval.py / infer.py (the model, its classes, its config and its eval preprocessin
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
-`train_state`, `world_size`, and with EMA `model_ema`. best.pt: the evaluated weights (the EMA when
+`train_state`, `world_size`, and with EMA `model_ema`. Both record `data_source` (the data format, a
+`data.val_fraction` split's file lists, CSV lists' digests). best.pt: the evaluated weights (the EMA when
 on) under `model`, with the same metadata and no training state.
 """
 from __future__ import annotations
@@ -63,13 +64,14 @@ class Checkpointer:
     """Writes last.pt (with last.prev.pt) and best.pt of a run; only rank 0 writes."""
 
     def __init__(self, run_dir: Path, is_main: bool, cfg: Config, classes: list[str], world_size: int,
-                 parts: TrainingParts):
+                 parts: TrainingParts, data_source: Optional[dict] = None):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.cfg = cfg
         self.classes = classes
         self.world_size = world_size
         self.parts = parts
+        self.data_source = data_source
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -77,7 +79,7 @@ class Checkpointer:
                 "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
                 # the CPU threads validation ran with: eval.py takes the same by default, since sums over
                 # another thread count round differently in the last digits
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), **data_source_fields(self.data_source)}
 
     def last_contents(self, state: TrainState) -> dict:
         p = self.parts
@@ -126,7 +128,35 @@ class Checkpointer:
         return state
 
 
-def check_resume_compatible(ckpt: dict, cfg: Config, classes: list[str], world_size: int) -> None:
+def data_source_fields(data_source: Optional[dict]) -> dict:
+    """The checkpoint's record of where its samples came from (data.sources.DataSources.identity)."""
+    return {"data_source": dict(data_source)} if data_source else {}
+
+
+def data_source_differences(saved: Optional[dict], current: Optional[dict]) -> list[str]:
+    """What --resume refuses about the data itself: another held-out split, other CSV lists. A checkpoint
+    without a record (older ones) is compared by its config only."""
+    if not saved or not current:
+        return []
+    diffs = []
+    split_a, split_b = saved.get("split"), current.get("split")
+    if split_a != split_b:
+        def sizes(split):
+            return f"{len(split['train'])} train / {len(split['val'])} val files" if split else "no split"
+        diffs.append(f"data split (data.val_fraction): other files on each side ({sizes(split_a)} -> "
+                     f"{sizes(split_b)}); the held-out files must stay held out")
+    for key, name in (("train_csv_sha256", "data.train_csv"), ("val_csv_sha256", "data.val_csv")):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{name}: its files and labels differ from the list the checkpoint was trained on")
+    for key, name in (("train_shards", "data.train_shards (shard names)"), ("train_samples", "training samples"),
+                      ("loader_workers", "data.num_workers (a shard stream is split across loader workers)")):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{name}: {saved.get(key)!r} -> {current.get(key)!r}")
+    return diffs
+
+
+def check_resume_compatible(ckpt: dict, cfg: Config, classes: list[str], world_size: int,
+                            data_source: Optional[dict] = None) -> None:
     """ConfigError (exit 2) listing what differs when `ckpt` is not a state this run can continue: the
     config keys the math depends on (those not marked resume-free), the classes, the process count."""
     saved = ckpt.get("config")
@@ -138,6 +168,7 @@ def check_resume_compatible(ckpt: dict, cfg: Config, classes: list[str], world_s
         diffs.append(f"classes: {ckpt.get('classes')} -> {classes}")
     if ckpt.get("world_size", 1) != world_size:
         diffs.append(f"world size: {ckpt.get('world_size', 1)} -> {world_size}")
+    diffs += data_source_differences(ckpt.get("data_source"), data_source)
     if diffs:
         raise ConfigError("--resume: the run would not continue the same training; these differ from the "
                           "checkpoint:\n  " + "\n  ".join(diffs) +
@@ -223,6 +254,7 @@ class LoadedCheckpoint:
     epoch: int
     saved_val_limit: Optional[int] = None  # data.limit_val_batches of the training run
     threads: Optional[int] = None          # CPU threads the training run validated with
+    data_source: Optional[dict] = None     # the training run's data record (split file lists, ...)
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)
@@ -240,7 +272,8 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     cfg, saved_val_limit = eval_config(ckpt["config"], ckpt.get("preprocessing") or {}, overrides,
                                        f"checkpoint {path}")
     threads = ckpt.get("threads") if isinstance(ckpt.get("threads"), int) else None
-    return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit, threads)
+    return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit, threads,
+                            ckpt.get("data_source"))
 
 
 def check_class_names(classes, where: str) -> list[str]:

@@ -48,6 +48,7 @@ class ModelFile:
     fixed_batch: Optional[int] = None   # the batch an exported model was traced for (None: any)
     saved_val_limit: Optional[int] = None
     threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
+    data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
 
     @property
     def fp32_only(self) -> bool:
@@ -165,7 +166,8 @@ def _open_checkpoint(path: Path, overrides: list[str]) -> ModelFile:
     loaded = read_checkpoint(path, overrides)
     return ModelFile("checkpoint", path, loaded.cfg, loaded.classes, loaded.epoch,
                      lambda device, channels_last: build_eval_model(loaded, device, channels_last),
-                     saved_val_limit=loaded.saved_val_limit, threads=loaded.threads)
+                     saved_val_limit=loaded.saved_val_limit, threads=loaded.threads,
+                     data_source=loaded.data_source)
 
 
 def onnx_session(path: Path, device: torch.device = torch.device("cpu")):

@@ -17,10 +17,13 @@ from engine.step import TrainStep
 
 
 def process_tree_cpu_seconds() -> float:
-    """CPU time (user + system) of this process plus its live children (loader workers). On a busy machine
-    wall-clock rates follow the load of other processes; CPU seconds per image do not."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
+    """CPU time (user + system) of this process plus its children (loader workers), live ones and those that
+    ended (a shard stream's workers end with each epoch). On a busy machine wall-clock rates follow the
+    load of other processes; CPU seconds per image do not."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
     me = os.getpid()
     tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():

@@ -17,7 +17,9 @@ import torch
 from core.config import Config, check_data_root, dump_yaml
 from core.errors import BadDataError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data, prepare_root
+from data.datasets import failure_reason
 from data.health import check_bad_fraction
+from data.split import write_split_lists
 from engine import distributed as dist_utils
 from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir,
                                  load_finetune_source, resolve_resume)
@@ -130,7 +132,8 @@ class Trainer:
         self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
         if resume_ckpt is not None:
-            check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size)
+            check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size,
+                                    self.data.sources.identity)
 
     def _setup_model(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
         cfg = self.cfg
@@ -183,7 +186,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         parts = TrainingParts(self.model, self.eval_model, step.optimizer, step.scheduler, step.scaler, self.ema)
         self.checkpointer = Checkpointer(self.run_dir, self.dist.is_main, cfg, self.classes, self.dist.world_size,
-                                         parts)
+                                         parts, self.data.sources.identity)
         if resume_ckpt is not None:
             self.state = self.checkpointer.restore(resume_ckpt)
         self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
@@ -192,6 +195,8 @@ class Trainer:
         if not self.dist.is_main:
             return
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        if self.data.sources.split is not None:
+            write_split_lists(self.run_dir, self.data.sources.split, self.classes)
         if resume_ckpt is not None:
             self.runlog.drop_epochs_from(self.state.epoch + 1)
             return
@@ -286,8 +291,8 @@ class Trainer:
         paths, dataset = self.data.train_index.paths, self.data.train_loader.dataset
         new = [i for i in every_rank if paths[i] not in self.state.skipped_files]
         for i in new:
-            log.warning("unreadable training file skipped (%s; replaced by another image of its class): %s",
-                        dataset.failure_reason(i), paths[i])
+            log.warning("unreadable training file skipped (%s; replaced by another image of its class, in a shard "
+                        "stream by the next readable sample): %s", failure_reason(dataset, i), paths[i])
         self.state.skipped_files.extend(paths[i] for i in new)
         check_bad_fraction(self.state.skipped_files, len(self.data.train_index), "training",
                            self.cfg.data.max_bad_fraction)

@@ -1,0 +1,106 @@
+"""CSV file lists (`data.format: csv`): a header row, one row per image, a path column and a label column
+holding class names. Relative paths resolve against a base folder (`data.root`, or the CSV's own folder).
+
+Every mistake in the file is a DataTreeError (exit 2) naming the file and its line or column; rows whose
+image file does not exist are returned apart so the caller can list, count and limit them.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import DataTreeError
+from data.folder import ImageFolderIndex
+
+
+@dataclass
+class CsvRow:
+    line: int      # the row's line number in the file (the header is line 1)
+    path: str      # as written in the file
+    label: str
+
+
+def read_class_list(path: str | Path) -> list[str]:
+    """`data.classes`: one class name per line, in label order; blank lines are ignored."""
+    try:
+        names = [line.strip() for line in Path(path).read_text(encoding="utf-8-sig").splitlines()]
+    except OSError as err:
+        raise DataTreeError(f"'data.classes' = {path}: cannot read it: {err}") from err
+    names = [n for n in names if n]
+    if not names:
+        raise DataTreeError(f"'data.classes' = {path}: the file holds no class names (one name per line)")
+    seen = set()
+    for n in names:
+        if n in seen:
+            raise DataTreeError(f"'data.classes' = {path}: class '{n}' is listed twice")
+        seen.add(n)
+    return names
+
+
+def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | None) -> list[CsvRow]:
+    """The rows of a CSV list, checked: the file exists and has a header naming both columns, and every row
+    has a path and a label (without `label_column`: paths only, labels '')."""
+    csv_path = Path(csv_path)
+    try:
+        f = open(csv_path, newline="", encoding="utf-8-sig")  # utf-8-sig: spreadsheet exports start with a BOM
+    except OSError as err:
+        raise DataTreeError(f"CSV list {csv_path}: cannot open it: {err}") from err
+    with f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise DataTreeError(f"CSV list {csv_path} is empty: expected a header row naming the columns "
+                                f"'{path_column}' and '{label_column}'")
+        header = [name.strip() for name in header]
+        for key, column in (("data.csv_path_column", path_column), ("data.csv_label_column", label_column)):
+            if column is not None and column not in header:
+                raise DataTreeError(f"CSV list {csv_path}: no column '{column}' ({key}); the header has: "
+                                    f"{', '.join(header)}")
+        at_path = header.index(path_column)
+        at_label = header.index(label_column) if label_column is not None else at_path
+        rows = []
+        for fields in reader:
+            if not any(field.strip() for field in fields):
+                continue  # blank line
+            line = reader.line_num
+            if len(fields) <= max(at_path, at_label):
+                raise DataTreeError(f"CSV list {csv_path} line {line}: {len(fields)} field(s), the header has "
+                                    f"{len(header)}")
+            path = fields[at_path].strip()
+            label = fields[at_label].strip() if label_column is not None else ""
+            if not path or (label_column is not None and not label):
+                empty = path_column if not path else label_column
+                raise DataTreeError(f"CSV list {csv_path} line {line}: empty '{empty}'")
+            rows.append(CsvRow(line, path, label))
+    if not rows:
+        raise DataTreeError(f"CSV list {csv_path} has a header but no rows")
+    return rows
+
+
+def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: list[str], known_as: str
+              ) -> tuple[ImageFolderIndex, list[str]]:
+    """(the index of the rows whose file exists, the resolved paths of those that do not). A label outside
+    `classes` is a DataTreeError naming the row; `known_as` says what the classes are ('training classes')."""
+    position = {name: i for i, name in enumerate(classes)}
+    paths, labels, missing = [], [], []
+    for row in rows:
+        if row.label not in position:
+            shown = ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else "")
+            raise DataTreeError(f"CSV list {csv_path} line {row.line}: label '{row.label}' is not one of the "
+                                f"{known_as} ({shown})")
+        path = row.path if os.path.isabs(row.path) else str(Path(base) / row.path)
+        if not os.path.isfile(path):
+            missing.append(path)
+            continue
+        paths.append(path)
+        labels.append(position[row.label])
+    return ImageFolderIndex(Path(base), list(classes), paths, labels), missing
+
+
+def csv_paths(csv_path: str | Path, path_column: str = "path") -> list[str]:
+    """The image paths a CSV list names (relative ones resolved against the CSV's folder), in row order."""
+    base = Path(csv_path).parent
+    return [row.path if os.path.isabs(row.path) else str(base / row.path)
+            for row in read_csv_rows(csv_path, path_column, None)]

@@ -1,0 +1,325 @@
+"""WebDataset shards (`data.format: webdataset`): tar files of samples `{key}.jpg|jpeg|png|webp` with
+`{key}.cls` (the label as an integer) or `{key}.txt` (the class name), read with the `webdataset` package.
+
+Training streams. Epoch e of rank r: the training shards in a seeded order (seed, e), every world-th one from
+position r (disjoint across ranks); of those, loader worker v reads every W-th from position v (W workers,
+W = 1 without workers), cycling through them as often as it needs, through a shuffle buffer seeded by
+(seed, e, r, v). Batch k of the epoch belongs to worker k mod W, so its samples and their augmentation seeds
+(seed, e, r, v, slot) are a pure function of (seed, epoch, rank, k) for a given world size and worker count:
+a resumed run re-reads, without decoding, the samples of the batches it must skip and continues at the next
+one. Each worker yields exactly its share of the fixed epoch length (`data.train_samples`, or the shards'
+sample count), so steps per epoch, the LR schedule and `drop_last` stay defined. We order and split the
+shards ourselves rather than with `split_by_node` / `split_by_worker` because the resumed worker must also
+be told which batches are its own (see `ShardTrainStream.__iter__`).
+
+A sample that cannot be decoded (or has no image or label) is skipped and counted; its slot takes the next
+readable sample of the stream, decoded with the slot's seed, so the positions of all later samples stay put.
+
+Validation streams: rank r reads every world-th validation shard from r, worker v every W-th of those, each
+sample once, in order: every sample counts exactly once at any world size.
+
+`python -m data.shards --from ROOT_OR_CSV --to OUT --shard-size N` writes a class-folder tree (or a CSV list)
+as shards with `webdataset.ShardWriter`, and the class list beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import random
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import webdataset as wds
+from torch.utils.data import IterableDataset, get_worker_info
+
+from core.errors import DataTreeError, ImageDecodeError
+from data.samplers import mix_seed
+
+log = logging.getLogger("train")
+
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+POSITION_BITS = 32  # a sample's id: shard number << 32 | position in the shard
+MAX_REDRAWS = 20
+
+
+def expand_shards(spec) -> list[str]:
+    """Brace patterns (`train-{000000..000127}.tar`), '::'-joined patterns or a list of them, as webdataset
+    expands them; `pipe:` and http(s) URLs pass through."""
+    specs = [spec] if isinstance(spec, str) else list(spec or [])
+    return [url for item in specs for url in wds.shardlists.expand_urls(item)]
+
+
+def read_shard(url: str) -> Iterator[dict]:
+    """The samples of one shard (dicts of `__key__` and extension -> bytes), by webdataset's tar reader."""
+    return wds.tarfile_samples([{"url": url}])
+
+
+def count_samples(urls: list[str]) -> list[int]:
+    """Samples per shard (reads every shard once)."""
+    return [sum(1 for _ in read_shard(url)) for url in urls]
+
+
+def sample_image_and_label(sample: dict, position: dict) -> tuple[bytes, int]:
+    """The image bytes and label of a sample; ValueError when it has no image or no usable label."""
+    image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+    if image is None:
+        raise ValueError(f"no image ({', '.join(IMAGE_KEYS)}) in sample {sample.get('__key__')}")
+    if "cls" in sample:
+        label = int(bytes(sample["cls"]).decode().strip())
+        if not 0 <= label < len(position):
+            raise ValueError(f"label {label} out of range in sample {sample.get('__key__')}")
+        return image, label
+    if "txt" in sample:
+        name = bytes(sample["txt"]).decode().strip()
+        if name not in position:
+            raise ValueError(f"class '{name}' of sample {sample.get('__key__')} is not in data.classes")
+        return image, position[name]
+    raise ValueError(f"no label (.cls or .txt) in sample {sample.get('__key__')}")
+
+
+class ShardIndex:
+    """What the run knows of a shard set without reading it: classes, shard URLs, the sample count, and names
+    for sample ids (`paths[id]`, so unreadable samples are reported like files)."""
+
+    def __init__(self, classes: list[str], urls: list[str], total: int, counts: Optional[list[int]] = None):
+        self.classes = classes
+        self.urls = urls
+        self.total = total
+        self.counts = counts
+        self.paths = _SampleNames(urls)
+
+    def __len__(self) -> int:
+        return self.total
+
+
+class _SampleNames:
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+
+    def __getitem__(self, sample_id: int) -> str:
+        return f"{self.urls[sample_id >> POSITION_BITS]} (sample {sample_id & ((1 << POSITION_BITS) - 1)})"
+
+
+def worker_slot() -> tuple[int, int]:
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class ShardTrainStream(IterableDataset):
+    """One rank's training stream; also the run's sampler (`set_epoch`, `num_batches`)."""
+
+    def __init__(self, index: ShardIndex, transform, seed: int, batch_size: int, rank: int, world_size: int,
+                 num_workers: int, shuffle_buffer: int, shuffle: bool = True):
+        self.index = index
+        self.transform = transform
+        self.seed = seed
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.workers = max(1, num_workers)
+        self.shuffle_buffer = shuffle_buffer if shuffle else 0
+        self.shuffle = shuffle
+        self.position = {name: i for i, name in enumerate(index.classes)}
+        self.epoch = 0
+        self.start_batch = 0
+        if len(index.urls) < world_size * self.workers:
+            raise DataTreeError(f"data.train_shards: {len(index.urls)} shard(s) for {world_size} process(es) x "
+                                f"{self.workers} loader worker(s); each needs at least one: write smaller shards "
+                                f"(python -m data.shards --shard-size) or lower data.num_workers")
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def num_batches(self) -> int:
+        return (self.index.total // self.world_size) // self.batch_size
+
+    def worker_shards(self, virtual: int) -> list[int]:
+        order = list(range(len(self.index.urls)))
+        if self.shuffle:
+            random.Random(mix_seed(self.seed, self.epoch, 0x5A4D)).shuffle(order)
+        return order[self.rank::self.world_size][virtual::self.workers]
+
+    def raw_samples(self, virtual: int, epoch_share: int) -> Iterator[tuple[int, dict]]:
+        """(sample id, sample) of worker `virtual`'s shards, cycled, through its seeded shuffle buffer (at most
+        the worker's `epoch_share` of samples: a larger one would only re-read its cycled shards)."""
+        shards = self.worker_shards(virtual)
+
+        def cycled():
+            for cycle in range(1 << 62):
+                order = list(shards)
+                if self.shuffle:
+                    random.Random(mix_seed(self.seed, self.epoch, self.rank, virtual, cycle)).shuffle(order)
+                for shard in order:
+                    for n, sample in enumerate(read_shard(self.index.urls[shard])):
+                        yield (shard << POSITION_BITS) | n, sample
+
+        size = min(self.shuffle_buffer, epoch_share)
+        if size < 2:
+            return cycled()
+        rng = random.Random(mix_seed(self.seed, self.epoch, self.rank, virtual, 0xB0F))
+        return wds.filters.shuffle(bufsize=size, initial=size, rng=rng)(cycled())
+
+    def __iter__(self):
+        actual, workers = worker_slot()
+        if workers != self.workers:
+            raise RuntimeError(f"ShardTrainStream built for {self.workers} workers runs in {workers}")
+        # DataLoader takes batches from its workers in turn from worker 0, so after a resume at batch s, loader
+        # worker i plays worker (s + i) mod W, the owner of batch s + i.
+        virtual = (self.start_batch + actual) % self.workers
+        nb = self.num_batches()
+        own = range(virtual, nb, self.workers)
+        skip = sum(1 for k in own if k < self.start_batch) * self.batch_size
+        quota = len(own) * self.batch_size
+        stream = self.raw_samples(virtual, quota)
+        ahead: collections.deque = collections.deque()
+        for slot in range(quota):
+            item = ahead.popleft() if ahead else next(stream)
+            if slot < skip:
+                continue
+            sample_seed = mix_seed(self.seed, self.epoch, self.rank, virtual, slot)
+            yield self.decode_slot(item, stream, ahead, sample_seed)
+
+    def decode_slot(self, item, stream, ahead: collections.deque, seed: int):
+        """(uint8 image, label, id of the unreadable sample it replaced or -1); an unreadable sample is replaced
+        by the next readable one of the stream (looked ahead, so it keeps its own slot too)."""
+        bad, lookahead = -1, 0
+        for _ in range(MAX_REDRAWS):
+            sample_id, sample = item
+            try:
+                image_bytes, label = sample_image_and_label(sample, self.position)
+                with torch.random.fork_rng(devices=[]):
+                    torch.default_generator.manual_seed(seed)
+                    return self.transform(image_bytes, seed), label, bad
+            except (ImageDecodeError, ValueError, OSError):
+                if bad < 0:
+                    bad = sample_id
+                if lookahead >= len(ahead):
+                    ahead.append(next(stream))
+                item = ahead[lookahead]
+                lookahead += 1
+        raise ImageDecodeError(f"{MAX_REDRAWS} samples in a row could not be read, starting with "
+                               f"{self.index.paths[bad]}")
+
+
+class ShardEvalStream(IterableDataset):
+    """One rank's share of the validation shards, each sample once: (uint8 image, label, valid, id)."""
+
+    def __init__(self, index: ShardIndex, transform, img_size: int, rank: int = 0, world_size: int = 1,
+                 limit: Optional[int] = None):
+        self.index = index
+        self.transform = transform
+        self.img_size = img_size
+        self.rank = rank
+        self.world_size = world_size
+        self.limit = limit
+        self.position = {name: i for i, name in enumerate(index.classes)}
+        counts = index.counts or [0] * len(index.urls)
+        self.offsets = [sum(counts[:i]) for i in range(len(counts))]  # global position of each shard's start
+
+    def __iter__(self):
+        worker, workers = worker_slot()
+        for shard in range(len(self.index.urls))[self.rank::self.world_size][worker::workers]:
+            for n, sample in enumerate(read_shard(self.index.urls[shard])):
+                if self.limit is not None and self.offsets[shard] + n >= self.limit:
+                    break
+                yield self.decode(sample, (shard << POSITION_BITS) | n)
+
+    def decode(self, sample: dict, sample_id: int):
+        try:
+            image_bytes, label = sample_image_and_label(sample, self.position)
+            return self.transform(image_bytes), label, True, sample_id
+        except (ImageDecodeError, ValueError, OSError):
+            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), 0, False, sample_id
+
+
+def shard_index(spec, classes: list[str], total: Optional[int], what: str) -> ShardIndex:
+    """The index of a shard set; without `total`, the shards are read once to count their samples."""
+    urls = expand_shards(spec)
+    if not urls:
+        raise DataTreeError(f"{what}: no shards in {spec!r}")
+    counts = None
+    if total is None:
+        try:
+            counts = count_samples(urls)
+        except Exception as err:  # a missing file, a broken tar, a failing pipe: webdataset's own message
+            raise DataTreeError(f"{what}: cannot read the shards {spec!r}: {err}") from err
+        total = sum(counts)
+        log.info("%s: %d samples in %d shard(s), counted by reading them", what, total, len(urls))
+    if total == 0:
+        raise DataTreeError(f"{what}: the shards {spec!r} hold no samples")
+    return ShardIndex(classes, urls, total, counts)
+
+
+# ---------------------------------------------------------------- the writer
+
+
+def write_shards(paths: list[str], labels: list[int], classes: list[str], out: Path, shard_size: int,
+                 seed: int = 0) -> list[str]:
+    """Write (path, label) pairs as shards `out/shard-000000.tar`, ... (`.<ext>` image bytes as they are on
+    disk, `.cls` label), in a seeded order so every shard mixes the classes; and `out/classes.txt`."""
+    out.mkdir(parents=True, exist_ok=True)
+    order = list(range(len(paths)))
+    random.Random(seed).shuffle(order)
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as writer:
+        for n, i in enumerate(order):
+            ext = Path(paths[i]).suffix.lower().lstrip(".")
+            ext = "jpg" if ext == "jpeg" else ext
+            writer.write({"__key__": f"{n:09d}", ext: Path(paths[i]).read_bytes(), "cls": str(labels[i])})
+    (out / "classes.txt").write_text("".join(f"{name}\n" for name in classes))
+    return sorted(str(p) for p in out.glob("shard-*.tar"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.shards", description="Write a class-folder tree or a "
+                                     "CSV list (path,label) as WebDataset shards with webdataset.ShardWriter.")
+    parser.add_argument("--from", dest="source", required=True, help="a class-folder tree, or a CSV list")
+    parser.add_argument("--to", required=True, help="the output folder (shard-000000.tar, ..., classes.txt)")
+    parser.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    parser.add_argument("--root", help="with a CSV: the folder its relative paths resolve against "
+                                       "(default: the CSV's folder)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the order samples are written in")
+    args = parser.parse_args(argv)
+    from core.errors import ConfigError
+    from data.images import IMAGE_EXTENSIONS
+
+    if args.shard_size < 1:
+        raise ConfigError("--shard-size must be >= 1")
+    source = Path(args.source)
+    if source.suffix.lower() == ".csv":
+        from data.csv_list import csv_index, read_csv_rows
+
+        rows = read_csv_rows(source, "path", "label")
+        classes = sorted({row.label for row in rows})
+        index, missing = csv_index(source, Path(args.root) if args.root else source.parent, rows, classes,
+                                   "labels")
+        if missing:
+            log.warning("%d file(s) of %s do not exist, left out", len(missing), source)
+    else:
+        from data.folder import scan_split
+
+        index = scan_split(source)
+    unsupported = sorted({Path(p).suffix for p in index.paths if Path(p).suffix.lower() not in
+                          tuple("." + k for k in IMAGE_KEYS)})
+    if unsupported:
+        raise ConfigError(f"--from {source}: shards hold {', '.join(IMAGE_KEYS)} images; found {unsupported} "
+                          f"(one of {', '.join(IMAGE_EXTENSIONS)})")
+    written = write_shards(index.paths, index.labels, index.classes, Path(args.to), args.shard_size, args.seed)
+    print(f"wrote {len(index)} samples of {len(index.classes)} classes in {len(written)} shard(s) to {args.to} "
+          f"(and {Path(args.to) / 'classes.txt'})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from core.errors import USAGE_ERRORS
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        sys.exit(main())
+    except USAGE_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
