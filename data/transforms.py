@@ -56,7 +56,9 @@ def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpol
     RandAugment's ops per image. The policies draw from torch's default generator."""
     if name is None:
         return None
-    mode = TV_INTERPOLATION[interpolation]
+    # The policies' affine ops (rotate, shear, translate) take nearest or bilinear on tensors, not bicubic
+    # (torchvision's tensor affine): a bicubic run's crops stay bicubic, its policy ops are bilinear.
+    mode = TV_INTERPOLATION["bilinear" if interpolation == "bicubic" else interpolation]
     if name == "randaugment":
         return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, interpolation=mode)
     if name == "trivialaugment":

@@ -61,8 +61,14 @@ def test_each_policy_gives_img_size_uint8_crops_that_are_a_function_of_the_sampl
 
 
 def test_magnitude_ops_and_interpolation_reach_the_torchvision_policies():
-    rand = auto_augment_policy("randaugment", 5, 3, "bicubic")
-    assert (rand.magnitude, rand.num_ops, rand.interpolation) == (5, 3, InterpolationMode.BICUBIC)
+    rand = auto_augment_policy("randaugment", 5, 3, "nearest")
+    assert (rand.magnitude, rand.num_ops, rand.interpolation) == (5, 3, InterpolationMode.NEAREST)
+    # torchvision's tensor affine ops take no bicubic: a bicubic run's policy uses bilinear, and runs
+    bicubic = auto_augment_policy("randaugment", 30, 2, "bicubic")
+    assert bicubic.interpolation == InterpolationMode.BILINEAR
+    torch.manual_seed(0)
+    for _ in range(20):
+        assert bicubic(torch.zeros(3, 16, 16, dtype=torch.uint8)).shape == (3, 16, 16)
     assert auto_augment_policy("augmix", 30, 2, "bilinear").severity == 10   # clipped to AugMix's 1..10
     assert auto_augment_policy("augmix", 0, 2, "bilinear").severity == 1
     assert auto_augment_policy("augmix", 4, 2, "bilinear").severity == 4
