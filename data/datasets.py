@@ -80,8 +80,8 @@ class EvalDataset(Dataset):
 
 
 def failure_reason(dataset, index: int) -> str:
-    """Why training sample `index` of `dataset` could not be read: a file dataset reads it again to say; a
-    shard stream keeps no file to read again."""
+    """Why training sample `index` of `dataset` could not be read and what took its place: a file dataset
+    reads the file again to say; a shard stream keeps no file to read again."""
     if isinstance(dataset, TrainDataset):
-        return dataset.failure_reason(index)
-    return "a broken sample in its shard"
+        return f"{dataset.failure_reason(index)}; replaced by another image of its class"
+    return "a broken sample in its shard; replaced by the next readable sample"

@@ -60,7 +60,7 @@ class RunReporter:
     def _epoch_label(self) -> str:
         return f"epoch {self.epoch + 1}/{self.cfg.train.epochs}"
 
-    def _open_bar(self, total: int, initial: int, desc: str) -> None:
+    def _open_bar(self, total: Optional[int], initial: int, desc: str) -> None:
         mode = self.cfg.output.progress_bar
         on = mode is True or (mode == "auto" and sys.stderr.isatty())
         self.bar = None
@@ -84,9 +84,15 @@ class RunReporter:
         return self.bar.update if self.bar is not None else None
 
     @contextmanager
-    def validation(self, num_batches: int):
-        """Around a validation pass: a line, and a bar on a terminal; yields the per-batch callback."""
-        log.info("%s: validating (%d batches)", self._epoch_label(), num_batches)
+    def validation(self, loader):
+        """Around a validation pass over `loader`: a line, and a bar on a terminal; yields the per-batch
+        callback. A shard stream's loader has no length: the line says so and the bar counts up."""
+        try:
+            num_batches = len(loader)
+        except TypeError:
+            num_batches = None
+        log.info("%s: validating (%s)", self._epoch_label(),
+                 f"{num_batches} batches" if num_batches is not None else "a shard stream")
         self._open_bar(num_batches, 0, f"{self._epoch_label()} validation")
         try:
             yield self.on_batch()

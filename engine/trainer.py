@@ -291,8 +291,7 @@ class Trainer:
         paths, dataset = self.data.train_index.paths, self.data.train_loader.dataset
         new = [i for i in every_rank if paths[i] not in self.state.skipped_files]
         for i in new:
-            log.warning("unreadable training file skipped (%s; replaced by another image of its class, in a shard "
-                        "stream by the next readable sample): %s", failure_reason(dataset, i), paths[i])
+            log.warning("unreadable training file skipped (%s): %s", failure_reason(dataset, i), paths[i])
         self.state.skipped_files.extend(paths[i] for i in new)
         check_bad_fraction(self.state.skipped_files, len(self.data.train_index), "training",
                            self.cfg.data.max_bad_fraction)
@@ -312,7 +311,7 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        with self.reporter.validation(len(self.data.val_loader)) as on_batch:
+        with self.reporter.validation(self.data.val_loader) as on_batch:
             sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
                                         on_batch=on_batch)
         sums.all_reduce()
