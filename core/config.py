@@ -65,6 +65,7 @@ class ModelConfig:
     drop_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
     drop_path_rate: float = field(default=0.0, metadata=_range(0.0, 1.0))
     ema_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    grad_checkpointing: bool = field(default=False, metadata=FREE)
 
 
 @dataclass

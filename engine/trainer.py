@@ -34,7 +34,8 @@ from engine.signals import StopSignal
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
 from models.ema import create_ema
-from models.factory import build_model, check_model_name, load_local_weights, load_matching_weights
+from models.factory import (build_model, check_grad_checkpointing, check_model_name, load_local_weights,
+                            load_matching_weights)
 
 log = logging.getLogger("train")
 
@@ -87,6 +88,7 @@ class Trainer:
         cfg = self.cfg
         check_data_root(cfg)
         check_model_name(cfg.model.name)
+        check_grad_checkpointing(cfg.model)
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
