@@ -81,7 +81,7 @@ def run_benchmark(cfg, args) -> dict:
             prepare_root(cfg)
             train_index, _ = scan_tree(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
-        report = run_finder(cfg, device, amp_dtype, num_classes, train_images)
+        report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
         out["settings"] = settings(cfg, device, amp_dtype, report["batch_size"], True)
         return out

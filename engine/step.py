@@ -16,6 +16,7 @@ from timm.utils import unwrap_model
 
 from engine.device import DeviceInput
 from engine.distributed import all_ranks_true
+from engine.memory import explain_out_of_memory
 from engine.optim import build_optimizer
 from engine.schedule import build_scheduler
 
@@ -59,7 +60,8 @@ class TrainStep:
         """Loss of one micro-batch (detached); its gradient, divided by the window length, is accumulated.
         Under DDP the gradient all-reduce runs only on the window's last micro-batch."""
         no_sync = self.distributed and not sync_gradients
-        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+        with explain_out_of_memory(self.model, self.optimizer, images.shape[0], self.input.device), \
+                self.model.no_sync() if no_sync else contextlib.nullcontext():
             with self.input.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, targets)
