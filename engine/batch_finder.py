@@ -33,6 +33,7 @@ from engine.memory import (MemoryBreakdown, available_memory_bytes, breakdown_fr
 from engine.schedule import ceil_div
 from engine.step import build_train_step
 from engine.timing import synthetic_batch, time_train_steps
+from engine.tuning import throughput_knee
 from core.errors import ModelError
 from models.factory import build_model, check_grad_checkpointing
 
@@ -202,8 +203,7 @@ def run_or_none(step: StepFn, batch: int) -> Optional[StepResult]:
 
 def pick_fastest_small(table: list[dict], tolerance: float = SPEED_TOLERANCE) -> int:
     """The smallest batch whose img/s is within `tolerance` of the best."""
-    best = max(row["img_per_s"] for row in table)
-    return min(row["batch"] for row in table if row["img_per_s"] >= (1.0 - tolerance) * best)
+    return throughput_knee({row["batch"]: row["img_per_s"] for row in table}, tolerance)
 
 
 def accumulation_for(batch: int, target_effective: int, world_size: int) -> tuple[int, int]:
