@@ -123,11 +123,13 @@ class FinderResult:
 
 
 def fit_search(step: StepFn, limit: int, memory_budget: Optional[int] = None,
-               tolerance: float = FIT_TOLERANCE) -> tuple[int, list[dict], Optional[LinearMemoryModel]]:
+               tolerance: float = FIT_TOLERANCE,
+               measured: tuple = ()) -> tuple[int, list[dict], Optional[LinearMemoryModel]]:
     """The largest batch that fits: (batch, probes, the CPU memory model or None).
 
     `memory_budget` None: a batch fits when `step` does not raise out-of-memory (CUDA). Otherwise
-    (bytes): a batch fits when the linear memory model from two measured steps stays within it (CPU).
+    (bytes): a batch fits when the linear memory model from two measured steps (`measured`, the
+    breakdown's, or measured here) stays within it (CPU).
     """
     probes: list[dict] = []
     model = None
@@ -140,10 +142,11 @@ def fit_search(step: StepFn, limit: int, memory_budget: Optional[int] = None,
             probes.append({"batch": batch, "fits": True, "peak_memory_mb": mib(result.peak_bytes)})
             return True
     else:
-        small = max(1, min(limit // 2, MIN_SPEED_BATCH))
-        large = min(limit, 2 * small)
-        step(small)  # warm-up: optimizer state, allocator pools, kernels
-        measured = [(b, step(b).peak_bytes) for b in (small, large)]
+        if not measured:
+            small = max(1, min(limit // 2, MIN_SPEED_BATCH))
+            large = min(limit, 2 * small)
+            step(small)  # warm-up: optimizer state, allocator pools, kernels
+            measured = [(b, step(b).peak_bytes) for b in (small, large)]
         for b, peak in measured:
             probes.append({"batch": b, "fits": peak <= memory_budget, "peak_memory_mb": mib(peak), "measured": True})
         model = LinearMemoryModel(*measured)
@@ -158,10 +161,11 @@ def fit_search(step: StepFn, limit: int, memory_budget: Optional[int] = None,
 
 
 def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
-               tolerance: float = FIT_TOLERANCE, speed_tolerance: float = SPEED_TOLERANCE) -> FinderResult:
+               tolerance: float = FIT_TOLERANCE, speed_tolerance: float = SPEED_TOLERANCE,
+               measured: tuple = ()) -> FinderResult:
     """Search with `step` (a real training step, or an injected one in tests): `fit_search`, then the
     speed of the largest fitting batch and its halvings."""
-    max_batch, probes, model = fit_search(step, limit, memory_budget, tolerance)
+    max_batch, probes, model = fit_search(step, limit, memory_budget, tolerance, measured)
     memory_model = None if model is None else {"fixed_mb": mib(int(model.fixed)),
                                                "per_image_mb": round(model.per_image / 2**20, 3)}
     if max_batch == 0:
@@ -294,7 +298,7 @@ def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_ima
             try:
                 small = max(1, min(per_device_cap // 2, MIN_SPEED_BATCH))
                 breakdown = probe.breakdown(small, min(per_device_cap, 2 * small))
-                result = find_batch(probe, per_device_cap, budget)
+                result = find_batch(probe, per_device_cap, budget, measured=breakdown.measured)
             finally:
                 probe.close()
         else:

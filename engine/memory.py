@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 from dataclasses import dataclass
@@ -21,13 +22,22 @@ def _read_status_kb(field: str) -> Optional[int]:
     return None
 
 
+def release_freed_heap() -> None:
+    """Hand memory that glibc keeps after `free` back to the system (malloc_trim), so that the RSS measures
+    what is live: otherwise a step after a larger one reuses the kept pages and seems to need nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window: CUDA's max-allocated counter, or the process's RSS high-water mark
-    (Linux resets it when 5 is written to /proc/self/clear_refs; elsewhere the lifetime peak is kept)."""
+    (Linux resets it when 5 is written to /proc/self/clear_refs, after the freed heap is released;
+    elsewhere the lifetime peak is kept)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return
+    release_freed_heap()
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -110,6 +120,7 @@ class MemoryBreakdown:
     optimizer_state: int
     other: int                      # held before the step besides parameters and optimizer state
     activations_per_sample: float
+    measured: tuple = ()            # the two (batch, peak bytes) it was fitted to
 
     def total(self, batch: int) -> float:
         return self.static + self.activations_per_sample * batch
@@ -142,7 +153,7 @@ def breakdown_from_steps(parameters: int, gradients: int, optimizer_state: int, 
     (b1, p1), (b2, p2) = small, large
     per_sample = max(0.0, (p2 - p1) / (b2 - b1)) if b2 != b1 else 0.0
     other = max(0, held_before - parameters - optimizer_state)
-    return MemoryBreakdown(parameters, gradients, optimizer_state, other, per_sample)
+    return MemoryBreakdown(parameters, gradients, optimizer_state, other, per_sample, (small, large))
 
 
 FRAGMENTED_SHARE = 0.25   # reserved-but-unallocated above this share of the allocated memory: fragmentation

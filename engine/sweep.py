@@ -80,7 +80,8 @@ def build_run(cfg, ctx: RunContext, peak_lr: float, warmup: int, steps: int):
     torch.manual_seed(cfg.train.seed)
     data = build_run_data(cfg, cfg.train.batch_size, ctx.dist.rank, ctx.dist.world_size,
                           pin_memory_for(cfg.data.pin_memory, ctx.device))
-    model = build_model(cfg.model, len(data.classes)).to(ctx.device, memory_format=memory_format(cfg.train.channels_last))
+    model = build_model(cfg.model, len(data.classes))
+    model = model.to(ctx.device, memory_format=memory_format(cfg.train.channels_last))
     train_model = model
     if ctx.dist.enabled:
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
