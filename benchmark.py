@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Measure throughput; prints one JSON object on stdout.
 
-python benchmark.py --config CONFIG --mode loader|train|infer|find-batch [--synthetic] [--steps N]
+python benchmark.py --config CONFIG --mode loader|train|infer|find-batch|diagnose [--synthetic] [--steps N]
                     [--warmup N] [--baseline torchvision] [--rounds N] [KEY=VALUE ...]
 python benchmark.py --make-photos DIR [--photos N] [--photo-source generated|samples]
                                          # writes a tree of photo JPEGs to benchmark the loader on
+--mode diagnose: the loader alone (at 0, 1, 2, 4, ... workers), the model alone and the real step; says
+whether data loading, compute or the host-to-device copy bounds the run, and the overrides to apply.
 """
 import argparse
 import json
@@ -18,7 +20,7 @@ from core.errors import ConfigError
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML path or a name in configs/ (resnet18, resnet50, quickstart)")
-    parser.add_argument("--mode", choices=["loader", "train", "infer", "find-batch"])
+    parser.add_argument("--mode", choices=["loader", "train", "infer", "find-batch", "diagnose"])
     parser.add_argument("--synthetic", action="store_true",
                         help="train/infer: random batches already on the device (the model alone, no loader)")
     parser.add_argument("--steps", type=int, default=20, help="timed batches (loader: at least, in whole epochs)")
@@ -41,7 +43,7 @@ def main() -> int:
         print(json.dumps({"photos": args.make_photos, "train_images": args.photos, "source": args.photo_source}))
         return 0
     if not args.config or not args.mode:
-        raise ConfigError("benchmark.py needs --config and --mode (loader, train, infer or find-batch)")
+        raise ConfigError("benchmark.py needs --config and --mode (loader, train, infer, find-batch or diagnose)")
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be >= 1")
@@ -74,7 +76,7 @@ def run_benchmark(cfg, args) -> dict:
     amp_dtype = resolve_amp(cfg.train.amp, device)
     enable_cudnn_autotune(device)
     apply_thread_policy(cfg.train.threads, 0 if args.synthetic else cfg.data.num_workers)
-    needs_data = args.mode == "loader" or (args.mode in ("train", "infer") and not args.synthetic)
+    needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:
         check_data_root(cfg)
         prepare_root(cfg)
@@ -86,7 +88,7 @@ def run_benchmark(cfg, args) -> dict:
             prepare_root(cfg)
             train_index, _ = scan_tree(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
-        report = run_finder(cfg, device, amp_dtype, num_classes, train_images)
+        report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
         out["settings"] = settings(cfg, device, amp_dtype, report["batch_size"], True)
         return out
@@ -96,6 +98,12 @@ def run_benchmark(cfg, args) -> dict:
     torch.manual_seed(cfg.train.seed)
     if args.mode == "loader":
         out = bench_loader(cfg, device, batch, args.steps, args.rounds, args.baseline)
+    elif args.mode == "diagnose":
+        from benchmarking.diagnose import diagnose
+
+        out = diagnose(cfg, device, amp_dtype, batch, args.steps, args.warmup)
+        print(f"bottleneck: {out['bottleneck']}: {out['why']} Overrides: {' '.join(out['overrides']) or 'none'}",
+              file=sys.stderr)
     elif args.mode == "train":
         out = bench_train(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
     else:

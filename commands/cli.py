@@ -13,11 +13,40 @@ from core.errors import JOB_FAILURES, USAGE_ERRORS
 from core.host import prefer_passive_omp_wait
 
 OUT_OF_MEMORY_ADVICE = (
-    "The batch does not fit in memory. Options: a smaller per-process batch (train.batch_size=N), with "
-    "train.accum_steps=K to keep the effective batch (batch_size x accum_steps x processes); "
+    "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
+    "on CUDA) halves the activations; 2. a smaller per-process batch (train.batch_size=N) with "
+    "train.accum_steps=K to keep the effective batch (batch_size x accum_steps x processes), or "
     "train.batch_size=auto to find the largest batch that fits and keep the effective batch "
-    "(train.target_effective_batch); mixed precision (train.amp=bf16, or fp16 on CUDA); a smaller "
-    "data.img_size; on the CPU, train.memory_budget_gb bounds what batch_size=auto may use.")
+    "(train.target_effective_batch); 3. activation checkpointing (model.grad_checkpointing=true): ~20-30% "
+    "more compute for much less activation memory; 4. a smaller data.img_size. On the CPU, "
+    "train.memory_budget_gb bounds what batch_size=auto may use; python tune.py shows the memory breakdown.")
+FRAGMENTATION_ADVICE = ("Reserved memory is much larger than allocated (fragmentation): also try "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+
+def out_of_memory_message(err: Exception) -> str:
+    """The error, what fills the memory (the notes the training step added), and the options in the order
+    that helps."""
+    notes = list(getattr(err, "__notes__", None) or [])
+    text = str(err)
+    lines = [f"error: out of memory: {text}", *notes, OUT_OF_MEMORY_ADVICE]
+    if "expandable_segments" not in " ".join(notes) and _reserved_much_larger(text):
+        lines.append(FRAGMENTATION_ADVICE)
+    return "\n".join(lines)
+
+
+def _reserved_much_larger(message: str) -> bool:
+    """From CUDA's message: "X GiB is allocated by PyTorch, and Y MiB is reserved by PyTorch but unallocated"."""
+    import re
+
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    found = re.search(r"([\d.]+) (B|KiB|MiB|GiB) is allocated by PyTorch, and ([\d.]+) (B|KiB|MiB|GiB) is "
+                      r"reserved by PyTorch but unallocated", message)
+    if not found:
+        return False
+    allocated = float(found.group(1)) * units[found.group(2)]
+    unallocated = float(found.group(3)) * units[found.group(4)]
+    return unallocated > 0.25 * allocated
 
 
 def run_main(main: Callable[[], int]) -> None:
@@ -38,7 +67,7 @@ def run_main(main: Callable[[], int]) -> None:
         code = 1
     except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why
         if _is_out_of_memory(err):
-            print(f"error: out of memory: {err}\n{OUT_OF_MEMORY_ADVICE}", file=sys.stderr)
+            print(out_of_memory_message(err), file=sys.stderr)
         else:
             import traceback
 

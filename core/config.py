@@ -92,6 +92,8 @@ class ModelConfig:
     pretrained: bool = False
     freeze: Optional[Literal["backbone"]] = None
     unfreeze_epoch: Optional[int] = field(default=None, metadata=_range(1))
+    # not resume-free: with BatchNorm in training mode the recomputed forward updates the statistics again
+    grad_checkpointing: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ The table (batch, img/s, peak memory) is logged and saved as `batch_finder.json`
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -27,11 +28,14 @@ import torch
 
 from engine.device import DeviceInput, is_out_of_memory, memory_format, precision_name
 from engine.distributed import min_over_ranks
-from engine.memory import available_memory_bytes, current_rss_bytes, mib
+from engine.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_rss_bytes,
+                           gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
 from engine.schedule import ceil_div
 from engine.step import build_train_step
 from engine.timing import synthetic_batch, time_train_steps
-from models.factory import build_model
+from engine.tuning import throughput_knee
+from core.errors import ModelError
+from models.factory import build_model, check_grad_checkpointing
 
 log = logging.getLogger("train")
 
@@ -47,6 +51,7 @@ class StepResult:
 
     seconds: float
     peak_bytes: int
+    held_before_bytes: int = 0
 
 
 StepFn = Callable[[int], StepResult]   # batch size -> measurement; raises torch.OutOfMemoryError if it does not fit
@@ -117,15 +122,17 @@ class FinderResult:
     memory_model: Optional[dict] = None
 
 
-def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
-               tolerance: float = FIT_TOLERANCE, speed_tolerance: float = SPEED_TOLERANCE) -> FinderResult:
-    """Search with `step` (a real training step, or an injected one in tests).
+def fit_search(step: StepFn, limit: int, memory_budget: Optional[int] = None,
+               tolerance: float = FIT_TOLERANCE,
+               measured: tuple = ()) -> tuple[int, list[dict], Optional[LinearMemoryModel]]:
+    """The largest batch that fits: (batch, probes, the CPU memory model or None).
 
     `memory_budget` None: a batch fits when `step` does not raise out-of-memory (CUDA). Otherwise
-    (bytes): a batch fits when the linear memory model from two measured steps stays within it (CPU).
+    (bytes): a batch fits when the linear memory model from two measured steps (`measured`, the
+    breakdown's, or measured here) stays within it (CPU).
     """
     probes: list[dict] = []
-    memory_model = None
+    model = None
     if memory_budget is None:
         def fits(batch: int) -> bool:
             result = run_or_none(step, batch)
@@ -135,21 +142,32 @@ def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
             probes.append({"batch": batch, "fits": True, "peak_memory_mb": mib(result.peak_bytes)})
             return True
     else:
-        small = max(1, min(limit // 2, MIN_SPEED_BATCH))
-        large = min(limit, 2 * small)
-        step(small)  # warm-up: optimizer state, allocator pools, kernels
-        measured = [(b, step(b).peak_bytes) for b in (small, large)]
+        if not measured:
+            small = max(1, min(limit // 2, MIN_SPEED_BATCH))
+            large = min(limit, 2 * small)
+            step(small)  # warm-up: optimizer state, allocator pools, kernels
+            measured = [(b, step(b).peak_bytes) for b in (small, large)]
         for b, peak in measured:
             probes.append({"batch": b, "fits": peak <= memory_budget, "peak_memory_mb": mib(peak), "measured": True})
         model = LinearMemoryModel(*measured)
-        memory_model = {"fixed_mb": mib(int(model.fixed)), "per_image_mb": round(model.per_image / 2**20, 3)}
 
         def fits(batch: int) -> bool:
             return model(batch) <= memory_budget
 
     max_batch, tried = search_max_batch(fits, limit, tolerance=tolerance)
-    if memory_budget is not None:
+    if model is not None:
         probes.extend({"batch": b, "fits": ok, "predicted_memory_mb": mib(int(model(b)))} for b, ok in tried)
+    return max_batch, probes, model
+
+
+def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
+               tolerance: float = FIT_TOLERANCE, speed_tolerance: float = SPEED_TOLERANCE,
+               measured: tuple = ()) -> FinderResult:
+    """Search with `step` (a real training step, or an injected one in tests): `fit_search`, then the
+    speed of the largest fitting batch and its halvings."""
+    max_batch, probes, model = fit_search(step, limit, memory_budget, tolerance, measured)
+    memory_model = None if model is None else {"fixed_mb": mib(int(model.fixed)),
+                                               "per_image_mb": round(model.per_image / 2**20, 3)}
     if max_batch == 0:
         raise MemoryError("out of memory: train.batch_size=auto found that not even a batch of 1 fits" +
                           (f" in train.memory_budget_gb ({memory_budget / 2**30:.2f} GB)" if memory_budget else ""))
@@ -189,8 +207,7 @@ def run_or_none(step: StepFn, batch: int) -> Optional[StepResult]:
 
 def pick_fastest_small(table: list[dict], tolerance: float = SPEED_TOLERANCE) -> int:
     """The smallest batch whose img/s is within `tolerance` of the best."""
-    best = max(row["img_per_s"] for row in table)
-    return min(row["batch"] for row in table if row["img_per_s"] >= (1.0 - tolerance) * best)
+    return throughput_knee({row["batch"]: row["img_per_s"] for row in table}, tolerance)
 
 
 def accumulation_for(batch: int, target_effective: int, world_size: int) -> tuple[int, int]:
@@ -233,9 +250,18 @@ class TrainingStepProbe:
         try:
             data = synthetic_batch(batch, self.cfg.data.img_size, self.num_classes, self.device)
             timing = time_train_steps(self.step, repeat(data), self.steps, self.warmup)
-            return StepResult(timing.step_s, timing.peak_memory_bytes)
+            return StepResult(timing.step_s, timing.peak_memory_bytes, timing.held_before_bytes)
         finally:
             self.step.optimizer.zero_grad(set_to_none=True)
+
+    def breakdown(self, small: int, large: int) -> MemoryBreakdown:
+        """Parameters, gradients and optimizer state of this model, and its activations per sample from
+        real steps at two batch sizes (the first also creates the optimizer state)."""
+        self(small)
+        first, second = self(small), self(large)
+        model, optimizer = self.step.model, self.step.optimizer
+        return breakdown_from_steps(parameter_bytes(model), gradient_bytes(model), optimizer_state_bytes(optimizer),
+                                    first.held_before_bytes, (small, first.peak_bytes), (large, second.peak_bytes))
 
     def close(self) -> None:
         self.step = None
@@ -256,29 +282,60 @@ def target_effective_batch(cfg) -> int:
 
 
 def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_images: int, world_size: int = 1,
-               step: Optional[StepFn] = None) -> dict:
-    """Find the batch for this config on this device; returns the report saved as batch_finder.json."""
+               step: Optional[StepFn] = None, compare_checkpointing: Optional[bool] = None) -> dict:
+    """Find the batch for this config on this device; returns the report saved as batch_finder.json.
+
+    With real steps (no injected `step`) it also holds the memory breakdown, and, when
+    `compare_checkpointing` (default: `model.grad_checkpointing` is on), the largest batch that fits with
+    activation checkpointing switched the other way."""
     target = target_effective_batch(cfg)
     per_device_cap = max(1, min(ceil_div(target, world_size), train_images // max(world_size, 1)))
     budget = memory_budget_bytes(cfg, device)
-    probe = None
-    if step is None:
-        probe = TrainingStepProbe(cfg, num_classes, device, amp_dtype)
-        step = probe
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    breakdown = None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if step is None:
+            probe = TrainingStepProbe(cfg, num_classes, device, amp_dtype)
+            try:
+                small = max(1, min(per_device_cap // 2, MIN_SPEED_BATCH))
+                breakdown = probe.breakdown(small, min(per_device_cap, 2 * small))
+                result = find_batch(probe, per_device_cap, budget, measured=breakdown.measured)
+            finally:
+                probe.close()
+        else:
             result = find_batch(step, per_device_cap, budget)
-    finally:
-        if probe is not None:
-            probe.close()
+        compare = cfg.model.grad_checkpointing if compare_checkpointing is None else compare_checkpointing
+        other_setting = (max_batch_with_checkpointing(cfg, not cfg.model.grad_checkpointing, num_classes, device,
+                                                      amp_dtype, per_device_cap, budget) if compare else None)
     batch, accum = accumulation_for(result.chosen_batch, target, world_size)
+    with_checkpointing = result.max_batch if cfg.model.grad_checkpointing else other_setting
+    without_checkpointing = other_setting if cfg.model.grad_checkpointing else result.max_batch
     return {"device": str(device), "model": cfg.model.name, "img_size": cfg.data.img_size,
             "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "search_limit": per_device_cap,
             "target_effective_batch": target, "world_size": world_size, "max_batch": result.max_batch,
             "fastest_small_batch": result.chosen_batch, "batch_size": batch, "accum_steps": accum,
             "effective_batch": batch * accum * world_size, "memory_budget_mb": result.memory_budget_mb,
-            "memory_model": result.memory_model, "fit_probes": result.fit_probes, "table": result.table}
+            "memory_model": result.memory_model, "fit_probes": result.fit_probes, "table": result.table,
+            "grad_checkpointing": cfg.model.grad_checkpointing,
+            "max_batch_with_grad_checkpointing": with_checkpointing,
+            "max_batch_without_grad_checkpointing": without_checkpointing,
+            "memory_breakdown": breakdown.as_dict(result.max_batch) if breakdown is not None else None}
+
+
+def max_batch_with_checkpointing(cfg, enabled: bool, num_classes: int, device: torch.device, amp_dtype, limit: int,
+                                 budget: Optional[int]) -> Optional[int]:
+    """The largest batch that fits with `model.grad_checkpointing` = `enabled`; None where the model has no
+    activation checkpointing."""
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, grad_checkpointing=enabled))
+    try:
+        check_grad_checkpointing(other.model)
+    except ModelError:
+        return None
+    probe = TrainingStepProbe(other, num_classes, device, amp_dtype)
+    try:
+        return fit_search(probe, limit, budget)[0]
+    finally:
+        probe.close()
 
 
 def format_finder_table(report: dict) -> str:
@@ -286,7 +343,22 @@ def format_finder_table(report: dict) -> str:
     for row in report["table"]:
         mark = "  <- chosen" if row["batch"] == report["fastest_small_batch"] else ""
         lines.append(f"{row['batch']:>7} {row['img_per_s']:>10.1f} {row['peak_memory_mb']:>10.1f}{mark}")
+    memory = report.get("memory_breakdown")
+    if memory:
+        lines.append(format_breakdown(memory))
+    for on in (True, False):
+        fits = report.get(f"max_batch_{'with' if on else 'without'}_grad_checkpointing")
+        if fits is not None:
+            lines.append(f"largest batch {'with' if on else 'without'} model.grad_checkpointing: {fits}")
     return "\n".join(lines)
+
+
+def format_breakdown(memory: dict) -> str:
+    """One line of `MemoryBreakdown.as_dict(batch)`."""
+    return (f"memory at batch {memory['batch']}: parameters {memory['parameters_mb']:.1f} MiB + gradients "
+            f"{memory['gradients_mb']:.1f} + optimizer state {memory['optimizer_state_mb']:.1f} + activations "
+            f"{memory['activations_mb']:.1f} ({memory['activations_per_sample_mb']:.2f} per sample) + other "
+            f"{memory['other_mb']:.1f} = {memory['total_mb']:.1f} MiB")
 
 
 def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist) -> tuple[int, int]:

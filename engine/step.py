@@ -20,6 +20,7 @@ from engine.losses import build_criterion
 from engine.mixing import BatchMixing
 from engine.optim import base_lr, build_optimizer
 from engine.schedule import build_scheduler, observe_epoch, schedule_from_config
+from engine.memory import explain_out_of_memory
 
 
 @dataclass
@@ -69,7 +70,8 @@ class TrainStep:
         """Loss of one micro-batch (detached); its gradient, divided by the window length, is accumulated.
         Under DDP the gradient all-reduce runs only on the window's last micro-batch."""
         no_sync = self.distributed and not sync_gradients
-        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+        with explain_out_of_memory(self.model, self.optimizer, images.shape[0], self.input.device), \
+                self.model.no_sync() if no_sync else contextlib.nullcontext():
             with self.input.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, targets)

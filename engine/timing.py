@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 from engine.loop import no_hooks, train_one_epoch
-from engine.memory import peak_memory_bytes, reset_peak_memory
+from engine.memory import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep
 
@@ -81,6 +81,7 @@ class StepTiming:
     data_wait_s: float
     peak_memory_bytes: int
     cpu_s: float = 0.0
+    held_before_bytes: int = 0    # memory held when the timed steps started (peak minus it: what they added)
 
     @property
     def img_per_s(self) -> float:
@@ -99,6 +100,7 @@ def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int
         train_one_epoch(step, iterator, warmup, EpochCounters(), TrainState(), no_hooks())
     sync(device)
     reset_peak_memory(device)
+    held_before = current_memory_bytes(device)
     timed = TimedIterator(iterator)
     counters = EpochCounters()
     cpu_start = process_tree_cpu_seconds()
@@ -108,4 +110,4 @@ def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int
     sync(device)
     total = time.perf_counter() - start
     return StepTiming(steps, counters.samples, total, timed.wait_s, peak_memory_bytes(device),
-                      process_tree_cpu_seconds() - cpu_start)
+                      process_tree_cpu_seconds() - cpu_start, held_before)

@@ -37,8 +37,8 @@ from engine.signals import StopSignal
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
 from models.ema import create_ema
-from models.factory import (BackboneFreeze, build_model, check_model_name, load_local_weights, load_matching_weights,
-                            load_pretrained_weights, prepare_pretrained)
+from models.factory import (BackboneFreeze, build_model, check_grad_checkpointing, check_model_name, load_local_weights,
+                            load_matching_weights, load_pretrained_weights, prepare_pretrained)
 
 log = logging.getLogger("train")
 
@@ -95,6 +95,7 @@ class Trainer:
         cfg = self.cfg
         check_data_root(cfg)
         check_model_name(cfg.model.name)
+        check_grad_checkpointing(cfg.model)
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)

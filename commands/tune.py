@@ -1,0 +1,93 @@
+"""`tune.py`'s glue: check the arguments, run the batch-size sweep or the LR range test (engine/sweep.py),
+and report: the table on stdout, the verdict, the memory breakdown, JSON and a PNG plot."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from core.errors import ConfigError
+
+log = logging.getLogger("train")
+RUN_DIR_MARKERS = ("config.yaml", "last.pt", "best.pt", "summary.json")
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """"64,128,256" -> [64, 128, 256]: positive integers, each once."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = int(part.strip())
+        except ValueError:
+            size = 0
+        if size < 1 or str(size) != part.strip():
+            raise ConfigError(f"--batch-sizes {text}: '{part.strip()}' is not a positive integer "
+                              f"(comma-separated, e.g. 64,128,256)")
+        sizes.append(size)
+    if len(set(sizes)) != len(sizes):
+        raise ConfigError(f"--batch-sizes {text}: a size is repeated")
+    return sorted(sizes)
+
+
+def parse_lr_range(text: str) -> tuple[float, float]:
+    """"1e-5,10" -> (1e-5, 10.0), with 0 < low < high."""
+    parts = text.split(",")
+    try:
+        low, high = (float(p) for p in parts) if len(parts) == 2 else (math.nan, math.nan)
+    except ValueError:
+        low = high = math.nan
+    if not (math.isfinite(low) and math.isfinite(high)) or low <= 0 or low >= high:
+        raise ConfigError(f"--lr-range {text}: needs LOW,HIGH with 0 < LOW < HIGH (e.g. 1e-5,10)")
+    return low, high
+
+
+def check_output_file(path: Optional[str], option: str, suffix: Optional[str] = None) -> None:
+    """An output file's folder must exist and not be a training run's directory (tune.py changes no run)."""
+    if path is None:
+        return
+    target = Path(path)
+    if suffix and target.suffix.lower() != suffix:
+        raise ConfigError(f"{option} {path}: must end in {suffix}")
+    if not target.parent.is_dir() and str(target.parent) not in ("", "."):
+        raise ConfigError(f"{option} {path}: folder {target.parent} does not exist")
+    if any((target.parent / marker).exists() for marker in RUN_DIR_MARKERS):
+        raise ConfigError(f"{option} {path}: {target.parent} is a run directory; tune.py writes nothing into "
+                          f"runs, choose another folder")
+
+
+def check_arguments(args) -> None:
+    """Every usage error before any work (exit 2)."""
+    if args.steps is not None and args.steps < 2:
+        raise ConfigError("--steps must be >= 2")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ConfigError("--warmup-steps must be >= 0")
+    if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
+        raise ConfigError(f"--target-loss {args.target_loss}: must be a positive number")
+    if args.lr_range is not None and (args.batch_sizes or args.target_loss is not None or args.checkpointing):
+        raise ConfigError("--lr-range runs the LR range test at train.batch_size; it does not take --batch-sizes, "
+                          "--target-loss or --try-checkpointing")
+    check_output_file(args.json, "--json", ".json")
+    check_output_file(args.plot, "--plot", ".png")
+
+
+def main(args) -> int:
+    from core.config import load_config
+
+    check_arguments(args)
+    sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
+    lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
+    cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from commands.tune_run import run_lr_test, run_sweep
+
+    if lr_range is not None:
+        return run_lr_test(cfg, args, lr_range)
+    return run_sweep(cfg, args, sizes)
+
+
+def write_json(doc: dict, path: Optional[str]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")

@@ -1,0 +1,186 @@
+"""Running what `tune.py` asked for, after its arguments were checked: set-up (device, process group, data),
+the sweep or the LR range test from engine/sweep.py, and the report."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+from commands.tune import write_json
+from core.config import check_data_root
+from core.errors import ConfigError
+from data.build import prepare_root, scan_tree
+from engine import distributed as dist_utils
+from engine.batch_finder import format_breakdown, memory_budget_bytes
+from engine.device import enable_cudnn_autotune, precision_name, resolve_amp, select_device
+from engine.memory import mib
+from engine.schedule import scaled_lr
+from engine.sweep import MemoryCheck, RunContext, run_lr_range, sweep_batch_sizes
+from engine.tuning import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
+from models.factory import check_grad_checkpointing, check_model_name
+
+log = logging.getLogger("train")
+DEFAULT_STEPS = 100
+
+
+def prepare(cfg) -> tuple[RunContext, int, int]:
+    """(context, training images, classes); config errors before any work."""
+    check_data_root(cfg)
+    check_model_name(cfg.model.name)
+    check_grad_checkpointing(cfg.model)
+    world = dist_utils.env_world_size()
+    device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
+    amp_dtype = resolve_amp(cfg.train.amp, device)
+    dist = dist_utils.init_distributed(device.type)
+    if dist.is_main:
+        prepare_root(cfg)
+    dist_utils.barrier()
+    enable_cudnn_autotune(device)
+    train_index, _ = scan_tree(cfg)
+    return RunContext(device, amp_dtype, dist), len(train_index), len(train_index.classes)
+
+
+def default_sizes(cfg, images: int, world: int) -> list[int]:
+    base = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 128
+    sizes = [b for b in (base // 2, base, base * 2, base * 4) if b >= world and b // world <= images // world]
+    return sizes or [max(world, min(base, images))]
+
+
+def check_sizes(sizes: list[int], images: int, world: int) -> None:
+    for size in sizes:
+        if size % world:
+            raise ConfigError(f"--batch-sizes: {size} is not a multiple of the {world} processes")
+        if size // world > images // world:
+            raise ConfigError(f"--batch-sizes: {size} is larger than the training split ({images} images"
+                              f"{f' over {world} processes' if world > 1 else ''})")
+
+
+def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
+    ctx, images, classes = prepare(cfg)
+    world = ctx.dist.world_size
+    sizes = sizes or default_sizes(cfg, images, world)
+    check_sizes(sizes, images, world)
+    steps = args.steps or DEFAULT_STEPS
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
+                         small=max(1, min(8, sizes[0] // world // 2)))
+    breakdown = memory.breakdown(cfg.model.grad_checkpointing)
+    say(ctx, f"tune: batch sizes {', '.join(map(str, sizes))}, {steps} optimizer steps each (warmup {warmup}), "
+             f"model {cfg.model.name}, {cfg.data.img_size} px, {precision_name(ctx.amp_dtype)}, {ctx.device}")
+    say(ctx, format_breakdown(breakdown.as_dict(max(sizes) // world)))
+    announce = EstimateOnce(ctx, sizes, steps)
+    results: list[dict] = []
+    interrupted = False
+    try:
+        sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
+                          on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
+    except KeyboardInterrupt:
+        interrupted = True
+    interrupted = interrupted or any(r["interrupted"] for r in results)
+    rows, target, common = sweep_rows(results, args.target_loss)
+    verdict = sweep_verdict(rows)
+    if ctx.dist.is_main:
+        print(format_sweep_table(rows, common, target))
+        print(format_verdict(verdict, target) + (" (interrupted: the sizes so far)" if interrupted else ""))
+        doc = {"config": cfg.model.name, "steps": steps, "warmup_steps": warmup, "target_loss": target,
+               "common_samples": common, "rows": rows, "verdict": verdict, "interrupted": interrupted,
+               "memory_breakdown": breakdown.as_dict(max(sizes) // world),
+               "curves": [curve_document(r) for r in results if r["curve"] is not None]}
+        write_json(doc, args.json)
+        if args.plot:
+            from commands.tune_plot import plot_sweep
+
+            plot_sweep(results, target, args.plot)
+    dist_utils.shutdown()
+    if interrupted:
+        return 130
+    if args.target_loss is not None and verdict["least_time_to_target"] is None:
+        raise ConfigError(f"--target-loss {args.target_loss}: no batch size reached it within {steps} steps "
+                          f"(lowest smoothed losses: {', '.join(str(r['final_loss']) for r in rows)})")
+    return 0
+
+
+def entry_result(entry) -> dict:
+    run = entry.run
+    return {"size": entry.size, "how": entry.how + (" (diverged)" if run and run.diverged else ""),
+            "fits": entry.fits, "curve": run.curve if run else None, "img_per_s": run.img_per_s if run else 0.0,
+            "seconds_per_step": run.seconds_per_step if run else 0.0,
+            "peak_memory_mb": mib(run.peak_memory_bytes) if run else None, "peak_lr": run.peak_lr if run else None,
+            "interrupted": bool(run and run.interrupted)}
+
+
+def curve_document(result: dict) -> dict:
+    c = result["curve"]
+    return {"effective_batch": result["size"], "peak_lr": result["peak_lr"], "steps": c.steps, "samples": c.samples,
+            "seconds": [round(s, 4) for s in c.seconds], "smoothed_loss": [round(v, 6) for v in c.losses]}
+
+
+def format_verdict(verdict: dict, target: Optional[float]) -> str:
+    def name(value):
+        return "-" if value is None else str(value)
+
+    return (f"verdict: least time to loss {target if target is None else format(target, '.4g')}: batch "
+            f"{name(verdict['least_time_to_target'])}; throughput knee: batch {name(verdict['throughput_knee'])}; "
+            f"largest that fits as it is: batch {name(verdict['largest_that_fits'])}")
+
+
+class EstimateOnce:
+    """After the first size's first two logged points: how long the whole sweep will take (per-sample time
+    of the first size, for all sizes' samples: an upper bound, larger batches run faster per sample)."""
+
+    def __init__(self, ctx: RunContext, sizes: list[int], steps: int):
+        self.ctx, self.total_samples, self.done = ctx, sum(sizes) * steps, False
+
+    def __call__(self, size: int, curve) -> None:
+        if self.done or len(curve.steps) < 2:
+            return
+        self.done = True
+        per_sample = (curve.seconds[-1] - curve.seconds[0]) / max(curve.samples[-1] - curve.samples[0], 1)
+        say(self.ctx, f"tune: about {per_sample * self.total_samples:.0f} s in all (at most; from the first steps "
+                      f"at batch {size}); Ctrl-C prints the table so far")
+
+
+def say(ctx: RunContext, text: str) -> None:
+    if ctx.dist.is_main:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
+    if cfg.train.batch_size == "auto":
+        raise ConfigError("--lr-range runs at train.batch_size: give it a number (tune.py's sweep or "
+                          "benchmark.py --mode find-batch pick one)")
+    ctx, images, _ = prepare(cfg)
+    check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size)
+    steps = args.steps or DEFAULT_STEPS
+    low, high = lr_range
+    say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
+             f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
+    result = run_lr_range(cfg, ctx, low, high, steps)
+    found = lr_suggestion(result.lrs, result.smoothed)
+    o = cfg.optim
+    at_base = (found["steepest_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
+               if found["steepest_lr"] is not None else None)
+    doc = {"effective_batch": result.effective_batch, "lrs": result.lrs, "loss": result.losses,
+           "smoothed_loss": result.smoothed, **found, "optim_lr": at_base, "base_batch_size": o.base_batch_size,
+           "lr_scaling": o.lr_scaling}
+    if ctx.dist.is_main:
+        print(format_lr_result(doc))
+        write_json(doc, args.json)
+        if args.plot:
+            from commands.tune_plot import plot_lr_range
+
+            plot_lr_range(doc, args.plot)
+    dist_utils.shutdown()
+    return 0
+
+
+def format_lr_result(doc: dict) -> str:
+    if doc["optim_lr"] is None:
+        return (f"LR range test: too few steps before the loss diverged to suggest an LR (divergence at "
+                f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
+    diverged = (f"; the loss diverges from LR {doc['divergence_lr']:.3g}" if doc["divergence_lr"] is not None
+                else "; no divergence within the range")
+    return (f"LR range test at effective batch {doc['effective_batch']}: steepest descent at LR "
+            f"{doc['steepest_lr']:.3g}{diverged}\n"
+            f"use: optim.lr={doc['optim_lr']:.4g} (at optim.base_batch_size={doc['base_batch_size']}, "
+            f"optim.lr_scaling={doc['lr_scaling']})")

@@ -1,0 +1,166 @@
+"""Pure arithmetic of tuning before a long run (`tune.py`): loss smoothing, the loss after a given number of
+samples, steps and wall time to a target loss, the verdict of a batch-size sweep, and the LR range test's
+suggestions (steepest descent, divergence). No torch: unit-tested on synthetic curves."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+SMOOTHING = 0.9            # EMA weight of the past; debiased like fastai's / Lightning's lr_find
+KNEE_TOLERANCE = 0.05      # the throughput knee: the smallest batch within 5% of the best img/s
+DIVERGENCE_FACTOR = 4.0    # the LR range test stops once the smoothed loss exceeds 4x its minimum
+
+
+def smooth(values: list[float], beta: float = SMOOTHING) -> list[float]:
+    """Exponential moving average with bias correction (the first values are not pulled towards 0)."""
+    out, avg = [], 0.0
+    for i, value in enumerate(values, start=1):
+        avg = beta * avg + (1 - beta) * value
+        out.append(avg / (1 - beta ** i))
+    return out
+
+
+@dataclass
+class Curve:
+    """One batch size's run: after optimizer step `steps[i]`, `samples[i]` samples seen, `seconds[i]` of
+    wall time, the smoothed training loss `losses[i]`."""
+
+    batch: int                      # per-process micro-batch
+    accum_steps: int
+    effective_batch: int
+    steps: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def loss_after_samples(curve: Curve, samples: int) -> Optional[float]:
+    """The smoothed loss after `samples` samples, interpolated linearly between logged points; None when the
+    curve did not get that far."""
+    points = list(zip(curve.samples, curve.losses))
+    if not points or samples > points[-1][0]:
+        return None
+    if samples <= points[0][0]:
+        return points[0][1]
+    for (s0, l0), (s1, l1) in zip(points, points[1:]):
+        if s0 <= samples <= s1:
+            return l0 + (l1 - l0) * (samples - s0) / (s1 - s0) if s1 > s0 else l1
+    return points[-1][1]
+
+
+def default_target(curves: list[Curve]) -> Optional[float]:
+    """The lowest smoothed loss every size reached (the highest of their minima)."""
+    minima = [min(c.losses) for c in curves if c.losses]
+    return max(minima) if minima else None
+
+
+def steps_to_target(curve: Curve, target: float) -> Optional[int]:
+    """The first logged optimizer step whose smoothed loss is at or below `target`; None if never."""
+    for step, loss in zip(curve.steps, curve.losses):
+        if loss <= target:
+            return step
+    return None
+
+
+def time_to_target(steps: Optional[int], seconds_per_step: float) -> Optional[float]:
+    """Estimated wall time to the target: the steps it took, at the measured seconds per optimizer step."""
+    return None if steps is None else steps * seconds_per_step
+
+
+def throughput_knee(rates: dict[int, float], tolerance: float = KNEE_TOLERANCE) -> Optional[int]:
+    """The smallest batch whose img/s is within `tolerance` of the best (larger ones only cost memory)."""
+    if not rates:
+        return None
+    best = max(rates.values())
+    return min(b for b, rate in rates.items() if rate >= (1.0 - tolerance) * best)
+
+
+def sweep_verdict(rows: list[dict]) -> dict:
+    """From the sweep's rows (`effective_batch`, `img_per_s`, `time_to_target_s`, `fits`): the batch with the
+    least time to target, the throughput knee, and the largest that fits as it is (no accumulation)."""
+    reached = [r for r in rows if r.get("time_to_target_s") is not None]
+    fastest = min(reached, key=lambda r: (r["time_to_target_s"], r["effective_batch"]))["effective_batch"] \
+        if reached else None
+    knee = throughput_knee({r["effective_batch"]: r["img_per_s"] for r in rows if r.get("img_per_s")})
+    fitting = [r["effective_batch"] for r in rows if r.get("fits")]
+    return {"least_time_to_target": fastest, "throughput_knee": knee,
+            "largest_that_fits": max(fitting) if fitting else None}
+
+
+def exponential_lrs(low: float, high: float, steps: int) -> list[float]:
+    """`steps` LRs from `low` to `high`, equally spaced in log scale."""
+    if steps == 1:
+        return [low]
+    ratio = high / low
+    return [low * ratio ** (i / (steps - 1)) for i in range(steps)]
+
+
+def divergence_index(losses: list[float], factor: float = DIVERGENCE_FACTOR) -> Optional[int]:
+    """The first point whose smoothed loss exceeds `factor` x the lowest one before it (or is not finite)."""
+    best = math.inf
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss) or (i > 0 and loss > factor * best):
+            return i
+        best = min(best, loss)
+    return None
+
+
+def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
+    """Where the smoothed loss falls fastest against log(LR), before any divergence (Lightning's and
+    fastai's suggestion); None with fewer than 3 usable points."""
+    end = divergence_index(losses)
+    end = len(losses) if end is None else end
+    if end - skip_start < 3:
+        return None
+    slopes = [(losses[i + 1] - losses[i - 1]) / (math.log(lrs[i + 1]) - math.log(lrs[i - 1]))
+              for i in range(skip_start + 1, end - 1)]
+    return skip_start + 1 + min(range(len(slopes)), key=slopes.__getitem__)
+
+
+def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
+    """The LR range test's result: the LR of steepest descent (the one to use) and of divergence."""
+    steep = steepest_descent_index(lrs, losses, skip_start=min(len(lrs) // 10, 10))
+    diverged = divergence_index(losses)
+    return {"steepest_lr": lrs[steep] if steep is not None else None,
+            "divergence_lr": lrs[diverged] if diverged is not None else None,
+            "steepest_index": steep, "divergence_index": diverged}
+
+
+def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict], Optional[float], int]:
+    """The sweep's table. `results`: per size `size`, `how`, `fits`, `curve` (a Curve, or None when nothing
+    fitted), `img_per_s`, `seconds_per_step`, `peak_memory_mb`. Returns (rows, the target used: the given
+    one, else the lowest loss every size reached, the samples at which all losses are compared: what the
+    shortest run saw)."""
+    curves = [r["curve"] for r in results if r["curve"] is not None and r["curve"].losses]
+    target = target if target is not None else default_target(curves)
+    common = min(c.samples[-1] for c in curves) if curves else 0
+    rows = []
+    for r in results:
+        curve = r["curve"]
+        ran = curve is not None and bool(curve.losses)
+        steps = steps_to_target(curve, target) if ran and target is not None else None
+        rows.append({
+            "effective_batch": r["size"], "batch": curve.batch if curve else None,
+            "accum_steps": curve.accum_steps if curve else None, "how": r["how"], "fits": r["fits"],
+            "img_per_s": round(r["img_per_s"], 2) if ran else None,
+            "peak_memory_mb": r["peak_memory_mb"] if ran else None,
+            "loss_at_common_samples": round(loss_after_samples(curve, common), 5) if ran else None,
+            "final_loss": round(curve.losses[-1], 5) if ran else None,
+            "steps_to_target": steps,
+            "time_to_target_s": None if steps is None else round(time_to_target(steps, r["seconds_per_step"]), 3)})
+    return rows, target, common
+
+
+def format_sweep_table(rows: list[dict], common: int, target: Optional[float]) -> str:
+    def cell(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"{'batch':>6} {'micro x accum':>13} {'img/s':>9} {'peak MiB':>9} {f'loss@{common}':>12} "
+             f"{'steps->' + (format(target, '.3g') if target is not None else '?'):>13} {'time->tgt s':>11}  how"]
+    for r in rows:
+        micro = f"{r['batch']} x {r['accum_steps']}" if r["batch"] else "-"
+        lines.append(f"{r['effective_batch']:>6} {micro:>13} {cell(r['img_per_s'], '.1f'):>9} "
+                     f"{cell(r['peak_memory_mb'], '.0f'):>9} {cell(r['loss_at_common_samples'], '.4f'):>12} "
+                     f"{cell(r['steps_to_target'], 'd'):>13} {cell(r['time_to_target_s'], '.1f'):>11}  {r['how']}")
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Tune before a long run.
+
+python tune.py --config CONFIG [KEY=VALUE ...] [--batch-sizes 64,128,256,512] [--steps N] [--target-loss L]
+               [--warmup-steps N] [--try-checkpointing] [--json FILE] [--plot FILE.png]
+    batch-size sweep: N real optimizer steps per size on the real data, the LR scaled by optim.lr_scaling;
+    img/s, peak memory, the loss after the same samples, the time to a target loss, and the verdict
+python tune.py --config CONFIG --lr-range 1e-5,10 [--steps N] [--json FILE] [--plot FILE.png] [KEY=VALUE ...]
+    LR range test at train.batch_size: prints the optim.lr to use (also under torchrun)
+"""
+import argparse
+
+from commands.cli import run_main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Exit status: 0 done, 1 failed, 2 usage or config error, 130 after "
+                                            "Ctrl-C (the table so far is printed). Writes no run directory.")
+    parser.add_argument("--config", required=True, help="a YAML path or a name in configs/")
+    parser.add_argument("--batch-sizes", help="effective batch sizes to compare, comma-separated "
+                                              "(default: train.batch_size halved, as it is, x2, x4)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per batch size, or of the LR range test (100)")
+    parser.add_argument("--warmup-steps", type=int, help="linear warmup in optimizer steps (default: steps/10)")
+    parser.add_argument("--target-loss", type=float,
+                        help="smoothed training loss to reach (default: the lowest every size reached)")
+    parser.add_argument("--try-checkpointing", dest="checkpointing", action="store_true",
+                        help="a size that does not fit is tried with model.grad_checkpointing before accumulation")
+    parser.add_argument("--lr-range", metavar="LOW,HIGH", help="run the LR range test from LOW to HIGH instead")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="draw the curves into this PNG")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    args = parser.parse_intermixed_args()
+
+    from commands.tune import main as tune
+
+    return tune(args)
+
+
+if __name__ == "__main__":
+    run_main(main)
