@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataTreeError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
 from data.folder import ImageFolderIndex, scan_split
@@ -39,6 +39,10 @@ def prepare_root(cfg) -> Path:
 def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
     root = Path(cfg.data.root).expanduser()
     train_index = scan_split(root / cfg.data.train_split)
+    if len(train_index.classes) < 2:
+        raise DataTreeError(f"{train_index.root} holds one class folder ({train_index.classes[0]}): a classifier "
+                            f"needs at least two classes to learn anything (it would reach loss 0 and top-1 100 "
+                            f"by always answering '{train_index.classes[0]}'); add a folder per class")
     val_index = scan_split(root / cfg.data.val_split, classes=train_index.classes)
     return train_index, val_index
 

@@ -31,7 +31,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header
+from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -89,6 +89,7 @@ def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
     first two bytes of a file that is not a JPEG are read here."""
     if decode_jpeg is None:
         return None, None
+    require_regular_file(path)  # ImageDecodeError for a FIFO, which open() would wait on for ever
     try:
         with open(path, "rb") as f:
             if f.read(2) != _JPEG_START:

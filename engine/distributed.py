@@ -84,6 +84,26 @@ def barrier() -> None:
         dist.barrier()
 
 
+def run_on_main(is_main: bool, fn, shared: tuple = (ConfigError,)):
+    """`fn()` on rank 0 only. An error of a `shared` type that it raises is raised on every rank, as the same
+    type (the others would wait for rank 0 at the next collective). Returns its result on rank 0."""
+    result, error = None, None
+    if is_main:
+        try:
+            result = fn()
+        except shared as err:
+            error = err
+    if is_initialized():
+        box = [None if error is None else (type(error), str(error))]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            kind, message = box[0]
+            raise kind(f"rank 0: {message}")
+    if error is not None:
+        raise error
+    return result
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_initialized():
         dist.all_reduce(tensor)

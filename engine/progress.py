@@ -66,11 +66,11 @@ class RunReporter:
             self.bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.3g}",
                                  img_s=f"{values['train/samples_per_s']:.0f}")
         else:
-            grad_norm = values["train/grad_norm"]
-            log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%", step,
+            grad_norm, skipped = values["train/grad_norm"], values.get("train/skipped_steps")
+            log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%%s", step,
                      self.total_steps, values["train/loss"], values["train/lr"],
                      "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"],
-                     100 * values["train/data_wait_frac"])
+                     100 * values["train/data_wait_frac"], f"  ({skipped} skipped)" if skipped else "")
         wait = values["train/data_wait_frac"]
         if wait > DATA_WAIT_WARN_FRAC and not self.wait_warned and step > 2 * self.cfg.output.log_interval:
             self.wait_warned = True
@@ -81,7 +81,7 @@ class RunReporter:
                      improved: bool, lr: float, wait_frac: Optional[float]) -> None:
         """The epoch line, its TensorBoard scalars and its metrics.csv row."""
         cfg, es = self.cfg, self.cfg.early_stop
-        train_loss = counters.loss_sum / max(counters.samples, 1)
+        train_loss = counters.mean_loss()
         log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  top5 %.2f  loss %.4f  mean class acc %.2f  "
                  "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
                  metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"], samples_per_s,

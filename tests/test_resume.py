@@ -180,3 +180,27 @@ def test_a_stop_signal_saves_exits_143_or_130_and_resumes_to_the_same_weights(da
         extra = [] if to_group else ["data.num_workers=0"]
         run_to_end(train_cmd(data_root, run, "--resume", "auto", *extra))
         assert_same_result(run, reference)
+
+
+def test_a_stop_signal_during_a_validation_pass_blocked_in_a_read_saves_and_resumes(data_root, reference, tmp_path):
+    """Every validation read blocks (loader workers stuck on a FIFO): SIGTERM still ends the run at once, with
+    last.pt at the end of epoch 1's training; the resumed run validates that epoch again and ends equal."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    proc = start(train_cmd(data_root, run, "checkpoint.every_steps=0", script=paused(marker, "block_read:1")))
+    try:
+        wait_for(proc, marker.exists, "a blocked validation read")
+        proc.send_signal(signal.SIGTERM)  # the main process only: the workers stay blocked
+        err = proc.communicate(timeout=TIMEOUT)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopping the validation pass" in err and "(step 4); continue with --resume" in err
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (0, STEPS_PER_EPOCH, STEPS_PER_EPOCH)
+    assert not (run / "best.pt").exists() and not (run / "metrics.csv").exists()
+
+    done = run_to_end(train_cmd(data_root, run, "checkpoint.every_steps=0", "--resume", "auto"))
+    assert "resumed at epoch 1, batch 4, optimizer step 4" in done.stderr
+    assert_same_result(run, reference)
