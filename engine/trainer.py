@@ -130,7 +130,9 @@ class Trainer:
         pin = pin_memory_for(cfg.data.pin_memory, self.device)
         self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
-        self.fingerprint = data_fingerprint(self.data.train_index, self.data.val_index)
+        # rank 0 reads the file sizes, the others take its answer (one stat per file on a shared file system)
+        self.fingerprint = dist_utils.run_on_main(
+            self.dist.is_main, lambda: data_fingerprint(self.data.train_index, self.data.val_index), share_result=True)
         if resume_ckpt is not None:
             check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size, self.fingerprint)
 
@@ -320,9 +322,15 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        with contextlib.nullcontext() if self.dist.enabled else self.stop_signal.interruptible():
+        if self.dist.enabled:  # every rank must stop at the same batch: they agree every VAL_STOP_EVERY batches
+            stopping = contextlib.nullcontext()
+            should_stop = dist_utils.agreed_stop_check(lambda: self.stop_signal.received, len(self.data.val_loader),
+                                                       self.device, VAL_STOP_EVERY)
+        else:  # at once, also out of a read that blocks
+            stopping, should_stop = self.stop_signal.interruptible(), None
+        with stopping:
             sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
-                                        should_stop=self._validation_stop_check())
+                                        should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
@@ -336,16 +344,6 @@ class Trainer:
         metrics["skipped_files"] = len(paths)
         self.val_skipped_files = paths
         return metrics
-
-    def _validation_stop_check(self):
-        """Under DDP: ask every VAL_STOP_EVERY batches whether any rank got a stop signal, at batch counts
-        that every rank's shard reaches (the shards differ by up to one sample)."""
-        if not self.dist.enabled:
-            return None
-        batches = -(-dist_utils.min_over_ranks(len(self.data.val_loader.sampler), self.device)
-                    // self.data.val_loader.batch_size)
-        return lambda done: (done < batches and done % VAL_STOP_EVERY == 0
-                             and dist_utils.any_rank(self.stop_signal.received, self.device))
 
     def _end_epoch(self, epoch: int, metrics: dict, counters: EpochCounters, samples_per_s: float,
                    seconds: float) -> None:

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_tree, run_script, tiny_overrides
+from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 from ddp_workers import nonfinite_on_one_rank
 from data.datasets import EvalDataset
 from data.folder import scan_split
@@ -177,11 +176,7 @@ def test_sigterm_stops_all_ranks_at_one_point_and_the_resumed_run_equals_the_uni
     proc = torchrun("--config", "resnet18", *ddp_overrides(data_root, out, **MAIN), popen=True)
     try:
         log_file = out / "train.log"
-        deadline = time.monotonic() + 240
-        while not (log_file.exists() and "step 2/" in log_file.read_text()):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run did not start training"
-            time.sleep(0.1)
+        wait_for(proc, lambda: log_file.exists() and "step 2/" in log_file.read_text(), "step 2")
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -225,11 +220,7 @@ def test_sigterm_during_validation_stops_all_ranks_at_one_validation_batch(data_
     proc = torchrun("--config", "resnet18", *ddp_overrides(data_root, out, **MAIN), popen=True,
                     script=[str(REPO / "tests" / "paused_train.py"), str(marker), "val_signal:1", "--"])
     try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run did not reach validation"
-            time.sleep(0.05)
+        wait_for(proc, marker.exists, "validation")
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:

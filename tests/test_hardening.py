@@ -14,14 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import REPO, HalfWriter, class_image, make_tree, run_script, tiny_overrides
-from commands.cli import run_main
+from conftest import REPO, HalfWriter, class_image, make_tree, run_script, tiny_overrides, wait_for
+from test_faults import SETTINGS, exit_code, make_cfg
 from commands.infer import format_predictions_table
 from core.config import ConfigError, load_config, read_yaml
 from core.safe_load import load_checkpoint
@@ -33,19 +31,6 @@ from engine.checkpointer import resolve_resume
 from engine.run_lock import open_run_dir
 from engine.schedule import plan_run
 from engine.trainer import Trainer, run
-
-SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
-
-
-def make_cfg(data_root: Path, out: Path, **extra):
-    return load_config("base", tiny_overrides(data_root, out, **(SETTINGS | extra)))
-
-
-def exit_code(fn) -> int:
-    with pytest.raises(SystemExit) as info:
-        run_main(fn)
-    return info.value.code
-
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
@@ -180,11 +165,7 @@ def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(data
                              env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert first.poll() is None, first.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the first run did not save"
-            time.sleep(0.05)
+        wait_for(first, marker.exists, "the first run's first save")
         log_before = (out / "train.log").read_text()
         files_before = sorted(p.name for p in out.iterdir())
         cfg = make_cfg(data_root, out)

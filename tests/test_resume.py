@@ -16,13 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_tree, tiny_overrides
+from conftest import REPO, make_tree, tiny_overrides, wait_for
 
 # 36 training images, batch 8: 4 optimizer steps per epoch (the short last batch is dropped), 2 epochs.
 STEPS_PER_EPOCH = 4
@@ -61,19 +60,6 @@ def start(cmd: list) -> subprocess.Popen:
     """The run in its own process group (with its loader workers), as a job under a scheduler is."""
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def wait_for(proc: subprocess.Popen, ready, what: str) -> None:
-    """Poll until `ready()`; the run must still be going (otherwise the kill point was missed)."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
-        if ready():
-            return
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def kill_at_pause(proc: subprocess.Popen, marker: Path) -> None:
