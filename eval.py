@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from commands.cli import run_main
+from commands.cli import check_output_file, run_main
 
 
 def main(argv=None) -> int:
@@ -31,6 +31,7 @@ def main(argv=None) -> int:
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    check_output_file("--json", args.json)
 
     from commands.evaluate import evaluate_checkpoint
     from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json

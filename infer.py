@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from commands.cli import run_main
+from commands.cli import check_output_file, run_main
 from core.errors import ConfigError
 from core.host import usable_cpus
 
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"{flag} {value}: must be >= {low}")
     if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
+    check_output_file("--output", args.output)
 
     from commands.infer import run_inference
 

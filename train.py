@@ -14,6 +14,8 @@ def main() -> int:
                         help=f"a YAML path or a name in configs/ ({', '.join(available_configs())})")
     parser.add_argument("--resume", help="last.pt to continue from, or 'auto' for the run directory's last.pt")
     parser.add_argument("--finetune", help="start a new schedule from this checkpoint's weights")
+    parser.add_argument("--finetune-partial", action="store_true",
+                        help="accept a --finetune checkpoint that matches under half of the model's parameters")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=3")
     args = parser.parse_intermixed_args()  # KEY=VALUE may come before and after --resume / --finetune
 
@@ -23,7 +25,7 @@ def main() -> int:
 
     from engine.trainer import run
 
-    return run(cfg, resume=args.resume, finetune=args.finetune)
+    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
 
 
 if __name__ == "__main__":

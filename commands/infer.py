@@ -51,15 +51,22 @@ def result_rows(paths: list[str], preds: Predictions, classes: list[str]) -> lis
     return rows
 
 
+def table_text(text: str) -> str:
+    """A name as one table cell: quoted with escapes (Python's repr) when it holds a newline, a tab or
+    another unprintable character, so one row stays one line."""
+    return text if text.isprintable() else repr(text)
+
+
 def format_predictions_table(rows: list[dict]) -> str:
-    width = max([len("path")] + [len(r["path"]) for r in rows])
+    paths = [table_text(r["path"]) for r in rows]
+    width = max([len("path")] + [len(p) for p in paths])
     label_width = max([len("label")] + [len(r["label"]) for r in rows if r["label"] is not None])
     lines = [f"{'path':<{width}}  {'label':<{label_width}}  {'prob':>6}"]
-    for r in rows:
+    for path, r in zip(paths, rows):
         if r["error"] is None:
-            lines.append(f"{r['path']:<{width}}  {r['label']:<{label_width}}  {r['prob']:>6.4f}")
+            lines.append(f"{path:<{width}}  {r['label']:<{label_width}}  {r['prob']:>6.4f}")
         else:
-            lines.append(f"{r['path']:<{width}}  {'-':<{label_width}}  {'-':>6}  error: {r['error']}")
+            lines.append(f"{path:<{width}}  {'-':<{label_width}}  {'-':>6}  error: {table_text(r['error'])}")
     return "\n".join(lines)
 
 

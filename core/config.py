@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,15 @@ def _range(lo=None, hi=None, lo_open=False, resume_free=False):
 FREE = _range(resume_free=True)  # a key without a range that may change on --resume
 # torchvision's RandAugment magnitudes are bins 0..30 (num_magnitude_bins=31, as timm's scale)
 RANDAUGMENT_MAX_MAGNITUDE = 30
+# Bounds every key obeys besides its own range: floats are finite; ints without a stated upper end stay below
+# INT_LIMIT (counts, sizes, intervals); seeds below 2^63 (what torch's generators take).
+INT_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**63 - 1
+MAX_IMG_SIZE = 4096
+# A config (or an override value) that expands past this many values, or nests deeper, is refused: YAML
+# anchors and aliases can make a 1 KB file expand to billions of values (an "alias bomb").
+MAX_CONFIG_VALUES = 10_000
+MAX_CONFIG_DEPTH = 32
 
 
 @dataclass
@@ -38,20 +48,20 @@ class DataConfig:
     train_split: str = "train"
     val_split: str = "val"
     builtin: Optional[Literal["digits"]] = None
-    img_size: int = field(default=224, metadata=_range(8))
-    crop_pct: float = field(default=0.875, metadata=_range(0.0, 1.0, lo_open=True))
+    img_size: int = field(default=224, metadata=_range(8, MAX_IMG_SIZE))
+    crop_pct: float = field(default=0.875, metadata=_range(0.1, 1.0))
     interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
     hflip: float = field(default=0.5, metadata=_range(0.0, 1.0))
-    color_jitter: float = field(default=0.0, metadata=_range(0.0))
+    color_jitter: float = field(default=0.0, metadata=_range(0.0, 1.0))
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     sampler: Literal["random", "weighted", "sequential"] = "random"
-    num_workers: int = field(default=2, metadata=_range(0, resume_free=True))
+    num_workers: int = field(default=2, metadata=_range(0, 256, resume_free=True))
     pin_memory: Optional[bool] = field(default=None, metadata=FREE)
     persistent_workers: bool = field(default=True, metadata=FREE)
-    prefetch_factor: int = field(default=4, metadata=_range(1, resume_free=True))
+    prefetch_factor: int = field(default=4, metadata=_range(1, 1024, resume_free=True))
     max_bad_fraction: float = field(default=0.01, metadata=_range(0.0, 1.0, resume_free=True))
     limit_train_batches: Optional[int] = field(default=None, metadata=_range(1))
     limit_val_batches: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
@@ -104,7 +114,7 @@ class TrainConfig:
     amp: Literal["none", "fp16", "bf16", "auto"] = "auto"
     label_smoothing: float = field(default=0.0, metadata=_range(0.0, 1.0))
     clip_grad_norm: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True))
-    seed: int = 0
+    seed: int = field(default=0, metadata=_range(0, SEED_LIMIT))
     channels_last: bool = True
     compile: bool = field(default=False, metadata=FREE)
     device: str = field(default="auto", metadata=FREE)
@@ -126,21 +136,21 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: Literal["sgd", "adamw", "lamb", "lars", "lion", "rmsprop"] = "sgd"
-    lr: float = field(default=0.1, metadata=_range(0.0, lo_open=True))
+    lr: float = field(default=0.1, metadata=_range(0.0, 1e6, lo_open=True))
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     base_batch_size: int = field(default=256, metadata=_range(1))
     momentum: float = field(default=0.9, metadata=_range(0.0, 1.0))
     nesterov: bool = True
-    weight_decay: float = field(default=5e-5, metadata=_range(0.0))
+    weight_decay: float = field(default=5e-5, metadata=_range(0.0, 1.0))
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = field(default=1e-8, metadata=_range(0.0, lo_open=True))
+    eps: float = field(default=1e-8, metadata=_range(0.0, 1.0, lo_open=True))
     layer_decay: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
-    head_lr_scale: float = field(default=1.0, metadata=_range(0.0, lo_open=True))
+    head_lr_scale: float = field(default=1.0, metadata=_range(0.0, 1e6, lo_open=True))
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_epochs: float = field(default=5.0, metadata=_range(0.0))
+    warmup_epochs: float = field(default=5.0, metadata=_range(0.0, 1e6))
     warmup_start_factor: float = field(default=0.0, metadata=_range(0.0, 1.0))
     min_lr: float = field(default=0.0, metadata=_range(0.0))
     name: Literal["cosine", "step", "multistep", "poly", "constant", "plateau"] = "cosine"
@@ -222,13 +232,33 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"cannot read config file {path}: {err}") from err
     try:
         loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
+    except yaml.constructor.ConstructorError as err:
         raise ConfigError(f"config file {path} is not plain YAML (tags and Python objects are refused): {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    check_expanded_size(loaded, f"config file {path}")
     return loaded
+
+
+def check_expanded_size(value: Any, source: str) -> None:
+    """ConfigError when `value` (as YAML loaded it, aliases shared) expands to more than MAX_CONFIG_VALUES
+    values or nests deeper than MAX_CONFIG_DEPTH; a self-referencing alias nests without end."""
+    count, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES or depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source}: refused, it expands to more than {MAX_CONFIG_VALUES} values or nests "
+                              f"deeper than {MAX_CONFIG_DEPTH} levels (YAML anchors and aliases that repeat "
+                              f"each other?); a config has about a hundred keys")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -240,6 +270,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {key}: value '{raw}' is not valid YAML: {err}") from err
+    check_expanded_size(value, f"override {key}")
     return key, value
 
 
@@ -391,17 +422,28 @@ def _try_coerce(value: Any, tp) -> tuple[bool, Any]:
 
 
 def _check_ranges(obj, prefix="") -> None:
+    """Every number finite (NaN passes no `<` test, so it is refused here by name), and within its field's
+    range; ints without a stated upper end below INT_LIMIT."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             _check_ranges(value, f"{key}.")
             continue
-        if not f.metadata or not isinstance(value, (int, float)) or isinstance(value, bool):
+        if isinstance(value, list):
+            if any(isinstance(v, float) and not math.isfinite(v) for v in value):
+                raise ConfigError(f"'{key}' = {value}: every value must be a finite number")
             continue
-        lo, hi, lo_open = f.metadata["min"], f.metadata["max"], f.metadata["lo_open"]
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"'{key}' = {value} is not allowed; it must be a finite number")
+        lo, hi, lo_open = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("lo_open", False)
+        if hi is None and isinstance(value, int):
+            hi = INT_LIMIT
         if lo is not None and (value < lo or (lo_open and value == lo)):
-            raise ConfigError(f"'{key}' = {value} is out of range; it must be {'>' if lo_open else '>='} {lo}")
+            raise ConfigError(f"'{key}' = {value} is out of range; it must be {'>' if lo_open else '>='} {lo}"
+                              + (f" and <= {hi}" if hi is not None else ""))
         if hi is not None and value > hi:
             raise ConfigError(f"'{key}' = {value} is out of range; it must be <= {hi}")
 
@@ -414,11 +456,15 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"'{key}' = {pair} must be two numbers [low, high] with 0 < low <= high")
     if d.scale[1] > 1.0:
         raise ConfigError(f"'data.scale' = {d.scale}: the high end must be <= 1.0 (a fraction of the image area)")
+    if not (0.01 <= d.ratio[0] and d.ratio[1] <= 100):
+        raise ConfigError(f"'data.ratio' = {d.ratio}: aspect ratios must lie within [0.01, 100]")
     for key, triple in (("data.mean", d.mean), ("data.std", d.std)):
         if len(triple) != 3:
             raise ConfigError(f"'{key}' must hold 3 numbers (R, G, B), got {triple}")
-    if any(s <= 0 for s in d.std):
-        raise ConfigError(f"'data.std' = {d.std}: every value must be > 0")
+    if not all(0 <= m <= 1 for m in d.mean):
+        raise ConfigError(f"'data.mean' = {d.mean}: every value must be within [0, 1] (pixels are scaled to [0, 1])")
+    if not all(0.001 <= s <= 1 for s in d.std):
+        raise ConfigError(f"'data.std' = {d.std}: every value must be within [0.001, 1] (pixels are scaled to [0, 1])")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"'optim.betas' = {cfg.optim.betas} must be two numbers in [0, 1)")
     if isinstance(cfg.train.batch_size, int) and cfg.train.batch_size < 1:

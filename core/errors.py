@@ -1,8 +1,8 @@
 """The project's error types, and which exit status each one means.
 
 Usage errors (exit 2, found before any work): ConfigError, DataTreeError, ModelError, CheckpointError.
-Job failures (exit 1): BadDataError, NonFiniteError, DistributedSetupError, ExportError, ImageDecodeError escaping
-a split.
+Job failures (exit 1): BadDataError, NonFiniteError, DiskFullError, DistributedSetupError, ExportError,
+ImageDecodeError escaping a split.
 """
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ class BadDataError(Exception):
 
 class NonFiniteError(Exception):
     """Training produced a non-finite loss or gradient; the run stops keeping the last good checkpoint."""
+
+
+class DiskFullError(Exception):
+    """A checkpoint could not be written for lack of space (exit 1); the previous file is whole."""
 
 
 class DistributedSetupError(Exception):

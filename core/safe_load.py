@@ -18,6 +18,9 @@ from core.errors import CheckpointError
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file (pass {path / 'last.pt'} "
+                              f"or {path / 'best.pt'}; to continue a run, --resume auto with output.dir={path})")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

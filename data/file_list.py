@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.csv_list import csv_paths
-from data.folder import DataTreeError, list_images
+from data.folder import DataTreeError, list_images, report_skipped
 from data.images import IMAGE_EXTENSIONS, ImageDecodeError
 from data.loaders import seed_worker
 
@@ -28,11 +28,12 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     A path that does not exist, or a glob that matches nothing, is a DataTreeError (exit 2)."""
     found: list[str] = []
     missing: list[str] = []
+    skipped: list[str] = []
     for item in inputs:
         if item.lower().endswith(".csv") and os.path.isfile(item):  # a CSV list: the files of its path column
             found.extend(csv_paths(item))
         elif os.path.isdir(item):
-            found.extend(list_images(Path(item)))
+            found.extend(list_images(Path(item), skipped))
         elif os.path.exists(item):
             found.append(item)
         elif _GLOB_CHARS & set(item):
@@ -40,11 +41,12 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             if not matches:
                 missing.append(item)
             for match in matches:
-                found.extend(list_images(Path(match)) if os.path.isdir(match) else [match])
+                found.extend(list_images(Path(match), skipped) if os.path.isdir(match) else [match])
         else:
             missing.append(item)
     if missing:
         raise DataTreeError(f"no such file or folder (or the pattern matches nothing): {', '.join(missing)}")
+    report_skipped("inputs", skipped)
     unique = list(dict.fromkeys(found))
     if not unique:
         raise DataTreeError(f"no image files found in {', '.join(inputs)} (looked for "
@@ -74,7 +76,7 @@ class FileListDataset(Dataset):
 def describe_failure(path: str, err: Exception) -> str:
     """Why a file could not be read, without repeating its path."""
     try:
-        if os.path.getsize(path) == 0:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
             return "empty file"
     except OSError:
         pass
@@ -102,7 +104,9 @@ class PaddedCollate:
 def build_inference_loader(dataset: FileListDataset, batch_size: int, num_workers: int, pin_memory: bool,
                            prefetch_factor: int = 4) -> DataLoader:
     """In order, no shuffling; workers decode while the model runs (none for a single batch, where
-    there is nothing to overlap, and never more than there are batches)."""
+    there is nothing to overlap, and never more than there are batches). The batch is at most the number
+    of inputs: one image is not padded to a batch of 4096 (every batch still has one shape)."""
+    batch_size = max(1, min(batch_size, len(dataset)))
     batches = -(-len(dataset) // batch_size)
     workers = min(num_workers, batches) if batches > 1 else 0
     options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if workers else {}

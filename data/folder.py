@@ -1,12 +1,16 @@
 """Class-folder trees: `<root>/<split>/<class>/.../<image>`.
 
 Hidden entries (names starting with '.') are skipped; files without an image extension are ignored;
-classes are the sorted sub-folder names.
+classes are the sorted sub-folder names. Symbolic links are followed, but each real folder is read once
+and never one outside the class folder (a loop or a link to another class would repeat or relabel
+images); only regular files are images (a FIFO named .jpg would block its reader). What is left out for
+those reasons is listed in the log.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import logging
@@ -23,6 +27,7 @@ class ImageFolderIndex:
     classes: list[str]
     paths: list[str]
     labels: list[int]
+    skipped: list[str] = field(default_factory=list)  # "path (reason)" of links and special files left out
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -34,14 +39,74 @@ class ImageFolderIndex:
         return counts
 
 
-def list_images(folder: Path) -> list[str]:
-    """Image files under `folder`, recursively, hidden entries skipped, in a stable order."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
-                     if not f.startswith(".") and is_image_file(f))
+def _special_file_kind(path: str) -> str:
+    """Why an image-named entry that is not a regular file is left out."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a broken link"
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def list_images(folder: Path, skipped: list[str] | None = None) -> list[str]:
+    """Image files under `folder`, recursively, hidden entries skipped, in a stable order (that of
+    `os.walk(folder, followlinks=True)` with sorted names).
+
+    Links are followed, but a real folder (device, inode) is read once, and a link to a folder outside
+    `folder`'s real path is not followed; image-named entries that are not regular files (FIFOs, sockets,
+    devices, broken links) are left out. Each entry left out is appended to `skipped` as "path (reason)"."""
+    skipped = [] if skipped is None else skipped
+    top = os.path.realpath(folder)
+    seen: set[tuple[int, int]] = set()
+    found: list[str] = []
+    stack = [str(folder)]
+    while stack:
+        dirpath = stack.pop()
+        try:
+            info = os.stat(dirpath)
+            if (info.st_dev, info.st_ino) in seen:
+                skipped.append(f"{dirpath} (a link to a folder already read)")
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            with os.scandir(dirpath) as listing:
+                entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
+        except OSError as err:
+            skipped.append(f"{dirpath} (cannot be read: {err.strerror or type(err).__name__})")
+            continue
+        subdirs = []
+        for entry in entries:
+            path = os.path.join(dirpath, entry.name)
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                if entry.is_symlink() and not _inside(os.path.realpath(path), top):
+                    skipped.append(f"{path} (a link to a folder outside {folder})")
+                else:
+                    subdirs.append(path)
+            elif is_image_file(entry.name):
+                if entry.is_file():
+                    found.append(path)
+                else:
+                    skipped.append(f"{path} ({_special_file_kind(path)})")
+        stack.extend(reversed(subdirs))
     return found
+
+
+def report_skipped(where, skipped: list[str]) -> None:
+    """One warning naming what a scan left out (the first 10 entries)."""
+    if skipped:
+        log.warning("%s: %d entr%s left out: %s%s", where, len(skipped), "y" if len(skipped) == 1 else "ies",
+                    "; ".join(skipped[:10]), "; ..." if len(skipped) > 10 else "")
 
 
 def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolderIndex:
@@ -53,16 +118,17 @@ def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolder
         raise DataTreeError(f"{split_dir} holds no class folders (expected one sub-folder per class)")
     if classes is not None and found != classes:
         raise DataTreeError(class_difference(split_dir, found, classes, "the training classes", "training"))
-    paths, labels, empty = [], [], []
+    paths, labels, empty, skipped = [], [], [], []
     for label, name in enumerate(found):
-        images = list_images(split_dir / name)
+        images = list_images(split_dir / name, skipped)
         if not images:
             empty.append(name)
         paths.extend(images)
         labels.extend([label] * len(images))
+    report_skipped(split_dir, skipped)
     if empty:
         raise DataTreeError(f"{split_dir}: class folder(s) with no image files: {', '.join(empty)}")
-    return ImageFolderIndex(split_dir, found, paths, labels)
+    return ImageFolderIndex(split_dir, found, paths, labels, skipped)
 
 
 def class_difference(where, found: list[str], wanted: list[str], wanted_name: str, wanted_short: str) -> str:
@@ -86,4 +152,5 @@ def match_classes(index: ImageFolderIndex, classes: list[str], wanted_name: str 
     position = {name: i for i, name in enumerate(classes)}
     remap = [position[name] for name in index.classes]
     log.info("class folders are in another order than %s; labels remapped by name", wanted_name)
-    return ImageFolderIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels])
+    return ImageFolderIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels],
+                            list(index.skipped))

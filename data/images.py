@@ -7,6 +7,8 @@ the caller only needs a smaller image.
 """
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,8 +27,21 @@ def is_image_file(path: str | Path) -> bool:
     return str(path).lower().endswith(IMAGE_EXTENSIONS)
 
 
+def require_regular_file(path: str | Path) -> None:
+    """ImageDecodeError unless `path` is a regular file (or a link to one): opening a FIFO blocks until a
+    writer comes, and a device or socket is no image either."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "a special file"
+        raise ImageDecodeError(f"{path}: not a regular file ({kind})")
+
+
 def open_image(path: str | Path) -> Image.Image:
     """Open lazily (header only). Raises ImageDecodeError for anything unreadable."""
+    require_regular_file(path)
     try:
         return Image.open(path)
     except Exception as err:  # UnidentifiedImageError, OSError, DecompressionBomb*, ...

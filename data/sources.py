@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from core.errors import DataTreeError
 from data.csv_list import CsvRow, csv_index, read_class_list, read_csv_rows
 from data.folder import ImageFolderIndex, match_classes, scan_split
 from data.health import check_bad_fraction
@@ -120,7 +121,13 @@ def scan_webdataset(d) -> DataSources:
 def scan_sources(cfg) -> DataSources:
     d = cfg.data
     scan = {"csv": scan_csv, "webdataset": scan_webdataset}.get(d.format, scan_folder)
-    return scan(d)
+    sources = scan(d)
+    classes = sources.train_index.classes
+    if len(classes) < 2:
+        raise DataTreeError(f"the training data holds one class ({classes[0]}): a classifier needs at "
+                            f"least two classes to learn anything (it would reach loss 0 and top-1 100 by always "
+                            f"answering '{classes[0]}'); add a folder (or label) per class")
+    return sources
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header
+from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -149,6 +149,7 @@ def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
 
 
 def _read_jpeg_file(path) -> tuple[bytearray | None, int]:
+    require_regular_file(path)  # ImageDecodeError for a FIFO, which open() would wait on for ever
     try:
         with open(path, "rb") as f:
             if f.read(2) != _JPEG_START:

@@ -289,6 +289,11 @@ def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_ima
     `compare_checkpointing` (default: `model.grad_checkpointing` is on), the largest batch that fits with
     activation checkpointing switched the other way."""
     target = target_effective_batch(cfg)
+    if target > train_images:
+        # An epoch holds each image once: a larger effective batch would only exist on paper.
+        log.warning("the target effective batch %d (train.target_effective_batch, or optim.base_batch_size) is "
+                    "more than the %d training images; aiming at %d", target, train_images, train_images)
+        target = train_images
     per_device_cap = max(1, min(ceil_div(target, world_size), train_images // max(world_size, 1)))
     budget = memory_budget_bytes(cfg, device)
     breakdown = None

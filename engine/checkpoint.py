@@ -1,16 +1,23 @@
 """Crash-safe checkpoint files, plain-data RNG state and bare state_dicts (the file level; what goes into
 last.pt and best.pt is `engine.checkpointer`'s).
 
-Writes go to a temp file in the same folder, are flushed and fsynced, then `os.replace`d over the
-target and the folder is fsynced, so a crash at any byte leaves the previous file whole. Loading is
-`core.safe_load.load_checkpoint` (`weights_only=True` with no fallback).
+Writes go to a temp file in the same folder (named after its host and process, so that a later save
+removes only the temp files of writers that are gone), are flushed and fsynced, then `os.replace`d over
+the target and the folder is fsynced, so a crash at any byte leaves the previous file whole. A full disk
+is a DiskFullError saying how much was needed. Loading is `core.safe_load.load_checkpoint`
+(`weights_only=True` with no fallback).
 """
 from __future__ import annotations
 
+import errno
+import glob
 import os
 import random
+import re
+import secrets
+import shutil
 import signal
-import tempfile
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +25,7 @@ import numpy as np
 import torch
 from timm.utils import unwrap_model
 
+from core.errors import DiskFullError
 
 
 @contextmanager
@@ -49,33 +57,95 @@ def save_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> No
 
     keep_previous: first make the current file also available as `<stem>.prev<suffix>` (a hard link,
     or a copy where links are not supported), so a later damaged write still leaves a good state.
+    The file gets the permissions of any new file (0666 less the umask). A full disk raises DiskFullError
+    saying how much the file needed; the old file is left as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with signals_deferred():
-        # Temp files of an earlier save that was killed (SIGKILL, power loss); one writer per path.
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
+        remove_stale_temp_files(path)
         if keep_previous and path.exists():
             _keep_previous(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = path.with_name(f".{path.name}.{_OWNER}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(obj, f)  # straight to the file: no in-memory copy of the whole checkpoint first
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if _disk_full(err):
+                free = shutil.disk_usage(path.parent).free
+                raise DiskFullError(f"no space left on device in {path.parent} (needed ~{_mib(tensor_bytes(obj))} MB "
+                                    f"for {path.name}, {_mib(free)} MB free); {path.name} keeps its previous "
+                                    f"state. Free some space (or move output.dir) and continue with --resume "
+                                    f"auto") from err
             raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+# Temp files are named .<target>.<host>.<pid>.<random>.tmp, so a save removes only those whose writer is gone.
+_OWNER = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+def remove_stale_temp_files(path: Path) -> None:
+    """Remove temp files of `path` left by a save that was killed (SIGKILL, power loss): those whose writer is
+    this process (which has no save in flight here) or a process of this host that no longer exists. Files of
+    a live process, of another host, or named otherwise are left alone."""
+    prefix = f".{path.name}."
+    for stale in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        parts = stale.name[len(prefix):-len(".tmp")].rsplit(".", 2)
+        if len(parts) != 3 or parts[0] != _OWNER or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or not _process_exists(pid):
+            stale.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a full disk (or an exhausted quota) is behind `err`; torch.save reports one as a RuntimeError
+    ("unexpected pos") whose context is the OSError."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a nested dict / list (about a checkpoint's size on disk)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _mib(n: int) -> int:
+    return max(1, round(n / 2**20))
 
 
 def _keep_previous(path: Path) -> None:
@@ -86,8 +156,6 @@ def _keep_previous(path: Path) -> None:
             staging.unlink()
         os.link(path, staging)
     except OSError:
-        import shutil
-
         shutil.copyfile(path, staging)
     os.replace(staging, previous)
 

@@ -4,9 +4,9 @@ eval.py / infer.py (the model, its classes, its config and its eval preprocessin
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
-`train_state`, `world_size`, and with EMA `model_ema`. Both record `data_source` (the data format, a
-`data.val_fraction` split's file lists, CSV lists' digests). best.pt: the evaluated weights (the EMA when
-on) under `model`, with the same metadata and no training state.
+`train_state`, `world_size`, `data_fingerprint` (`data.fingerprint`), and with EMA `model_ema`. Both record
+`data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists' digests). best.pt: the
+evaluated weights (the EMA when on) under `model`, with the same metadata and no training state.
 """
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ from typing import Optional
 import torch
 
 from core.config import Config, apply_overrides, config_differences, config_from_dict, eval_size, validate
-from core.errors import CheckpointError, ConfigError, NonFiniteError
+from core.errors import CheckpointError, ConfigError, DiskFullError, NonFiniteError
 from data.build import eval_transform
+from data.fingerprint import fingerprint_differences
 from data.transforms import EvalTransform
 from core.safe_load import load_checkpoint
 from engine.checkpoint import bare_state_dict, rng_state, save_atomic, set_rng_state
 from engine.device import memory_format
-from engine.state import TrainState
-from models.factory import build_model
+from engine.distributed import run_on_main
+from engine.state import EpochCounters, TrainState
+from models.factory import build_model, load_matching_weights
 
 log = logging.getLogger("train")
 
@@ -64,7 +66,7 @@ class Checkpointer:
     """Writes last.pt (with last.prev.pt) and best.pt of a run; only rank 0 writes."""
 
     def __init__(self, run_dir: Path, is_main: bool, cfg: Config, classes: list[str], world_size: int,
-                 parts: TrainingParts, data_source: Optional[dict] = None):
+                 parts: TrainingParts, data_source: Optional[dict] = None, fingerprint: Optional[dict] = None):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.cfg = cfg
@@ -72,6 +74,8 @@ class Checkpointer:
         self.world_size = world_size
         self.parts = parts
         self.data_source = data_source
+        self.fingerprint = fingerprint  # data.fingerprint.data_fingerprint of the run's splits
+        self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -87,6 +91,8 @@ class Checkpointer:
         ckpt.update({"batch_in_epoch": state.batch_in_epoch, "optimizer": p.optimizer.state_dict(),
                      "scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict(), "rng": rng_state(),
                      "train_state": dataclasses.asdict(state), "world_size": self.world_size})
+        if self.fingerprint is not None:
+            ckpt["data_fingerprint"] = self.fingerprint
         if p.ema is not None:
             # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
             ckpt["model_ema"] = bare_state_dict(p.ema.module)
@@ -96,15 +102,17 @@ class Checkpointer:
         return self._common(self.parts.eval_model, state, metrics)
 
     def save_last(self, state: TrainState) -> None:
-        """Call on every rank at the same point: all agree on refusing non-finite weights."""
+        """Call on every rank at the same point: all agree on refusing non-finite weights, and all stop when
+        rank 0 finds the disk full."""
         self.refuse_nonfinite("last.pt", state.step)
-        if self.is_main:
-            save_atomic(self.last_contents(state), self.run_dir / "last.pt", keep_previous=True)
+        run_on_main(self.is_main, lambda: save_atomic(self.last_contents(state), self.run_dir / "last.pt",
+                                                      keep_previous=True), shared=(DiskFullError,))
+        self.saved_state = TrainState(**dataclasses.asdict(state))
 
     def save_best(self, state: TrainState, metrics: dict) -> None:
         self.refuse_nonfinite("best.pt", state.step)
-        if self.is_main:
-            save_atomic(self.best_contents(state, metrics), self.run_dir / "best.pt")
+        run_on_main(self.is_main, lambda: save_atomic(self.best_contents(state, metrics), self.run_dir / "best.pt"),
+                    shared=(DiskFullError,))
 
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
@@ -114,16 +122,26 @@ class Checkpointer:
                                  f"written and keeps the last good state (lower optim.lr or set train.clip_grad_norm)")
 
     def restore(self, ckpt: dict) -> TrainState:
-        """Load last.pt's weights, optimizer, scheduler, scaler and RNG into the run; returns its state."""
+        """Load last.pt's weights, optimizer, scheduler, scaler and RNG into the run; returns its state.
+        A part that does not load (a damaged or foreign file that `check_resume_compatible` let through)
+        is a CheckpointError (exit 2) naming it."""
         p = self.parts
-        p.model.load_state_dict(ckpt["model"])
-        if p.ema is not None:
-            p.ema.module.load_state_dict(ckpt["model_ema"])
-        p.optimizer.load_state_dict(ckpt["optimizer"])
-        p.scheduler.load_state_dict(ckpt["scheduler"])
-        p.scaler.load_state_dict(ckpt["scaler"])
-        set_rng_state(ckpt["rng"])
+        parts = [("model", lambda: p.model.load_state_dict(ckpt["model"])),
+                 ("model_ema", lambda: p.ema is None or p.ema.module.load_state_dict(ckpt["model_ema"])),
+                 ("optimizer", lambda: p.optimizer.load_state_dict(ckpt["optimizer"])),
+                 ("scheduler", lambda: p.scheduler.load_state_dict(ckpt["scheduler"])),
+                 ("scaler", lambda: p.scaler.load_state_dict(ckpt["scaler"])),
+                 ("rng", lambda: set_rng_state(ckpt["rng"]))]
+        for name, load in parts:
+            try:
+                load()
+            except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+                raise CheckpointError(f"--resume: the checkpoint's '{name}' does not load into this run "
+                                      f"({type(err).__name__}: {reason}); the file is damaged or was not "
+                                      f"written by this train.py") from err
         state = TrainState(**ckpt["train_state"])
+        self.saved_state = TrainState(**dataclasses.asdict(state))
         log.info("resumed at epoch %d, batch %d, optimizer step %d", state.epoch + 1, state.batch_in_epoch, state.step)
         return state
 
@@ -155,20 +173,65 @@ def data_source_differences(saved: Optional[dict], current: Optional[dict]) -> l
     return diffs
 
 
+# what a last.pt must hold, with the type of each part
+TRAINING_STATE_TYPES = {"model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "rng": dict,
+                        "train_state": dict, "epoch": int, "step": int, "batch_in_epoch": int}
+
+
+def training_state_problems(ckpt: dict, ema: bool) -> list[str]:
+    """What is missing or malformed in a last.pt's training state (an empty list for a sound one)."""
+    problems = [f"'{key}' is missing" if key not in ckpt else f"'{key}' is not a {kind.__name__}"
+                for key, kind in TRAINING_STATE_TYPES.items()
+                if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool)]
+    if ema and not isinstance(ckpt.get("model_ema"), dict):
+        problems.append("'model_ema' is missing (the run has model.ema_decay set)")
+    for key in ("model", "model_ema"):
+        if isinstance(ckpt.get(key), dict) and not all(isinstance(v, torch.Tensor) for v in ckpt[key].values()):
+            problems.append(f"'{key}' holds values that are not tensors")
+    rng = ckpt.get("rng")
+    if isinstance(rng, dict):
+        missing = [k for k in ("python", "numpy", "torch") if k not in rng]
+        if missing:
+            problems.append(f"'rng' lacks {', '.join(missing)}")
+    train_state = ckpt.get("train_state")
+    if isinstance(train_state, dict):
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        unknown = sorted(set(map(str, train_state)) - known)
+        if unknown:
+            problems.append(f"'train_state' has unknown keys {unknown}")
+        progress = train_state.get("progress") or {}
+        counters = {f.name for f in dataclasses.fields(EpochCounters)} | {"bad_indices"}
+        if not isinstance(progress, dict) or set(map(str, progress)) - counters:
+            problems.append("'train_state.progress' is not a saved epoch's counters")
+    return problems
+
+
 def check_resume_compatible(ckpt: dict, cfg: Config, classes: list[str], world_size: int,
-                            data_source: Optional[dict] = None) -> None:
+                            data_source: Optional[dict] = None, fingerprint: Optional[dict] = None) -> None:
     """ConfigError (exit 2) listing what differs when `ckpt` is not a state this run can continue: the
-    config keys the math depends on (those not marked resume-free), the classes, the process count."""
+    config keys the math depends on (those not marked resume-free), the classes, the process count, the
+    files of each split (`fingerprint`, against the one last.pt recorded). CheckpointError (exit 2) when its
+    training state is incomplete or malformed."""
     saved = ckpt.get("config")
     if not isinstance(saved, dict) or "optimizer" not in ckpt:
         raise ConfigError("--resume: this checkpoint holds no training state (is it a best.pt? use last.pt, "
                           "or --finetune to start a new schedule from its weights)")
+    problems = training_state_problems(ckpt, ema=cfg.model.ema_decay is not None)
+    if problems:
+        raise CheckpointError("--resume: the checkpoint is damaged or was not written by this train.py: "
+                              + "; ".join(problems))
     diffs = config_differences(saved, cfg.to_dict())
     if ckpt.get("classes") != classes:
         diffs.append(f"classes: {ckpt.get('classes')} -> {classes}")
     if ckpt.get("world_size", 1) != world_size:
         diffs.append(f"world size: {ckpt.get('world_size', 1)} -> {world_size}")
     diffs += data_source_differences(ckpt.get("data_source"), data_source)
+    if fingerprint is not None:
+        if isinstance(ckpt.get("data_fingerprint"), dict):
+            diffs.extend(fingerprint_differences(ckpt["data_fingerprint"], fingerprint))
+        else:
+            log.info("--resume: the checkpoint records no data fingerprint (an older train.py); the files "
+                     "of the splits are not compared")
     if diffs:
         raise ConfigError("--resume: the run would not continue the same training; these differ from the "
                           "checkpoint:\n  " + "\n  ".join(diffs) +
@@ -191,10 +254,16 @@ def resolve_resume(resume: str, run_dir: Path) -> Optional[dict]:
             continue
         try:
             ckpt = load_checkpoint(path)
-            log.info("--resume auto: resuming from %s", path)
-            return ckpt
         except CheckpointError as err:
             log.warning("--resume auto: %s; trying the previous state", err)
+            continue
+        if path.name == "last.pt":
+            log.info("--resume auto: resuming from %s", path)
+        else:
+            log.warning("--resume auto: last.pt in %s is %s; resuming from %s (epoch %s, step %s), the state "
+                        "saved before it", run_dir, "damaged" if candidates[0].exists() else "missing", path,
+                        ckpt.get("epoch"), ckpt.get("step"))
+        return ckpt
     raise ConfigError(f"--resume auto: no loadable checkpoint in {run_dir} (last.pt and last.prev.pt are damaged)")
 
 
@@ -240,6 +309,34 @@ def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main
         os.truncate(run_dir / "train.log", 0)
     log.warning("output.overwrite=true: deleted the previous run's %s%s from %s and emptied its train.log",
                 ", ".join(removed), f" and {len(events)} TensorBoard event file(s)" if events else "", run_dir)
+
+
+# Below this share of the model's parameters, a --finetune source is most likely another architecture.
+FINETUNE_MIN_SHARE = 0.5
+
+
+def apply_finetune(model: torch.nn.Module, ckpt: dict, source: str, allow_partial: bool = False) -> float:
+    """Load the checkpoint's tensors that match `model` by name and shape; returns the share of the model's
+    parameters (by count) they cover. Under FINETUNE_MIN_SHARE a ConfigError (exit 2) unless `allow_partial`;
+    under all of them a warning naming the share and what starts from random."""
+    weights = ckpt.get("model") if isinstance(ckpt.get("model"), dict) else {}
+    loaded, skipped = load_matching_weights(model, weights)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    share = sum(params[name].numel() for name in loaded if name in params) / max(total, 1)
+    source_model = ((ckpt.get("config") or {}).get("model") or {}).get("name", "unknown")
+    if share < FINETUNE_MIN_SHARE and not allow_partial:
+        raise ConfigError(f"--finetune {source}: only {share:.1%} of the model's parameters ({len(loaded)} tensors) "
+                          f"match the checkpoint's by name and shape (it was trained as model.name={source_model}); "
+                          f"the rest would start from random. Use a checkpoint of this architecture, or pass "
+                          f"--finetune-partial to train from it anyway")
+    if share < 1.0:
+        log.warning("--finetune: %.1f%% of the model's parameters loaded from %s (%d tensors, model.name=%s); "
+                    "starting from random: %s", 100 * share, source, len(loaded), source_model,
+                    ", ".join(skipped[:20]) + (", ..." if len(skipped) > 20 else ""))
+    else:
+        log.info("--finetune: all %d tensors loaded from %s", len(loaded), source)
+    return share
 
 
 # ---------------------------------------------------------------- reading back for eval.py and infer.py

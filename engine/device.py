@@ -116,7 +116,10 @@ def enable_cudnn_autotune(device: torch.device) -> None:
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    """CUDA's OutOfMemoryError, the CPU allocator's "can't allocate memory" RuntimeError, a MemoryError."""
+    text = str(err).lower()
+    return (isinstance(err, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)
 
 
 @dataclass

@@ -84,6 +84,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def run_on_main(is_main: bool, fn, shared: tuple = (ConfigError,), share_result: bool = False):
+    """`fn()` on rank 0 only. An error of a `shared` type that it raises is raised on every rank, as the same
+    type (the others would wait for rank 0 at the next collective). Returns its result on rank 0, and on
+    every rank with `share_result` (it must pickle)."""
+    result, error = None, None
+    if is_main:
+        try:
+            result = fn()
+        except shared as err:
+            error = err
+    if is_initialized():
+        box = [None if error is None else (type(error), str(error)), result if share_result else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            kind, message = box[0]
+            raise kind(f"rank 0: {message}")
+        if share_result:
+            result = box[1]
+    if error is not None:
+        raise error
+    return result
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_initialized():
         dist.all_reduce(tensor)
@@ -106,6 +129,14 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def agreed_stop_check(received, batches: int, device: torch.device, every: int):
+    """`should_stop(batches done)` for a pass whose ranks run different numbers of batches (`batches` here):
+    every `every` batches, at counts every rank reaches, all ranks learn whether any got a stop signal
+    (`received()`), so that all stop at the same batch."""
+    reached_by_all = min_over_ranks(batches, device)
+    return lambda done: done < reached_by_all and done % every == 0 and any_rank(received(), device)
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:

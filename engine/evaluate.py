@@ -11,35 +11,42 @@ from typing import Callable, Optional
 
 import torch
 
+from core.errors import StopRequested
 from engine.device import DeviceInput
 from engine.metrics import MetricSums
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
-             tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None) -> tuple[MetricSums, list[int]]:
+             tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None,
+             should_stop: Optional[Callable[[int], bool]] = None) -> tuple[MetricSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
     of files that could not be read (excluded, never substituted). A limit on the samples evaluated
     belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`). `on_batch` runs after each
-    batch (a progress bar)."""
+    batch (a progress bar); `should_stop(batches done)`, asked before each batch, ends the pass with
+    StopRequested."""
     was_training = model.training
     model.eval()
     sums = MetricSums(num_classes, device_input.device)
     unreadable: list[int] = []
-    for images, targets, valid, indices in loader:
-        if not bool(valid.all()):
-            unreadable.extend(int(j) for j in indices[~valid])
-        images = device_input.prepare(images)
-        with device_input.autocast():
-            logits = model(images).float()
-            if tta_flip:
-                # log of the mean of the two probabilities, in log space so it never underflows to -inf
-                flipped = model(images.flip(3)).float()
-                logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
-        sums.update(logits, device_input.labels(targets), valid.to(device_input.device, non_blocking=True))
-        if on_batch is not None:
-            on_batch()
-    model.train(was_training)
+    try:
+        for done, (images, targets, valid, indices) in enumerate(loader):
+            if should_stop is not None and should_stop(done):
+                raise StopRequested()
+            if not bool(valid.all()):
+                unreadable.extend(int(j) for j in indices[~valid])
+            images = device_input.prepare(images)
+            with device_input.autocast():
+                logits = model(images).float()
+                if tta_flip:
+                    # log of the mean of the two probabilities, in log space so it never underflows to -inf
+                    flipped = model(images.flip(3)).float()
+                    logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
+            sums.update(logits, device_input.labels(targets), valid.to(device_input.device, non_blocking=True))
+            if on_batch is not None:
+                on_batch()
+    finally:
+        model.train(was_training)
     return sums, unreadable
 
 

@@ -42,18 +42,27 @@ def no_hooks() -> StepHooks:
 
 
 class EpochSums:
-    """Device-side running sums of an epoch: the loss over samples, and the first non-finite step."""
+    """Device-side running sums of an epoch: the loss over samples, the samples whose loss was non-finite,
+    and the first non-finite step."""
 
     def __init__(self, device: torch.device):
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.first_nonfinite = torch.full((), -1, dtype=torch.int64, device=device)
 
     def add_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
         """Add a micro-batch's mean loss; returns whether it was finite (a device bool). A skipped step's
-        NaN must not poison the epoch's mean loss, so non-finite losses add 0."""
+        NaN must not poison the epoch's mean loss, so a non-finite loss adds 0 and its samples are counted
+        apart (the mean is over the others)."""
         finite = torch.isfinite(loss)
         self.loss += torch.where(finite, loss.double(), 0.0) * batch
+        self.nonfinite += (~finite).long() * batch
         return finite
+
+    def read(self) -> tuple[float, int]:
+        """(loss sum, non-finite samples) on the host: one sync."""
+        loss, nonfinite = torch.stack([self.loss, self.nonfinite.double()]).tolist()
+        return loss, int(nonfinite)
 
     def note_window(self, window_ok: torch.Tensor, step: int) -> None:
         self.first_nonfinite = torch.where(~window_ok & (self.first_nonfinite < 0), step, self.first_nonfinite)
@@ -69,27 +78,32 @@ class EpochSums:
 class IntervalMeter:
     """Samples, data wait and loss since the last log line (the `MetricLogger.log_every` idea)."""
 
-    def __init__(self, loss_total: torch.Tensor):
-        self.restart(loss_total)
+    def __init__(self, sums: EpochSums):
+        self.restart(sums)
 
-    def restart(self, loss_total: torch.Tensor, now: Optional[float] = None) -> None:
+    def restart(self, sums: EpochSums, now: Optional[float] = None) -> None:
         self.samples = 0
+        self.skipped_steps = 0
         self.data_time = 0.0
         self.start = time.perf_counter() if now is None else now
-        self.loss_at_start = loss_total.clone()
+        self.at_start = torch.stack([sums.loss, sums.nonfinite.double()])
 
-    def read(self, loss_total: torch.Tensor, update: WindowUpdate) -> dict:
-        """The values of a log line (one host sync), then a new interval starts."""
+    def read(self, sums: EpochSums, update: WindowUpdate) -> dict:
+        """The values of a log line (one host sync), then a new interval starts. The loss is over the samples
+        whose loss was finite: NaN when every step of the interval was skipped."""
         now = time.perf_counter()
         elapsed = max(now - self.start, 1e-9)
+        loss, nonfinite = (torch.stack([sums.loss, sums.nonfinite.double()]) - self.at_start).tolist()
+        finite = self.samples - int(nonfinite)
         values = {
-            "train/loss": (loss_total - self.loss_at_start).item() / max(self.samples, 1),
+            "train/loss": loss / finite if finite > 0 else float("nan"),
+            "train/skipped_steps": self.skipped_steps,
             "train/lr": update.lr_used,
             "train/grad_norm": float(update.grad_norm) if update.grad_norm is not None else None,
             "train/samples_per_s": self.samples / elapsed,
             "train/data_wait_frac": self.data_time / elapsed,
         }
-        self.restart(loss_total, now)
+        self.restart(sums, now)
         return values
 
 
@@ -100,11 +114,11 @@ def is_update_batch(batch_index: int, num_batches: int, accum_steps: int) -> boo
 
 def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCounters, state,
                     hooks: StepHooks) -> None:
-    """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps and
-    `state.epoch` is the epoch (0-based) being trained."""
+    """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps (applied
+    or skipped), `state.skipped_steps` the skipped ones, and `state.epoch` is the epoch (0-based) being trained."""
     step.model.train()
     sums = EpochSums(step.input.device)
-    meter = IntervalMeter(sums.loss)
+    meter = IntervalMeter(sums)
     window_ok = torch.ones((), dtype=torch.bool, device=step.input.device)
     batch_index = counters.batches_done
     data_start = time.perf_counter()
@@ -136,22 +150,30 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
             update = step.finish_window(window_ok, number, want_norm=log_now)
             if step.watches_nonfinite:
                 sums.note_window(update.window_ok, number)
-            counters.count_update(update.skipped, number, step.max_nonfinite_in_row)
             window_ok = torch.ones((), dtype=torch.bool, device=step.input.device)
+            # The step is done (applied or skipped) before the skip policy may stop the run, so the summary
+            # counts it: "last at step k" is then steps_completed k.
             state.step = number
             counters.batches_done = batch_index
+            if update.skipped:
+                state.skipped_steps += 1
+                meter.skipped_steps += 1
 
             if log_now:
                 sums.raise_if_nonfinite()
-                hooks.log_step(state.step, meter.read(sums.loss, update))
+                hooks.log_step(state.step, meter.read(sums, update))
+            counters.count_update(update.skipped, number, step.max_nonfinite_in_row)
             stop = hooks.stop_requested(state.step)
             if stop or hooks.checkpoint_due(state.step):
                 sums.raise_if_nonfinite()
-                hooks.save(counters.snapshot(extra_loss=sums.loss.item()))
+                loss, nonfinite = sums.read()
+                hooks.save(counters.snapshot(extra_loss=loss, extra_nonfinite=nonfinite))
                 if stop:
                     raise StopRequested()
         data_start = time.perf_counter()
 
     sums.raise_if_nonfinite()
-    counters.loss_sum += sums.loss.item()
+    loss, nonfinite = sums.read()
+    counters.loss_sum += loss
+    counters.nonfinite_samples += nonfinite
     counters.batches_done = batch_index

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import usable_cpus
 from core.config import OPTIMIZER_OPTIONS
@@ -87,10 +88,7 @@ class RunReporter:
     def validation(self, loader):
         """Around a validation pass over `loader`: a line, and a bar on a terminal; yields the per-batch
         callback. A shard stream's loader has no length: the line says so and the bar counts up."""
-        try:
-            num_batches = len(loader)
-        except TypeError:
-            num_batches = None
+        num_batches = loader_length(loader)
         log.info("%s: validating (%s)", self._epoch_label(),
                  f"{num_batches} batches" if num_batches is not None else "a shard stream")
         self._open_bar(num_batches, 0, f"{self._epoch_label()} validation")
@@ -106,10 +104,11 @@ class RunReporter:
         wait = values["train/data_wait_frac"]
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {values['train/loss']:.4f}, data wait {100 * wait:.0f}%")
-        grad_norm = values["train/grad_norm"]
-        log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%", step,
+        grad_norm, skipped = values["train/grad_norm"], values.get("train/skipped_steps")
+        log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%%s", step,
                  self.total_steps, values["train/loss"], values["train/lr"],
-                 "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"], 100 * wait)
+                 "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"], 100 * wait,
+                 f"  ({skipped} skipped)" if skipped else "")
         self.step_lines += 1
         # the first two intervals include the loader's start-up
         if wait > DATA_WAIT_WARN_FRAC and not self.wait_warned and self.step_lines > 2:
@@ -122,7 +121,7 @@ class RunReporter:
         """The epoch line, its TensorBoard scalars and its metrics.csv row (validation columns empty in an
         epoch without validation)."""
         cfg, es = self.cfg, self.cfg.early_stop
-        train_loss = counters.loss_sum / max(counters.samples, 1)
+        train_loss = counters.mean_loss()
         if metrics is None:
             log.info("epoch %d/%d  train loss %.4f  %.0f img/s  (no validation: train.val_interval=%d)", epoch + 1,
                      cfg.train.epochs, train_loss, samples_per_s, cfg.train.val_interval)

@@ -3,6 +3,7 @@ multistep, poly, constant or plateau decay, stepped per optimizer step (plateau 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -11,6 +12,8 @@ import torch
 
 from core.errors import ConfigError
 from engine.metrics import is_improvement
+
+log = logging.getLogger("train")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -198,6 +201,12 @@ def plan_run(cfg, batch_size: int, batches_in_split: int, world_size: int) -> Ru
     ConfigError (exit 2) when `schedule.min_lr` lies above the scaled peak LR."""
     batches = min(batches_in_split, cfg.data.limit_train_batches or batches_in_split)
     accum = cfg.train.accum_steps
+    if accum > batches:
+        # A window longer than the epoch would end at the epoch's last batch anyway: say what happens.
+        log.warning("train.accum_steps=%d is more than the %d batches of an epoch; accumulating %d instead "
+                    "(one optimizer step per epoch, effective batch %d)", accum, batches, batches,
+                    effective_batch(batch_size, batches, world_size))
+        accum = batches
     effective = effective_batch(batch_size, accum, world_size)
     peak = scaled_lr(cfg.optim.lr, effective, cfg.optim.base_batch_size, cfg.optim.lr_scaling)
     if cfg.schedule.min_lr > peak:

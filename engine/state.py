@@ -21,6 +21,7 @@ class EpochCounters:
     batches_done: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    nonfinite_samples: int = 0  # samples of micro-batches whose loss was non-finite (left out of loss_sum)
     data_time: float = 0.0  # seconds this process waited for the loader
     skipped_steps: int = 0
     nonfinite_in_row: int = 0
@@ -32,7 +33,8 @@ class EpochCounters:
             self.unreadable.update(int(i) for i in replaced[replaced >= 0])
 
     def count_update(self, skipped: bool, step: int, max_in_row: int) -> None:
-        """After optimizer step `step`: a skipped update is counted and logged; too many in a row stop the run."""
+        """After optimizer step `step` (already in the run's state, skipped or not): a skipped update is counted
+        and logged; too many in a row stop the run."""
         if not skipped:
             self.nonfinite_in_row = 0
             return
@@ -43,12 +45,18 @@ class EpochCounters:
             raise NonFiniteError(f"{self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
                                  f"gradients (last at step {step}); stopping (train.max_nonfinite_in_row)")
 
-    def snapshot(self, extra_loss: float = 0.0) -> dict:
-        """Plain data for last.pt, with `extra_loss` (the device-side sum not yet added) included."""
+    def snapshot(self, extra_loss: float = 0.0, extra_nonfinite: int = 0) -> dict:
+        """Plain data for last.pt, with the device-side sums not yet added (`extra_*`) included."""
         out = dataclasses.asdict(self)
         out["loss_sum"] = self.loss_sum + extra_loss
+        out["nonfinite_samples"] = self.nonfinite_samples + extra_nonfinite
         out["unreadable"] = sorted(self.unreadable)
         return out
+
+    def mean_loss(self) -> float:
+        """The epoch's training loss over the samples whose loss was finite (NaN when none was)."""
+        finite = self.samples - self.nonfinite_samples
+        return self.loss_sum / finite if finite > 0 else float("nan")
 
     @classmethod
     def restore(cls, saved: dict) -> "EpochCounters":
@@ -71,7 +79,7 @@ class TrainState:
     bad_epochs: int = 0
     stopped_early: bool = False
     skipped_files: list = field(default_factory=list)
-    skipped_steps: int = 0
+    skipped_steps: int = 0       # optimizer steps skipped (non-finite), counted as they happen
     train_samples: int = 0
     train_time_s: float = 0.0
     progress: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}

@@ -1,12 +1,15 @@
 """The training run: set up from the config in named phases, then epochs of train / validate / checkpoint.
 
-Set-up phases, in order: runtime (device, precision, processes, run directory, the checkpoint to resume
-or fine-tune from), data (batch size, splits, loaders), model (weights, SyncBN, EMA), wrapping (DDP,
-compile), optimisation (run plan, `TrainStep`), start or restore (checkpointer, run log). Every
-attribute is declared in `__init__`.
+Set-up phases, in order: runtime (device, precision, processes, the run directory and its lock, the
+checkpoint to resume or fine-tune from), data (batch size, splits, loaders, their fingerprint), model
+(weights, SyncBN, EMA), wrapping (DDP, compile), optimisation (run plan, `TrainStep`), start or restore
+(checkpointer, run log). Every attribute is declared in `__init__`; `close` ends the loader workers and
+lets the run directory go, on every exit path.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import time
 from pathlib import Path
@@ -15,13 +18,15 @@ from typing import Optional
 import torch
 
 from core.config import Config, check_data_root, dump_yaml
-from core.errors import BadDataError, ImageDecodeError, NonFiniteError, StopRequested
+from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data, prepare_root
 from data.datasets import failure_reason
+from data.fingerprint import data_fingerprint
 from data.health import check_bad_fraction
+from data.loaders import loader_length, original_message, shutdown_workers
 from data.split import write_split_lists
 from engine import distributed as dist_utils
-from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir,
+from engine.checkpointer import (Checkpointer, TrainingParts, apply_finetune, check_resume_compatible, claim_run_dir,
                                  load_finetune_source, resolve_resume)
 from engine.batch_finder import resolve_batch_size
 from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, memory_format, pin_memory_for,
@@ -31,6 +36,7 @@ from engine.loop import StepHooks, train_one_epoch
 from engine.metrics import is_improvement
 from engine.optim import base_lr, describe_groups
 from engine.progress import RunReporter
+from engine.run_lock import RunDirLock, open_run_dir
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import RunPlan, plan_run, validation_due
 from engine.signals import StopSignal
@@ -38,19 +44,25 @@ from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
 from models.ema import create_ema
 from models.factory import (BackboneFreeze, build_model, check_grad_checkpointing, check_model_name, load_local_weights,
-                            load_matching_weights, load_pretrained_weights, prepare_pretrained)
+                            load_pretrained_weights, prepare_pretrained)
 
 log = logging.getLogger("train")
 
 BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
+VAL_STOP_EVERY = 10  # under DDP, validation batches between the ranks' agreements on a stop signal
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None):
+    def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
+                 finetune_partial: bool = False):
+        if resume and finetune:
+            raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
+                              f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
         self.cfg = cfg
         self.started = time.perf_counter()
         self.resume = resume
         self.finetune = finetune
+        self.finetune_partial = finetune_partial
         self.stop_signal = StopSignal()
         self.state = TrainState()
         # runtime
@@ -59,9 +71,11 @@ class Trainer:
         self.threads: tuple[int, str] = (0, "")  # intra-op threads and where the number came from
         self.dist = dist_utils.DistInfo()
         self.run_dir = Path(cfg.output.dir)
+        self.run_lock: Optional[RunDirLock] = None  # rank 0's lock on the run directory, held for the run
         # data
         self.data: Optional[RunData] = None
         self.classes: list[str] = []
+        self.fingerprint: Optional[dict] = None  # of the splits' files, recorded in last.pt, checked on resume
         # model: the bare model is trained and saved in last.pt; eval_model (the EMA when on) is validated
         # and saved in best.pt; train_model is what runs forward (DDP- and compile-wrapped where set)
         self.model: Optional[torch.nn.Module] = None
@@ -102,8 +116,7 @@ class Trainer:
         self.threads = apply_thread_policy(cfg.train.threads, cfg.data.num_workers)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
         self.dist = dist_utils.init_distributed(self.device.type)
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = dist_utils.run_on_main(self.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
         setup_logging(self.run_dir, self.dist.is_main)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
@@ -132,9 +145,12 @@ class Trainer:
         pin = pin_memory_for(cfg.data.pin_memory, self.device)
         self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
         self.classes = self.data.classes
+        # rank 0 reads the file sizes, the others take its answer (one stat per file on a shared file system)
+        self.fingerprint = dist_utils.run_on_main(
+            self.dist.is_main, lambda: data_fingerprint(self.data.train_index, self.data.val_index), share_result=True)
         if resume_ckpt is not None:
             check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size,
-                                    self.data.sources.identity)
+                                    self.data.sources.identity, self.fingerprint)
 
     def _setup_model(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
         cfg = self.cfg
@@ -145,9 +161,7 @@ class Trainer:
             load_pretrained_weights(model, self.pretrained, cfg.model.name, self.classes)
             self.pretrained = None
         if finetune_ckpt is not None:
-            loaded, skipped = load_matching_weights(model, finetune_ckpt.get("model", {}))
-            log.info("--finetune: %d tensors loaded from %s; not loaded: %s", len(loaded), self.finetune,
-                     ", ".join(skipped) or "none")
+            apply_finetune(model, finetune_ckpt, self.finetune, self.finetune_partial)
         if cfg.model.sync_bn and self.dist.enabled:
             model, converted = dist_utils.convert_sync_bn(model)
             log.info("model.sync_bn: %d BatchNorm layers converted to SyncBatchNorm", converted)
@@ -176,7 +190,7 @@ class Trainer:
                                      self.plan.peak_lr, self.plan.warmup_steps, self.plan.total_steps,
                                      train_model=self.train_model, ema=self.ema, distributed=self.dist.enabled,
                                      num_classes=len(self.classes), steps_per_epoch=self.plan.steps_per_epoch,
-                                     rank=self.dist.rank)
+                                     rank=self.dist.rank, accum_steps=self.plan.accum_steps)
         if cfg.optim.layer_decay is not None or cfg.optim.head_lr_scale != 1.0:
             log.info("optim: %s (layer_decay %s, head_lr_scale %g)", describe_groups(self.step.optimizer),
                      cfg.optim.layer_decay, cfg.optim.head_lr_scale)
@@ -187,7 +201,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         parts = TrainingParts(self.model, self.eval_model, step.optimizer, step.scheduler, step.scaler, self.ema)
         self.checkpointer = Checkpointer(self.run_dir, self.dist.is_main, cfg, self.classes, self.dist.world_size,
-                                         parts, self.data.sources.identity)
+                                         parts, self.data.sources.identity, self.fingerprint)
         if resume_ckpt is not None:
             self.state = self.checkpointer.restore(resume_ckpt)
         self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
@@ -217,12 +231,36 @@ class Trainer:
             return self.stop_signal.exit_status()
         except (BadDataError, ImageDecodeError, NonFiniteError) as err:
             # Too many unreadable files, or non-finite numbers: one clear message (listing the files), exit 1.
-            log.error("%s", err)
+            log.error("%s", original_message(err))
             self.write_summary()
+            return 1
+        except (DiskFullError, OSError) as err:
+            if isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.error("%s", err if isinstance(err, DiskFullError) else f"no space left on device in {self.run_dir}: {err}")
+            self._roll_back_to_last_checkpoint()
             return 1
         finally:
             self.stop_signal.restore()
             self.runlog.close()
+            self.close()
+
+    def close(self) -> None:
+        """End the loader workers now (a failing run's would otherwise wait for interpreter exit) and let the
+        run directory go; safe to call more than once."""
+        if self.data is not None:
+            shutdown_workers(self.data.train_loader, self.data.val_loader)
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _roll_back_to_last_checkpoint(self) -> None:
+        """After a failed save: metrics.csv and summary.json describe what last.pt holds, as a resume will."""
+        saved = self.checkpointer.saved_state or TrainState()
+        try:
+            self.runlog.drop_epochs_from(saved.epoch + 1)
+            self.reporter.write_summary(saved, self.classes, self.plan, self.val_skipped_files)
+        except OSError as err:
+            log.warning("metrics.csv / summary.json could not be brought back to last.pt's state either: %s", err)
 
     def _fit(self) -> int:
         every = self.cfg.checkpoint.every_steps
@@ -237,7 +275,13 @@ class Trainer:
                 self.freeze.set_epoch(epoch)
             counters, seconds, resumed = self._train_epoch(epoch, hooks)
             due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
-            metrics = self.validate() if due else None
+            try:
+                metrics = self.validate() if due else None
+            except StopRequested:
+                # The epoch's training is done: save it as the state at the epoch's last batch, so a resumed
+                # run validates this epoch again and goes on.
+                self._save_mid_epoch(counters.snapshot())
+                raise
             self.state.epoch, self.state.batch_in_epoch, self.state.progress = epoch + 1, 0, {}
             # the whole job's rate, over the samples this process ran since it (re)started the epoch
             samples_per_s = (counters.samples - resumed.samples) * self.dist.world_size / max(seconds, 1e-9)
@@ -270,7 +314,6 @@ class Trainer:
         self.state.train_time_s += seconds
         self.state.train_samples += counters.samples - resumed.samples
         self._record_unreadable(counters.unreadable)
-        self.state.skipped_steps += counters.skipped_steps
         return counters, seconds, resumed
 
     def _stop_requested(self, step: int) -> bool:
@@ -309,12 +352,22 @@ class Trainer:
         self.checkpointer.save_last(self.state)
 
     def validate(self) -> dict:
+        """The validation pass. A stop signal ends it at the next batch (StopRequested): in one process at
+        once (also out of a blocked read), under DDP at the next batch the ranks agree on."""
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        with self.reporter.validation(self.data.val_loader) as on_batch:
+        if self.dist.enabled:  # every rank must stop at the same batch: they agree every VAL_STOP_EVERY batches
+            stopping = contextlib.nullcontext()
+            # a shard stream has no length: its ranks check for a stop only after the pass
+            should_stop = dist_utils.agreed_stop_check(lambda: self.stop_signal.received,
+                                                       loader_length(self.data.val_loader) or 0, self.device,
+                                                       VAL_STOP_EVERY)
+        else:  # at once, also out of a read that blocks
+            stopping, should_stop = self.stop_signal.interruptible(), None
+        with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
             sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
-                                        on_batch=on_batch)
+                                        on_batch=on_batch, should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
@@ -322,6 +375,9 @@ class Trainer:
             log.warning("%d validation file(s) could not be read and were left out: %s", len(paths),
                         ", ".join(paths[:10]))
             check_bad_fraction(paths, len(self.data.val_index), "validation", self.cfg.data.max_bad_fraction)
+        if metrics["num_samples"] == 0:
+            raise BadDataError(f"validation evaluated no image: none of the {len(paths)} validation files it "
+                               f"read could be decoded, so there is nothing to compare and no best.pt")
         metrics["skipped_files"] = len(paths)
         self.val_skipped_files = paths
         return metrics
@@ -359,10 +415,12 @@ class Trainer:
         self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
 
 
-def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None) -> int:
-    trainer = Trainer(cfg, resume, finetune)
+def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
+        finetune_partial: bool = False) -> int:
+    trainer = Trainer(cfg, resume, finetune, finetune_partial)
     try:
         trainer.setup()
         return trainer.fit()
     finally:
+        trainer.close()
         dist_utils.shutdown()

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,22 @@ def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+    """Poll until `ready()` while `proc` (started in its own session) runs; fail with its output if it ends
+    first, and kill its process group if the wait times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            stream = proc.stderr or proc.stdout
+            output = stream.read()[-3000:] if stream else ""
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{output}")
+        if ready():
+            return
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"timed out waiting for {what}")
 
 
 def run_script(script: str, *args: str, cwd: Path | None = None, timeout: int = 300, env=None) -> subprocess.CompletedProcess:

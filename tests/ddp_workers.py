@@ -38,7 +38,7 @@ def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -
     hooks = StepHooks(checkpoint_due=lambda s: False, stop_requested=lambda s: False, save=lambda p: None,
                       log_step=lambda s, v: None, log_interval=100)
     progress = EpochCounters()
-    train_one_epoch(ctx, loader, 4, progress, SimpleNamespace(step=0, epoch=0), hooks)
+    train_one_epoch(ctx, loader, 4, progress, SimpleNamespace(step=0, epoch=0, skipped_steps=0), hooks)
     torch.save({"skipped": progress.skipped_steps, "params": [p.detach() for p in model.parameters()]},
                f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -5,6 +5,11 @@ python tests/paused_train.py MARKER save:N -- TRAIN ARGS       halt halfway thro
 python tests/paused_train.py MARKER after_save:N -- TRAIN ARGS halt just after the N-th last.pt is in place
 python tests/paused_train.py MARKER wait_signal:N -- TRAIN ARGS after the N-th last.pt, wait for a signal
                                                                   (SIGTERM / SIGINT), then carry on
+python tests/paused_train.py MARKER val_signal:N -- TRAIN ARGS  in the N-th validation pass, the first file read
+                                                                  waits for a signal (SIGTERM / SIGINT)
+python tests/paused_train.py MARKER block_read:N -- TRAIN ARGS  in the N-th validation pass, every file read
+                                                                  blocks (on a FIFO, as a hung file system
+                                                                  would); then a signal must still stop the run
 
 Killed between two saves, a run leaves the same files whatever instant it dies at, so these points
 (plus one inside a save) cover every kill moment.
@@ -29,7 +34,6 @@ def halt(marker: str) -> None:
 
 def pause_in_validation(marker: str, n: int) -> None:
     import engine.trainer as trainer
-    import engine.checkpointer as checkpointer
 
     real_evaluate = trainer.evaluate
     calls = {"n": 0}
@@ -46,7 +50,6 @@ def pause_in_validation(marker: str, n: int) -> None:
 
 def wait_for_signal_after_save(marker: str, n: int) -> None:
     import engine.trainer as trainer
-    import engine.checkpointer as checkpointer
 
     real_handle = trainer.StopSignal._handle
     got = []
@@ -67,7 +70,6 @@ def wait_for_signal_after_save(marker: str, n: int) -> None:
 
 def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
     import engine.checkpoint as checkpoint
-    import engine.trainer as trainer
     import engine.checkpointer as checkpointer
 
     real_save = checkpoint.save_atomic
@@ -101,10 +103,67 @@ def pause_in_save(marker: str, n: int) -> None:
         return real_save(obj, path, keep_previous)
 
     checkpoint.save_atomic = save_atomic
-    import engine.trainer as trainer
     import engine.checkpointer as checkpointer
 
     checkpointer.save_atomic = save_atomic
+
+
+def block_reads_in_validation(marker: str, n: int) -> None:
+    """From the N-th validation pass on, every validation item opens a FIFO that nobody writes (in the loader
+    workers, which fork after this patch): the read blocks until the process is ended."""
+    import data.datasets as datasets
+    import engine.trainer as trainer
+
+    fifo = Path(marker).with_name(Path(marker).name + ".fifo")
+    real_getitem = datasets.EvalDataset.__getitem__
+    real_evaluate = trainer.evaluate
+    calls = {"n": 0}
+
+    def getitem(self, i):
+        if fifo.exists():
+            Path(marker).write_text(str(os.getpid()))
+            with open(fifo, "rb") as f:  # blocks: no writer ever opens it
+                f.read()
+        return real_getitem(self, i)
+
+    def evaluate(model, loader, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            os.mkfifo(fifo)
+        return real_evaluate(model, loader, *args, **kwargs)
+
+    datasets.EvalDataset.__getitem__ = getitem
+    trainer.evaluate = evaluate
+
+
+def wait_for_signal_in_validation(marker: str, n: int) -> None:
+    """The first file read of the N-th validation pass (in this process: run with data.num_workers=0) writes
+    MARKER and waits until the process has received a stop signal; then validation goes on."""
+    import data.datasets as datasets
+    import engine.trainer as trainer
+
+    real_handle, real_getitem, real_evaluate = trainer.StopSignal._handle, datasets.EvalDataset.__getitem__, trainer.evaluate
+    got, calls = [], {"n": 0, "waited": False}
+
+    def handle(self, signum, frame):
+        got.append(signum)
+        real_handle(self, signum, frame)
+
+    def getitem(self, i):
+        if calls["n"] == n and not calls["waited"]:
+            calls["waited"] = True
+            Path(marker).write_text(str(os.getpid()))
+            while not got:
+                time.sleep(0.01)
+        return real_getitem(self, i)
+
+    def evaluate(model, loader, *args, **kwargs):
+        calls["n"] += 1
+        return real_evaluate(model, loader, *args, **kwargs)
+
+    trainer.StopSignal._handle = handle
+    datasets.EvalDataset.__getitem__ = getitem
+    trainer.evaluate = evaluate
 
 
 if __name__ == "__main__":
@@ -112,7 +171,8 @@ if __name__ == "__main__":
     assert sys.argv[3] == "--"
     kind, n = point.split(":")
     {"validate": pause_in_validation, "save": pause_in_save, "after_save": pause_after_save,
-     "wait_signal": wait_for_signal_after_save}[kind](marker, int(n))
+     "wait_signal": wait_for_signal_after_save, "block_read": block_reads_in_validation,
+     "val_signal": wait_for_signal_in_validation}[kind](marker, int(n))
     sys.argv = [str(REPO / "train.py"), *sys.argv[4:]]
     import train
 

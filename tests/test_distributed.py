@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_tree, run_script, tiny_overrides
+from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 from ddp_workers import nonfinite_on_one_rank
 from data.datasets import EvalDataset
 from data.folder import scan_split
@@ -38,10 +37,10 @@ MAIN = {"train.batch_size": 2, "train.accum_steps": 2, "train.epochs": 2}
 STEPS_PER_EPOCH = 15
 
 
-def torchrun(*args: str, timeout: int = 300, popen: bool = False):
-    """train.py under torchrun with 2 CPU processes, in its own process group (see kill_group)."""
+def torchrun(*args: str, timeout: int = 300, popen: bool = False, script: list | None = None):
+    """train.py (or `script`) under torchrun with 2 CPU processes, in its own process group (see kill_group)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "train.py"), *args]
+               *(script or [str(REPO / "train.py")]), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if popen else subprocess.PIPE, text=True, start_new_session=True)
@@ -177,11 +176,7 @@ def test_sigterm_stops_all_ranks_at_one_point_and_the_resumed_run_equals_the_uni
     proc = torchrun("--config", "resnet18", *ddp_overrides(data_root, out, **MAIN), popen=True)
     try:
         log_file = out / "train.log"
-        deadline = time.monotonic() + 240
-        while not (log_file.exists() and "step 2/" in log_file.read_text()):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run did not start training"
-            time.sleep(0.1)
+        wait_for(proc, lambda: log_file.exists() and "step 2/" in log_file.read_text(), "step 2")
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -216,6 +211,26 @@ def test_sigterm_stops_all_ranks_at_one_point_and_the_resumed_run_equals_the_uni
         assert torch.equal(got["model"][name], tensor), (name, stops[0], (got["model"][name] - tensor).abs().max())
     got, want = (json.loads((d / "summary.json").read_text()) for d in (out, reference))
     assert got["best"] == want["best"] and got["best_epoch"] == want["best_epoch"]
+
+
+def test_sigterm_during_validation_stops_all_ranks_at_one_validation_batch(data_root, tmp_path):
+    """The signal arrives while both ranks validate epoch 1: they agree at the next check, save one last.pt
+    at the end of that epoch's training and stop, instead of finishing the pass (torchrun waits 30 s)."""
+    out, marker = tmp_path / "run", tmp_path / "paused"
+    proc = torchrun("--config", "resnet18", *ddp_overrides(data_root, out, **MAIN), popen=True,
+                    script=[str(REPO / "tests" / "paused_train.py"), str(marker), "val_signal:1", "--"])
+    try:
+        wait_for(proc, marker.exists, "validation")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    stops = [line.split("WARNING ", 1)[1] for line in output.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
+    assert f"last.pt holds epoch 1 batch {2 * STEPS_PER_EPOCH} (step {STEPS_PER_EPOCH})" in stops[0]
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert (last["epoch"], last["step"], last["world_size"]) == (0, STEPS_PER_EPOCH, 2)
+    assert not (out / "best.pt").exists()
 
 
 def test_failed_process_group_start_is_one_clear_line(data_root, tmp_path):

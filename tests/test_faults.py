@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -109,11 +110,33 @@ def test_a_second_signal_during_a_save_waits_until_the_file_is_whole(tmp_path, m
     assert load_checkpoint(path)["step"] == 3
 
 
-def test_a_save_removes_temp_files_left_by_a_killed_save(tmp_path):
-    stale = tmp_path / ".last.pt.abc123.tmp"
-    stale.write_bytes(b"half a checkpoint")
-    save_atomic({"step": 1}, tmp_path / "last.pt")
-    assert not stale.exists()
+def test_a_save_removes_temp_files_left_by_a_killed_save_and_only_those(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a writer that is gone, as a SIGKILLed run is
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = tmp_path / f".last.pt.{checkpoint._OWNER}.{dead.pid}.ab12cd34.tmp"
+        in_flight = tmp_path / f".last.pt.{checkpoint._OWNER}.{live.pid}.ab12cd34.tmp"
+        elsewhere = tmp_path / f".last.pt.otherhost.{dead.pid}.ab12cd34.tmp"
+        for path in (stale, in_flight, elsewhere):
+            path.write_bytes(b"half a checkpoint")
+        save_atomic({"step": 1}, tmp_path / "last.pt")
+        assert not stale.exists()
+        assert in_flight.exists() and elsewhere.exists()  # a live run's (or another machine's) temp file stays
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_checkpoints_follow_the_umask(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        save_atomic({"step": 1}, tmp_path / "last.pt")
+        save_atomic({"step": 2}, tmp_path / "last.pt", keep_previous=True)
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "last.pt").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "last.prev.pt").stat().st_mode & 0o777 == 0o644
 
 
 # ---------------------------------------------------------------- resume: damaged files, mismatched configs
@@ -356,14 +379,21 @@ def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(data_root, tmp_p
     assert finite(last["model"]) and last["step"] == 8
 
 
-def test_nonfinite_skip_stops_after_n_in_a_row(data_root, tmp_path):
+def test_nonfinite_skip_stops_after_n_in_a_row_and_counts_every_skipped_step(data_root, tmp_path):
     out = tmp_path / "run"
     trainer, _ = nan_trainer(data_root, out, steps=[2, 3], **{"train.nonfinite": "skip",
-                                                               "train.max_nonfinite_in_row": 2})
+                                                               "train.max_nonfinite_in_row": 2,
+                                                               "output.log_interval": 1})
     assert trainer.fit() == 1
     log = (out / "train.log").read_text()
     assert "2 optimizer steps in a row had non-finite loss or gradients (last at step 3)" in log
-    assert json.loads((out / "summary.json").read_text())["steps_completed"] == 2  # the 3rd did not complete
+    summary = json.loads((out / "summary.json").read_text())
+    # The summary agrees with the message: steps 1-3 ran, 2 and 3 were skipped.
+    assert (summary["steps_completed"], summary["skipped_steps"]) == (3, 2)
+    # The skipped steps' loss is NaN in the step lines, not the 0 that the finite-only sums would give.
+    step_lines = [line for line in log.splitlines() if " step 2/8 " in line or " step 3/8 " in line]
+    assert len(step_lines) == 2 and all("loss nan" in line and "(1 skipped)" in line for line in step_lines)
+    assert "loss 0.0000" not in log
 
 
 def file_bytes(run_dir: Path) -> dict:

@@ -16,13 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_tree, tiny_overrides, write_pretrained_folder
+from conftest import REPO, make_tree, tiny_overrides, wait_for, write_pretrained_folder
 
 # 36 training images, batch 8: 4 optimizer steps per epoch (the short last batch is dropped), 2 epochs.
 STEPS_PER_EPOCH = 4
@@ -61,19 +60,6 @@ def start(cmd: list) -> subprocess.Popen:
     """The run in its own process group (with its loader workers), as a job under a scheduler is."""
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def wait_for(proc: subprocess.Popen, ready, what: str) -> None:
-    """Poll until `ready()`; the run must still be going (otherwise the kill point was missed)."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
-        if ready():
-            return
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def kill_at_pause(proc: subprocess.Popen, marker: Path) -> None:
@@ -232,4 +218,27 @@ def test_sigkill_before_and_after_the_unfreeze_then_resume_is_bitwise_equal(data
     done = run_to_end(train_cmd(data_root, run, *finetune, "--resume", "auto"))
     assert "resuming, so nothing is loaded" in done.stderr and "tensors loaded from" not in done.stderr
     assert "backbone unfrozen" in done.stderr
+
+
+def test_a_stop_signal_during_a_validation_pass_blocked_in_a_read_saves_and_resumes(data_root, reference, tmp_path):
+    """Every validation read blocks (loader workers stuck on a FIFO): SIGTERM still ends the run at once, with
+    last.pt at the end of epoch 1's training; the resumed run validates that epoch again and ends equal."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    proc = start(train_cmd(data_root, run, "checkpoint.every_steps=0", script=paused(marker, "block_read:1")))
+    try:
+        wait_for(proc, marker.exists, "a blocked validation read")
+        proc.send_signal(signal.SIGTERM)  # the main process only: the workers stay blocked
+        err = proc.communicate(timeout=TIMEOUT)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopping the validation pass" in err and "(step 4); continue with --resume" in err
+    saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (0, STEPS_PER_EPOCH, STEPS_PER_EPOCH)
+    assert not (run / "best.pt").exists() and not (run / "metrics.csv").exists()
+
+    done = run_to_end(train_cmd(data_root, run, "checkpoint.every_steps=0", "--resume", "auto"))
+    assert "resumed at epoch 1, batch 4, optimizer step 4" in done.stderr
     assert_same_result(run, reference)
