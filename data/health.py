@@ -2,7 +2,11 @@
 tell a user whose model waits for data."""
 from __future__ import annotations
 
+import logging
+
 from core.errors import BadDataError
+
+log = logging.getLogger("train")
 
 # Above this share of a logging interval spent waiting for batches, the run says once what to change.
 DATA_WAIT_WARN_FRAC = 0.2
@@ -14,6 +18,18 @@ def check_bad_fraction(files: list[str], total: int, split: str, limit: float) -
         listing = "\n  ".join(files[:20]) + ("\n  ..." if len(files) > 20 else "")
         raise BadDataError(f"{len(files)} of {total} {split} files could not be read, more than "
                            f"data.max_bad_fraction={limit}:\n  {listing}")
+
+
+def check_validation_files(unreadable: list[str], total: int, evaluated: int, limit: float) -> None:
+    """After a validation pass: name the files left out, stop (BadDataError, exit 1) above `limit` of the split
+    or when not one image was evaluated (nothing to compare, no best.pt)."""
+    if unreadable:
+        log.warning("%d validation file(s) could not be read and were left out: %s", len(unreadable),
+                    ", ".join(unreadable[:10]))
+        check_bad_fraction(unreadable, total, "validation", limit)
+    if evaluated == 0:
+        raise BadDataError(f"validation evaluated no image: none of the {len(unreadable)} validation files it read "
+                           f"could be decoded, so there is nothing to compare and no best.pt")
 
 
 def data_wait_advice(wait_frac: float, num_workers: int, cores: int, prefetch_factor: int) -> str:

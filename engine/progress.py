@@ -144,6 +144,15 @@ class RunReporter:
             "skipped_files": len(state.skipped_files)})
         self.runlog.flush()
 
+    def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
+        """After a failed save: metrics.csv and summary.json describe `saved` (what last.pt holds), as a resume
+        will."""
+        try:
+            self.runlog.drop_epochs_from(saved.epoch + 1)
+            self.write_summary(saved, classes, plan, val_skipped_files)
+        except OSError as err:
+            log.warning("metrics.csv / summary.json could not be brought back to last.pt's state either: %s", err)
+
     def write_summary(self, state, classes: list[str], plan, val_skipped_files: list[str]) -> None:
         s = state
         self.runlog.summary({

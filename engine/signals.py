@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import logging
 import signal
+import contextlib
 from contextlib import contextmanager
 from typing import Optional
 
 from core.errors import StopRequested
+from engine import distributed as dist_utils
 
 log = logging.getLogger("train")
 
+STEP_STOP_EVERY = 10  # under DDP, optimizer steps between the ranks' agreements on a stop signal
+VAL_STOP_EVERY = 10   # under DDP, validation batches between them
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
 
@@ -40,6 +44,22 @@ class StopSignal:
 
     def name(self) -> str:
         return signal.Signals(self.signum or signal.SIGTERM).name
+
+    def agreed(self, step: int, dist, device) -> bool:
+        """Whether to stop after optimizer step `step`. Under DDP all ranks must agree on the step they stop
+        at; asking every STEP_STOP_EVERY steps bounds the host syncs."""
+        if dist.enabled:
+            return step % STEP_STOP_EVERY == 0 and dist_utils.any_rank(self.received, device)
+        return self.received
+
+    def validation_guard(self, dist, num_batches: Optional[int], device):
+        """(context, should_stop) for a validation pass: in one process a stop signal ends it at once, also out
+        of a read that blocks; under DDP the ranks agree every VAL_STOP_EVERY batches (a shard stream, with no
+        length, only after the pass)."""
+        if dist.enabled:
+            return contextlib.nullcontext(), dist_utils.agreed_stop_check(lambda: self.received, num_batches or 0,
+                                                                          device, VAL_STOP_EVERY)
+        return self.interruptible(), None
 
     @contextmanager
     def interruptible(self):

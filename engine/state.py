@@ -10,8 +10,12 @@ from typing import Optional
 import torch
 
 from core.errors import NonFiniteError
+from engine.metrics import is_improvement
 
 log = logging.getLogger("train")
+
+# the validation metrics summary.json and best.pt keep as `best`
+BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 
 
 @dataclass
@@ -83,6 +87,20 @@ class TrainState:
     train_samples: int = 0
     train_time_s: float = 0.0
     progress: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
+
+    def record_validation(self, epoch: int, metrics: dict, metric: str, min_delta: float,
+                          patience: Optional[int]) -> bool:
+        """Best-metric and early-stopping bookkeeping after validating epoch `epoch` (0-based); True when it is
+        the best so far (the caller saves best.pt). Patience counts validations."""
+        improved = is_improvement(metrics[metric], self.best_value, metric, min_delta)
+        if improved:
+            self.best_value, self.best_epoch, self.bad_epochs = metrics[metric], epoch + 1, 0
+            self.best_metrics = {k: metrics[k] for k in BEST_KEYS}
+        else:
+            self.bad_epochs += 1
+            if patience is not None and self.bad_epochs >= patience:
+                self.stopped_early = True
+        return improved
 
     def epoch_counters(self) -> EpochCounters:
         """The counters to continue the current epoch with (fresh at an epoch start)."""

@@ -8,7 +8,6 @@ lets the run directory go, on every exit path.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import time
@@ -17,25 +16,24 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, check_data_root, dump_yaml
+from core.config import Config, check_data_root
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
-from data.build import RunData, build_run_data, prepare_root
+from data.build import RunData, build_run_data
 from data.datasets import failure_reason
 from data.fingerprint import data_fingerprint
-from data.health import check_bad_fraction
+from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
-from data.split import write_split_lists
 from engine import distributed as dist_utils
-from engine.checkpointer import (Checkpointer, TrainingParts, apply_finetune, check_resume_compatible, claim_run_dir,
-                                 load_finetune_source, resolve_resume)
+from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
+                                 resolve_resume)
 from engine.batch_finder import resolve_batch_size
-from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, memory_format, pin_memory_for,
-                           resolve_amp, select_device)
+from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
+                           select_device)
 from engine.evaluate import evaluate
 from engine.loop import StepHooks, train_one_epoch
-from engine.metrics import is_improvement
 from engine.optim import base_lr, describe_groups
 from engine.progress import RunReporter
+from engine.run_setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
 from engine.run_lock import RunDirLock, open_run_dir
 from engine.runlog import RunLog, setup_logging
 from engine.schedule import RunPlan, plan_run, validation_due
@@ -43,13 +41,10 @@ from engine.signals import StopSignal
 from engine.state import EpochCounters, TrainState
 from engine.step import TrainStep, build_train_step
 from models.ema import create_ema
-from models.factory import (BackboneFreeze, build_model, check_grad_checkpointing, check_model_name, load_local_weights,
-                            load_pretrained_weights, prepare_pretrained)
+from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
 log = logging.getLogger("train")
 
-BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
-VAL_STOP_EVERY = 10  # under DDP, validation batches between the ranks' agreements on a stop signal
 
 
 class Trainer:
@@ -128,14 +123,7 @@ class Trainer:
                 log.info("%s", line)
         torch.manual_seed(cfg.train.seed)
         enable_cudnn_autotune(self.device)
-        # The built-in data set is written once: by rank 0 first, then by the first process of each other
-        # node, which finds it complete on a shared file system or writes its own copy on a local one.
-        if self.dist.is_main:
-            prepare_root(cfg)
-        dist_utils.barrier()
-        if self.dist.enabled and self.dist.local_rank == 0 and not self.dist.is_main:
-            prepare_root(cfg)
-        dist_utils.barrier()
+        prepare_data_once(cfg, self.dist)
         return resume_ckpt, finetune_ckpt
 
     def _setup_data(self, resume_ckpt: Optional[dict]) -> None:
@@ -153,35 +141,15 @@ class Trainer:
                                     self.data.sources.identity, self.fingerprint)
 
     def _setup_model(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
-        cfg = self.cfg
-        model = build_model(cfg.model, len(self.classes))
-        if cfg.model.weights and resume_ckpt is None:
-            load_local_weights(model, cfg.model.weights)
-        if self.pretrained is not None:
-            load_pretrained_weights(model, self.pretrained, cfg.model.name, self.classes)
-            self.pretrained = None
-        if finetune_ckpt is not None:
-            apply_finetune(model, finetune_ckpt, self.finetune, self.finetune_partial)
-        if cfg.model.sync_bn and self.dist.enabled:
-            model, converted = dist_utils.convert_sync_bn(model)
-            log.info("model.sync_bn: %d BatchNorm layers converted to SyncBatchNorm", converted)
-        elif cfg.model.sync_bn:
-            log.info("model.sync_bn has no effect in a single process (ordinary BatchNorm)")
-        self.model = model.to(self.device, memory_format=memory_format(cfg.train.channels_last))
-        m = cfg.model
+        self.model = build_starting_model(self.cfg, self.classes, self.device, self.dist, resume_ckpt is not None,
+                                          self.pretrained, finetune_ckpt, self.finetune, self.finetune_partial)
+        self.pretrained = None
+        m = self.cfg.model
         self.ema = create_ema(self.model, m.ema_decay, m.ema_every_steps, m.ema_warmup) if m.ema_decay else None
         self.eval_model = self.ema.module if self.ema is not None else self.model
 
     def _setup_wrapping(self) -> None:
-        train_model = self.model
-        if self.dist.enabled:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            # a frozen backbone gets no gradients: DDP must not wait for them
-            train_model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids,
-                                                                    find_unused_parameters=bool(self.cfg.model.freeze))
-        if self.cfg.train.compile:
-            train_model = torch.compile(train_model, dynamic=False)
-        self.train_model = train_model
+        self.train_model = wrap_for_training(self.model, self.cfg, self.dist, self.device)
 
     def _setup_optimisation(self) -> None:
         cfg = self.cfg
@@ -207,15 +175,9 @@ class Trainer:
         self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
         self.reporter = RunReporter(cfg, self.runlog, self.dist.is_main, self.dist.world_size,
                                      self.plan.total_steps, self.plan.batches_per_epoch)
-        if not self.dist.is_main:
-            return
-        (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        if self.data.sources.split is not None:
-            write_split_lists(self.run_dir, self.data.sources.split, self.classes)
-        if resume_ckpt is not None:
-            self.runlog.drop_epochs_from(self.state.epoch + 1)
-            return
-        self.runlog.drop_epochs_from(1)  # metrics.csv describes this run only
+        if self.dist.is_main:
+            write_run_files(self.run_dir, cfg, self.data, self.runlog,
+                            self.state.epoch if resume_ckpt is not None else None)
 
     # ------------------------------------------------------------ the run
 
@@ -238,7 +200,8 @@ class Trainer:
             if isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             log.error("%s", err if isinstance(err, DiskFullError) else f"no space left on device in {self.run_dir}: {err}")
-            self._roll_back_to_last_checkpoint()
+            self.reporter.roll_back_to(self.checkpointer.saved_state or TrainState(), self.classes, self.plan,
+                                       self.val_skipped_files)
             return 1
         finally:
             self.stop_signal.restore()
@@ -253,19 +216,10 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _roll_back_to_last_checkpoint(self) -> None:
-        """After a failed save: metrics.csv and summary.json describe what last.pt holds, as a resume will."""
-        saved = self.checkpointer.saved_state or TrainState()
-        try:
-            self.runlog.drop_epochs_from(saved.epoch + 1)
-            self.reporter.write_summary(saved, self.classes, self.plan, self.val_skipped_files)
-        except OSError as err:
-            log.warning("metrics.csv / summary.json could not be brought back to last.pt's state either: %s", err)
-
     def _fit(self) -> int:
         every = self.cfg.checkpoint.every_steps
         hooks = StepHooks(checkpoint_due=lambda step: every > 0 and step % every == 0,
-                          stop_requested=self._stop_requested, save=self._save_mid_epoch,
+                          stop_requested=lambda step: self.stop_signal.agreed(step, self.dist, self.device), save=self._save_mid_epoch,
                           log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
@@ -316,12 +270,6 @@ class Trainer:
         self._record_unreadable(counters.unreadable)
         return counters, seconds, resumed
 
-    def _stop_requested(self, step: int) -> bool:
-        if self.dist.enabled:
-            # All ranks must agree on the step they stop at; asking every 10 steps bounds the host syncs.
-            return step % 10 == 0 and dist_utils.any_rank(self.stop_signal.received, self.device)
-        return self.stop_signal.received
-
     def _save_mid_epoch(self, snapshot: dict) -> None:
         # Every rank is here at the same step: the unreadable files of all ranks go into the state that rank 0
         # saves, and a split with too many of them stops the run now rather than at the epoch end.
@@ -357,27 +305,15 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        if self.dist.enabled:  # every rank must stop at the same batch: they agree every VAL_STOP_EVERY batches
-            stopping = contextlib.nullcontext()
-            # a shard stream has no length: its ranks check for a stop only after the pass
-            should_stop = dist_utils.agreed_stop_check(lambda: self.stop_signal.received,
-                                                       loader_length(self.data.val_loader) or 0, self.device,
-                                                       VAL_STOP_EVERY)
-        else:  # at once, also out of a read that blocks
-            stopping, should_stop = self.stop_signal.interruptible(), None
+        stopping, should_stop = self.stop_signal.validation_guard(self.dist, loader_length(self.data.val_loader),
+                                                                  self.device)
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
             sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
                                         on_batch=on_batch, should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
-        if paths:
-            log.warning("%d validation file(s) could not be read and were left out: %s", len(paths),
-                        ", ".join(paths[:10]))
-            check_bad_fraction(paths, len(self.data.val_index), "validation", self.cfg.data.max_bad_fraction)
-        if metrics["num_samples"] == 0:
-            raise BadDataError(f"validation evaluated no image: none of the {len(paths)} validation files it "
-                               f"read could be decoded, so there is nothing to compare and no best.pt")
+        check_validation_files(paths, len(self.data.val_index), metrics["num_samples"], self.cfg.data.max_bad_fraction)
         metrics["skipped_files"] = len(paths)
         self.val_skipped_files = paths
         return metrics
@@ -385,7 +321,11 @@ class Trainer:
     def _end_epoch(self, epoch: int, metrics: Optional[dict], counters: EpochCounters, samples_per_s: float,
                    seconds: float) -> None:
         """`metrics` None: an epoch without validation (train.val_interval)."""
-        improved = self._track_best(epoch, metrics) if metrics is not None else False
+        es = self.cfg.early_stop
+        improved = metrics is not None and self.state.record_validation(epoch, metrics, es.metric, es.min_delta,
+                                                                         es.patience)
+        if improved:
+            self.checkpointer.save_best(self.state, metrics)
         if metrics is not None and self.step.end_epoch(metrics[self.cfg.early_stop.metric], self.cfg.early_stop.metric):
             log.info("schedule plateau: %s has not improved for %d validations; LR now %.6g",
                      self.cfg.early_stop.metric, self.cfg.schedule.plateau_patience,
@@ -396,20 +336,6 @@ class Trainer:
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
         self.save_last()
         self.write_summary()
-
-    def _track_best(self, epoch: int, metrics: dict) -> bool:
-        """Best-metric and early-stopping bookkeeping; saves best.pt on an improvement."""
-        es, s = self.cfg.early_stop, self.state
-        improved = is_improvement(metrics[es.metric], s.best_value, es.metric, es.min_delta)
-        if improved:
-            s.best_value, s.best_epoch, s.bad_epochs = metrics[es.metric], epoch + 1, 0
-            s.best_metrics = {k: metrics[k] for k in BEST_KEYS}
-            self.checkpointer.save_best(s, metrics)
-        else:
-            s.bad_epochs += 1
-            if es.patience is not None and s.bad_epochs >= es.patience:
-                s.stopped_early = True
-        return improved
 
     def write_summary(self) -> None:
         self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
