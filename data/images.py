@@ -29,7 +29,9 @@ def is_image_file(path: str | Path) -> bool:
 
 def require_regular_file(path: str | Path) -> None:
     """ImageDecodeError unless `path` is a regular file (or a link to one): opening a FIFO blocks until a
-    writer comes, and a device or socket is no image either."""
+    writer comes, and a device or socket is no image either. Bytes in memory (a shard's sample) pass."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
     try:
         mode = os.stat(path).st_mode
     except OSError as err:
