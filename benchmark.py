@@ -75,7 +75,7 @@ def run_benchmark(cfg, args) -> dict:
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
     enable_cudnn_autotune(device)
-    apply_thread_policy(cfg.train.threads, 0 if args.synthetic else cfg.data.num_workers)
+    apply_thread_policy(cfg.train.threads)
     needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:
         check_data_root(cfg)

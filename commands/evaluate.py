@@ -60,7 +60,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
 
     device = select_device(cfg.train.device)
     amp_dtype = None if loaded.fp32_only else resolve_amp(cfg.train.amp, device)
-    apply_thread_policy(eval_threads(cfg.train.threads, loaded.threads), loader_workers=0)
+    apply_thread_policy(eval_threads(cfg.train.threads, loaded.threads))
     enable_cudnn_autotune(device)
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()

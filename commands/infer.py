@@ -107,7 +107,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
     batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
-    apply_thread_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loader_workers=0)  # as eval.py
+    apply_thread_policy(eval_threads(loaded.cfg.train.threads, loaded.threads))  # as eval.py
 
     model = loaded.build_model(device, channels_last=True)
     model, folded = fold_batchnorm(model)

@@ -12,20 +12,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def choose_threads(setting, loader_workers: int, cpus: int, env: dict) -> tuple[int, str]:
+def choose_threads(setting, cpus: int, env: dict) -> tuple[int, str]:
     """Intra-op threads for the main process, and where the number came from.
 
-    An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process). `auto`
-    leaves the loader workers their cores: max(1, cores - workers). The main process's threads spin
-    while they wait for work, so on a machine whose cores the workers (or other jobs) also want, more
-    threads than free cores slow every step down; docs/performance.md has the measurements."""
+    An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process); `auto` is
+    every usable core. What keeps that cheap when the loader workers or other jobs want the cores is the
+    passive OpenMP wait (`prefer_passive_omp_wait`): with it, threads beside busy workers cost about what
+    one thread does, and on an idle machine they compute in parallel (docs/performance.md has the numbers)."""
     if setting != "auto":
         return int(setting), "train.threads"
     from_env = env.get("OMP_NUM_THREADS", "").strip()
     if from_env.isdigit() and int(from_env) > 0:
         return int(from_env), "OMP_NUM_THREADS"
-    threads = max(1, cpus - loader_workers)
-    return threads, f"auto: {cpus} core(s) - {loader_workers} loader worker(s)"
+    return cpus, f"auto: {cpus} usable core(s)"
 
 
 def prefer_passive_omp_wait(env=None) -> None:

@@ -80,9 +80,9 @@ def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     return setting if setting is not None else device.type == "cuda"
 
 
-def apply_thread_policy(setting, loader_workers: int) -> tuple[int, str]:
+def apply_thread_policy(setting) -> tuple[int, str]:
     """Set torch's intra-op threads by `core.host.choose_threads`; returns (threads, where from)."""
-    threads, source = choose_threads(setting, loader_workers, usable_cpus(), os.environ)
+    threads, source = choose_threads(setting, usable_cpus(), os.environ)
     torch.set_num_threads(threads)
     return threads, source
 

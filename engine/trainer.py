@@ -108,7 +108,7 @@ class Trainer:
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
-        self.threads = apply_thread_policy(cfg.train.threads, cfg.data.num_workers)
+        self.threads = apply_thread_policy(cfg.train.threads)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
         self.dist = dist_utils.init_distributed(self.device.type)
         self.run_lock = dist_utils.run_on_main(self.dist.is_main, lambda: open_run_dir(self.run_dir))

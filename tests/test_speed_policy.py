@@ -12,16 +12,14 @@ from engine.schedule import validation_due
 from engine.trainer import Trainer, run
 
 
-@pytest.mark.parametrize("setting, workers, cpus, env, expected", [
-    ("auto", 2, 2, {}, 1),                       # the loader workers keep their cores
-    ("auto", 0, 4, {}, 4),                       # no workers: every core computes
-    ("auto", 8, 4, {}, 1),                       # never below one
-    ("auto", 2, 8, {"OMP_NUM_THREADS": "3"}, 3),  # torchrun (or the user) set it: kept
-    ("auto", 2, 8, {"OMP_NUM_THREADS": ""}, 6),   # empty: ignored
-    (5, 2, 2, {"OMP_NUM_THREADS": "1"}, 5),       # an explicit train.threads wins over everything
+@pytest.mark.parametrize("setting, cpus, env, expected", [
+    ("auto", 2, {}, 2),                       # every usable core (their idle waits sleep)
+    ("auto", 8, {"OMP_NUM_THREADS": "3"}, 3),  # torchrun (or the user) set it: kept
+    ("auto", 8, {"OMP_NUM_THREADS": ""}, 8),   # empty: ignored
+    (5, 2, {"OMP_NUM_THREADS": "1"}, 5),       # an explicit train.threads wins over everything
 ])
-def test_thread_choice(setting, workers, cpus, env, expected):
-    threads, source = choose_threads(setting, workers, cpus, env)
+def test_thread_choice(setting, cpus, env, expected):
+    threads, source = choose_threads(setting, cpus, env)
     assert threads == expected and source
 
 
