@@ -233,8 +233,8 @@ def recipe_lines(cfg, plan) -> list[str]:
     ema = ("off" if m.ema_decay is None else f"decay {m.ema_decay:g} every {m.ema_every_steps} step(s)"
            + (", warmup" if m.ema_warmup else ""))
     return [f"augmentation: random resized crop {d.img_size} px (scale {d.scale}), hflip {d.hflip:g}, colour jitter "
-            f"{d.color_jitter:g}, auto-augment {d.auto_augment or 'off'}, random erasing {d.random_erasing:g}"
-            + (f", repeated x{d.repeated_augment}" if d.repeated_augment > 1 else ""),
+            f"{d.color_jitter:g}, random erasing {d.random_erasing:g} (auto-augment, repeats and the eval size: "
+            f"the data lines above)",
             f"mixing: {mixing}",
             f"loss: {loss}, label smoothing {t.label_smoothing:g}",
             f"optimizer: {o.name} ({options}), weight decay {o.weight_decay:g} (not on norm and bias parameters)",
