@@ -70,12 +70,12 @@ def run_benchmark(cfg, args) -> dict:
     from benchmarking.modes import bench_infer, bench_train, settings
     from core.config import check_data_root
     from data.build import prepare_root, scan_tree
-    from engine.device import apply_thread_policy, enable_cudnn_autotune, resolve_amp, select_device
+    from engine.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
 
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
     enable_cudnn_autotune(device)
-    apply_thread_policy(cfg.train.threads)
+    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)
     needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:
         check_data_root(cfg)

@@ -10,7 +10,7 @@ import sys
 from typing import Callable
 
 from core.errors import JOB_FAILURES, USAGE_ERRORS
-from core.host import prefer_passive_omp_wait
+import core.host
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
@@ -51,9 +51,9 @@ def _reserved_much_larger(message: str) -> bool:
 
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
-    First, before any command imports torch, OpenMP's waiting threads are told to sleep rather than spin
-    (`core.host.prefer_passive_omp_wait`)."""
-    prefer_passive_omp_wait()
+    First, before any command imports torch, how OpenMP's waiting threads behave is chosen by the cores'
+    load (`core.host.choose_omp_wait`)."""
+    core.host.chosen_omp_wait = core.host.choose_omp_wait()
     try:
         code = main()
     except USAGE_ERRORS as err:

@@ -1,7 +1,12 @@
 """Facts about the machine that need no torch."""
 from __future__ import annotations
 
+import ctypes
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
 
 
 def usable_cpus() -> int:
@@ -16,9 +21,9 @@ def choose_threads(setting, cpus: int, env: dict) -> tuple[int, str]:
     """Intra-op threads for the main process, and where the number came from.
 
     An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process); `auto` is
-    every usable core. What keeps that cheap when the loader workers or other jobs want the cores is the
-    passive OpenMP wait (`prefer_passive_omp_wait`): with it, threads beside busy workers cost about what
-    one thread does, and on an idle machine they compute in parallel (docs/performance.md has the numbers)."""
+    every usable core. What keeps that cheap when other jobs want the cores is the OpenMP wait chosen by
+    the cores' load (`choose_omp_wait`): threads that sleep soon cost about what one thread does beside
+    busy processes, and on an idle machine they compute in parallel (docs/performance.md has the numbers)."""
     if setting != "auto":
         return int(setting), "train.threads"
     from_env = env.get("OMP_NUM_THREADS", "").strip()
@@ -27,10 +32,112 @@ def choose_threads(setting, cpus: int, env: dict) -> tuple[int, str]:
     return cpus, f"auto: {cpus} usable core(s)"
 
 
-def prefer_passive_omp_wait(env=None) -> None:
-    """OpenMP threads that wait for work sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), unless the
-    user chose a policy. Spinning threads take the cores the loader workers and other jobs need, and on a
-    busy machine every step then waits for them. OpenMP reads this once, when torch loads it, so this runs
-    before torch is imported; docs/performance.md has the measurements."""
+# libgomp's spin count (torch's Linux wheels use GNU OpenMP): about 100 spins per microsecond
+SHORT_OMP_SPIN = "1000"
+# other processes using this much of the usable cores at start-up make the machine busy
+BUSY_CORES = 0.5
+PROBE_SECONDS = 0.1
+
+
+@dataclass
+class OmpWaitChoice:
+    """What `choose_omp_wait` set, and why (for the start-up line)."""
+
+    env: dict                     # the variables it set (empty: none)
+    reason: str
+
+
+# the choice made for this process by the entry script (commands.cli.run_main), before torch loaded
+chosen_omp_wait: Optional[OmpWaitChoice] = None
+
+
+def cpu_jiffies(stat_text: str, cpus: set[int]) -> Optional[tuple[int, int]]:
+    """(busy, total) clock ticks summed over `cpus` from the text of /proc/stat (steal counts as busy: a
+    stolen core is as unavailable as a busy one); None when none of `cpus` is listed."""
+    busy = total = 0
+    found = False
+    for line in stat_text.splitlines():
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            continue
+        values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(values)
+        busy += sum(values) - values[3] - values[4]
+        found = True
+    return (busy, total) if found else None
+
+
+def busy_cores_of_others(window_s: float = PROBE_SECONDS) -> Optional[float]:
+    """How many of the usable cores other processes kept busy over a short window (this process's own
+    CPU time taken out); None where /proc/stat is not there (not Linux)."""
+    cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    try:
+        before, own_before = cpu_jiffies(Path("/proc/stat").read_text(), cpus), os.times()
+        time.sleep(window_s)
+        after, own_after = cpu_jiffies(Path("/proc/stat").read_text(), cpus), os.times()
+    except OSError:
+        return None
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    own = (own_after.user + own_after.system - own_before.user - own_before.system) * ticks
+    ticks_per_cpu = (after[1] - before[1]) / len(cpus)
+    return max(0.0, (after[0] - before[0] - own) / ticks_per_cpu)
+
+
+def omp_wait_for(busy_cores: Optional[float]) -> OmpWaitChoice:
+    """On idle cores OpenMP's own wait (libgomp spins for milliseconds before it sleeps) keeps the many
+    small parallel regions of a step from paying a wake-up each. Beside other busy processes that spin
+    takes the cores the threads being waited for need, and every step waits for them: there the threads
+    spin for a few microseconds, then sleep (OMP_WAIT_POLICY=PASSIVE, which other OpenMP runtimes read,
+    and GOMP_SPINCOUNT). Either way the thread count, and so every number computed, is the same.
+    docs/performance.md has the measurements."""
+    short = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_OMP_SPIN}
+    if busy_cores is None:
+        return OmpWaitChoice(short, "idle threads sleep soon (the cores' load is unknown here)")
+    if busy_cores >= BUSY_CORES:
+        return OmpWaitChoice(short, f"idle threads sleep soon: other processes kept {busy_cores:.1f} "
+                                    f"core(s) busy at start")
+    return OmpWaitChoice({}, "idle threads spin a while (OpenMP's default): the cores were idle at start")
+
+
+def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_of_others) -> OmpWaitChoice:
+    """Set how waiting OpenMP threads behave (`omp_wait_for` the cores' load now), unless the user chose
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT set) or one thread has nobody to wait for (OMP_NUM_THREADS=1).
+    OpenMP reads this once, when torch loads it, so this runs before torch is imported."""
     env = os.environ if env is None else env
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return OmpWaitChoice({}, "idle threads wait as " + ", ".join(
+            f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env) + " says")
+    if env.get("OMP_NUM_THREADS", "").strip() == "1":
+        return OmpWaitChoice({}, "one thread: nothing to wait for")
+    choice = omp_wait_for(probe())
+    env.update(choice.env)
+    return choice
+
+
+def omp_wait_description() -> str:
+    """How waiting OpenMP threads behave in this process, for the start-up line."""
+    if chosen_omp_wait is not None:
+        return chosen_omp_wait.reason
+    return "OpenMP's wait as set" if "OMP_WAIT_POLICY" in os.environ else "OpenMP's default wait"
+
+
+# glibc's mallopt options
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse: no large block is mapped and unmapped, and the heap
+    is not trimmed back. By default a CPU training step's activations are mapped afresh each step, and
+    the kernel zeroes every page again on its first touch (thousands of page faults per step, most of
+    the step's system time). Other processes get the memory back when this one ends; the batch finder
+    still measures what is live (it releases the heap explicitly, `engine.memory.release_freed_heap`).
+    Large requests glibc cannot serve from the heap still get their own mapping. Returns False where
+    the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
+    return all(mallopt(option, value) == 1 for option, value in settings)

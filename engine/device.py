@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
-from core.host import choose_threads, usable_cpus
+from core.host import choose_threads, keep_freed_memory, omp_wait_description, usable_cpus
 from data.transforms import normalize_batch
 
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,11 +80,14 @@ def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     return setting if setting is not None else device.type == "cuda"
 
 
-def apply_thread_policy(setting) -> tuple[int, str]:
-    """Set torch's intra-op threads by `core.host.choose_threads`; returns (threads, where from)."""
-    threads, source = choose_threads(setting, usable_cpus(), os.environ)
+def apply_cpu_policy(threads_setting, reuse_host_memory: bool = True) -> tuple[int, str]:
+    """Set torch's intra-op threads by `core.host.choose_threads` and, with `reuse_host_memory`
+    (`train.reuse_host_memory`), keep freed host memory for reuse (`core.host.keep_freed_memory`);
+    returns (threads, where the count came from, how idle threads wait and what memory does)."""
+    threads, source = choose_threads(threads_setting, usable_cpus(), os.environ)
     torch.set_num_threads(threads)
-    return threads, source
+    memory = "freed memory kept for reuse" if reuse_host_memory and keep_freed_memory() else "malloc's defaults"
+    return threads, f"{source}; {omp_wait_description()}; {memory}"
 
 
 def eval_threads(setting, trained_with: Optional[int]):

@@ -27,7 +27,7 @@ from engine import distributed as dist_utils
 from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
                                  resolve_resume)
 from engine.batch_finder import resolve_batch_size
-from engine.device import (DeviceInput, apply_thread_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
+from engine.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
                            select_device)
 from engine.evaluate import evaluate
 from engine.loop import StepHooks, train_one_epoch
@@ -108,7 +108,7 @@ class Trainer:
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
-        self.threads = apply_thread_policy(cfg.train.threads)
+        self.threads = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
         self.dist = dist_utils.init_distributed(self.device.type)
         self.run_lock = dist_utils.run_on_main(self.dist.is_main, lambda: open_run_dir(self.run_dir))
