@@ -57,8 +57,8 @@ def cpu_jiffies(stat_text: str, cpus: set[int]) -> Optional[tuple[int, int]]:
     busy = total = 0
     found = False
     for line in stat_text.splitlines():
-        name, *fields = line.split()
-        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+        name, *fields = line.split() or [""]
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus) or len(fields) < 8:
             continue
         values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
         total += sum(values)

@@ -93,10 +93,13 @@ def test_cpu_ticks_are_summed_over_the_usable_cores_only():
     stat = ("cpu  30 0 30 300 10 0 0 0 0 0\n"
             "cpu0 10 0 10 100 5 0 0 0 0 0\n"
             "cpu1 20 0 20 200 5 0 0 3 0 0\n"
+            "\n"
+            "cpu2 1 2\n"
             "intr 12345\n")
     assert cpu_jiffies(stat, {1}) == (43, 248)              # user + system + steal; idle and iowait are not busy
     assert cpu_jiffies(stat, {0, 1}) == (63, 373)
     assert cpu_jiffies(stat, {7}) is None
+    assert cpu_jiffies(stat, {2}) is None                   # a short line is not read
 
 
 def test_a_busy_process_beside_us_is_seen():
