@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from core.config import eval_size
+from core.host import omp_wait_description
 from engine.batch_finder import build_training_probe
 from engine.device import DeviceInput, memory_format, pin_memory_for, precision_name
 from engine.evaluate import predict
@@ -33,7 +34,8 @@ def settings(cfg, device: torch.device, amp_dtype, batch_size: int, synthetic: b
             "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "compile": cfg.train.compile,
             "workers": 0 if synthetic else cfg.data.num_workers, "device": str(device), "synthetic": synthetic,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(),
+            "reuse_host_memory": cfg.train.reuse_host_memory}
 
 
 def bench_train(cfg, device: torch.device, amp_dtype, batch_size: int, steps: int, warmup: int,

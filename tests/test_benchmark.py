@@ -50,6 +50,9 @@ def test_loader_with_torchvision_baseline(jpeg_tree):
 def test_train_synthetic_and_real(jpeg_tree):
     out = _bench("--mode", "train", "--synthetic", "--steps", "3", "--warmup", "1", *TINY)
     assert out["settings"]["synthetic"] is True and out["settings"]["batch"] == 4
+    # the CPU policy measured under: one thread (run_script sets OMP_NUM_THREADS=1), freed memory kept
+    assert out["settings"]["omp_wait"] == "one thread: nothing to wait for"
+    assert out["settings"]["reuse_host_memory"] is True and out["settings"]["torch_threads"] == 1
     assert out["img_per_s"] > 0 and out["peak_memory_mb"] > 0 and out["peak_memory_kind"] == "process_peak_rss"
     assert out["step_s"] == pytest.approx(out["data_wait_s"] + out["compute_s"], abs=1e-4)
     real = _bench("--mode", "train", "--steps", "4", "--warmup", "1", f"data.root={jpeg_tree}",
