@@ -106,9 +106,8 @@ def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_
     (OMP_WAIT_POLICY or GOMP_SPINCOUNT set) or one thread has nobody to wait for (OMP_NUM_THREADS=1).
     OpenMP reads this once, when torch loads it, so this runs before torch is imported."""
     env = os.environ if env is None else env
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return OmpWaitChoice({}, "idle threads wait as " + ", ".join(
-            f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env) + " says")
+    if users_wait(env):
+        return OmpWaitChoice({}, users_wait(env))
     if env.get("OMP_NUM_THREADS", "").strip() == "1":
         return OmpWaitChoice({}, "one thread: nothing to wait for")
     choice = omp_wait_for(probe())
@@ -120,7 +119,13 @@ def omp_wait_description() -> str:
     """How waiting OpenMP threads behave in this process, for the start-up line."""
     if chosen_omp_wait is not None:
         return chosen_omp_wait.reason
-    return "OpenMP's wait as set" if "OMP_WAIT_POLICY" in os.environ else "OpenMP's default wait"
+    return users_wait(os.environ) or "OpenMP's default wait"
+
+
+def users_wait(env) -> str:
+    """The wait the environment sets before any choice of ours ("" when it sets none)."""
+    chosen = [f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env]
+    return "idle threads wait as " + ", ".join(chosen) + " says" if chosen else ""
 
 
 # glibc's mallopt options
