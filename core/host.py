@@ -106,8 +106,9 @@ def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_
     (OMP_WAIT_POLICY or GOMP_SPINCOUNT set) or one thread has nobody to wait for (OMP_NUM_THREADS=1).
     OpenMP reads this once, when torch loads it, so this runs before torch is imported."""
     env = os.environ if env is None else env
-    if users_wait(env):
-        return OmpWaitChoice({}, users_wait(env))
+    already_set = users_wait(env)
+    if already_set:
+        return OmpWaitChoice({}, already_set)
     if env.get("OMP_NUM_THREADS", "").strip() == "1":
         return OmpWaitChoice({}, "one thread: nothing to wait for")
     choice = omp_wait_for(probe())

@@ -169,7 +169,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
     assert results["keep"][1] * 5 < results["default"][1], results
 
 
-def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept(tmp_path):
+def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
     from engine.device import apply_cpu_policy
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
