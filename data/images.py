@@ -41,13 +41,16 @@ def require_regular_file(path: str | Path) -> None:
         raise ImageDecodeError(f"{path}: not a regular file ({kind})")
 
 
-def open_image(path: str | Path) -> Image.Image:
-    """Open lazily (header only). Raises ImageDecodeError for anything unreadable."""
+def open_image(path, name=None) -> Image.Image:
+    """Open lazily (header only): a path, or a file object whose messages say `name`. Raises ImageDecodeError
+    for anything unreadable."""
     require_regular_file(path)
     try:
         return Image.open(path)
     except Exception as err:  # UnidentifiedImageError, OSError, DecompressionBomb*, ...
-        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err}") from err
+        # PIL names a file object by its repr ("cannot identify image file <_io.BytesIO ...>"): say the file
+        message = str(err) if name is None else str(err).replace(repr(path), repr(str(name)))
+        raise ImageDecodeError(f"{name or path}: {type(err).__name__}: {message}") from err
 
 
 def oriented_size(img: Image.Image) -> tuple[int, int]:
@@ -66,7 +69,11 @@ def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image
     `min_size` (width, height in displayed orientation): the smallest size the caller needs; a JPEG
     may then be decoded at 1/2, 1/4 or 1/8 scale, never below it.
     """
-    img = open_image(path)
+    return decode_rgb(open_image(path), path, min_size)
+
+
+def decode_rgb(img: Image.Image, name, min_size: tuple[int, int] | None = None) -> Image.Image:
+    """`load_rgb` of an image `open_image` opened (errors name `name`)."""
     try:
         if min_size is not None and img.format == "JPEG":
             w, h = min_size
@@ -79,7 +86,7 @@ def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image
     except ImageDecodeError:
         raise
     except Exception as err:
-        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err}") from err
+        raise ImageDecodeError(f"{name}: {type(err).__name__}: {err}") from err
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -37,7 +37,8 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data.images import JpegHeader, load_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
+from core.errors import ImageDecodeError
+from data.images import JpegHeader, decode_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -89,15 +90,16 @@ class TrainTransform:
 
     def __call__(self, path, seed: int | None = None) -> torch.Tensor:
         rng = random.Random(seed)
-        data, (width, height) = read_sized(path)
+        source = read_source(path)
+        width, height = source.size
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
         # The decoded image only has to keep the crop at >= img_size pixels.
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
         image = None
-        if data is not None and not draft_reduces(need, (width, height)):
-            image = decode_jpeg_tensor(data, (height, width))
+        if source.jpeg is not None and not draft_reduces(need, (width, height)):
+            image = decode_jpeg_tensor(source.jpeg, (height, width))
         if image is None:
-            image = F.pil_to_tensor(load_rgb(as_file(path), min_size=need))
+            image = F.pil_to_tensor(source.rgb(min_size=need))
         out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
@@ -122,54 +124,63 @@ def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
 _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 
 
-def as_file(source):
-    """A path as it is; an image's bytes as a file object PIL can open."""
-    return io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
-
-
 def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
     """The bytes and header of a grayscale or colour JPEG that the tensor decoder can take, else (None, None)
-    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy). Only the
-    first two bytes of a file that is not a JPEG are read here. `path` may also be the file's bytes."""
-    if decode_jpeg is None:
-        return None, None
-    if isinstance(path, (bytes, bytearray, memoryview)):
-        if bytes(path[:2]) != _JPEG_START:
-            return None, None
-        buf, size = bytearray(path), len(path)
-    else:
-        buf, size = _read_jpeg_file(path)
-        if buf is None:
-            return None, None
-    data = torch.frombuffer(buf, dtype=torch.uint8)[:size]
-    header = parse_jpeg_header(memoryview(buf)[:size])
-    if header is None or header.components not in (1, 3):
-        return None, None
-    return data, header
-
-
-def _read_jpeg_file(path) -> tuple[bytearray | None, int]:
-    require_regular_file(path)  # ImageDecodeError for a FIFO, which open() would wait on for ever
+    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy). `path` may
+    also be the file's bytes."""
     try:
-        with open(path, "rb") as f:
-            if f.read(2) != _JPEG_START:
-                return None, 0
-            buf = bytearray(max(2, os.fstat(f.fileno()).st_size))
-            buf[:2] = _JPEG_START
-            size = 2 + (f.readinto(memoryview(buf)[2:]) or 0)
-    except OSError:
-        return None, 0
-    return buf, size
+        source = read_source(path)
+    except ImageDecodeError:
+        return None, None
+    return source.jpeg, source.header
 
 
-def read_sized(path) -> tuple[torch.Tensor | None, tuple[int, int]]:
-    """(the bytes when the tensor decoder can take the file, else None; its displayed (width, height)).
-    Raises ImageDecodeError when not even PIL can open the file."""
-    data, header = read_jpeg(path)
-    if header is not None:
-        return data, header.oriented_size
-    with open_image(as_file(path)) as pil_header:
-        return None, oriented_size(pil_header)
+class SourceImage:
+    """An image file read once (one open, one read): the whole file's bytes, its displayed size, and either
+    the bytes as a uint8 tensor with the parsed header (a JPEG the tensor decoder can take) or, for
+    everything else, the file opened by PIL from those bytes (header read, pixels not yet decoded)."""
+
+    def __init__(self, name, buf, jpeg: torch.Tensor | None, header: JpegHeader | None):
+        self.name = name
+        self.buf = buf
+        self.jpeg = jpeg
+        self.header = header
+        self._pil = None if header is not None else open_image(io.BytesIO(buf), name=name)
+        self.size = header.oriented_size if header is not None else oriented_size(self._pil)
+
+    def rgb(self, min_size: tuple[int, int] | None = None) -> Image.Image:
+        """Decode through PIL with the pixel policy (`data.images.decode_rgb`)."""
+        pil = self._pil if self._pil is not None else open_image(io.BytesIO(self.buf), name=self.name)
+        self._pil = None
+        with pil:
+            return decode_rgb(pil, self.name, min_size)
+
+
+def read_source(path) -> SourceImage:
+    """`path` (or an image's bytes) as a SourceImage. ImageDecodeError when the file cannot be read or not
+    even PIL can open it."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        buf = path
+    else:
+        require_regular_file(path)  # ImageDecodeError for a FIFO, which open() would wait on for ever
+        try:
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                buf = memoryview(buf)[:f.readinto(buf) or 0]
+        except OSError as err:
+            raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
+    jpeg, header = None, None
+    if decode_jpeg is not None and bytes(buf[:2]) == _JPEG_START:
+        header = parse_jpeg_header(memoryview(buf))
+        if header is not None and header.components in (1, 3):
+            writable = buf if isinstance(buf, bytearray) or (isinstance(buf, memoryview) and not buf.readonly) \
+                else bytearray(buf)
+            jpeg = torch.frombuffer(writable, dtype=torch.uint8) if len(writable) else None
+        else:
+            header = None
+    if jpeg is None:
+        header = None
+    return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf, jpeg, header)
 
 
 def decode_jpeg_tensor(data: torch.Tensor, oriented_hw: tuple[int, int] | None = None) -> torch.Tensor | None:
@@ -215,14 +226,15 @@ class EvalTransform:
         self.interpolation = TV_INTERPOLATION[interpolation]
 
     def __call__(self, path) -> torch.Tensor:
-        data, (width, height) = read_sized(path)
+        source = read_source(path)
+        width, height = source.size
         short = min(width, height)
         need = (math.ceil(width * self.resize_to / short), math.ceil(height * self.resize_to / short))
-        if data is not None and not draft_reduces(need, (width, height)):
-            image = decode_jpeg_tensor(data, (height, width))
+        if source.jpeg is not None and not draft_reduces(need, (width, height)):
+            image = decode_jpeg_tensor(source.jpeg, (height, width))
             if image is not None:
                 return self.from_tensor(image)
-        return self.from_image(load_rgb(as_file(path), min_size=need))
+        return self.from_image(source.rgb(min_size=need))
 
     def from_tensor(self, image: torch.Tensor) -> torch.Tensor:
         """The same resize and crop on a uint8 CHW tensor (torch's antialiased resize matches PIL's to +-1)."""
