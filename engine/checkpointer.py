@@ -117,7 +117,7 @@ class Checkpointer:
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
         tensors = [t for t in (*self.parts.model.parameters(), *self.parts.model.buffers()) if t.is_floating_point()]
-        if tensors and not bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+        if tensors and not all_finite(tensors):
             raise NonFiniteError(f"the weights became non-finite by optimizer step {step}; {name} was not "
                                  f"written and keeps the last good state (lower optim.lr or set train.clip_grad_norm)")
 
@@ -144,6 +144,16 @@ class Checkpointer:
         self.saved_state = TrainState(**dataclasses.asdict(state))
         log.info("resumed at epoch %d, batch %d, optimizer step %d", state.epoch + 1, state.batch_in_epoch, state.step)
         return state
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of `tensors` is finite (one host sync). A tensor's sum is finite only if all its
+    elements are, and summing is ~10x cheaper than an elementwise isfinite per tensor; a sum that overflows
+    (finite elements near the float limit) is settled by the exact check."""
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def data_source_fields(data_source: Optional[dict]) -> dict:
