@@ -224,10 +224,13 @@ class Trainer:
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             return 0
+        next_batches = None
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             if self.freeze is not None:
                 self.freeze.set_epoch(epoch)
-            counters, seconds, resumed = self._train_epoch(epoch, hooks)
+            counters, seconds, resumed = self._train_epoch(epoch, hooks, next_batches)
+            # The next epoch's first batches load while this one validates and saves.
+            next_batches = self._start_batches(epoch + 1) if epoch + 1 < self.cfg.train.epochs else None
             due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
             try:
                 metrics = self.validate() if due else None
@@ -250,18 +253,23 @@ class Trainer:
         dist_utils.barrier()
         return 0
 
-    def _train_epoch(self, epoch: int, hooks: StepHooks) -> tuple[EpochCounters, float, EpochCounters]:
-        """One epoch (from the resumed batch on); returns its counters, the seconds it took here, and the
-        counters it started from (non-zero in a resumed epoch)."""
+    def _start_batches(self, epoch: int, start_batch: int = 0):
+        """The training batches of `epoch` from `start_batch` on; the loader workers start loading them now."""
+        self.data.sampler.set_epoch(epoch, start_batch)
+        return iter(self.data.train_loader)
+
+    def _train_epoch(self, epoch: int, hooks: StepHooks, batches=None) -> tuple[EpochCounters, float, EpochCounters]:
+        """One epoch (from the resumed batch on), over `batches` when they were started already; returns its
+        counters, the seconds it took here, and the counters it started from (non-zero in a resumed epoch)."""
         counters = self.state.epoch_counters()
         resumed = EpochCounters(samples=counters.samples, data_time=counters.data_time)
-        self.data.sampler.set_epoch(epoch, counters.batches_done)
         start = time.perf_counter()
+        if batches is None:
+            batches = self._start_batches(epoch, counters.batches_done)
         self.reporter.open_bar(epoch, counters.batches_done)
         hooks.on_batch = self.reporter.on_batch()
         try:
-            train_one_epoch(self.step, self.data.train_loader, self.plan.batches_per_epoch, counters, self.state,
-                            hooks)
+            train_one_epoch(self.step, batches, self.plan.batches_per_epoch, counters, self.state, hooks)
         finally:
             self.reporter.close_bar()
         seconds = time.perf_counter() - start
