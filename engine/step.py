@@ -58,6 +58,15 @@ class TrainStep:
         """The run stops at the first non-finite step (under fp16 the GradScaler skips such steps instead)."""
         return self.nonfinite == "stop" and not self.fp16
 
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether every step checks its gradients for non-finite values before the update (their norm, a pass
+        over all gradients). train.nonfinite=skip must, to skip the right update. Under `stop` the loss check
+        suffices: a finite loss with non-finite gradients makes the weights and so the next step's loss
+        non-finite, the run stops there, and no save ever takes non-finite weights. Under fp16 the GradScaler
+        checks."""
+        return self.nonfinite == "skip" and not self.fp16
+
     def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
         """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
         the seed, the step and `micro`); (images, labels) unchanged when both are off."""
@@ -86,9 +95,9 @@ class TrainStep:
             self.scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             window_ok = window_ok & torch.isfinite(grad_norm)
-        if grad_norm is None and (want_norm or not self.fp16):
+        if grad_norm is None and (want_norm or self.checks_gradients):
             # Also the non-finite check of the gradients (a finite loss can still give inf gradients); it
-            # stays on the device. Under fp16 the GradScaler does that check itself.
+            # stays on the device.
             self.scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
             window_ok = window_ok & torch.isfinite(grad_norm)

@@ -364,6 +364,30 @@ def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(data_r
     assert finite(last["model"]) and finite(best["model"])
 
 
+def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(data_root, tmp_path, monkeypatch):
+    """Under `stop` the gradients are not checked on every step (their norm is a pass over all of them): step
+    3's finite loss with inf gradients makes the weights, so step 4's loss, non-finite; the run stops there
+    and last.pt keeps step 2. The norm runs only at the log lines (every 2nd step here)."""
+    norms = []
+    real_norm = torch.nn.utils.get_total_norm
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *a, **k: norms.append(1) or real_norm(*a, **k))
+    out = tmp_path / "run"
+    trainer = Trainer(make_cfg(data_root, out, **{"checkpoint.every_steps": 2, "output.log_interval": 2}))
+    trainer.setup()
+    backward = [0]
+
+    def inf_on_step_3(grad):
+        backward[0] += 1
+        return grad * float("inf") if backward[0] == 3 else grad
+
+    next(trainer.model.parameters()).register_hook(inf_on_step_3)
+    assert trainer.fit() == 1
+    assert "non-finite loss or gradients at optimizer step 4" in (out / "train.log").read_text()
+    last = load_checkpoint(out / "last.pt")
+    assert last["step"] == 2 and finite(last["model"])
+    assert len(norms) == 2  # the log lines of steps 2 and 4 only
+
+
 def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(data_root, tmp_path):
     out = tmp_path / "run"
     trainer, before = nan_trainer(data_root, out, steps=[3], snapshot_before=[3, 4],
