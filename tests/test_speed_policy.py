@@ -174,3 +174,72 @@ def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
     assert threads == 1 and description.startswith("train.threads; ") and description.endswith("malloc's defaults")
+
+
+# ---------------------------------------------------------------- per-epoch and per-sample overheads
+
+def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weights(tmp_path):
+    """The workers start on epoch e+1 before epoch e validates and saves: the sampler is already at e+1 in
+    every validation but the last, and the weights equal those of loading in the main process on demand."""
+    data = make_tree(tmp_path / "data", {"a": (12, 3), "b": (12, 3)})
+    weights, seen = {}, []
+    for workers in (2, 0):
+        out = tmp_path / f"run{workers}"
+        trainer = Trainer(load_config("base", tiny_overrides(data, out, **{"train.epochs": 3,
+                                                                           "data.num_workers": workers})))
+        real_validate = trainer.validate
+
+        def validate():
+            seen.append((workers, trainer.data.sampler.epoch))
+            return real_validate()
+
+        trainer.validate = validate
+        try:
+            trainer.setup()
+            assert trainer.fit() == 0
+        finally:
+            trainer.close()
+        weights[workers] = torch.load(out / "last.pt", weights_only=True)["model"]
+    # validating epoch k (1-based) with the sampler at k (0-based: the next epoch); the last has no next one
+    assert seen == [(2, 1), (2, 2), (2, 2), (0, 1), (0, 2), (0, 2)]
+    assert weights[2].keys() == weights[0].keys()
+    assert all(torch.equal(weights[2][k], weights[0][k]) for k in weights[0])
+
+
+def test_all_finite_is_exact_also_where_a_sum_overflows():
+    from engine.checkpointer import all_finite
+
+    ok = [torch.ones(3), torch.zeros(2, 2)]
+    assert all_finite(ok)
+    assert not all_finite(ok + [torch.tensor([1.0, float("nan")])])
+    assert not all_finite(ok + [torch.tensor([float("inf"), -float("inf")])])  # a sum of NaN, not inf
+    assert not all_finite([torch.tensor([float("-inf")])])
+    assert all_finite(ok + [torch.full((4,), 3e38)])  # the sum overflows; every element is finite
+    assert all_finite([torch.full((4,), 60000.0, dtype=torch.float16)])
+
+
+@pytest.mark.parametrize("ext", [".png", ".jpg"])
+def test_each_image_file_is_opened_once(tmp_path, monkeypatch, ext):
+    import builtins
+
+    from data import transforms
+    from data.images import load_rgb
+    from data.transforms import EvalTransform, TrainTransform
+
+    root = make_tree(tmp_path / "data", {"a": (2, 0)}, splits=("train",), size=(40, 30), ext=ext)
+    path = str(sorted((root / "train" / "a").iterdir())[0])
+    opened = []
+
+    def counting_open(file, *args, **kwargs):
+        opened.append(file)
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(transforms, "open", counting_open, raising=False)
+    train = TrainTransform(16, (0.5, 1.0), (0.75, 1.33), 0.5, 0.0, "bilinear")
+    evaluate = EvalTransform(16, 0.875, "bilinear")
+    image = evaluate(path)
+    train(path, seed=3)
+    assert opened == [path, path]
+    monkeypatch.undo()
+    if ext == ".png":  # the same pixels as PIL's own open of the path
+        assert torch.equal(image, evaluate.from_image(load_rgb(path)))
