@@ -88,6 +88,7 @@ class Trainer:
         self.reporter: Optional[RunReporter] = None
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
+        self.val_batches = None  # the validation batches, started during the epoch's last training step
 
     # ------------------------------------------------------------ set-up
 
@@ -228,10 +229,10 @@ class Trainer:
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             if self.freeze is not None:
                 self.freeze.set_epoch(epoch)
-            counters, seconds, resumed = self._train_epoch(epoch, hooks, next_batches)
+            due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
+            counters, seconds, resumed = self._train_epoch(epoch, hooks, next_batches, validation_due=due)
             # The next epoch's first batches load while this one validates and saves.
             next_batches = self._start_batches(epoch + 1) if epoch + 1 < self.cfg.train.epochs else None
-            due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
             try:
                 metrics = self.validate() if due else None
             except StopRequested:
@@ -258,7 +259,16 @@ class Trainer:
         self.data.sampler.set_epoch(epoch, start_batch)
         return iter(self.data.train_loader)
 
-    def _train_epoch(self, epoch: int, hooks: StepHooks, batches=None) -> tuple[EpochCounters, float, EpochCounters]:
+    def _start_validation_at_the_last_batch(self, batches, first: int):
+        """`batches` (from batch `first` on); handing out the epoch's last one starts the validation loader, so
+        its workers load the first validation batches during the last training step."""
+        for index, batch in enumerate(batches, first):
+            if index == self.plan.batches_per_epoch - 1:
+                self.val_batches = iter(self.data.val_loader)
+            yield batch
+
+    def _train_epoch(self, epoch: int, hooks: StepHooks, batches=None,
+                     validation_due: bool = False) -> tuple[EpochCounters, float, EpochCounters]:
         """One epoch (from the resumed batch on), over `batches` when they were started already; returns its
         counters, the seconds it took here, and the counters it started from (non-zero in a resumed epoch)."""
         counters = self.state.epoch_counters()
@@ -266,6 +276,8 @@ class Trainer:
         start = time.perf_counter()
         if batches is None:
             batches = self._start_batches(epoch, counters.batches_done)
+        if validation_due:
+            batches = self._start_validation_at_the_last_batch(batches, counters.batches_done)
         self.reporter.open_bar(epoch, counters.batches_done)
         hooks.on_batch = self.reporter.on_batch()
         try:
@@ -315,8 +327,9 @@ class Trainer:
         # split, sharded across ranks), so the samples counted do not depend on the world size.
         stopping, should_stop = self.stop_signal.validation_guard(self.dist, loader_length(self.data.val_loader),
                                                                   self.device)
+        batches, self.val_batches = self.val_batches or self.data.val_loader, None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
-            sums, unreadable = evaluate(self.eval_model, self.data.val_loader, self.step.input, len(self.classes),
+            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, len(self.classes),
                                         on_batch=on_batch, should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()

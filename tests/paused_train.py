@@ -110,29 +110,37 @@ def pause_in_save(marker: str, n: int) -> None:
 
 def block_reads_in_validation(marker: str, n: int) -> None:
     """From the N-th validation pass on, every validation item opens a FIFO that nobody writes (in the loader
-    workers, which fork after this patch): the read blocks until the process is ended."""
+    workers, which fork after this patch): the read blocks until the process is ended. The FIFO appears when
+    the N-th epoch's training starts, before the validation workers (started during its last step) read;
+    MARKER is written when the pass starts in the main process, which then waits on those reads."""
     import data.datasets as datasets
     import engine.trainer as trainer
 
     fifo = Path(marker).with_name(Path(marker).name + ".fifo")
     real_getitem = datasets.EvalDataset.__getitem__
-    real_evaluate = trainer.evaluate
-    calls = {"n": 0}
+    real_train_epoch, real_evaluate = trainer.Trainer._train_epoch, trainer.evaluate
+    calls = {"epochs": 0, "passes": 0}
 
     def getitem(self, i):
         if fifo.exists():
-            Path(marker).write_text(str(os.getpid()))
             with open(fifo, "rb") as f:  # blocks: no writer ever opens it
                 f.read()
         return real_getitem(self, i)
 
-    def evaluate(model, loader, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
+    def train_epoch(self, *args, **kwargs):
+        calls["epochs"] += 1
+        if calls["epochs"] == n:
             os.mkfifo(fifo)
-        return real_evaluate(model, loader, *args, **kwargs)
+        return real_train_epoch(self, *args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        calls["passes"] += 1
+        if calls["passes"] == n:
+            Path(marker).write_text(str(os.getpid()))
+        return real_evaluate(*args, **kwargs)
 
     datasets.EvalDataset.__getitem__ = getitem
+    trainer.Trainer._train_epoch = train_epoch
     trainer.evaluate = evaluate
 
 

@@ -180,7 +180,8 @@ def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
 
 def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weights(tmp_path):
     """The workers start on epoch e+1 before epoch e validates and saves: the sampler is already at e+1 in
-    every validation but the last, and the weights equal those of loading in the main process on demand."""
+    every validation but the last, and the validation batches were started during the last training step;
+    the weights equal those of loading in the main process on demand."""
     data = make_tree(tmp_path / "data", {"a": (12, 3), "b": (12, 3)})
     weights, seen = {}, []
     for workers in (2, 0):
@@ -190,7 +191,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
         real_validate = trainer.validate
 
         def validate():
-            seen.append((workers, trainer.data.sampler.epoch))
+            seen.append((workers, trainer.data.sampler.epoch, trainer.val_batches is not None))
             return real_validate()
 
         trainer.validate = validate
@@ -201,7 +202,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
             trainer.close()
         weights[workers] = torch.load(out / "last.pt", weights_only=True)["model"]
     # validating epoch k (1-based) with the sampler at k (0-based: the next epoch); the last has no next one
-    assert seen == [(2, 1), (2, 2), (2, 2), (0, 1), (0, 2), (0, 2)]
+    assert seen == [(2, 1, True), (2, 2, True), (2, 2, True), (0, 1, True), (0, 2, True), (0, 2, True)]
     assert weights[2].keys() == weights[0].keys()
     assert all(torch.equal(weights[2][k], weights[0][k]) for k in weights[0])
 
