@@ -171,15 +171,12 @@ def read_source(path) -> SourceImage:
             raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
     jpeg, header = None, None
     if decode_jpeg is not None and bytes(buf[:2]) == _JPEG_START:
-        header = parse_jpeg_header(memoryview(buf))
-        if header is not None and header.components in (1, 3):
-            writable = buf if isinstance(buf, bytearray) or (isinstance(buf, memoryview) and not buf.readonly) \
+        parsed = parse_jpeg_header(memoryview(buf))
+        if parsed is not None and parsed.components in (1, 3):
+            # torch.frombuffer wants a writable buffer (a shard's sample arrives as bytes)
+            writable = buf if isinstance(buf, (bytearray, memoryview)) and not memoryview(buf).readonly \
                 else bytearray(buf)
-            jpeg = torch.frombuffer(writable, dtype=torch.uint8) if len(writable) else None
-        else:
-            header = None
-    if jpeg is None:
-        header = None
+            jpeg, header = torch.frombuffer(writable, dtype=torch.uint8), parsed
     return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf, jpeg, header)
 
 

@@ -232,7 +232,7 @@ class Trainer:
             due = validation_due(epoch + 1, self.cfg.train.epochs, self.cfg.train.val_interval)
             counters, seconds, resumed = self._train_epoch(epoch, hooks, next_batches, validation_due=due)
             # The next epoch's first batches load while this one validates and saves.
-            next_batches = self._start_batches(epoch + 1) if epoch + 1 < self.cfg.train.epochs else None
+            next_batches = start_batches(self.data, epoch + 1) if epoch + 1 < self.cfg.train.epochs else None
             try:
                 metrics = self.validate() if due else None
             except StopRequested:
@@ -254,18 +254,8 @@ class Trainer:
         dist_utils.barrier()
         return 0
 
-    def _start_batches(self, epoch: int, start_batch: int = 0):
-        """The training batches of `epoch` from `start_batch` on; the loader workers start loading them now."""
-        self.data.sampler.set_epoch(epoch, start_batch)
-        return iter(self.data.train_loader)
-
-    def _start_validation_at_the_last_batch(self, batches, first: int):
-        """`batches` (from batch `first` on); handing out the epoch's last one starts the validation loader, so
-        its workers load the first validation batches during the last training step."""
-        for index, batch in enumerate(batches, first):
-            if index == self.plan.batches_per_epoch - 1:
-                self.val_batches = iter(self.data.val_loader)
-            yield batch
+    def _start_validation(self) -> None:
+        self.val_batches = iter(self.data.val_loader)
 
     def _train_epoch(self, epoch: int, hooks: StepHooks, batches=None,
                      validation_due: bool = False) -> tuple[EpochCounters, float, EpochCounters]:
@@ -275,9 +265,10 @@ class Trainer:
         resumed = EpochCounters(samples=counters.samples, data_time=counters.data_time)
         start = time.perf_counter()
         if batches is None:
-            batches = self._start_batches(epoch, counters.batches_done)
-        if validation_due:
-            batches = self._start_validation_at_the_last_batch(batches, counters.batches_done)
+            batches = start_batches(self.data, epoch, counters.batches_done)
+        if validation_due:  # its workers load the first validation batches during the last training step
+            batches = calling_at(batches, counters.batches_done, self.plan.batches_per_epoch - 1,
+                                 self._start_validation)
         self.reporter.open_bar(epoch, counters.batches_done)
         hooks.on_batch = self.reporter.on_batch()
         try:
@@ -300,13 +291,7 @@ class Trainer:
 
     def _record_unreadable(self, indices) -> None:
         every_rank = dist_utils.union_of_lists(sorted(indices))
-        paths, dataset = self.data.train_index.paths, self.data.train_loader.dataset
-        new = [i for i in every_rank if paths[i] not in self.state.skipped_files]
-        for i in new:
-            log.warning("unreadable training file skipped (%s): %s", failure_reason(dataset, i), paths[i])
-        self.state.skipped_files.extend(paths[i] for i in new)
-        check_bad_fraction(self.state.skipped_files, len(self.data.train_index), "training",
-                           self.cfg.data.max_bad_fraction)
+        record_unreadable(self.state, self.data, every_rank, self.cfg.data.max_bad_fraction)
 
     def _sync_buffers(self) -> None:
         """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""
@@ -327,7 +312,8 @@ class Trainer:
         # split, sharded across ranks), so the samples counted do not depend on the world size.
         stopping, should_stop = self.stop_signal.validation_guard(self.dist, loader_length(self.data.val_loader),
                                                                   self.device)
-        batches, self.val_batches = self.val_batches or self.data.val_loader, None
+        batches = self.val_batches if self.val_batches is not None else self.data.val_loader
+        self.val_batches = None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
             sums, unreadable = evaluate(self.eval_model, batches, self.step.input, len(self.classes),
                                         on_batch=on_batch, should_stop=should_stop)
@@ -360,6 +346,31 @@ class Trainer:
 
     def write_summary(self) -> None:
         self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
+
+
+def start_batches(data: RunData, epoch: int, start_batch: int = 0):
+    """The training batches of `epoch` from `start_batch` on; the loader workers start loading them now."""
+    data.sampler.set_epoch(epoch, start_batch)
+    return iter(data.train_loader)
+
+
+def calling_at(batches, first: int, at: int, action):
+    """`batches`, numbered from `first`; `action()` runs as batch `at` is handed out."""
+    for index, batch in enumerate(batches, first):
+        if index == at:
+            action()
+        yield batch
+
+
+def record_unreadable(state: TrainState, data: RunData, indices: list[int], max_bad_fraction: float) -> None:
+    """Add the training files at `indices` (every rank's) to the state's skipped files, each new one named
+    in a warning; a split with too many of them stops the run (BadDataError)."""
+    paths, dataset = data.train_index.paths, data.train_loader.dataset
+    new = [i for i in indices if paths[i] not in state.skipped_files]
+    for i in new:
+        log.warning("unreadable training file skipped (%s): %s", failure_reason(dataset, i), paths[i])
+    state.skipped_files.extend(paths[i] for i in new)
+    check_bad_fraction(state.skipped_files, len(data.train_index), "training", max_bad_fraction)
 
 
 def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
