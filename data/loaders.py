@@ -143,17 +143,19 @@ def build_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bo
 def build_stream_train_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool,
                               prefetch_factor: int) -> DataLoader:
     """A shard stream's loader. Workers are started anew each epoch (not persistent): an iterable dataset's
-    epoch (`set_epoch`) reaches the workers only when they start."""
+    epoch (`set_epoch`) reaches the workers only when they start. Like every loader here it has its own
+    generator: each iter() draws the workers' base seed, and from the global RNG that draw would move the
+    stream a resumed run restores, depending on when the iterator starts (before or after a save)."""
     options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if num_workers else {}
     return Loader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
-                  drop_last=True, **options)
+                  drop_last=True, generator=torch.Generator().manual_seed(0), **options)
 
 
 def build_stream_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool,
                              prefetch_factor: int = 2) -> DataLoader:
     options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if num_workers else {}
     return Loader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
-                  drop_last=False, **options)
+                  drop_last=False, generator=torch.Generator().manual_seed(0), **options)
 
 
 def loader_length(loader) -> Optional[int]:
