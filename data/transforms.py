@@ -13,8 +13,9 @@ drawn from that size first. When what is kept still fits at 1/4 or 1/8 scale, PI
 decodes at that scale; otherwise `torchvision.io.decode_jpeg` decodes the full image (the same
 libjpeg-turbo pixels as PIL, faster, no PIL image copies). The result is resized as a uint8
 channels-last tensor (torch's vectorised antialiased resize, equal to PIL's to +-1). CMYK, XMP-only
-orientation, truncated and non-JPEG files go through PIL (`data.images.load_rgb`), so the pixel policy
-(EXIF orientation, modes, refusal of broken files) holds.
+orientation, truncated and non-JPEG files go through PIL (`data.images.decode_rgb`, opened from the bytes
+already read: one open per file), so the pixel policy (EXIF orientation, modes, refusal of broken files)
+holds.
 
 Every transform takes a file path or the file's bytes (a WebDataset sample's image): the same decode path
 and pixel policy either way.

@@ -23,6 +23,11 @@ from engine.schedule import build_scheduler, observe_epoch, schedule_from_config
 from engine.memory import explain_out_of_memory
 
 
+# Optimizers whose update is non-finite when a gradient is (so the weights, and the next loss, become
+# non-finite too); lion's sign step is not one of them
+NONFINITE_REACHES_WEIGHTS = frozenset({"sgd", "adamw", "lamb", "lars", "rmsprop"})
+
+
 @dataclass
 class WindowUpdate:
     """What the end of an accumulation window did."""
@@ -48,6 +53,7 @@ class TrainStep:
     distributed: bool = False
     ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after applied steps
     mixing: Optional[BatchMixing] = None   # data.random_erasing, mixup / CutMix (None: all off)
+    nonfinite_reaches_weights: bool = True  # a non-finite gradient makes the optimizer's update non-finite
 
     @property
     def fp16(self) -> bool:
@@ -61,11 +67,14 @@ class TrainStep:
     @property
     def checks_gradients(self) -> bool:
         """Whether every step checks its gradients for non-finite values before the update (their norm, a pass
-        over all gradients). train.nonfinite=skip must, to skip the right update. Under `stop` the loss check
-        suffices: a finite loss with non-finite gradients makes the weights and so the next step's loss
-        non-finite, the run stops there, and no save ever takes non-finite weights. Under fp16 the GradScaler
-        checks."""
-        return self.nonfinite == "skip" and not self.fp16
+        over all gradients). train.nonfinite=skip must, to skip the right update. Under `stop` with an
+        optimizer whose update carries a non-finite gradient into the weights, the loss check suffices: the
+        next step's loss is non-finite, the run stops there, and no save takes non-finite weights. Lion steps
+        by the sign (sign(nan) = 0): its weights stay finite while its state does not, so it is checked every
+        step. Under fp16 the GradScaler checks."""
+        if self.fp16:
+            return False
+        return self.nonfinite == "skip" or not self.nonfinite_reaches_weights
 
     def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
         """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
@@ -157,4 +166,5 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
                      optimizer=optimizer, scheduler=scheduler, scaler=scaler, input=device_input,
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
-                     max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing)
+                     max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing,
+                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS)

@@ -244,3 +244,49 @@ def test_each_image_file_is_opened_once(tmp_path, monkeypatch, ext):
     monkeypatch.undo()
     if ext == ".png":  # the same pixels as PIL's own open of the path
         assert torch.equal(image, evaluate.from_image(load_rgb(path)))
+
+
+def test_starting_a_loaders_batches_leaves_the_global_rng_alone():
+    """The batches start before a save (the next epoch's) or after one: either way the RNG state a resumed run
+    restores must not depend on it, so no loader draws its workers' base seed from the global generator."""
+    from torch.utils.data import IterableDataset
+
+    from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
+    from data.samplers import TrainSampler
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    items = list(range(8))
+    loaders = [build_stream_train_loader(Stream(), 2, 0, False, 2), build_stream_eval_loader(Stream(), 2, 0, False),
+               build_eval_loader(items, 2, 0, False),
+               build_train_loader(items, TrainSampler([0, 1] * 4, "random", 0, 2), 2, 0, False, False, 2, seed=0)]
+    for loader in loaders:
+        before = torch.get_rng_state()
+        iter(loader)
+        assert torch.equal(torch.get_rng_state(), before), type(loader.dataset).__name__
+
+
+@pytest.mark.parametrize("optimizer, nonfinite, checked", [
+    ("sgd", "stop", False), ("adamw", "stop", False), ("sgd", "skip", True), ("lion", "stop", True)])
+def test_which_steps_check_their_gradients(optimizer, nonfinite, checked):
+    """Under stop the next loss shows a non-finite update, except with lion: it steps by the sign of its
+    update (sign(nan) = 0), so a non-finite gradient leaves the weights finite and poisons only its state."""
+    from timm.optim import create_optimizer_v2
+
+    from engine.device import DeviceInput
+    from engine.step import build_train_step
+    from models.factory import build_model
+
+    cfg = load_config("base", [f"optim.name={optimizer}", f"train.nonfinite={nonfinite}", "train.amp=none",
+                               "model.name=test_resnet"])
+    model = build_model(cfg.model, 2)
+    step = build_train_step(cfg, model, DeviceInput.from_config(cfg, torch.device("cpu"), None), 0.1)
+    assert step.checks_gradients == checked
+    if optimizer == "lion":
+        weights = torch.nn.Parameter(torch.ones(4))
+        lion = create_optimizer_v2([weights], "lion", lr=0.1)
+        weights.grad = torch.tensor([1.0, float("nan"), float("inf"), 1.0])
+        lion.step()
+        assert torch.isfinite(weights).all() and not torch.isfinite(lion.state[weights]["exp_avg"]).all()
