@@ -107,7 +107,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
     batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
-    apply_cpu_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loaded.cfg.train.reuse_host_memory)  # as eval.py
+    # as eval.py
+    apply_cpu_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loaded.cfg.train.reuse_host_memory)
 
     model = loaded.build_model(device, channels_last=True)
     model, folded = fold_batchnorm(model)

@@ -125,17 +125,6 @@ def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
 _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 
 
-def read_jpeg(path) -> tuple[torch.Tensor | None, JpegHeader | None]:
-    """The bytes and header of a grayscale or colour JPEG that the tensor decoder can take, else (None, None)
-    (other formats, CMYK, odd headers, unreadable files: PIL opens them and applies the policy). `path` may
-    also be the file's bytes."""
-    try:
-        source = read_source(path)
-    except ImageDecodeError:
-        return None, None
-    return source.jpeg, source.header
-
-
 class SourceImage:
     """An image file read once (one open, one read): the whole file's bytes, its displayed size, and either
     the bytes as a uint8 tensor with the parsed header (a JPEG the tensor decoder can take) or, for
@@ -153,8 +142,7 @@ class SourceImage:
         """Decode through PIL with the pixel policy (`data.images.decode_rgb`)."""
         pil = self._pil if self._pil is not None else open_image(io.BytesIO(self.buf), name=self.name)
         self._pil = None
-        with pil:
-            return decode_rgb(pil, self.name, min_size)
+        return decode_rgb(pil, self.name, min_size)  # from memory: no file left open to close
 
 
 def read_source(path) -> SourceImage:

@@ -13,7 +13,7 @@ from data.datasets import TrainDataset
 from data.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.images import open_image, oriented_size, parse_jpeg_header
-from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_jpeg
+from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_source
 from benchmarking.photos import photo
 
 
@@ -47,7 +47,8 @@ def _whole_image_transform(img_size):
 @pytest.mark.parametrize("mode,orientation", [("RGB", None), ("L", None), ("RGB", 6), ("RGB", 3)])
 def test_tensor_decode_gives_the_same_pixels_as_pil(tmp_path, mode, orientation):
     path = _jpeg(tmp_path / "a.jpg", (96, 72), mode, orientation)
-    data, header = read_jpeg(path)
+    source = read_source(path)
+    data, header = source.jpeg, source.header
     assert header is not None and header.components == (1 if mode == "L" else 3)
     decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
     assert decoded is not None and decoded.dtype == torch.uint8
@@ -84,7 +85,8 @@ def test_truncated_jpeg_is_still_refused(tmp_path):
     path = _jpeg(tmp_path / "a.jpg", (96, 72))
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    data, header = read_jpeg(path)
+    source = read_source(path)
+    data, header = source.jpeg, source.header
     assert header is not None and decode_jpeg_tensor(data) is None  # left to PIL, which refuses it
     with pytest.raises(ImageDecodeError):
         _whole_image_transform(64)(path)
@@ -131,11 +133,12 @@ def test_jpeg_header_parser_agrees_with_pil(tmp_path, orientation, mode, progres
         assert header.components == len(pil.getbands())
         assert header.oriented_size == oriented_size(pil)
     if mode != "CMYK":  # the tensor decoder's orientation agrees with the header's
-        data, _ = read_jpeg(path)
+        data = read_source(path).jpeg
         decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
         assert decoded is not None and torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
     else:
-        assert read_jpeg(path) == (None, None)
+        source = read_source(path)
+        assert (source.jpeg, source.header) == (None, None)
 
 
 def test_jpeg_header_parser_leaves_odd_files_to_pil(tmp_path):
