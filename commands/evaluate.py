@@ -10,7 +10,7 @@ import torch
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
-from engine.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune, eval_threads,
+from engine.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune,
                            pin_memory_for, resolve_amp, select_device)
 from engine.evaluate import evaluate
 from engine.metrics import per_class_report
@@ -60,7 +60,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
 
     device = select_device(cfg.train.device)
     amp_dtype = None if loaded.fp32_only else resolve_amp(cfg.train.amp, device)
-    apply_cpu_policy(eval_threads(cfg.train.threads, loaded.threads), cfg.train.reuse_host_memory)
+    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, saved_threads=loaded.threads)
     enable_cudnn_autotune(device)
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()

@@ -14,7 +14,7 @@ import torch
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from engine.checkpointer import find_newest_checkpoint
-from engine.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, eval_threads, resolve_amp,
+from engine.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
                            select_device)
 from engine.evaluate import Predictions, predict
 from engine.model_files import KIND_NAMES, load_model_file
@@ -108,7 +108,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
     # as eval.py
-    apply_cpu_policy(eval_threads(loaded.cfg.train.threads, loaded.threads), loaded.cfg.train.reuse_host_memory)
+    apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
 
     model = loaded.build_model(device, channels_last=True)
     model, folded = fold_batchnorm(model)

@@ -17,19 +17,29 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def choose_threads(setting, cpus: int, env: dict) -> tuple[int, str]:
+def choose_threads(setting, cpus: int, env: dict, busy_cores: Optional[float] = None,
+                   saved: Optional[int] = None) -> tuple[int, str]:
     """Intra-op threads for the main process, and where the number came from.
 
-    An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process); `auto` is
-    every usable core. What keeps that cheap when other jobs want the cores is the OpenMP wait chosen by
-    the cores' load (`choose_omp_wait`): threads that sleep soon cost about what one thread does beside
-    busy processes, and on an idle machine they compute in parallel (docs/performance.md has the numbers)."""
+    An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process), then
+    `saved`, the count a checkpoint's run computed with (a resume, eval.py, infer.py: sums over another
+    thread count round differently in the last digits; never more than `cpus`). Else `auto`: the usable
+    cores less those other processes kept busy at start (`busy_cores`, rounded; at least one). On a
+    2-core machine beside one busy process, one thread has a core to itself, where two would share the
+    other core with that process and wait for each other at every parallel region (docs/performance.md).
+    So a fresh run's numbers depend on the load it started beside; a pinned `train.threads` makes them
+    not."""
     if setting != "auto":
         return int(setting), "train.threads"
     from_env = env.get("OMP_NUM_THREADS", "").strip()
     if from_env.isdigit() and int(from_env) > 0:
         return int(from_env), "OMP_NUM_THREADS"
-    return cpus, f"auto: {cpus} usable core(s)"
+    if isinstance(saved, int) and saved > 0:
+        return min(saved, cpus), f"auto: the checkpoint's run used {saved}"
+    if busy_cores is None or busy_cores < BUSY_CORES:
+        return cpus, f"auto: {cpus} usable core(s)"
+    free = max(1, min(cpus, int(cpus - busy_cores + 0.5)))
+    return free, f"auto: {cpus} usable core(s), {busy_cores:.1f} kept busy by other processes at start"
 
 
 # libgomp's spin count (torch's Linux wheels use GNU OpenMP): about 100 spins per microsecond
@@ -45,6 +55,7 @@ class OmpWaitChoice:
 
     env: dict                     # the variables it set (empty: none)
     reason: str
+    busy_cores: Optional[float] = None  # other processes' load at start (None: not probed, or unknown)
 
 
 # the choice made for this process by the entry script (commands.cli.run_main), before torch loaded
@@ -97,23 +108,31 @@ def omp_wait_for(busy_cores: Optional[float]) -> OmpWaitChoice:
         return OmpWaitChoice(short, "idle threads sleep soon (the cores' load is unknown here)")
     if busy_cores >= BUSY_CORES:
         return OmpWaitChoice(short, f"idle threads sleep soon: other processes kept {busy_cores:.1f} "
-                                    f"core(s) busy at start")
-    return OmpWaitChoice({}, "idle threads spin a while (OpenMP's default): the cores were idle at start")
+                                    f"core(s) busy at start", busy_cores)
+    return OmpWaitChoice({}, "idle threads spin a while (OpenMP's default): the cores were idle at start",
+                         busy_cores)
 
 
 def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_of_others) -> OmpWaitChoice:
-    """Set how waiting OpenMP threads behave (`omp_wait_for` the cores' load now), unless the user chose
-    (OMP_WAIT_POLICY or GOMP_SPINCOUNT set) or one thread has nobody to wait for (OMP_NUM_THREADS=1).
+    """Probe the cores' load and set how waiting OpenMP threads behave (`omp_wait_for` that load), unless
+    the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set: the load is still probed, for `auto` threads).
+    OMP_NUM_THREADS=1 needs neither: one thread has nobody to wait for, and its count is fixed.
     OpenMP reads this once, when torch loads it, so this runs before torch is imported."""
     env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").strip() == "1":
+        return OmpWaitChoice({}, users_wait(env) or "one thread: nothing to wait for")
+    busy_cores = probe()
     already_set = users_wait(env)
     if already_set:
-        return OmpWaitChoice({}, already_set)
-    if env.get("OMP_NUM_THREADS", "").strip() == "1":
-        return OmpWaitChoice({}, "one thread: nothing to wait for")
-    choice = omp_wait_for(probe())
+        return OmpWaitChoice({}, already_set, busy_cores)
+    choice = omp_wait_for(busy_cores)
     env.update(choice.env)
     return choice
+
+
+def start_busy_cores() -> Optional[float]:
+    """The cores other processes kept busy when this command started (None: not probed, or unknown)."""
+    return chosen_omp_wait.busy_cores if chosen_omp_wait is not None else None
 
 
 def omp_wait_description() -> str:

@@ -81,8 +81,8 @@ class Checkpointer:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
                 "config": self.cfg.to_dict(), "preprocessing": preprocessing_record(self.cfg),
                 "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
-                # the CPU threads validation ran with: eval.py takes the same by default, since sums over
-                # another thread count round differently in the last digits
+                # the CPU threads the run computed with: a resume, eval.py and infer.py take the same by
+                # default, since sums over another thread count round differently in the last digits
                 "threads": torch.get_num_threads(), **data_source_fields(self.data_source)}
 
     def last_contents(self, state: TrainState) -> dict:

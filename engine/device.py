@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
-from core.host import choose_threads, keep_freed_memory, omp_wait_description, usable_cpus
+from core.host import choose_threads, keep_freed_memory, omp_wait_description, start_busy_cores, usable_cpus
 from data.transforms import normalize_batch
 
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,24 +80,16 @@ def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     return setting if setting is not None else device.type == "cuda"
 
 
-def apply_cpu_policy(threads_setting, reuse_host_memory: bool = True) -> tuple[int, str]:
-    """Set torch's intra-op threads by `core.host.choose_threads` and, with `reuse_host_memory`
+def apply_cpu_policy(threads_setting, reuse_host_memory: bool = True,
+                     saved_threads: Optional[int] = None) -> tuple[int, str]:
+    """Set torch's intra-op threads by `core.host.choose_threads` (with `saved_threads`, the count a
+    checkpoint's run computed with, for a resume, eval.py and infer.py) and, with `reuse_host_memory`
     (`train.reuse_host_memory`), keep freed host memory for reuse (`core.host.keep_freed_memory`);
     returns (threads, where the count came from, how idle threads wait and what memory does)."""
-    threads, source = choose_threads(threads_setting, usable_cpus(), os.environ)
+    threads, source = choose_threads(threads_setting, usable_cpus(), os.environ, start_busy_cores(), saved_threads)
     torch.set_num_threads(threads)
     memory = "freed memory kept for reuse" if reuse_host_memory and keep_freed_memory() else "malloc's defaults"
     return threads, f"{source}; {omp_wait_description()}; {memory}"
-
-
-def eval_threads(setting, trained_with: Optional[int]):
-    """The thread setting for evaluating a checkpoint: `train.threads` or OMP_NUM_THREADS when set, else
-    the count its training run validated with (at most this machine's cores), so eval.py reproduces
-    validation's numbers to the last digit whatever its worker count; else `auto` (every core: no loader
-    share is taken, the numbers must not depend on --num-workers)."""
-    if setting != "auto" or os.environ.get("OMP_NUM_THREADS", "").strip() or not trained_with:
-        return setting
-    return min(trained_with, usable_cpus())
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

@@ -109,7 +109,6 @@ class Trainer:
         world = dist_utils.env_world_size()
         self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
         self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
-        self.threads = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)
         dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
         self.dist = dist_utils.init_distributed(self.device.type)
         self.run_lock = dist_utils.run_on_main(self.dist.is_main, lambda: open_run_dir(self.run_dir))
@@ -117,6 +116,9 @@ class Trainer:
         setup_logging(self.run_dir, self.dist.is_main)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
+        # a resume computes with the thread count it was saved with (bitwise resume), whatever the load now
+        self.threads = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory,
+                                        saved_threads=resume_ckpt.get("threads") if resume_ckpt else None)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
         if cfg.model.pretrained:  # before the data: no weights (offline) is a usage error, exit 2
             self.pretrained, lines = prepare_pretrained(cfg, resume_ckpt.get("config") if resume_ckpt else None)

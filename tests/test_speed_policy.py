@@ -12,14 +12,21 @@ from engine.schedule import validation_due
 from engine.trainer import Trainer, run
 
 
-@pytest.mark.parametrize("setting, cpus, env, expected", [
-    ("auto", 2, {}, 2),                       # every usable core (their idle waits sleep)
-    ("auto", 8, {"OMP_NUM_THREADS": "3"}, 3),  # torchrun (or the user) set it: kept
-    ("auto", 8, {"OMP_NUM_THREADS": ""}, 8),   # empty: ignored
-    (5, 2, {"OMP_NUM_THREADS": "1"}, 5),       # an explicit train.threads wins over everything
+@pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
+    ("auto", 2, {}, None, None, 2),                       # load unknown (not probed): every usable core
+    ("auto", 2, {}, 0.3, None, 2),                        # idle enough: every usable core
+    ("auto", 2, {}, 1.0, None, 1),                        # one core busy: the free one
+    ("auto", 16, {}, 3.6, None, 12),                      # rounded
+    ("auto", 2, {}, 2.0, None, 1),                        # every core busy: still one thread
+    ("auto", 8, {"OMP_NUM_THREADS": "3"}, 6.0, 4, 3),     # torchrun (or the user) set it: kept
+    ("auto", 8, {"OMP_NUM_THREADS": ""}, None, None, 8),  # empty: ignored
+    ("auto", 4, {}, 3.0, 2, 2),                           # a checkpoint's count wins over the load
+    ("auto", 4, {}, None, 10_000, 4),                     # but never more than the machine has
+    ("auto", 4, {}, None, "2", 4),                        # and only a positive int counts
+    (5, 2, {"OMP_NUM_THREADS": "1"}, 1.0, 2, 5),          # an explicit train.threads wins over everything
 ])
-def test_thread_choice(setting, cpus, env, expected):
-    threads, source = choose_threads(setting, cpus, env)
+def test_thread_choice(setting, cpus, env, busy, saved, expected):
+    threads, source = choose_threads(setting, cpus, env, busy, saved)
     assert threads == expected and source
 
 
@@ -83,10 +90,11 @@ def test_a_users_openmp_wait_stays_and_one_thread_needs_no_probe():
 
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
         env = dict(chosen)
-        choice = choose_omp_wait(env, probe=probe)
-        assert env == chosen and choice.env == {} and "=" in choice.reason
+        choice = choose_omp_wait(env, probe=lambda: 1.0)    # still probed: `auto` threads follow the load
+        assert env == chosen and choice.env == {} and "=" in choice.reason and choice.busy_cores == 1.0
     env = {"OMP_NUM_THREADS": "1"}
-    assert choose_omp_wait(env, probe=probe).env == {} and env == {"OMP_NUM_THREADS": "1"}
+    choice = choose_omp_wait(env, probe=probe)
+    assert choice.env == {} and choice.busy_cores is None and env == {"OMP_NUM_THREADS": "1"}
 
 
 def test_cpu_ticks_are_summed_over_the_usable_cores_only():
@@ -131,17 +139,42 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     assert "chosen True True False" in out
 
 
-def test_evaluation_takes_the_thread_count_validation_ran_with(monkeypatch):
-    from core.host import usable_cpus
-    from engine.device import eval_threads
+def test_auto_threads_follow_the_start_load_and_a_resume_keeps_its_count(tmp_path, tiny_tree, monkeypatch):
+    """A fresh run beside one busy process (of 2 cores) takes one thread; a run that started on idle cores
+    takes both, and its resume keeps both though the load changed (sums over another thread count round
+    differently: no bitwise resume otherwise); eval.py and infer.py take the checkpoint's count too."""
+    import core.host
+    import engine.device
+    from core.host import OmpWaitChoice
+    from engine.device import apply_cpu_policy
+
+    def start_load(busy):
+        monkeypatch.setattr(core.host, "chosen_omp_wait", OmpWaitChoice({}, "test", busy))
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert eval_threads("auto", 1) == 1
-    assert eval_threads("auto", 10_000) == usable_cpus()   # never more than this machine has
-    assert eval_threads("auto", None) == "auto"             # a checkpoint from before the record
-    assert eval_threads(3, 1) == 3                          # an explicit setting wins
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert eval_threads("auto", 1) == "auto"                # and so does the environment
+    monkeypatch.setattr(engine.device, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        start_load(1.0)
+        busy_run = tmp_path / "busy"
+        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run))).setup()
+        assert torch.get_num_threads() == 1
+        assert "1 CPU thread(s) (auto: 2 usable core(s), 1.0 kept busy" in (busy_run / "train.log").read_text()
+
+        start_load(0.0)
+        out = tmp_path / "run"
+        assert run(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1}))) == 0
+        assert torch.load(out / "last.pt", weights_only=True)["threads"] == 2
+
+        start_load(1.0)
+        Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
+                resume=str(out / "last.pt")).setup()
+        assert torch.get_num_threads() == 2
+        assert "2 CPU thread(s) (auto: the checkpoint's run used 2" in (out / "train.log").read_text()
+        assert apply_cpu_policy("auto", saved_threads=2)[0] == 2 == torch.get_num_threads()
+        assert apply_cpu_policy("auto", saved_threads=None)[0] == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_freed_host_memory_is_reused_without_page_faults():
