@@ -128,6 +128,22 @@ def test_a_save_removes_temp_files_left_by_a_killed_save_and_only_those(tmp_path
         live.wait()
 
 
+def test_saves_skip_the_zip_crcs_torch_never_checks_and_leave_torchs_setting_alone(tmp_path):
+    import zipfile
+
+    import torch.utils.serialization.config as serialization_config
+
+    weights = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    save_atomic({"step": 1, "w": weights}, tmp_path / "last.pt")
+    assert torch.equal(torch.load(tmp_path / "last.pt", weights_only=True)["w"], weights)
+    with zipfile.ZipFile(tmp_path / "last.pt") as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+    assert serialization_config.save.compute_crc32 is True  # other torch.save calls keep the default
+    torch.save({"w": weights}, tmp_path / "plain.pt")
+    with zipfile.ZipFile(tmp_path / "plain.pt") as archive:
+        assert 0 not in {info.CRC for info in archive.infolist() if info.file_size}
+
+
 def test_checkpoints_follow_the_umask(tmp_path):
     previous = os.umask(0o022)
     try:
