@@ -12,7 +12,7 @@ from core.errors import ConfigError
 from data.build import prepare_root, scan_tree
 from engine import distributed as dist_utils
 from engine.batch_finder import format_breakdown, memory_budget_bytes
-from engine.device import enable_cudnn_autotune, precision_name, resolve_amp, select_device
+from engine.device import apply_cpu_policy, enable_cudnn_autotune, precision_name, resolve_amp, select_device
 from engine.memory import mib
 from engine.schedule import scaled_lr
 from engine.sweep import MemoryCheck, RunContext, run_lr_range, sweep_batch_sizes
@@ -32,6 +32,7 @@ def prepare(cfg) -> tuple[RunContext, int, int]:
     device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
     amp_dtype = resolve_amp(cfg.train.amp, device)
     dist = dist_utils.init_distributed(device.type)
+    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)  # the count train.py would take here
     if dist.is_main:
         prepare_root(cfg)
     dist_utils.barrier()

@@ -35,7 +35,8 @@ def choose_threads(setting, cpus: int, env: dict, busy_cores: Optional[float] = 
     if from_env.isdigit() and int(from_env) > 0:
         return int(from_env), "OMP_NUM_THREADS"
     if isinstance(saved, int) and saved > 0:
-        return min(saved, cpus), f"auto: the checkpoint's run used {saved}"
+        capped = f", capped at {cpus} usable core(s)" if saved > cpus else ""
+        return min(saved, cpus), f"auto: the checkpoint's run used {saved}{capped}"
     if busy_cores is None or busy_cores < BUSY_CORES:
         return cpus, f"auto: {cpus} usable core(s)"
     free = max(1, min(cpus, int(cpus - busy_cores + 0.5)))
@@ -101,7 +102,7 @@ def omp_wait_for(busy_cores: Optional[float]) -> OmpWaitChoice:
     small parallel regions of a step from paying a wake-up each. Beside other busy processes that spin
     takes the cores the threads being waited for need, and every step waits for them: there the threads
     spin for a few microseconds, then sleep (OMP_WAIT_POLICY=PASSIVE, which other OpenMP runtimes read,
-    and GOMP_SPINCOUNT). Either way the thread count, and so every number computed, is the same.
+    and GOMP_SPINCOUNT). The wait changes no number computed (the thread count does: `choose_threads`).
     docs/performance.md has the measurements."""
     short = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_OMP_SPIN}
     if busy_cores is None:

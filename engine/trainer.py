@@ -116,9 +116,7 @@ class Trainer:
         setup_logging(self.run_dir, self.dist.is_main)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
-        # a resume computes with the thread count it was saved with (bitwise resume), whatever the load now
-        self.threads = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory,
-                                        saved_threads=resume_ckpt.get("threads") if resume_ckpt else None)
+        self.threads = settle_threads(cfg, resume_ckpt.get("threads") if resume_ckpt else None, self.device)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
         if cfg.model.pretrained:  # before the data: no weights (offline) is a usage error, exit 2
             self.pretrained, lines = prepare_pretrained(cfg, resume_ckpt.get("config") if resume_ckpt else None)
@@ -348,6 +346,23 @@ class Trainer:
 
     def write_summary(self) -> None:
         self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
+
+
+def settle_threads(cfg: Config, saved: Optional[int], device: torch.device) -> tuple[int, str]:
+    """Apply the CPU thread policy (`engine.device.apply_cpu_policy`): a resume computes with the count
+    its checkpoint recorded (`saved`), whatever the load now, and every rank with the fewest any rank
+    chose (each probed its own machine's load; the checkpoint records one count). Warns when a resume
+    cannot keep the recorded count, since sums over another count round differently."""
+    threads, source = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, saved_threads=saved)
+    agreed = dist_utils.min_over_ranks(threads, device)
+    if agreed != threads:
+        torch.set_num_threads(agreed)
+        threads, source = agreed, f"{source}; the fewest of any rank"
+    if isinstance(saved, int) and saved > 0 and threads != saved:
+        log.warning("resuming with %d CPU thread(s) where the checkpoint's run used %d (%s): the run goes on, "
+                    "but not bitwise equal to an uninterrupted one (train.threads=%d keeps the count)",
+                    threads, saved, source.split(";")[0], saved)
+    return threads, source
 
 
 def start_batches(data: RunData, epoch: int, start_batch: int = 0):

@@ -93,6 +93,24 @@ def tiny_tree(tmp_path) -> Path:
     return make_tree(tmp_path / "data", {"a": (16, 6), "b": (16, 6), "c": (16, 6)})
 
 
+@pytest.fixture(autouse=True)
+def fresh_cpu_policy():
+    """Tests that call run_main in-process leave the load it probed in core.host and may leave OpenMP's
+    wait in os.environ (which later subprocesses would read as the user's). Each test starts without
+    them: in-process runs take every core, whatever ran before."""
+    import core.host
+
+    saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    core.host.chosen_omp_wait = None
+    yield
+    core.host.chosen_omp_wait = None
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def tiny_overrides(data_root: Path, out_dir: Path, **extra) -> list[str]:
     """Overrides that make a training run take seconds on a CPU."""
     values = {

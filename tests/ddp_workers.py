@@ -42,3 +42,18 @@ def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -
     torch.save({"skipped": progress.skipped_steps, "params": [p.detach() for p in model.parameters()]},
                f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Each rank of a 2-process gloo group is told another thread count (OMP_NUM_THREADS 1 and 2); writes
+    the count each settles on."""
+    import os
+
+    from core.config import load_config
+    from engine.trainer import settle_threads
+
+    os.environ["OMP_NUM_THREADS"] = str(rank + 1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    threads, source = settle_threads(load_config("base", []), None, torch.device("cpu"))
+    torch.save({"threads": threads, "torch": torch.get_num_threads(), "source": source}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()

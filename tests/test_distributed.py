@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
-from ddp_workers import nonfinite_on_one_rank
+from ddp_workers import nonfinite_on_one_rank, thread_counts_agreed
 from data.datasets import EvalDataset
 from data.folder import scan_split
 from data.loaders import build_eval_loader
@@ -251,6 +251,14 @@ def test_a_step_nonfinite_on_one_rank_is_skipped_on_all_ranks(tmp_path):
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)   # the replicas stayed identical
+
+
+def test_every_rank_computes_with_the_fewest_threads_any_rank_chose(tmp_path):
+    # each rank reads its own machine's load; the checkpoint records one count, so all ranks use it
+    torch.multiprocessing.spawn(thread_counts_agreed, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [(r["threads"], r["torch"]) for r in ranks] == [(1, 1), (1, 1)]
+    assert ranks[0]["source"].startswith("OMP_NUM_THREADS;") and "the fewest of any rank" in ranks[1]["source"]
 
 
 def test_weighted_sampler_draws_balanced_disjoint_shares():

@@ -173,6 +173,13 @@ def test_auto_threads_follow_the_start_load_and_a_resume_keeps_its_count(tmp_pat
         assert "2 CPU thread(s) (auto: the checkpoint's run used 2" in (out / "train.log").read_text()
         assert apply_cpu_policy("auto", saved_threads=2)[0] == 2 == torch.get_num_threads()
         assert apply_cpu_policy("auto", saved_threads=None)[0] == 1
+        assert "not bitwise" not in (out / "train.log").read_text()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the environment wins: the resume says what it costs
+        Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
+                resume=str(out / "last.pt")).setup()
+        assert torch.get_num_threads() == 1
+        assert ("resuming with 1 CPU thread(s) where the checkpoint's run used 2 (OMP_NUM_THREADS): the run goes "
+                "on, but not bitwise equal") in (out / "train.log").read_text()
     finally:
         torch.set_num_threads(before)
 

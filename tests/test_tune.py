@@ -121,6 +121,18 @@ def test_unreachable_target_is_an_error_after_the_table(tmp_path, capsys):
     assert "verdict" in capsys.readouterr().out
 
 
+def test_tune_computes_with_the_thread_count_train_py_would_take(tmp_path, tiny_tree):
+    from commands.tune_run import prepare
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        prepare(load_config("base", tiny_overrides(tiny_tree, tmp_path / "run", **{"train.threads": 1})))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_tune_py_end_to_end(tmp_path, tiny_tree):
     result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"),
                         "--batch-sizes", "4,8", "--steps", "4", "--json", str(tmp_path / "t.json"),
