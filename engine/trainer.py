@@ -46,7 +46,6 @@ from models.factory import BackboneFreeze, check_grad_checkpointing, check_model
 log = logging.getLogger("train")
 
 
-
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
                  finetune_partial: bool = False):
@@ -88,7 +87,7 @@ class Trainer:
         self.reporter: Optional[RunReporter] = None
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
-        self.val_batches = None  # the validation batches, started during the epoch's last training step
+        self.val_batches = None  # the next validation's batches, when they were started ahead
 
     # ------------------------------------------------------------ set-up
 
@@ -96,7 +95,7 @@ class Trainer:
         resume_ckpt, finetune_ckpt = self._setup_runtime()
         self._setup_data(resume_ckpt)
         self._setup_model(resume_ckpt, finetune_ckpt)
-        self._setup_wrapping()
+        self.train_model = wrap_for_training(self.model, self.cfg, self.dist, self.device)
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
         self.reporter.log_startup(self.data, self.device, self.amp_dtype, self.plan, self.threads)
@@ -148,9 +147,6 @@ class Trainer:
         m = self.cfg.model
         self.ema = create_ema(self.model, m.ema_decay, m.ema_every_steps, m.ema_warmup) if m.ema_decay else None
         self.eval_model = self.ema.module if self.ema is not None else self.model
-
-    def _setup_wrapping(self) -> None:
-        self.train_model = wrap_for_training(self.model, self.cfg, self.dist, self.device)
 
     def _setup_optimisation(self) -> None:
         cfg = self.cfg
@@ -226,6 +222,7 @@ class Trainer:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             return 0
         next_batches = None
+        self.val_batches = validation_batches_at_start(self.data.val_loader)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             if self.freeze is not None:
                 self.freeze.set_epoch(epoch)
@@ -255,7 +252,8 @@ class Trainer:
         return 0
 
     def _start_validation(self) -> None:
-        self.val_batches = iter(self.data.val_loader)
+        if self.val_batches is None:
+            self.val_batches = iter(self.data.val_loader)
 
     def _train_epoch(self, epoch: int, hooks: StepHooks, batches=None,
                      validation_due: bool = False) -> tuple[EpochCounters, float, EpochCounters]:
@@ -266,7 +264,8 @@ class Trainer:
         start = time.perf_counter()
         if batches is None:
             batches = start_batches(self.data, epoch, counters.batches_done)
-        if validation_due:  # its workers load the first validation batches during the last training step
+        # persistent validation workers load ahead during the last step (others would fork there)
+        if validation_due and reusable_workers(self.data.val_loader):
             batches = calling_at(batches, counters.batches_done, self.plan.batches_per_epoch - 1,
                                  self._start_validation)
         self.reporter.open_bar(epoch, counters.batches_done)
@@ -369,6 +368,20 @@ def start_batches(data: RunData, epoch: int, start_batch: int = 0):
     """The training batches of `epoch` from `start_batch` on; the loader workers start loading them now."""
     data.sampler.set_epoch(epoch, start_batch)
     return iter(data.train_loader)
+
+
+def validation_batches_at_start(loader):
+    """Start the validation loader's persistent workers at the run's start, while this process's heap is
+    small, and let them load the first validation's batches; None where iterating forks no reusable
+    workers. A fork shares every page of the heap with the children copy-on-write: forked in the middle
+    of training, with gigabytes of kept activations, each page the next steps write is copied once
+    (seconds of system time for resnet50 at 224 px; docs/performance.md)."""
+    return iter(loader) if reusable_workers(loader) else None
+
+
+def reusable_workers(loader) -> bool:
+    """Whether iterating `loader` again reuses its worker processes (none are forked)."""
+    return getattr(loader, "num_workers", 0) > 0 and bool(getattr(loader, "persistent_workers", False))
 
 
 def calling_at(batches, first: int, at: int, action):

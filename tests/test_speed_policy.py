@@ -220,31 +220,45 @@ def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
 
 def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weights(tmp_path):
     """The workers start on epoch e+1 before epoch e validates and saves: the sampler is already at e+1 in
-    every validation but the last, and the validation batches were started during the last training step;
-    the weights equal those of loading in the main process on demand."""
+    every validation but the last. Persistent validation workers are forked once, before the first
+    training step (while the heap is small: no copy-on-write of the training's memory), and load each
+    validation's batches ahead; other loaders start at the validation. The weights equal those of
+    loading in the main process on demand."""
+    def worker_pids(batches):
+        return None if batches is None else tuple(w.pid for w in getattr(batches, "_workers", []))
+
     data = make_tree(tmp_path / "data", {"a": (12, 3), "b": (12, 3)})
-    weights, seen = {}, []
-    for workers in (2, 0):
-        out = tmp_path / f"run{workers}"
-        trainer = Trainer(load_config("base", tiny_overrides(data, out, **{"train.epochs": 3,
-                                                                           "data.num_workers": workers})))
-        real_validate = trainer.validate
+    weights, seen = {}, {}
+    for workers, persistent in ((2, True), (0, True), (2, False)):
+        out = tmp_path / f"run{workers}{persistent}"
+        trainer = Trainer(load_config("base", tiny_overrides(data, out, **{
+            "train.epochs": 3, "data.num_workers": workers, "data.persistent_workers": persistent})))
+        real_validate, real_train_epoch = trainer.validate, trainer._train_epoch
+        calls = seen[workers, persistent] = []
+
+        def train_epoch(*args, **kwargs):
+            if not calls:
+                calls.append(("start", worker_pids(trainer.val_batches)))
+            return real_train_epoch(*args, **kwargs)
 
         def validate():
-            seen.append((workers, trainer.data.sampler.epoch, trainer.val_batches is not None))
+            calls.append((trainer.data.sampler.epoch, worker_pids(trainer.val_batches)))
             return real_validate()
 
-        trainer.validate = validate
+        trainer.validate, trainer._train_epoch = validate, train_epoch
         try:
             trainer.setup()
             assert trainer.fit() == 0
         finally:
             trainer.close()
-        weights[workers] = torch.load(out / "last.pt", weights_only=True)["model"]
+        weights[workers, persistent] = torch.load(out / "last.pt", weights_only=True)["model"]
     # validating epoch k (1-based) with the sampler at k (0-based: the next epoch); the last has no next one
-    assert seen == [(2, 1, True), (2, 2, True), (2, 2, True), (0, 1, True), (0, 2, True), (0, 2, True)]
-    assert weights[2].keys() == weights[0].keys()
-    assert all(torch.equal(weights[2][k], weights[0][k]) for k in weights[0])
+    pids = seen[2, True][0][1]
+    assert len(pids) == 2 and seen[2, True] == [("start", pids), (1, pids), (2, pids), (2, pids)]
+    assert seen[0, True] == seen[2, False] == [("start", None), (1, None), (2, None), (2, None)]
+    reference = weights[0, True]
+    for other in (weights[2, True], weights[2, False]):
+        assert other.keys() == reference.keys() and all(torch.equal(other[k], reference[k]) for k in reference)
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
