@@ -378,9 +378,14 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     classes = check_class_names(ckpt["classes"], f"checkpoint {path}")
     cfg, saved_val_limit = eval_config(ckpt["config"], ckpt.get("preprocessing") or {}, overrides,
                                        f"checkpoint {path}")
-    threads = ckpt.get("threads") if isinstance(ckpt.get("threads"), int) else None
-    return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit, threads,
-                            ckpt.get("data_source"))
+    return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit,
+                            recorded_threads(ckpt), ckpt.get("data_source"))
+
+
+def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:
+    """The CPU thread count a checkpoint's run computed with (None: no checkpoint, or none recorded)."""
+    threads = ckpt.get("threads") if ckpt is not None else None
+    return threads if isinstance(threads, int) and threads > 0 else None
 
 
 def check_class_names(classes, where: str) -> list[str]:

@@ -25,7 +25,7 @@ from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
 from engine import distributed as dist_utils
 from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
-                                 resolve_resume)
+                                 recorded_threads, resolve_resume)
 from engine.batch_finder import resolve_batch_size
 from engine.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
                            select_device)
@@ -115,7 +115,7 @@ class Trainer:
         setup_logging(self.run_dir, self.dist.is_main)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
-        self.threads = settle_threads(cfg, resume_ckpt.get("threads") if resume_ckpt else None, self.device)
+        self.threads = settle_threads(cfg, recorded_threads(resume_ckpt), self.device)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
         if cfg.model.pretrained:  # before the data: no weights (offline) is a usage error, exit 2
             self.pretrained, lines = prepare_pretrained(cfg, resume_ckpt.get("config") if resume_ckpt else None)
@@ -357,7 +357,7 @@ def settle_threads(cfg: Config, saved: Optional[int], device: torch.device) -> t
     if agreed != threads:
         torch.set_num_threads(agreed)
         threads, source = agreed, f"{source}; the fewest of any rank"
-    if isinstance(saved, int) and saved > 0 and threads != saved:
+    if saved is not None and threads != saved:
         log.warning("resuming with %d CPU thread(s) where the checkpoint's run used %d (%s): the run goes on, "
                     "but not bitwise equal to an uninterrupted one (train.threads=%d keeps the count)",
                     threads, saved, source.split(";")[0], saved)
@@ -381,7 +381,7 @@ def validation_batches_at_start(loader):
 
 def reusable_workers(loader) -> bool:
     """Whether iterating `loader` again reuses its worker processes (none are forked)."""
-    return getattr(loader, "num_workers", 0) > 0 and bool(getattr(loader, "persistent_workers", False))
+    return loader.num_workers > 0 and loader.persistent_workers
 
 
 def calling_at(batches, first: int, at: int, action):
