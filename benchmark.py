@@ -70,7 +70,7 @@ def run_benchmark(cfg, args) -> dict:
     from benchmarking.modes import bench_infer, bench_train, settings
     from core.config import check_data_root
     from data.build import prepare_root, scan_tree
-    from engine.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
+    from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
 
     device = select_device(cfg.train.device)
     amp_dtype = resolve_amp(cfg.train.amp, device)
@@ -81,7 +81,7 @@ def run_benchmark(cfg, args) -> dict:
         check_data_root(cfg)
         prepare_root(cfg)
     if args.mode == "find-batch":
-        from engine.batch_finder import run_finder
+        from engine.tuning.batch_finder import run_finder
 
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:

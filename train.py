@@ -23,7 +23,7 @@ def main() -> int:
 
     cfg = load_config(args.config, args.overrides)  # config mistakes exit 2 before torch is imported
 
-    from engine.trainer import run
+    from engine.run.trainer import run
 
     return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
 

@@ -10,12 +10,12 @@ import torch
 
 from core.config import eval_size
 from core.host import omp_wait_description
-from engine.batch_finder import build_training_probe
-from engine.device import DeviceInput, memory_format, pin_memory_for, precision_name
-from engine.evaluate import predict
-from engine.memory import mib, peak_memory_bytes, reset_peak_memory
-from engine.schedule import ceil_div
-from engine.timing import sync, synthetic_batch, time_train_steps
+from engine.tuning.batch_finder import build_training_probe
+from engine.runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
+from engine.evaluation.evaluate import predict
+from engine.runtime.memory import mib, peak_memory_bytes, reset_peak_memory
+from engine.training.schedule import ceil_div
+from engine.tuning.timing import sync, synthetic_batch, time_train_steps
 from models.factory import build_model
 
 
@@ -65,7 +65,7 @@ def bench_train(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
 def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: int, warmup: int,
                 synthetic: bool) -> dict:
     """infer.py's path: padded fixed-shape batches from the eval transform (decode, resize, centre crop, uint8)
-    in loader workers, then `engine.evaluate.predict`; or (`synthetic`) the forward alone on a random
+    in loader workers, then `engine.evaluation.evaluate.predict`; or (`synthetic`) the forward alone on a random
     batch already on the device. Non-synthetic runs go over the validation split's files, repeated to
     at least `steps` batches."""
     if synthetic:

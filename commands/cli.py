@@ -100,7 +100,7 @@ def _is_out_of_memory(err: Exception) -> bool:
     if isinstance(err, MemoryError):
         return True
     if "torch" in sys.modules:  # any out-of-memory error came from torch, which is then imported
-        from engine.device import is_out_of_memory
+        from engine.runtime.device import is_out_of_memory
 
         return is_out_of_memory(err)
     return "out of memory" in str(err).lower()

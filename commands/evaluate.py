@@ -10,11 +10,11 @@ import torch
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
-from engine.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune,
+from engine.runtime.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune,
                            pin_memory_for, resolve_amp, select_device)
-from engine.evaluate import evaluate
-from engine.metrics import per_class_report
-from engine.model_files import load_model_file
+from engine.evaluation.evaluate import evaluate
+from engine.evaluation.metrics import per_class_report
+from engine.model_io.model_files import load_model_file
 
 log = logging.getLogger("train")
 
@@ -34,7 +34,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                         classes_file: str | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
-    `engine.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
+    `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
     config it records; ONNX in fp32."""
     loaded = load_model_file(checkpoint, overrides, classes_file)
     cfg = loaded.cfg

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.runlog import finite_or_null
+from engine.rundir.runlog import finite_or_null
 
 
 def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:

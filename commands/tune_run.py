@@ -1,5 +1,5 @@
 """Running what `tune.py` asked for, after its arguments were checked: set-up (device, process group, data),
-the sweep or the LR range test from engine/sweep.py, and the report."""
+the sweep or the LR range test from engine/tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +10,13 @@ from commands.tune import write_json
 from core.config import check_data_root
 from core.errors import ConfigError
 from data.build import prepare_root, scan_tree
-from engine import distributed as dist_utils
-from engine.batch_finder import format_breakdown, memory_budget_bytes
-from engine.device import apply_cpu_policy, enable_cudnn_autotune, precision_name, resolve_amp, select_device
-from engine.memory import mib
-from engine.schedule import scaled_lr
-from engine.sweep import MemoryCheck, RunContext, run_lr_range, sweep_batch_sizes
-from engine.tuning import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
+from engine.runtime import distributed as dist_utils
+from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
+from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, precision_name, resolve_amp, select_device
+from engine.runtime.memory import mib
+from engine.training.schedule import scaled_lr
+from engine.tuning.sweep import MemoryCheck, RunContext, run_lr_range, sweep_batch_sizes
+from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
 
 log = logging.getLogger("train")

@@ -488,7 +488,7 @@ def validate(cfg: Config) -> None:
     _check_data_source(d)
 
 
-# The optim.* options each optimizer takes besides lr and weight_decay (engine/optim.py passes exactly these).
+# The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
 OPTIMIZER_OPTIONS = {
     "sgd": ("momentum", "nesterov"),
     "adamw": ("betas", "eps"),

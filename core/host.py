@@ -158,7 +158,7 @@ def keep_freed_memory() -> bool:
     is not trimmed back. By default a CPU training step's activations are mapped afresh each step, and
     the kernel zeroes every page again on its first touch (thousands of page faults per step, most of
     the step's system time). Other processes get the memory back when this one ends; the batch finder
-    still measures what is live (it releases the heap explicitly, `engine.memory.release_freed_heap`).
+    still measures what is live (it releases the heap explicitly, `engine.runtime.memory.release_freed_heap`).
     Large requests glibc cannot serve from the heap still get their own mapping. Returns False where
     the C library is not glibc."""
     try:

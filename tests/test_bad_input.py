@@ -27,7 +27,7 @@ from data.images import ImageDecodeError, load_rgb
 from data.transforms import EvalTransform, TrainTransform
 from commands.cli import run_main
 from core.config import load_config
-from engine.trainer import run
+from engine.run.trainer import run
 
 # ---------------------------------------------------------------- broken files
 

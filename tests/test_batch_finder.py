@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
+from engine.tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
                                  pick_fastest_small, search_max_batch)
-from engine.schedule import scaled_lr
+from engine.training.schedule import scaled_lr
 from tests.conftest import run_script, tiny_overrides
 
 

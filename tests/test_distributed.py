@@ -22,9 +22,9 @@ from data.loaders import build_eval_loader
 from data.samplers import ShardSampler, TrainSampler
 from data.transforms import EvalTransform
 from core.config import ConfigError
-from engine.distributed import check_sync_bn, convert_sync_bn
-from engine.device import DeviceInput
-from engine.evaluate import evaluate
+from engine.runtime.distributed import check_sync_bn, convert_sync_bn
+from engine.runtime.device import DeviceInput
+from engine.evaluation.evaluate import evaluate
 from models.factory import create_model
 
 # 17 validation images: not a multiple of world size x batch (2 x 2), and the two ranks get different

@@ -18,9 +18,9 @@ from commands.cli import run_main
 from core.errors import CheckpointError, ConfigError, ExportError
 from data.folder import list_images
 from data.transforms import normalize_batch
-from engine import export as engine_export
-from engine.checkpointer import build_eval_model, read_checkpoint
-from engine.model_files import load_model_file
+from engine.model_io import export as engine_export
+from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.model_io.model_files import load_model_file
 
 CLASSES = ["a", "b", "c"]
 # (format, output name, batch option): a fixed-batch ONNX, a dynamic-batch program, a timm folder
@@ -263,7 +263,7 @@ def test_an_export_that_disagrees_fails(trained, monkeypatch):
 
 
 def test_training_and_checkpoint_inference_never_import_onnx():
-    code = ("import sys, train, engine.trainer, commands.infer, commands.evaluate, engine.model_files; "
+    code = ("import sys, train, engine.run.trainer, commands.infer, commands.evaluate, engine.model_io.model_files; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'onnxruntime', 'onnxscript', 'onnx_ir'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from conftest import HalfWriter, make_tree, tiny_overrides
-from engine import checkpoint
+from engine.rundir import atomic_files as checkpoint
 from core.safe_load import load_checkpoint
-from engine.checkpoint import save_atomic
+from engine.rundir.atomic_files import save_atomic
 from commands.cli import run_main
 from core.config import ConfigError, load_config
-from engine.checkpointer import resolve_resume
-from engine.trainer import Trainer, run
+from engine.rundir.checkpointer import resolve_resume
+from engine.run.trainer import Trainer, run
 
 SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
 

@@ -26,11 +26,11 @@ from core.safe_load import load_checkpoint
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from data.folder import scan_split
 from data.transforms import EvalTransform
-from engine import checkpoint
-from engine.checkpointer import resolve_resume
-from engine.run_lock import open_run_dir
-from engine.schedule import plan_run
-from engine.trainer import Trainer, run
+from engine.rundir import atomic_files as checkpoint
+from engine.rundir.checkpointer import resolve_resume
+from engine.rundir.run_lock import open_run_dir
+from engine.training.schedule import plan_run
+from engine.run.trainer import Trainer, run
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
@@ -189,7 +189,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(d
     blocker.write_text("not a folder")
     out = {"a file": blocker, "under a file": blocker / "run", "not writable": tmp_path / "ro"}[kind]
     if kind == "not writable":  # a read-only mount (root ignores permission bits, so it is simulated)
-        import engine.run_lock as run_lock
+        import engine.rundir.run_lock as run_lock
 
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))

@@ -18,9 +18,9 @@ from data.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
 from core.config import ConfigError
-from engine.checkpointer import build_eval_model, read_checkpoint
-from engine.device import DeviceInput
-from engine.evaluate import predict
+from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.runtime.device import DeviceInput
+from engine.evaluation.evaluate import predict
 
 CLASSES = ["a", "b", "c"]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score
 
-from engine.metrics import MetricSums, is_improvement, per_class_report, reduce_metrics
+from engine.evaluation.metrics import MetricSums, is_improvement, per_class_report, reduce_metrics
 
 
 def _logits_for(predictions: list[list[int]], num_classes: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Random erasing, mixup and CutMix on the device (engine/mixing.py) and the training losses (engine/losses.py):
+"""Random erasing, mixup and CutMix on the device (engine/training/mixing.py) and the training losses (engine/training/losses.py):
 label mass, the lambda distribution, CutMix boxes and their corrected lambda, erasing boxes like torchvision's,
 draws as a function of (seed, step, micro-batch), and the loss math against timm's."""
 import math
@@ -10,8 +10,8 @@ from timm.data.mixup import one_hot as timm_one_hot
 from timm.loss import BinaryCrossEntropy as TimmBCE
 from timm.loss import SoftTargetCrossEntropy
 
-from engine.losses import BinaryCrossEntropy
-from engine.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
+from engine.training.losses import BinaryCrossEntropy
+from engine.training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
 
 H = W = 16
 

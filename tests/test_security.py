@@ -20,7 +20,7 @@ from core.errors import CheckpointError
 from core.safe_load import load_checkpoint
 from commands.cli import run_main
 from core.config import ConfigError, load_config, parse_override
-from engine.trainer import run
+from engine.run.trainer import run
 
 
 class Payload:

@@ -8,8 +8,8 @@ import torch
 from conftest import make_tree, tiny_overrides
 from core.config import load_config
 from core.host import SHORT_OMP_SPIN, busy_cores_of_others, choose_omp_wait, choose_threads, cpu_jiffies, omp_wait_for
-from engine.schedule import validation_due
-from engine.trainer import Trainer, run
+from engine.training.schedule import validation_due
+from engine.run.trainer import Trainer, run
 
 
 @pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
@@ -144,15 +144,15 @@ def test_auto_threads_follow_the_start_load_and_a_resume_keeps_its_count(tmp_pat
     takes both, and its resume keeps both though the load changed (sums over another thread count round
     differently: no bitwise resume otherwise); eval.py and infer.py take the checkpoint's count too."""
     import core.host
-    import engine.device
+    import engine.runtime.device
     from core.host import OmpWaitChoice
-    from engine.device import apply_cpu_policy
+    from engine.runtime.device import apply_cpu_policy
 
     def start_load(busy):
         monkeypatch.setattr(core.host, "chosen_omp_wait", OmpWaitChoice({}, "test", busy))
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(engine.device, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(engine.runtime.device, "usable_cpus", lambda: 2)
     before = torch.get_num_threads()
     try:
         start_load(1.0)
@@ -210,7 +210,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
-    from engine.device import apply_cpu_policy
+    from engine.runtime.device import apply_cpu_policy
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
     assert threads == 1 and description.startswith("train.threads; ") and description.endswith("malloc's defaults")
@@ -262,7 +262,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
-    from engine.checkpointer import all_finite
+    from engine.rundir.checkpointer import all_finite
 
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert all_finite(ok)
@@ -329,8 +329,8 @@ def test_which_steps_check_their_gradients(optimizer, nonfinite, checked):
     update (sign(nan) = 0), so a non-finite gradient leaves the weights finite and poisons only its state."""
     from timm.optim import create_optimizer_v2
 
-    from engine.device import DeviceInput
-    from engine.step import build_train_step
+    from engine.runtime.device import DeviceInput
+    from engine.training.step import build_train_step
     from models.factory import build_model
 
     cfg = load_config("base", [f"optim.name={optimizer}", f"train.nonfinite={nonfinite}", "train.amp=none",

@@ -12,9 +12,9 @@ import torch
 
 from core.config import load_config
 from core.errors import ConfigError
-from engine.distributed import DistInfo
-from engine.sweep import MemoryCheck, RunContext, attempts_for, sweep_batch_sizes
-from engine.tuning import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
+from engine.runtime.distributed import DistInfo
+from engine.tuning.sweep import MemoryCheck, RunContext, attempts_for, sweep_batch_sizes
+from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee)
 from tests.conftest import make_tree, run_script, tiny_overrides
 

@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out_dir: str) -> None:
     from core.config import load_config
-    from engine.device import select_device
-    from engine.distributed import DistInfo
-    from engine.sweep import RunContext, run_lr_range
-    from engine.tuning import lr_suggestion
+    from engine.runtime.device import select_device
+    from engine.runtime.distributed import DistInfo
+    from engine.tuning.sweep import RunContext, run_lr_range
+    from engine.tuning.arithmetic import lr_suggestion
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from core.errors import StopRequested
-from engine import distributed as dist_utils
+from engine.runtime import distributed as dist_utils
 
 log = logging.getLogger("train")
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
-from engine.metrics import is_improvement
+from engine.evaluation.metrics import is_improvement
 
 log = logging.getLogger("train")
 

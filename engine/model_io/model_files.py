@@ -21,9 +21,9 @@ from core.config import Config
 from core.errors import CheckpointError, ConfigError
 from data.build import eval_transform
 from data.transforms import EvalTransform
-from engine.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
+from engine.rundir.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
                                  preprocessing_record, read_checkpoint)
-from engine.device import memory_format
+from engine.runtime.device import memory_format
 
 log = logging.getLogger("infer")
 

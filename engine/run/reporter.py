@@ -13,9 +13,9 @@ from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import usable_cpus
 from core.config import OPTIMIZER_OPTIONS
-from engine.device import precision_name
-from engine.runlog import RunLog
-from engine.schedule import schedule_warnings
+from engine.runtime.device import precision_name
+from engine.rundir.runlog import RunLog
+from engine.training.schedule import schedule_warnings
 
 log = logging.getLogger("train")
 

@@ -23,23 +23,23 @@ from data.datasets import failure_reason
 from data.fingerprint import data_fingerprint
 from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
-from engine import distributed as dist_utils
-from engine.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
+from engine.runtime import distributed as dist_utils
+from engine.rundir.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
                                  recorded_threads, resolve_resume)
-from engine.batch_finder import resolve_batch_size
-from engine.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
+from engine.tuning.batch_finder import resolve_batch_size
+from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
                            select_device)
-from engine.evaluate import evaluate
-from engine.loop import StepHooks, train_one_epoch
-from engine.optim import base_lr, describe_groups
-from engine.progress import RunReporter
-from engine.run_setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
-from engine.run_lock import RunDirLock, open_run_dir
-from engine.runlog import RunLog, setup_logging
-from engine.schedule import RunPlan, plan_run, validation_due
-from engine.signals import StopSignal
-from engine.state import EpochCounters, TrainState
-from engine.step import TrainStep, build_train_step
+from engine.evaluation.evaluate import evaluate
+from engine.training.loop import StepHooks, train_one_epoch
+from engine.training.optim import base_lr, describe_groups
+from engine.run.reporter import RunReporter
+from engine.run.setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
+from engine.rundir.run_lock import RunDirLock, open_run_dir
+from engine.rundir.runlog import RunLog, setup_logging
+from engine.training.schedule import RunPlan, plan_run, validation_due
+from engine.runtime.signals import StopSignal
+from engine.rundir.state import EpochCounters, TrainState
+from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
@@ -348,7 +348,7 @@ class Trainer:
 
 
 def settle_threads(cfg: Config, saved: Optional[int], device: torch.device) -> tuple[int, str]:
-    """Apply the CPU thread policy (`engine.device.apply_cpu_policy`): a resume computes with the count
+    """Apply the CPU thread policy (`engine.runtime.device.apply_cpu_policy`): a resume computes with the count
     its checkpoint recorded (`saved`), whatever the load now, and every rank with the fewest any rank
     chose (each probed its own machine's load; the checkpoint records one count). Warns when a resume
     cannot keep the recorded count, since sums over another count round differently."""

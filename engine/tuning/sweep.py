@@ -1,8 +1,8 @@
 """Running `tune.py`'s measurements: N real optimizer steps on the real data at one batch size (the batch-size
 sweep), or at exponentially increasing LRs (the LR range test).
 
-Each run builds a fresh model from the same seed and its step with `engine.step.build_train_step`, and runs
-it with `engine.loop.train_one_epoch`, as training does; the loss is read only at the run's logging points.
+Each run builds a fresh model from the same seed and its step with `engine.training.step.build_train_step`, and runs
+it with `engine.training.loop.train_one_epoch`, as training does; the loss is read only at the run's logging points.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from core.errors import NonFiniteError, StopRequested
-from engine import distributed as dist_utils
-from engine.device import DeviceInput, memory_format, pin_memory_for
-from engine.loop import StepHooks, train_one_epoch
-from engine.memory import peak_memory_bytes, reset_peak_memory
-from engine.schedule import scaled_lr
-from engine.state import EpochCounters, TrainState
-from engine.step import build_train_step
-from engine.tuning import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
+from engine.runtime import distributed as dist_utils
+from engine.runtime.device import DeviceInput, memory_format, pin_memory_for
+from engine.training.loop import StepHooks, train_one_epoch
+from engine.runtime.memory import peak_memory_bytes, reset_peak_memory
+from engine.training.schedule import scaled_lr
+from engine.rundir.state import EpochCounters, TrainState
+from engine.training.step import build_train_step
+from engine.tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 
 log = logging.getLogger("train")
@@ -209,7 +209,7 @@ class MemoryCheck:
         self.breakdowns: dict = {}
 
     def breakdown(self, grad_checkpointing: bool):
-        from engine.batch_finder import TrainingStepProbe
+        from engine.tuning.batch_finder import TrainingStepProbe
 
         if grad_checkpointing not in self.breakdowns:
             probe = TrainingStepProbe(settings_for(self.cfg, self.small, 1, grad_checkpointing), self.num_classes,
@@ -233,8 +233,8 @@ def sweep_batch_sizes(cfg, ctx: RunContext, sizes: list[int], steps: int, warmup
                       on_entry: Optional[Callable[[SweepEntry], None]] = None) -> list[SweepEntry]:
     """Each size in turn (stopping after one Ctrl-C'd); a size that does not fit is retried as `attempts_for`
     says. `on_point(size, curve)` after every logged point, `on_entry` after every size."""
-    from engine.batch_finder import free_device_memory
-    from engine.device import is_out_of_memory
+    from engine.tuning.batch_finder import free_device_memory
+    from engine.runtime.device import is_out_of_memory
 
     entries: list[SweepEntry] = []
     for size in sizes:

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import NonFiniteError, StopRequested
-from engine.schedule import window_length
-from engine.state import EpochCounters
-from engine.step import TrainStep, WindowUpdate
+from engine.training.schedule import window_length
+from engine.rundir.state import EpochCounters
+from engine.training.step import TrainStep, WindowUpdate
 
 
 @dataclass

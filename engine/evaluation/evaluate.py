@@ -12,8 +12,8 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import StopRequested
-from engine.device import DeviceInput
-from engine.metrics import MetricSums
+from engine.runtime.device import DeviceInput
+from engine.evaluation.metrics import MetricSums
 
 
 @torch.no_grad()

@@ -14,13 +14,13 @@ from typing import Optional
 import torch
 from timm.utils import unwrap_model
 
-from engine.device import DeviceInput
-from engine.distributed import all_ranks_true
-from engine.losses import build_criterion
-from engine.mixing import BatchMixing
-from engine.optim import base_lr, build_optimizer
-from engine.schedule import build_scheduler, observe_epoch, schedule_from_config
-from engine.memory import explain_out_of_memory
+from engine.runtime.device import DeviceInput
+from engine.runtime.distributed import all_ranks_true
+from engine.training.losses import build_criterion
+from engine.training.mixing import BatchMixing
+from engine.training.optim import base_lr, build_optimizer
+from engine.training.schedule import build_scheduler, observe_epoch, schedule_from_config
+from engine.runtime.memory import explain_out_of_memory
 
 
 # Optimizers whose update is non-finite when a gradient is (so the weights, and the next loss, become

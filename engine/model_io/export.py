@@ -4,7 +4,7 @@ pretrained=True)` and uploadable to the Hugging Face hub as it is). Each carries
 the eval preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few
 images before export.py reports success.
 
-onnx, onnxscript and onnxruntime are imported only here and by engine/model_files.py's ONNX path.
+onnx, onnxscript and onnxruntime are imported only here and by engine/model_io/model_files.py's ONNX path.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 from core.errors import ConfigError, ExportError, ImageDecodeError
 from data.folder import list_images
 from data.transforms import normalize_batch
-from engine.checkpointer import LoadedCheckpoint, build_eval_model, preprocessing_record
-from engine.model_files import (PT2_METADATA_FILE, TIMM_METADATA_KEY, export_metadata, load_model_file,
+from engine.rundir.checkpointer import LoadedCheckpoint, build_eval_model, preprocessing_record
+from engine.model_io.model_files import (PT2_METADATA_FILE, TIMM_METADATA_KEY, export_metadata, load_model_file,
                                 onnx_metadata_props)
 from models.factory import TORCHVISION_PREFIX, fold_batchnorm
 

@@ -1,6 +1,6 @@
 """Pieces of a training run's set-up that need no Trainer state: the built-in data written once per node,
 the model with its starting weights, its training wrappers, and the files a run directory starts with.
-`engine.trainer.Trainer` calls them in its set-up phases."""
+`engine.run.trainer.Trainer` calls them in its set-up phases."""
 from __future__ import annotations
 
 import logging
@@ -12,10 +12,10 @@ import torch
 from core.config import dump_yaml
 from data.build import prepare_root
 from data.split import write_split_lists
-from engine import distributed as dist_utils
-from engine.checkpointer import apply_finetune
-from engine.device import memory_format
-from engine.runlog import RunLog
+from engine.runtime import distributed as dist_utils
+from engine.rundir.checkpointer import apply_finetune
+from engine.runtime.device import memory_format
+from engine.rundir.runlog import RunLog
 from models.factory import build_model, load_local_weights, load_pretrained_weights
 
 log = logging.getLogger("train")

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from core.errors import NonFiniteError
-from engine.metrics import is_improvement
+from engine.evaluation.metrics import is_improvement
 
 log = logging.getLogger("train")
 

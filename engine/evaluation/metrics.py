@@ -41,7 +41,7 @@ class MetricSums:
 
     def all_reduce(self) -> None:
         """Sum over processes (a no-op in a single process), so every sample counts once."""
-        from engine.distributed import all_reduce_sum
+        from engine.runtime.distributed import all_reduce_sum
 
         for t in (self.loss_sum, self.top1, self.topk, self.confusion):
             all_reduce_sum(t)

@@ -26,14 +26,14 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.device import DeviceInput, is_out_of_memory, memory_format, precision_name
-from engine.distributed import min_over_ranks
-from engine.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_rss_bytes,
+from engine.runtime.device import DeviceInput, is_out_of_memory, memory_format, precision_name
+from engine.runtime.distributed import min_over_ranks
+from engine.runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_rss_bytes,
                            gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
-from engine.schedule import ceil_div
-from engine.step import build_train_step
-from engine.timing import synthetic_batch, time_train_steps
-from engine.tuning import throughput_knee
+from engine.training.schedule import ceil_div
+from engine.training.step import build_train_step
+from engine.tuning.timing import synthetic_batch, time_train_steps
+from engine.tuning.arithmetic import throughput_knee
 from core.errors import ModelError
 from models.factory import build_model, check_grad_checkpointing
 
@@ -235,7 +235,7 @@ def memory_budget_bytes(cfg, device: torch.device) -> Optional[int]:
 
 
 class TrainingStepProbe:
-    """`StepFn` running real training steps (`engine.loop.train_one_epoch`) on a synthetic batch on the
+    """`StepFn` running real training steps (`engine.training.loop.train_one_epoch`) on a synthetic batch on the
     device, with a throwaway model and optimizer built like the trainer's (uncompiled)."""
 
     def __init__(self, cfg, num_classes: int, device: torch.device, amp_dtype, steps: int = 2, warmup: int = 1):
@@ -373,7 +373,7 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     effective batch is the same everywhere.
     """
     from data.build import scan_tree
-    from engine.runlog import write_json_atomic
+    from engine.rundir.runlog import write_json_atomic
 
     train_index, _ = scan_tree(cfg)
     log.info("train.batch_size=auto: searching the largest batch that fits on %s (model %s, %d px)...", device,

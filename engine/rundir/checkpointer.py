@@ -25,10 +25,10 @@ from data.build import eval_transform
 from data.fingerprint import fingerprint_differences
 from data.transforms import EvalTransform
 from core.safe_load import load_checkpoint
-from engine.checkpoint import bare_state_dict, rng_state, save_atomic, set_rng_state
-from engine.device import memory_format
-from engine.distributed import run_on_main
-from engine.state import EpochCounters, TrainState
+from engine.rundir.atomic_files import bare_state_dict, rng_state, save_atomic, set_rng_state
+from engine.runtime.device import memory_format
+from engine.runtime.distributed import run_on_main
+from engine.rundir.state import EpochCounters, TrainState
 from models.factory import build_model, load_matching_weights
 
 log = logging.getLogger("train")

@@ -10,10 +10,10 @@ from typing import Iterable
 
 import torch
 
-from engine.loop import no_hooks, train_one_epoch
-from engine.memory import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from engine.state import EpochCounters, TrainState
-from engine.step import TrainStep
+from engine.training.loop import no_hooks, train_one_epoch
+from engine.runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+from engine.rundir.state import EpochCounters, TrainState
+from engine.training.step import TrainStep
 
 
 def process_tree_cpu_seconds() -> float:
