@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,15 +157,20 @@ def test_a_stop_signal_saves_exits_143_or_130_and_resumes_to_the_same_weights(da
     assert proc.returncode == code, err[-3000:]
     saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     assert (saved["step"], saved["batch_in_epoch"]) == (3, 3)
-    assert f"received {sig.name}" in err and "(step 3); continue with --resume" in err
+    assert f"received {sig.name}" in err and "(step 3); continue with: python " in err
     assert "DataLoader worker" not in err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_completed"] == 3
 
     if sig == signal.SIGTERM:  # the same files after SIGINT; resuming after SIGTERM is enough
-        # Per-sample seeds do not depend on the workers: resuming with none gives the same weights too.
-        extra = [] if to_group else ["data.num_workers=0"]
-        run_to_end(train_cmd(data_root, run, "--resume", "auto", *extra))
+        # The stop message's command, run verbatim (no --config, no overrides retyped: last.pt holds the
+        # config). Per-sample seeds do not depend on the workers: resuming with none gives the same weights too.
+        command = re.search(r"continue with: (.+)$", err, re.M).group(1)
+        extra = "" if to_group else " data.num_workers=0"
+        done = subprocess.run(command + extra, shell=True, capture_output=True, text=True, timeout=TIMEOUT,
+                              env=dict(ENV, PATH=f"{Path(sys.executable).parent}{os.pathsep}{ENV['PATH']}"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "resumed at epoch 1, batch 3, optimizer step 3" in done.stderr
         assert_same_result(run, reference)
 
 
@@ -234,7 +240,7 @@ def test_a_stop_signal_during_a_validation_pass_blocked_in_a_read_saves_and_resu
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 143, err[-3000:]
-    assert "stopping the validation pass" in err and "(step 4); continue with --resume" in err
+    assert "stopping the validation pass" in err and "(step 4); continue with: python " in err
     saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (0, STEPS_PER_EPOCH, STEPS_PER_EPOCH)
     assert not (run / "best.pt").exists() and not (run / "metrics.csv").exists()

@@ -24,6 +24,7 @@ from data.fingerprint import data_fingerprint
 from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
 from engine.runtime import distributed as dist_utils
+from engine.rundir.resume_hint import continue_command
 from engine.rundir.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
                                  recorded_threads, resolve_resume)
 from engine.tuning.batch_finder import resolve_batch_size
@@ -183,9 +184,9 @@ class Trainer:
         try:
             return self._fit()
         except StopRequested:
-            log.warning("stopped by %s; last.pt holds epoch %d batch %d (step %d); continue with --resume %s",
+            log.warning("stopped by %s; last.pt holds epoch %d batch %d (step %d); continue with: %s",
                         self.stop_signal.name(), self.state.epoch + 1, self.state.batch_in_epoch,
-                        self.state.step, self.run_dir / "last.pt")
+                        self.state.step, continue_command(self.run_dir / "last.pt", self.dist.world_size))
             self.write_summary()
             return self.stop_signal.exit_status()
         except (BadDataError, ImageDecodeError, NonFiniteError) as err:
