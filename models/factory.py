@@ -27,6 +27,7 @@ import torchvision
 from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
 from core.safe_load import load_checkpoint
+from models.hub_access import hub_offline
 
 log = logging.getLogger("train")
 TORCHVISION_PREFIX = "tv:"
@@ -264,9 +265,10 @@ def _has_weight_source(pretrained_cfg: dict) -> bool:
     return any(pretrained_cfg.get(k) for k in ("url", "file", "state_dict", "hf_hub_id"))
 
 
-def _unavailable(name: str, err: Exception) -> ModelError:
-    """One line: the model, why its weights could not be had, and the ways to provide them."""
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
+def _unavailable(name: str, err: Exception, offline_why: str = "") -> ModelError:
+    """One line: the model, why its weights could not be had (the hub's reachability when it is offline), and
+    the ways to provide them."""
+    reason = offline_why or (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
     if name.startswith(LOCAL_DIR_PREFIX):
         return ModelError(f"'model.name' = {name}: cannot load its pretrained weights ({reason}); the folder needs "
                           f"config.json and model.safetensors (or pytorch_model.bin), as timm's save_for_hf writes them")
@@ -286,12 +288,13 @@ def load_pretrained(model_cfg) -> torch.nn.Module:
     if "." in name and not name.startswith((HF_HUB_PREFIX, LOCAL_DIR_PREFIX)) and not timm.list_pretrained(name):
         raise ModelError(f"'model.name' = {name}: timm has no pretrained weights with that tag "
                          f"(timm.list_pretrained('{name.split('.')[0]}.*') lists them)")
+    offline, why = (False, "") if name.startswith((TORCHVISION_PREFIX, LOCAL_DIR_PREFIX)) else hub_offline()
     try:
         if name.startswith(TORCHVISION_PREFIX):
             return torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], weights="DEFAULT")
         model = timm.create_model(name, pretrained=True)
     except (OSError, ValueError, KeyError) as err:  # hub / URL errors are OSErrors; no DEFAULT weights: ValueError
-        raise _unavailable(name, err) from err
+        raise _unavailable(name, err, why if offline else "") from err
     if not _has_weight_source(model.pretrained_cfg):
         raise ModelError(f"'model.name' = {name}: timm has no pretrained weights for it (pick a name with a "
                          f"pretrained tag, e.g. from timm.list_pretrained(), or set model.pretrained=false)")
