@@ -277,7 +277,8 @@ def _unavailable(name: str, err: Exception, offline_why: str = "") -> ModelError
              "the Hugging Face hub cache (HF_HOME: download once where there is a network, then set HF_HUB_OFFLINE=1)")
     return ModelError(f"'model.name' = {name}: its pretrained weights are not cached here and cannot be downloaded "
                       f"({reason}); provide them with model.weights=FILE (and model.pretrained=false), a "
-                      f"local-dir:/path/to/folder model name (config.json + model.safetensors or pytorch_model.bin), or {cache}")
+                      f"local-dir:/path/to/folder model name (config.json + model.safetensors or "
+                      f"pytorch_model.bin), or {cache}")
 
 
 def load_pretrained(model_cfg) -> torch.nn.Module:
