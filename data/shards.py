@@ -27,6 +27,7 @@ import argparse
 import collections
 import logging
 import random
+import shlex
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -272,6 +273,26 @@ def write_shards(paths: list[str], labels: list[int], classes: list[str], out: P
     return sorted(str(p) for p in out.glob("shard-*.tar"))
 
 
+def shards_pattern(written: list[str]) -> str:
+    """One brace pattern for shard-000000.tar ... shard-00000N.tar (the writer numbers them from 0)."""
+    if len(written) == 1:
+        return written[0]
+    folder = Path(written[0]).parent
+    return str(folder / f"shard-{{000000..{len(written) - 1:06d}}}.tar")
+
+
+def next_overrides(written: list[str], source: Path, out: Path) -> str:
+    """The train.py overrides that read these shards, quoted for the shell (it would expand a brace pattern):
+    data.val_shards when the source is named as a validation split, else data.format, data.classes and
+    data.train_shards."""
+    name = source.stem.lower()
+    pattern = shlex.quote(shards_pattern([str(Path(p).resolve()) for p in written]))
+    if name.startswith(("val", "valid")) or name in ("dev", "test"):
+        return f"data.val_shards={pattern}"
+    classes = shlex.quote(str((out / "classes.txt").resolve()))
+    return f"data.format=webdataset data.classes={classes} data.train_shards={pattern}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.shards", description="Write a class-folder tree or a "
                                      "CSV list (path,label) as WebDataset shards with webdataset.ShardWriter.")
@@ -309,6 +330,7 @@ def main(argv=None) -> int:
     written = write_shards(index.paths, index.labels, index.classes, Path(args.to), args.shard_size, args.seed)
     print(f"wrote {len(index)} samples of {len(index.classes)} classes in {len(written)} shard(s) to {args.to} "
           f"(and {Path(args.to) / 'classes.txt'})")
+    print(f"train.py overrides: {next_overrides(written, source, Path(args.to))}")
     return 0
 
 

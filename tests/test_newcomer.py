@@ -92,3 +92,27 @@ def test_hf_hub_offline_set_means_no_probe(no_network, monkeypatch):
     with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):
         load_pretrained(SimpleNamespace(name="hf-hub:timm/resnet10t.c3_in1k"))
     assert no_network == []
+
+
+@pytest.mark.parametrize("split, key", [("train", "data.train_shards"), ("val", "data.val_shards")])
+def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, key):
+    import shlex
+
+    from conftest import make_tree
+    from core.config import load_config, parse_override
+    from data import shards
+
+    tree = make_tree(tmp_path / "tree", {"a": (3, 2), "b": (3, 2)}, ext=".jpg")
+    assert shards.main(["--from", str(tree / split), "--to", str(tmp_path / f"{split} shards"),
+                        "--shard-size", "2"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("train.py overrides: ")
+    overrides = dict(parse_override(word) for word in shlex.split(line.split(": ", 1)[1]))  # as the shell passes them
+    written = sorted(str(p) for p in (tmp_path / f"{split} shards").glob("shard-*.tar"))
+    assert len(written) == (3 if split == "train" else 2)
+    assert shards.expand_shards(overrides[key]) == written
+    if split == "train":
+        assert overrides["data.format"] == "webdataset"
+        assert Path(overrides["data.classes"]).read_text().split() == ["a", "b"]
+        load_config("base", [f"{k}={v}" for k, v in overrides.items()] + ["data.root=null",
+                                                                             "data.val_shards=v.tar"])  # valid
