@@ -40,7 +40,8 @@ def main(argv=None) -> int:
                                  args.classes)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
-    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}, "
+    fixed = " (fixed by the export)" if s["fixed_batch"] else ""
+    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}{fixed}, "
           f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)

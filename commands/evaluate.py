@@ -45,6 +45,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
         if batch_size < 1:
             raise ConfigError(f"--batch-size {batch_size}: must be >= 1")
         cfg.train.batch_size = batch_size
+    if loaded.fixed_batch is not None:  # an export traced for one batch runs that batch (as infer.py does)
+        if batch_size is not None and batch_size != loaded.fixed_batch:
+            log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
+                        loaded.fixed_batch, loaded.fixed_batch, batch_size)
+        cfg.train.batch_size = loaded.fixed_batch
     if not cfg.data.root and cfg.data.format == "folder" and not list_arg:
         raise ConfigError("no data folder: the checkpoint's config has no data.root; pass --data ROOT")
     if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
@@ -76,7 +81,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
                 "data": source.data, "split": source.split, "source": source.described,
-                "batch_size": cfg.train.batch_size, "amp": amp_setting(amp_dtype),
+                "batch_size": cfg.train.batch_size, "fixed_batch": loaded.fixed_batch, "amp": amp_setting(amp_dtype),
                 "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
                 "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
                                   "crop_pct": cfg.data.crop_pct,

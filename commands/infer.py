@@ -14,7 +14,7 @@ import torch
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from engine.rundir.checkpointer import find_newest_checkpoint
-from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
+from engine.runtime.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
                            select_device)
 from engine.evaluation.evaluate import Predictions, predict
 from engine.model_io.model_files import KIND_NAMES, load_model_file
@@ -106,6 +106,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     cfg = loaded.cfg
     device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
     batch_size = _batch_size(loaded, batch_size)
+    log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
+             " (fixed by the export)" if loaded.fixed_batch else "", device, amp_setting(amp_dtype))
     k = min(topk, len(loaded.classes))
     # as eval.py
     apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)

@@ -8,11 +8,13 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from engine.rundir.runlog import finite_or_null
+from engine.evaluation.metrics import top5_label
 
 
 def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:
     """The eval JSON: INTERFACE keys first, then whatever else the caller records (checkpoint, split...)."""
     doc = {k: metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc", "num_samples")}
+    doc["top5_k"] = min(5, len(classes))  # top5 is top-k at k = min(5, classes)
     doc["per_class"] = per_class
     doc["confusion"] = confusion.to(torch.int64).tolist()
     doc["classes"] = list(classes)
@@ -28,7 +30,7 @@ def write_json(doc, path: str | Path) -> None:
 
 def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:
     lines = [
-        f"top1 {metrics['top1']:.2f}%   top{k} {metrics['top5']:.2f}%   loss {metrics['loss']:.4f}   "
+        f"top1 {metrics['top1']:.2f}%   {top5_label(k)} {metrics['top5']:.2f}%   loss {metrics['loss']:.4f}   "
         f"mean class acc {metrics['mean_class_acc']:.2f}%   samples {metrics['num_samples']}",
         "",
     ]

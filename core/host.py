@@ -167,3 +167,18 @@ def keep_freed_memory() -> bool:
         return False
     settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
     return all(mallopt(option, value) == 1 for option, value in settings)
+
+
+_IMPORTED_AT = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports included): from /proc on Linux,
+    else since this module was imported (the entry scripts import it first)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT

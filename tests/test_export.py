@@ -3,6 +3,7 @@ metrics and labels from each; timm's own loader reproduces the model; bad input 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,12 +33,17 @@ EXPORTS = {"onnx": ("model.onnx", ["--batch-size", "4"]), "pt2": ("model.pt2", [
 def trained(tmp_path_factory):
     """(data root, best.pt, {format: exported path}) of one tiny run, exported once in each format."""
     base = tmp_path_factory.mktemp("export")
-    data, checkpoint = train_tiny(base, {name: (12, 4) for name in CLASSES})
-    exports = {}
-    for fmt, (name, options) in EXPORTS.items():
-        out = base / "exports" / name
-        assert export.main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(out), *options]) == 0
-        exports[fmt] = out
+    previous = os.umask(0o022)  # what test_checkpoints_and_exports_follow_the_umask checks the modes against
+    try:
+        data, checkpoint = train_tiny(base, {name: (12, 4) for name in CLASSES})
+        exports = {}
+        for fmt, (name, options) in EXPORTS.items():
+            out = base / "exports" / name
+            assert export.main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(out),
+                                *options]) == 0
+            exports[fmt] = out
+    finally:
+        os.umask(previous)
     return data, checkpoint, exports
 
 
@@ -159,6 +165,39 @@ def test_a_fixed_batch_onnx_model_sets_infer_batch(trained, caplog):
     assert infer.main([str(data / "val" / "a"), "--checkpoint", str(exports["onnx"]), "--batch-size", "3",
                        "--num-workers", "0"]) == 0
     assert "fixed batch of 4: using --batch-size 4, not 3" in caplog.text
+
+
+def test_checkpoints_and_exports_follow_the_umask(trained):
+    _, checkpoint, exports = trained
+    files = [checkpoint, checkpoint.parent / "last.pt", exports["onnx"], exports["pt2"],
+             *sorted(exports["timm"].iterdir())]
+    assert {p.name for p in exports["timm"].iterdir()} >= {"config.json", "model.safetensors"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o644" for p in files}
+
+
+def test_eval_and_infer_state_the_batch_a_fixed_batch_export_runs(trained, capsys, caplog):
+    data, _, exports = trained
+    assert eval_script.main(["--checkpoint", str(exports["onnx"]), "--batch-size", "5", "data.num_workers=0"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert ": batch 4 (fixed by the export)," in header
+    assert "exported for a fixed batch of 4: using --batch-size 4, not 5" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert infer.main([str(data / "val"), "--checkpoint", str(exports["onnx"]), "--num-workers", "0"]) == 0
+    assert "classifying 12 file(s) in batches of 4 (fixed by the export)" in caplog.text
+
+
+def test_top5_is_named_top5_everywhere_with_k_beside_it(trained, capsys, tmp_path):
+    _, checkpoint, _ = trained
+    doc_path = tmp_path / "eval.json"
+    assert eval_script.main(["--checkpoint", str(checkpoint), "--json", str(doc_path), "data.num_workers=0"]) == 0
+    table = capsys.readouterr().out
+    assert "top5 (k=3) " in table and "top3" not in table
+    doc = json.loads(doc_path.read_text())
+    summary = json.loads((checkpoint.parent / "summary.json").read_text())
+    assert doc["top5_k"] == summary["top5_k"] == 3
+    assert doc["top5"] == summary["best"]["top5"] == 100.0  # 3 classes: the true class is always in the top 3
+    assert " top5 (k=3) 100.00 " in (checkpoint.parent / "train.log").read_text()
 
 
 def test_onnx_without_our_metadata_gets_numbered_or_named_classes(trained, tmp_path, caplog, capsys):

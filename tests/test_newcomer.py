@@ -1,6 +1,6 @@
-"""A newcomer's first hour (issue 29): resume with `--resume PATH` alone, pretrained weights without a network
-(the hub tried once), the shards hint, file modes of checkpoints and exports, the top-5 name and the batch
-that eval/infer report."""
+"""A newcomer's first hour (issue 29): pretrained weights without a network (the hub tried once), the shards
+hint. (Resume with `--resume PATH` alone: tests/test_resume.py; file modes, the top-5 name and the batch of a
+fixed-batch export: tests/test_export.py.)"""
 from __future__ import annotations
 
 import os
@@ -116,3 +116,4 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
         assert Path(overrides["data.classes"]).read_text().split() == ["a", "b"]
         load_config("base", [f"{k}={v}" for k, v in overrides.items()] + ["data.root=null",
                                                                              "data.val_shards=v.tar"])  # valid
+

@@ -96,3 +96,9 @@ def is_improvement(value: float, best: float | None, metric: str, min_delta: flo
     if metric == "loss":
         return value < best - min_delta
     return value > best + min_delta
+
+
+def top5_label(k: int) -> str:
+    """`top5` everywhere (logs, metrics.csv, TensorBoard, JSON); with fewer than 5 classes it is top-k at k =
+    the class count, which the text says beside it."""
+    return "top5" if k >= 5 else f"top5 (k={k})"

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError, ExportError, ImageDecodeError
+from core.file_modes import follow_umask
 from data.folder import list_images
 from data.transforms import normalize_batch
 from engine.rundir.checkpointer import LoadedCheckpoint, build_eval_model, preprocessing_record
@@ -84,6 +85,7 @@ def export_checkpoint(loaded: LoadedCheckpoint, fmt: str, output: Path, batch: O
                 write_pt2(folded, example, output, batch is None, metadata)
         except Exception as err:  # the exporters raise many types; their messages name the failing code
             raise ExportError(f"{fmt} export failed: {shorten_export_error(err, model)}") from err
+    follow_umask(output)
     return check_export(loaded, fmt, output, batch)
 
 

@@ -11,8 +11,9 @@ from typing import Optional
 
 from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
-from core.host import usable_cpus
+from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
+from engine.evaluation.metrics import top5_label
 from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
@@ -34,11 +35,13 @@ class RunReporter:
         self.epoch = 0
         self.step_lines = 0
         self.wait_warned = False
+        self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
 
     def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str] = (0, "not set")) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
         from), the batch and step arithmetic, the recipe."""
         cfg, classes = self.cfg, data.classes
+        self.top5_k = min(5, len(classes))
         log.info("data: %d training images, %d validation images, %d classes (%s)", len(data.train_index),
                  len(data.val_index), len(classes), ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))
         log.info("model %s on %s, precision %s, channels_last %s, %d process(es), %d CPU thread(s) (%s)",
@@ -127,9 +130,9 @@ class RunReporter:
                      cfg.train.epochs, train_loss, samples_per_s, cfg.train.val_interval)
             metrics = dict.fromkeys(("top1", "top5", "loss", "mean_class_acc", "num_samples"))
         else:
-            log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  top5 %.2f  loss %.4f  mean class acc %.2f  "
+            log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  %s %.2f  loss %.4f  mean class acc %.2f  "
                      "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
-                     metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"],
+                     top5_label(self.top5_k), metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"],
                      samples_per_s, "best" if improved else f"no improvement for {state.bad_epochs} validation(s)")
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
@@ -159,6 +162,7 @@ class RunReporter:
             "best_epoch": s.best_epoch,
             "best": s.best_metrics,
             "best_metric": self.cfg.early_stop.metric,
+            "top5_k": min(5, len(classes)),
             "epochs_completed": s.epoch,
             "steps_completed": s.step,
             "stopped_early": s.stopped_early,
@@ -185,10 +189,12 @@ class RunReporter:
                 f"best epoch {state.best_epoch}: {metric} {value:.2f}") + f" ({Path(run_dir) / 'best.pt'})"
 
     def log_done(self, state, run_dir, wall_s: float) -> None:
-        """The run's last line: what it reached, where the files are, how long it took."""
-        log.info("done: %d epoch(s)%s, %s | summary %s | wall time %s | %.0f img/s", state.epoch,
-                 " (stopped early)" if state.stopped_early else "", self._best_text(state, run_dir),
-                 Path(run_dir) / "summary.json", format_duration(wall_s), self.train_rate(state))
+        """The run's last line: what it reached, where the files are, how long it took (the whole process,
+        imports included, and the run from the start of its set-up)."""
+        log.info("done: %d epoch(s)%s, %s | summary %s | wall time %s (process; %s from set-up) | %.0f img/s",
+                 state.epoch, " (stopped early)" if state.stopped_early else "", self._best_text(state, run_dir),
+                 Path(run_dir) / "summary.json", format_duration(process_age_s()), format_duration(wall_s),
+                 self.train_rate(state))
 
     def report_complete(self, state, run_dir) -> None:
         """`--resume` of a run that has nothing left to do: say so, and how to train further."""
