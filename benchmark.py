@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 
-from commands.cli import run_main
+from commands.cli import announce, run_main
 from core.errors import ConfigError
 
 
@@ -59,6 +59,7 @@ def main() -> int:
     if args.mode == "infer" and not args.synthetic and cfg.data.format == "webdataset":
         raise ConfigError("--mode infer times infer.py, which reads files: use a folder or CSV source (or --synthetic)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    announce(f"benchmark.py: --mode {args.mode} with --config {args.config}")
     print(json.dumps(run_benchmark(cfg, args)))
     return 0
 

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import announce, check_output_file, run_main
 
 
 def main(argv=None) -> int:
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
     check_output_file("--json", args.json)
+    announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
     from commands.evaluate import evaluate_checkpoint
     from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json

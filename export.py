@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from commands.cli import run_main
+from commands.cli import announce, run_main
 
 
 def main(argv=None) -> int:
@@ -35,6 +35,7 @@ def main(argv=None) -> int:
         raise ConfigError("--batch-size / --dynamic-batch: a timm folder holds weights, which take any batch; "
                           "drop the option")
 
+    announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
     from commands.export import run_export
 
     return run_export(args.checkpoint, args.format, args.output, None if args.dynamic_batch else args.batch_size or 1)

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import announce, check_output_file, run_main
 from core.errors import ConfigError
 from core.host import usable_cpus
 
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
     check_output_file("--output", args.output)
+    announce(f"infer.py: classifying {' '.join(args.inputs[:3])}{' ...' if len(args.inputs) > 3 else ''} with "
+             f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from commands.infer import run_inference
 

@@ -3,7 +3,7 @@
 python train.py --resume PATH [KEY=VALUE ...] to continue a run with the config its last.pt recorded."""
 import argparse
 
-from commands.cli import run_main
+from commands.cli import announce, run_main
 from core.config import available_configs
 
 
@@ -27,11 +27,15 @@ def main() -> int:
     if args.config is None:
         from commands.resume import config_from_checkpoint
 
+        announce(f"train.py: continuing the run of {args.resume} with the config it recorded")
         cfg = config_from_checkpoint(args.resume, args.overrides)
     else:
         from core.config import load_config
 
         cfg = load_config(args.config, args.overrides)  # config mistakes exit 2 before torch is imported
+        data = cfg.data.root or cfg.data.train_csv or cfg.data.train_shards or cfg.data.builtin
+        announce(f"train.py: training {cfg.model.name} on {data} into {cfg.output.dir}"
+                 + (f", resuming from {args.resume}" if args.resume else ""))
 
     from engine.run.trainer import run
 

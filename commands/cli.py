@@ -24,6 +24,12 @@ FRAGMENTATION_ADVICE = ("Reserved memory is much larger than allocated (fragment
                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
+def announce(what: str) -> None:
+    """A command's first line, on stderr before its heavy imports (torch, timm: seconds, tens of them on a
+    loaded machine), so the wait is not silent. `--help` and usage errors print nothing of it."""
+    print(f"{what} (loading torch...)", file=sys.stderr, flush=True)
+
+
 def out_of_memory_message(err: Exception) -> str:
     """The error, what fills the memory (the notes the training step added), and the options in the order
     that helps."""

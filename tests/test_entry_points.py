@@ -67,3 +67,44 @@ def test_train_help_lists_the_configs_and_points_to_base_yaml(tmp_path):
     text = " ".join(done.stdout.split())
     names = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
     assert f"({', '.join(names)})" in text and "configs/base.yaml" in text
+
+
+# Runs an entry script until it first imports a heavy module, then stops it there (exit 99) after saying so.
+STOP_AT_HEAVY = """
+import os, runpy, sys
+script, args = sys.argv[1], sys.argv[2:]
+class StopAtHeavy:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {heavy!r}:
+            print("importing " + name, file=sys.stderr, flush=True)
+            os._exit(99)
+        return None
+sys.meta_path.insert(0, StopAtHeavy())
+sys.argv = [script, *args]
+sys.path.insert(0, {repo!r})
+runpy.run_path(script, run_name="__main__")
+"""
+
+FIRST_LINES = {
+    "train.py": (["--config", "base", "data.root=/no/such/data", "output.dir=runs/x"],
+                 "train.py: training resnet50 on /no/such/data into runs/x"),
+    "train.py --resume": (["--resume", "runs/x/last.pt"],
+                          "train.py: continuing the run of runs/x/last.pt with the config it recorded"),
+    "eval.py": (["--checkpoint", "best.pt"], "eval.py: evaluating best.pt"),
+    "infer.py": (["a.png", "--checkpoint", "best.pt"], "infer.py: classifying a.png with best.pt"),
+    "export.py": (["--checkpoint", "best.pt", "--format", "onnx", "--output", "m.onnx"],
+                  "export.py: exporting best.pt as onnx to m.onnx"),
+    "tune.py": (["--config", "base", "--lr-range", "1e-4,1"], "tune.py: LR range test with --config base"),
+    "benchmark.py": (["--config", "base", "--mode", "train"], "benchmark.py: --mode train with --config base"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIRST_LINES))
+def test_each_command_says_what_it_does_before_importing_torch(case, tmp_path):
+    args, first = FIRST_LINES[case]
+    probe = STOP_AT_HEAVY.format(repo=str(REPO), heavy=HEAVY)
+    done = subprocess.run([sys.executable, "-c", probe, str(REPO / case.split()[0]), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 99, done.stderr[-2000:]
+    assert lines[0] == f"{first} (loading torch...)" and lines[-1].startswith("importing "), lines
