@@ -10,7 +10,7 @@ python tune.py --config CONFIG --lr-range 1e-5,10 [--steps N] [--json FILE] [--p
 """
 import argparse
 
-from commands.cli import announce, run_main
+from commands.cli import run_main
 
 
 def main() -> int:
@@ -32,7 +32,6 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     args = parser.parse_intermixed_args()
 
-    announce(f"tune.py: {'LR range test' if args.lr_range else 'batch-size sweep'} with --config {args.config}")
     from commands.tune import main as tune
 
     return tune(args)

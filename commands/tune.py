@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from commands.cli import announce
 from core.errors import ConfigError
 
 log = logging.getLogger("train")
@@ -81,6 +82,7 @@ def main(args) -> int:
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
     from commands.tune_run import run_lr_test, run_sweep
 
     if lr_range is not None:

@@ -1,10 +1,14 @@
 """tune.py's pictures (matplotlib, no display): loss vs wall time per batch size, and the LR range test."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 
 def _pyplot():
+    # its first use builds a font cache and says so at INFO ("generated new fontManager"), which tune.py's
+    # INFO-level output would show
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")

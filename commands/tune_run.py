@@ -120,8 +120,12 @@ def format_verdict(verdict: dict, target: Optional[float]) -> str:
     def name(value):
         return "-" if value is None else str(value)
 
-    return (f"verdict: least time to loss {target if target is None else format(target, '.4g')}: batch "
-            f"{name(verdict['least_time_to_target'])}; throughput knee: batch {name(verdict['throughput_knee'])}; "
+    close = verdict.get("within_noise") or []
+    fastest = (f"batch {' and '.join(map(str, close))} are within the measurement noise of each other: no clear "
+               f"winner (time->tgt ± in the table)" if len(close) > 1 else
+               f"batch {name(verdict['least_time_to_target'])}")
+    return (f"verdict: least time to loss {target if target is None else format(target, '.4g')}: {fastest}; "
+            f"throughput knee: batch {name(verdict['throughput_knee'])}; "
             f"largest that fits as it is: batch {name(verdict['largest_that_fits'])}")
 
 
@@ -141,6 +145,24 @@ class EstimateOnce:
                       f"at batch {size}); Ctrl-C prints the table so far")
 
 
+class LrEstimateOnce:
+    """After the LR range test's third step: how long all its steps take (the time per step after the first,
+    which holds the start-up); at most, as the test stops once the loss diverges."""
+
+    def __init__(self, ctx: RunContext, steps: int):
+        self.ctx, self.steps, self.first, self.done = ctx, steps, None, False
+
+    def __call__(self, step: int, seconds: float) -> None:
+        if step == 1:
+            self.first = seconds
+        if self.done or self.first is None or step < 3 or step >= self.steps:
+            return
+        self.done = True
+        total = self.first + (seconds - self.first) / (step - 1) * (self.steps - 1)
+        say(self.ctx, f"LR range test: about {total:.0f} s in all (at most: it stops once the loss diverges; "
+                      f"from the first {step} steps)")
+
+
 def say(ctx: RunContext, text: str) -> None:
     if ctx.dist.is_main:
         print(text, file=sys.stderr, flush=True)
@@ -156,7 +178,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
-    result = run_lr_range(cfg, ctx, low, high, steps)
+    result = run_lr_range(cfg, ctx, low, high, steps, on_step=LrEstimateOnce(ctx, steps))
     found = lr_suggestion(result.lrs, result.smoothed)
     o = cfg.optim
     at_base = (found["steepest_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)

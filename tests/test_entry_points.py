@@ -30,6 +30,7 @@ print(json.dumps({{"code": code, "heavy": [m for m in {heavy!r} if m in sys.modu
 CASES = {
     "train --help": ("train.py", ["--help"], 0),
     "train without --config": ("train.py", [], 2),
+    "train --resume auto without --config": ("train.py", ["--resume", "auto"], 2),
     "train with a config mistake": ("train.py", ["--config", "quickstart", "train.epochz=3"], 2),
     "train with an unknown config": ("train.py", ["--config", "nosuch"], 2),
     "eval --help": ("eval.py", ["--help"], 0),

@@ -91,5 +91,6 @@ def test_train_refuses_before_any_work(tmp_path, tiny_tree):
                                                            "model.grad_checkpointing": "true"}))
     assert result.returncode == 2
     assert "resnet18" in result.stderr and "model.grad_checkpointing" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train.py: training tv:resnet18")  # what it does, then why not
     assert not out.exists()

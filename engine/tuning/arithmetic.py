@@ -50,9 +50,31 @@ def loss_after_samples(curve: Curve, samples: int) -> Optional[float]:
 
 
 def default_target(curves: list[Curve]) -> Optional[float]:
-    """The lowest smoothed loss every size reached (the highest of their minima)."""
-    minima = [min(c.losses) for c in curves if c.losses]
-    return max(minima) if minima else None
+    """The loss at least half of the sizes reached: the median of their lowest smoothed losses (the lower one
+    of the middle two for an even count). The lowest loss *every* size reached is the worst size's level,
+    which the smallest batch reaches first by a hair; a level that some sizes do not reach separates them."""
+    minima = sorted(min(c.losses) for c in curves if c.losses)
+    return minima[(len(minima) - 1) // 2] if minima else None
+
+
+def step_time_spread(curve: Curve) -> float:
+    """The coefficient of variation of the seconds per optimizer step over the logged intervals (the first,
+    which holds the start-up, left out): how much the step time moved while it was measured."""
+    per_step = [(t1 - t0) / (s1 - s0) for s0, s1, t0, t1 in
+                zip(curve.steps[1:], curve.steps[2:], curve.seconds[1:], curve.seconds[2:]) if s1 > s0]
+    if len(per_step) < 2:
+        return 0.0
+    mean = sum(per_step) / len(per_step)
+    variance = sum((x - mean) ** 2 for x in per_step) / len(per_step)
+    return math.sqrt(variance) / mean if mean > 0 else 0.0
+
+
+def time_to_target_noise(curve: Curve, seconds: float, seconds_per_step: float) -> float:
+    """How far a time to target may be off: the step time's spread (`step_time_spread`) over the time, plus one
+    logging interval of steps (the target is seen only at logged steps, so it was crossed up to an interval
+    earlier)."""
+    interval = curve.steps[1] - curve.steps[0] if len(curve.steps) > 1 else 1
+    return seconds * step_time_spread(curve) + interval * seconds_per_step
 
 
 def steps_to_target(curve: Curve, target: float) -> Optional[int]:
@@ -77,15 +99,19 @@ def throughput_knee(rates: dict[int, float], tolerance: float = KNEE_TOLERANCE) 
 
 
 def sweep_verdict(rows: list[dict]) -> dict:
-    """From the sweep's rows (`effective_batch`, `img_per_s`, `time_to_target_s`, `fits`): the batch with the
-    least time to target, the throughput knee, and the largest that fits as it is (no accumulation)."""
+    """From the sweep's rows (`effective_batch`, `img_per_s`, `time_to_target_s`, `time_to_target_noise_s`,
+    `fits`): the batch with the least time to target, the batches whose time is within the measurement noise of
+    it (`within_noise`, the fastest included: more than one means no clear winner), the throughput knee, and the
+    largest that fits as it is (no accumulation)."""
     reached = [r for r in rows if r.get("time_to_target_s") is not None]
-    fastest = min(reached, key=lambda r: (r["time_to_target_s"], r["effective_batch"]))["effective_batch"] \
-        if reached else None
+    best = min(reached, key=lambda r: (r["time_to_target_s"], r["effective_batch"])) if reached else None
+    close = [r["effective_batch"] for r in reached if best is not None and
+             r["time_to_target_s"] - best["time_to_target_s"] <=
+             r.get("time_to_target_noise_s", 0.0) + best.get("time_to_target_noise_s", 0.0)]
     knee = throughput_knee({r["effective_batch"]: r["img_per_s"] for r in rows if r.get("img_per_s")})
     fitting = [r["effective_batch"] for r in rows if r.get("fits")]
-    return {"least_time_to_target": fastest, "throughput_knee": knee,
-            "largest_that_fits": max(fitting) if fitting else None}
+    return {"least_time_to_target": best["effective_batch"] if best else None, "within_noise": sorted(close),
+            "throughput_knee": knee, "largest_that_fits": max(fitting) if fitting else None}
 
 
 def exponential_lrs(low: float, high: float, steps: int) -> list[float]:
@@ -130,8 +156,7 @@ def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
 def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict], Optional[float], int]:
     """The sweep's table. `results`: per size `size`, `how`, `fits`, `curve` (a Curve, or None when nothing
     fitted), `img_per_s`, `seconds_per_step`, `peak_memory_mb`. Returns (rows, the target used: the given
-    one, else the lowest loss every size reached, the samples at which all losses are compared: what the
-    shortest run saw)."""
+    one, else `default_target`, the samples at which all losses are compared: what the shortest run saw)."""
     curves = [r["curve"] for r in results if r["curve"] is not None and r["curve"].losses]
     target = target if target is not None else default_target(curves)
     common = min(c.samples[-1] for c in curves) if curves else 0
@@ -140,6 +165,7 @@ def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict]
         curve = r["curve"]
         ran = curve is not None and bool(curve.losses)
         steps = steps_to_target(curve, target) if ran and target is not None else None
+        seconds = None if steps is None else time_to_target(steps, r["seconds_per_step"])
         rows.append({
             "effective_batch": r["size"], "batch": curve.batch if curve else None,
             "accum_steps": curve.accum_steps if curve else None, "how": r["how"], "fits": r["fits"],
@@ -148,7 +174,9 @@ def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict]
             "loss_at_common_samples": round(loss_after_samples(curve, common), 5) if ran else None,
             "final_loss": round(curve.losses[-1], 5) if ran else None,
             "steps_to_target": steps,
-            "time_to_target_s": None if steps is None else round(time_to_target(steps, r["seconds_per_step"]), 3)})
+            "time_to_target_s": None if seconds is None else round(seconds, 3),
+            "time_to_target_noise_s": None if seconds is None else
+            round(time_to_target_noise(curve, seconds, r["seconds_per_step"]), 3)})
     return rows, target, common
 
 
@@ -157,10 +185,12 @@ def format_sweep_table(rows: list[dict], common: int, target: Optional[float]) -
         return "-" if value is None else format(value, spec)
 
     lines = [f"{'batch':>6} {'micro x accum':>13} {'img/s':>9} {'peak MiB':>9} {f'loss@{common}':>12} "
-             f"{'steps->' + (format(target, '.3g') if target is not None else '?'):>13} {'time->tgt s':>11}  how"]
+             f"{'steps->' + (format(target, '.3g') if target is not None else '?'):>13} {'time->tgt s':>14}  how"]
     for r in rows:
         micro = f"{r['batch']} x {r['accum_steps']}" if r["batch"] else "-"
+        time = "-" if r["time_to_target_s"] is None else \
+            f"{r['time_to_target_s']:.1f} ± {r.get('time_to_target_noise_s') or 0:.1f}"
         lines.append(f"{r['effective_batch']:>6} {micro:>13} {cell(r['img_per_s'], '.1f'):>9} "
                      f"{cell(r['peak_memory_mb'], '.0f'):>9} {cell(r['loss_at_common_samples'], '.4f'):>12} "
-                     f"{cell(r['steps_to_target'], 'd'):>13} {cell(r['time_to_target_s'], '.1f'):>11}  {r['how']}")
+                     f"{cell(r['steps_to_target'], 'd'):>13} {time:>14}  {r['how']}")
     return "\n".join(lines)

@@ -150,20 +150,24 @@ class RangeTest:
     effective_batch: int
 
 
-def run_lr_range(cfg, ctx: RunContext, low: float, high: float, steps: int) -> RangeTest:
+def run_lr_range(cfg, ctx: RunContext, low: float, high: float, steps: int,
+                 on_step: Optional[Callable[[int, float], None]] = None) -> RangeTest:
     """The LR range test at `cfg`'s batch: LR from `low` to `high` exponentially over `steps` optimizer
     steps (the same on every rank), the loss averaged over ranks at every step; it stops early once the
     smoothed loss exceeds DIVERGENCE_FACTOR x its minimum (every rank sees the same averages, so all stop
-    together)."""
+    together). `on_step(step, seconds since the start)` after every step."""
     lrs = exponential_lrs(low, high, steps)
     step, data = build_run(cfg, ctx, low, 0, None)
     step.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: lrs[min(i, steps - 1)] / low)
     result = RangeTest([], [], [], cfg.train.batch_size * cfg.train.accum_steps * ctx.dist.world_size)
+    start = time.perf_counter()
 
     def record(number: int, values: dict) -> None:
         result.lrs.append(values["train/lr"])
         result.losses.append(ctx.mean_over_ranks(values["train/loss"]))
         result.smoothed = smooth(result.losses)
+        if on_step is not None:
+            on_step(number, time.perf_counter() - start)
 
     def diverged(number: int) -> bool:
         return len(result.smoothed) > 1 and result.smoothed[-1] > DIVERGENCE_FACTOR * min(result.smoothed)
