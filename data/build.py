@@ -118,10 +118,22 @@ def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory:
         train_loader = build_train_loader(TrainDataset(train_index, transform), sampler, batch_size, d.num_workers,
                                           pin_memory, d.persistent_workers, d.prefetch_factor, cfg.train.seed)
     if sampler.num_batches() == 0:
+        share = len(train_index) // world_size
+        smaller = small_folder_batch(share)
         raise ConfigError(f"'train.batch_size' = {batch_size} is larger than this process's share of the training "
-                          f"split ({len(train_index) // world_size} images); lower it")
+                          f"split ({share} images); lower it, e.g. train.batch_size={smaller} "
+                          f"({share // smaller} batches per epoch)")
     val_limit = d.limit_val_batches * batch_size if d.limit_val_batches else None
     val_loader = build_eval_loader_for(val_index, eval_transform(d), eval_size(d), batch_size, d.num_workers,
                                        pin_memory, rank, world_size, d.persistent_workers, d.prefetch_factor,
                                        val_limit)
     return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader, sources)
+
+
+def small_folder_batch(images: int) -> int:
+    """A batch size for a split of `images` images that gives at least four batches per epoch: the largest
+    power of two at most a quarter of them (1 for fewer than 8 images)."""
+    batch = 1
+    while batch * 2 <= images // 4:
+        batch *= 2
+    return batch

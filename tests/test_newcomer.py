@@ -117,3 +117,16 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
         load_config("base", [f"{k}={v}" for k, v in overrides.items()] + ["data.root=null",
                                                                              "data.val_shards=v.tar"])  # valid
 
+
+
+def test_a_batch_larger_than_a_small_folder_names_one_that_works(tmp_path):
+    from conftest import make_tree, tiny_overrides
+    from core.config import load_config
+    from core.errors import ConfigError
+    from data.build import build_run_data, small_folder_batch
+
+    assert [small_folder_batch(n) for n in (0, 7, 8, 40, 100, 1000)] == [1, 1, 2, 8, 16, 128]
+    data = make_tree(tmp_path / "data", {"a": (10, 2), "b": (10, 2)})
+    cfg = load_config("base", tiny_overrides(data, tmp_path / "run", **{"train.batch_size": 128}))
+    with pytest.raises(ConfigError, match=r"\(20 images\); lower it, e.g. train.batch_size=4 \(5 batches per epoch\)"):
+        build_run_data(cfg, 128, 0, 1, False)
