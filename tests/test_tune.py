@@ -56,7 +56,7 @@ def test_time_to_target_on_known_step_times():
 
 
 def test_a_difference_within_the_measurement_noise_names_no_winner():
-    """The issue's case: 16.5 s against 16.9 s, the step time moving by ~10% while measured."""
+    """The issue's case: 16.5 s against 16.9 s, each step's time moving by up to 15% while measured."""
     import random
 
     from commands.tune_run import format_verdict
@@ -76,7 +76,8 @@ def test_a_difference_within_the_measurement_noise_names_no_winner():
     for row, per_step in zip(rows, (0.165, 0.169)):
         curve_ = jittery(row["effective_batch"], per_step, 100)
         row["time_to_target_noise_s"] = time_to_target_noise(curve_, row["time_to_target_s"], per_step)
-        assert 0.5 < row["time_to_target_noise_s"] < 2.5  # ~9% spread of the step time, plus one step
+        # two standard errors of the mean step time (~0.09 / sqrt(98) x 2 of 16.5 s) plus one step (~0.17 s)
+        assert 0.3 < row["time_to_target_noise_s"] < 0.8
     verdict = sweep_verdict(rows)
     assert verdict["within_noise"] == [64, 128]
     assert "batch 64 and 128 are within the measurement noise" in format_verdict(verdict, 0.5)

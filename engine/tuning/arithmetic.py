@@ -57,24 +57,25 @@ def default_target(curves: list[Curve]) -> Optional[float]:
     return minima[(len(minima) - 1) // 2] if minima else None
 
 
-def step_time_spread(curve: Curve) -> float:
-    """The coefficient of variation of the seconds per optimizer step over the logged intervals (the first,
-    which holds the start-up, left out): how much the step time moved while it was measured."""
+def step_time_error(curve: Curve) -> float:
+    """The relative standard error of the mean seconds per optimizer step: the standard deviation of the
+    logged intervals' per-step times (the first, which holds the start-up, left out) over their mean, divided
+    by the square root of their count."""
     per_step = [(t1 - t0) / (s1 - s0) for s0, s1, t0, t1 in
                 zip(curve.steps[1:], curve.steps[2:], curve.seconds[1:], curve.seconds[2:]) if s1 > s0]
     if len(per_step) < 2:
         return 0.0
     mean = sum(per_step) / len(per_step)
-    variance = sum((x - mean) ** 2 for x in per_step) / len(per_step)
-    return math.sqrt(variance) / mean if mean > 0 else 0.0
+    variance = sum((x - mean) ** 2 for x in per_step) / (len(per_step) - 1)
+    return math.sqrt(variance / len(per_step)) / mean if mean > 0 else 0.0
 
 
 def time_to_target_noise(curve: Curve, seconds: float, seconds_per_step: float) -> float:
-    """How far a time to target may be off: the step time's spread (`step_time_spread`) over the time, plus one
-    logging interval of steps (the target is seen only at logged steps, so it was crossed up to an interval
-    earlier)."""
+    """How far a time to target may be off: two standard errors of the mean step time (`step_time_error`,
+    about a 95% band) over the time, plus one logging interval of steps (the target is seen only at logged
+    steps, so it was crossed up to an interval earlier)."""
     interval = curve.steps[1] - curve.steps[0] if len(curve.steps) > 1 else 1
-    return seconds * step_time_spread(curve) + interval * seconds_per_step
+    return seconds * 2 * step_time_error(curve) + interval * seconds_per_step
 
 
 def steps_to_target(curve: Curve, target: float) -> Optional[int]:
