@@ -13,11 +13,12 @@ import torch
 
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from engine.rundir.checkpointer import find_newest_checkpoint
+from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
                            select_device)
 from engine.evaluation.evaluate import Predictions, predict
-from engine.model_io.model_files import KIND_NAMES, load_model_file
+from engine.model_io.model_file import KIND_NAMES
+from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
 
 log = logging.getLogger("infer")

@@ -20,7 +20,7 @@ from core.safe_load import load_checkpoint
 from engine.rundir.atomic_files import save_atomic
 from commands.cli import run_main
 from core.config import ConfigError, load_config
-from engine.rundir.checkpointer import resolve_resume
+from engine.rundir.resume import resolve_resume
 from engine.run.trainer import Trainer, run
 
 SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}

@@ -13,7 +13,7 @@ import engine.run.trainer as trainer_module
 from conftest import PRETRAINED_PREPROCESSING, make_tree, run_script, tiny_overrides, write_pretrained_folder
 from core.config import ConfigError, OptimConfig, load_config
 from core.errors import ModelError
-from engine.rundir.checkpointer import read_checkpoint
+from engine.model_io.checkpoint_files import read_checkpoint
 from engine.training.optim import base_lr, build_optimizer, param_groups
 from engine.training.schedule import build_scheduler
 from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,

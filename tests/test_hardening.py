@@ -27,7 +27,7 @@ from data.file_list import FileListDataset, build_inference_loader, expand_input
 from data.folder import scan_split
 from data.transforms import EvalTransform
 from engine.rundir import atomic_files as checkpoint
-from engine.rundir.checkpointer import resolve_resume
+from engine.rundir.resume import resolve_resume
 from engine.rundir.run_lock import open_run_dir
 from engine.training.schedule import plan_run
 from engine.run.trainer import Trainer, run

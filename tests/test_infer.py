@@ -18,7 +18,7 @@ from data.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
 from core.config import ConfigError
-from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
 from engine.runtime.device import DeviceInput
 from engine.evaluation.evaluate import predict
 

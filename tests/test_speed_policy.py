@@ -262,7 +262,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
-    from engine.rundir.checkpointer import all_finite
+    from engine.rundir.checkpoints import all_finite
 
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert all_finite(ok)

@@ -24,8 +24,9 @@ from data.fingerprint import data_fingerprint
 from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
 from engine.runtime import distributed as dist_utils
-from engine.rundir.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
-                                 recorded_threads, resolve_resume)
+from engine.rundir.checkpoints import Checkpointer, TrainingParts
+from engine.rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from engine.model_io.checkpoint_files import recorded_threads
 from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
                            select_device)
