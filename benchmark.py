@@ -69,7 +69,7 @@ def run_benchmark(cfg, args) -> dict:
     from benchmarking.loader import bench_loader
     from benchmarking.modes import bench_infer, bench_train, settings
     from core.config import check_data_root
-    from data.build import prepare_root, scan_tree
+    from data.build import prepare_root, scan_splits
     from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
 
     device = select_device(cfg.train.device)
@@ -86,7 +86,7 @@ def run_benchmark(cfg, args) -> dict:
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:
             prepare_root(cfg)
-            train_index, _ = scan_tree(cfg)
+            train_index, _ = scan_splits(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
         report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}

@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
+from core.outputs import check_output_file
 
 
 def main(argv=None) -> int:
@@ -34,7 +35,8 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
 
     from commands.evaluate import evaluate_checkpoint
-    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
+    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table
+    from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes)

@@ -15,7 +15,8 @@ import logging
 import os
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
+from core.outputs import check_output_file
 from core.errors import ConfigError
 from core.host import usable_cpus
 

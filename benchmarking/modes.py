@@ -74,11 +74,11 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
         batch = (images, torch.ones(batch_size, dtype=torch.bool), torch.arange(batch_size), [""] * batch_size)
         loader, warm_loader = [batch] * steps, [batch] * max(1, warmup)
     else:
-        from data.build import eval_transform, scan_tree
+        from data.build import eval_transform, scan_splits
         from data.file_list import FileListDataset, build_inference_loader
 
         pin = pin_memory_for(cfg.data.pin_memory, device)
-        _, val_index = scan_tree(cfg)
+        _, val_index = scan_splits(cfg)
         num_classes = len(val_index.classes)
         paths = list(val_index.paths) * max(1, ceil_div(steps * batch_size, len(val_index.paths)))
         transform = eval_transform(cfg.data)

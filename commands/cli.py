@@ -77,25 +77,6 @@ def run_main(main: Callable[[], int]) -> None:
     sys.exit(code)
 
 
-def check_output_file(flag: str, path: str | None) -> None:
-    """ConfigError (exit 2) before any work when an output file cannot be written where asked: the name is
-    a folder, or a part of the path above it is a file."""
-    if not path:
-        return
-    from pathlib import Path
-
-    from core.errors import ConfigError
-
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"{flag} {path}: is a folder; pass a file name (for example {target / 'out'}{target.suffix or '.json'})")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
-            break
-
-
 def _is_out_of_memory(err: Exception) -> bool:
     if isinstance(err, MemoryError):
         return True

@@ -16,7 +16,7 @@ from engine.evaluation.evaluate import evaluate
 from engine.evaluation.metrics import per_class_report
 from engine.model_io.model_files import load_model_file
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
 
-log = logging.getLogger("infer")
+log = logging.getLogger(__name__)
 
 
 def result_columns(k: int) -> list[str]:

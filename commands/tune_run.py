@@ -6,10 +6,10 @@ import logging
 import sys
 from typing import Optional
 
-from commands.tune import write_json
 from core.config import check_data_root
 from core.errors import ConfigError
-from data.build import prepare_root, scan_tree
+from core.outputs import write_json
+from data.build import prepare_root, scan_splits
 from engine.runtime import distributed as dist_utils
 from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
 from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, precision_name, resolve_amp, select_device
@@ -19,7 +19,7 @@ from engine.tuning.sweep import MemoryCheck, RunContext, run_lr_range, sweep_bat
 from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 DEFAULT_STEPS = 100
 
 
@@ -37,7 +37,7 @@ def prepare(cfg) -> tuple[RunContext, int, int]:
         prepare_root(cfg)
     dist_utils.barrier()
     enable_cudnn_autotune(device)
-    train_index, _ = scan_tree(cfg)
+    train_index, _ = scan_splits(cfg)
     return RunContext(device, amp_dtype, dist), len(train_index), len(train_index.classes)
 
 

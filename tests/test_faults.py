@@ -173,7 +173,7 @@ def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_ru
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     damage(run_dir / "last.pt", how)
-    with caplog.at_level("WARNING", logger="train"):
+    with caplog.at_level("WARNING"):
         ckpt = resolve_resume("auto", run_dir)
     assert ckpt["step"] == 4  # last.prev.pt: the end of epoch 1
     assert any("damaged or truncated" in r.message and "trying the previous state" in r.message

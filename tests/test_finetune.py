@@ -157,7 +157,7 @@ def test_the_pretrained_classifier_is_kept_only_for_our_classes(tmp_path, caplog
     torch.manual_seed(5)
     model = build_model(cfg.model, 3)
     fresh = model.fc.weight.detach().clone()
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO):
         load_pretrained_weights(model, load_pretrained(cfg.model), cfg.model.name, ["a", "b", "c"])
     assert torch.equal(model.fc.weight, source["fc.weight"] if kept else fresh)
     assert torch.equal(model.conv1[0].weight, source["conv1.0.weight"])

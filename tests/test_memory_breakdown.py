@@ -17,7 +17,7 @@ from engine.runtime.device import DeviceInput
 from engine.runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
 from engine.training.step import build_train_step
 from models.factory import create_model
-from tests.conftest import REPO
+from conftest import REPO
 
 MiB = 2**20
 

@@ -16,7 +16,7 @@ from engine.runtime.distributed import DistInfo
 from engine.tuning.sweep import MemoryCheck, RunContext, attempts_for, sweep_batch_sizes
 from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee)
-from tests.conftest import make_tree, run_script, tiny_overrides
+from conftest import make_tree, run_script, tiny_overrides
 
 
 def curve(batch, losses, seconds_per_step):
@@ -79,7 +79,7 @@ def test_lr_suggestion_lands_in_the_steep_part():
 
 
 def test_lr_range_identical_on_both_ranks(tmp_path):
-    from tests.tune_workers import lr_range_on_rank
+    from tune_workers import lr_range_on_rank
 
     root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1)}, size=(16, 16))
     overrides = tiny_overrides(root, tmp_path / "run", **{"train.batch_size": 4})

@@ -27,7 +27,7 @@ from engine.model_io.checkpoint_files import build_eval_model, preprocessing_rec
 from engine.model_io.model_files import PT2_METADATA_FILE, TIMM_METADATA_KEY, export_metadata, load_model_file, onnx_metadata_props
 from models.factory import TORCHVISION_PREFIX, fold_batchnorm
 
-log = logging.getLogger("export")
+log = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "pt2", "timm")
 SUFFIXES = {"onnx": ".onnx", "pt2": ".pt2"}

@@ -17,7 +17,7 @@ from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class RunReporter:

@@ -18,7 +18,7 @@ from engine.runtime.device import memory_format
 from engine.rundir.runlog import RunLog
 from models.factory import build_model, load_local_weights, load_pretrained_weights
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def prepare_data_once(cfg, dist) -> None:

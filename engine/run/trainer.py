@@ -44,7 +44,7 @@ from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -238,7 +238,7 @@ class Trainer:
                 # run validates this epoch again and goes on.
                 self._save_mid_epoch(counters.snapshot())
                 raise
-            self.state.epoch, self.state.batch_in_epoch, self.state.progress = epoch + 1, 0, {}
+            self.state.epoch, self.state.batch_in_epoch, self.state.epoch_snapshot = epoch + 1, 0, {}
             # the whole job's rate, over the samples this process ran since it (re)started the epoch
             samples_per_s = (counters.samples - resumed.samples) * self.dist.world_size / max(seconds, 1e-9)
             self.epoch_wait_frac = (counters.data_time - resumed.data_time) / max(seconds, 1e-9)
@@ -286,7 +286,7 @@ class Trainer:
         # saves, and a split with too many of them stops the run now rather than at the epoch end.
         self._record_unreadable(snapshot["unreadable"])
         self.state.batch_in_epoch = snapshot["batches_done"]
-        self.state.progress = snapshot
+        self.state.epoch_snapshot = snapshot
         self.save_last()
 
     def _record_unreadable(self, indices) -> None:

@@ -121,7 +121,7 @@ class Checkpointer:
                 raise CheckpointError(f"--resume: the checkpoint's '{name}' does not load into this run "
                                       f"({type(err).__name__}: {reason}); the file is damaged or was not "
                                       f"written by this train.py") from err
-        state = TrainState(**ckpt["train_state"])
+        state = TrainState.from_saved(ckpt["train_state"])
         self.saved_state = TrainState(**dataclasses.asdict(state))
         log.info("resumed at epoch %d, batch %d, optimizer step %d", state.epoch + 1, state.batch_in_epoch, state.step)
         return state

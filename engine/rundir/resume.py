@@ -64,14 +64,14 @@ def training_state_problems(ckpt: dict, ema: bool) -> list[str]:
             problems.append(f"'rng' lacks {', '.join(missing)}")
     train_state = ckpt.get("train_state")
     if isinstance(train_state, dict):
-        known = {f.name for f in dataclasses.fields(TrainState)}
+        known = {f.name for f in dataclasses.fields(TrainState)} | {"progress"}  # the snapshot's former name
         unknown = sorted(set(map(str, train_state)) - known)
         if unknown:
             problems.append(f"'train_state' has unknown keys {unknown}")
-        progress = train_state.get("progress") or {}
+        snapshot = train_state.get("epoch_snapshot", train_state.get("progress")) or {}
         counters = {f.name for f in dataclasses.fields(EpochCounters)} | {"bad_indices"}
-        if not isinstance(progress, dict) or set(map(str, progress)) - counters:
-            problems.append("'train_state.progress' is not a saved epoch's counters")
+        if not isinstance(snapshot, dict) or set(map(str, snapshot)) - counters:
+            problems.append("'train_state.epoch_snapshot' is not a saved epoch's counters")
     return problems
 
 

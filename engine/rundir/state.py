@@ -12,7 +12,7 @@ import torch
 from core.errors import NonFiniteError
 from engine.evaluation.metrics import is_improvement
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 # the validation metrics summary.json and best.pt keep as `best`
 BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -86,7 +86,7 @@ class TrainState:
     skipped_steps: int = 0       # optimizer steps skipped (non-finite), counted as they happen
     train_samples: int = 0
     train_time_s: float = 0.0
-    progress: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
+    epoch_snapshot: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
 
     def record_validation(self, epoch: int, metrics: dict, metric: str, min_delta: float,
                           patience: Optional[int]) -> bool:
@@ -102,6 +102,14 @@ class TrainState:
                 self.stopped_early = True
         return improved
 
+    @classmethod
+    def from_saved(cls, saved: dict) -> "TrainState":
+        """The state last.pt recorded (checkpoints written before the rename call the snapshot `progress`)."""
+        values = dict(saved)
+        if "progress" in values:
+            values["epoch_snapshot"] = values.pop("progress")
+        return cls(**values)
+
     def epoch_counters(self) -> EpochCounters:
         """The counters to continue the current epoch with (fresh at an epoch start)."""
-        return EpochCounters.restore(self.progress) if self.batch_in_epoch else EpochCounters()
+        return EpochCounters.restore(self.epoch_snapshot) if self.batch_in_epoch else EpochCounters()

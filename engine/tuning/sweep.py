@@ -25,7 +25,7 @@ from engine.training.step import build_train_step
 from engine.tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def epochs_of(loader, sampler) -> Iterator:
