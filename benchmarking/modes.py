@@ -29,12 +29,13 @@ def loader_batches(loader, sampler=None, start_epoch: int = 0) -> Iterator:
         epoch += 1
 
 
-def settings(cfg, device: torch.device, amp_dtype, batch_size: int, synthetic: bool) -> dict:
+def settings(cfg, runtime, batch_size: int, synthetic: bool) -> dict:
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     return {"model": cfg.model.name, "img_size": cfg.data.img_size, "batch": batch_size,
             "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "compile": cfg.train.compile,
             "workers": 0 if synthetic else cfg.data.num_workers, "device": str(device), "synthetic": synthetic,
-            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(),
+            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(runtime.host),
             "reuse_host_memory": cfg.train.reuse_host_memory}
 
 

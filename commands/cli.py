@@ -52,10 +52,10 @@ def _reserved_much_larger(message: str) -> bool:
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
     First, before any command imports torch, how OpenMP's waiting threads behave is chosen by the cores'
-    load (`core.host.choose_omp_wait`)."""
-    core.host.chosen_omp_wait = core.host.choose_omp_wait()
+    load (`core.host.choose_omp_wait`); `main` gets that choice (`host=`) to set up its runtime with."""
+    host = core.host.choose_omp_wait()
     try:
-        code = main()
+        code = main(host=host)
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2

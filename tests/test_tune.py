@@ -13,7 +13,8 @@ import torch
 from core.config import load_config
 from core.errors import ConfigError
 from engine.runtime.distributed import DistInfo
-from engine.tuning.sweep import MemoryCheck, RunContext, attempts_for, sweep_batch_sizes
+from engine.runtime.runtime import Runtime
+from engine.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee)
 from conftest import make_tree, run_script, tiny_overrides
@@ -93,7 +94,7 @@ def test_lr_range_identical_on_both_ranks(tmp_path):
 
 
 def sweep_losses(cfg):
-    ctx = RunContext(torch.device("cpu"), None, DistInfo())
+    ctx = Runtime(torch.device("cpu"), None, DistInfo())
     memory = MemoryCheck(cfg, ctx, 3, None, 4)
     entries = sweep_batch_sizes(cfg, ctx, [4, 8], steps=4, warmup=1, log_every=1, memory=memory,
                                 try_checkpointing=False)
