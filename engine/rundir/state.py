@@ -36,15 +36,19 @@ class EpochCounters:
         if (replaced >= 0).any():
             self.unreadable.update(int(i) for i in replaced[replaced >= 0])
 
-    def count_update(self, skipped: bool, step: int, max_in_row: int) -> None:
-        """After optimizer step `step` (already in the run's state, skipped or not): a skipped update is counted
-        and logged; too many in a row stop the run."""
+    def count_update(self, skipped: bool, step: int, run: "TrainState") -> None:
+        """After optimizer step `step` (already in the run's state, skipped or not): the one place a skipped
+        update is counted, in the epoch's totals and the run's, and logged."""
         if not skipped:
             self.nonfinite_in_row = 0
             return
         self.skipped_steps += 1
+        run.skipped_steps += 1
         self.nonfinite_in_row += 1
         log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.nonfinite_in_row)
+
+    def stop_if_too_many_in_row(self, step: int, max_in_row: int) -> None:
+        """NonFiniteError when `max_in_row` updates in a row were skipped (train.max_nonfinite_in_row)."""
         if self.nonfinite_in_row >= max_in_row:
             raise NonFiniteError(f"{self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
                                  f"gradients (last at step {step}); stopping (train.max_nonfinite_in_row)")
