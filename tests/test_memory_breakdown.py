@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.config import load_config
-from engine.tuning.arithmetic import batch_finder
+from engine.tuning import batch_finder
 from engine.tuning.batch_finder import StepResult, format_finder_table, run_finder
 from engine.runtime.device import DeviceInput
 from engine.runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
