@@ -6,6 +6,7 @@ answer before the heavy imports.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Callable
 
@@ -52,10 +53,12 @@ def _reserved_much_larger(message: str) -> bool:
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
     First, before any command imports torch, how OpenMP's waiting threads behave is chosen by the cores'
-    load (`core.host.choose_omp_wait`); `main` gets that choice (`host=`) to set up its runtime with."""
+    load (`core.host.choose_omp_wait`); a `main` that takes `host=` gets that choice to set up its runtime
+    with."""
     host = core.host.choose_omp_wait()
+    takes_host = "host" in inspect.signature(main).parameters
     try:
-        code = main(host=host)
+        code = main(host=host) if takes_host else main()
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2
