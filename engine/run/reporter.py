@@ -18,7 +18,7 @@ from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class RunReporter:
@@ -37,7 +37,7 @@ class RunReporter:
         self.wait_warned = False
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
 
-    def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str] = (0, "not set")) -> None:
+    def log_startup(self, data, runtime, plan) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
         from), the batch and step arithmetic, the recipe."""
         cfg, classes = self.cfg, data.classes
@@ -45,8 +45,8 @@ class RunReporter:
         log.info("data: %d training images, %d validation images, %d classes (%s)", len(data.train_index),
                  len(data.val_index), len(classes), ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))
         log.info("model %s on %s, precision %s, channels_last %s, %d process(es), %d CPU thread(s) (%s)",
-                 cfg.model.name, device, precision_name(amp_dtype), cfg.train.channels_last, self.world_size,
-                 *threads)
+                 cfg.model.name, runtime.device, precision_name(runtime.amp_dtype), cfg.train.channels_last,
+                 self.world_size, runtime.threads, runtime.threads_source)
         log.info("effective batch %d (batch %d x accum %d x %d process(es)) | steps/epoch %d | total steps %d | "
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
@@ -132,7 +132,8 @@ class RunReporter:
         else:
             log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  %s %.2f  loss %.4f  mean class acc %.2f  "
                      "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
-                     top5_label(self.top5_k), metrics["top5"], metrics["loss"], metrics["mean_class_acc"], metrics["num_samples"],
+                     top5_label(self.top5_k), metrics["top5"], metrics["loss"], metrics["mean_class_acc"],
+                     metrics["num_samples"],
                      samples_per_s, "best" if improved else f"no improvement for {state.bad_epochs} validation(s)")
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
