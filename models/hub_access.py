@@ -1,7 +1,7 @@
 """Whether the Hugging Face hub can be reached, found once per process with one short connection.
 
 Without a network, huggingface_hub retries every file it looks for (five times, with back-off, for each of
-the two weight-file names timm asks for): about a minute of warnings before the error. One probe decides
+the two weight-file names timm asks for): some 50 s of warnings before the error. One probe decides
 instead; when the hub cannot be reached, offline mode is set for the rest of the process (the environment
 for child processes, huggingface_hub's constant for this one), so the cache answers at once and a file that
 is not cached fails at once.
