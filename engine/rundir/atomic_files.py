@@ -27,6 +27,7 @@ import torch.utils.serialization.config as serialization_config
 from timm.utils import unwrap_model
 
 from core.errors import DiskFullError
+from engine.rundir.resume_hint import continue_command
 
 
 @contextmanager
@@ -87,8 +88,8 @@ def save_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> No
                 free = shutil.disk_usage(path.parent).free
                 raise DiskFullError(f"no space left on device in {path.parent} (needed ~{_mib(tensor_bytes(obj))} MB "
                                     f"for {path.name}, {_mib(free)} MB free); {path.name} keeps its previous "
-                                    f"state. Free some space (or move output.dir) and continue with --resume "
-                                    f"auto") from err
+                                    f"state. Free some space (or move output.dir) and continue with: "
+                                    f"{continue_command(path.parent / 'last.pt')}") from err
             raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
