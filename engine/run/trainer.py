@@ -32,6 +32,7 @@ from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_a
 from engine.evaluation.evaluate import evaluate
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
+from engine.run.calibrate import calibrate_best
 from engine.run.reporter import RunReporter
 from engine.run.setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
 from engine.rundir.run_lock import RunDirLock, open_run_dir
@@ -246,6 +247,8 @@ class Trainer:
                 raise StopRequested()
             if self.state.stopped_early:
                 break
+        calibrate_best(self.cfg, self.run_dir, self.eval_model, self.data.val_loader, self.data.train_index,
+                       self.step.input, self.dist)
         self.write_summary()
         self.reporter.log_done(self.state, self.run_dir, time.perf_counter() - self.started)
         dist_utils.barrier()
