@@ -70,3 +70,32 @@ def gather_outputs(outputs: SplitOutputs) -> SplitOutputs:
     order = outputs.indices.argsort()
     return SplitOutputs(outputs.logits[order], outputs.labels[order], outputs.indices[order],
                         outputs.features[order] if outputs.features is not None else None)
+
+
+class OutputRecorder:
+    """`evaluate(on_outputs=...)`'s receiver: keeps every readable sample's logits, label, index and (for a
+    model with a timm classifier) penultimate features on the host. Close it to remove its feature tap."""
+
+    def __init__(self, model: torch.nn.Module, with_features: bool = True):
+        self.tap = FeatureTap(model) if with_features else None
+        self.parts: list[SplitOutputs] = []
+
+    def __call__(self, logits, targets, valid, indices) -> None:
+        keep = valid.bool().cpu()
+        features = self.tap.take() if self.tap is not None else None
+        self.parts.append(SplitOutputs(logits.float().cpu()[keep], torch.as_tensor(targets).cpu()[keep].long(),
+                                       torch.as_tensor(indices).cpu()[keep].long(),
+                                       features.float().cpu()[keep] if features is not None else None))
+
+    def outputs(self) -> SplitOutputs:
+        if not self.parts:
+            return SplitOutputs(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                None)
+        features = (torch.cat([p.features for p in self.parts])
+                    if all(p.features is not None for p in self.parts) else None)
+        return SplitOutputs(torch.cat([p.logits for p in self.parts]), torch.cat([p.labels for p in self.parts]),
+                            torch.cat([p.indices for p in self.parts]), features)
+
+    def close(self) -> None:
+        if self.tap is not None:
+            self.tap.close()

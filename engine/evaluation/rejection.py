@@ -41,7 +41,8 @@ class FeatureTap:
         self._handle = head.register_forward_hook(self._record) if self.available else None
 
     def _record(self, module, inputs, output) -> None:
-        self.features = inputs[0].detach().flatten(1)
+        if self.features is None:  # the first forward since the last take (with TTA: the unflipped image)
+            self.features = inputs[0].detach().flatten(1)
 
     def take(self) -> Optional[torch.Tensor]:
         """The features of the last forward (then forgotten)."""
@@ -55,12 +56,17 @@ class FeatureTap:
 
 
 def threshold_for_coverage(scores: torch.Tensor, coverage: float) -> float:
-    """The largest threshold t such that at least `coverage` of `scores` are >= t."""
+    """A threshold t such that at least `coverage` of `scores` are >= t: midway between the lowest score
+    kept and the next one down, so rounding differences between passes (batch size, memory layout) do not
+    move a sample across it."""
     if len(scores) == 0:
         return -math.inf
     ordered = scores.double().sort(descending=True).values
     keep = min(len(ordered), max(1, math.ceil(coverage * len(ordered) - 1e-9)))
-    return float(ordered[keep - 1])
+    if keep == len(ordered):
+        lowest = float(ordered[-1])
+        return lowest - max(1e-6, 1e-3 * abs(lowest))
+    return float((ordered[keep - 1] + ordered[keep]) / 2)
 
 
 def msp_score(logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:

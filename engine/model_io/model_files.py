@@ -23,6 +23,7 @@ from data.build import eval_transform
 from data.transforms import EvalTransform
 from engine.rundir.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
                                  preprocessing_record, read_checkpoint)
+from engine.evaluation.trust import export_record
 from engine.runtime.device import memory_format
 
 log = logging.getLogger("infer")
@@ -49,6 +50,7 @@ class ModelFile:
     saved_val_limit: Optional[int] = None
     threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
+    calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
 
     @property
     def fp32_only(self) -> bool:
@@ -134,7 +136,7 @@ def export_metadata(loaded: LoadedCheckpoint, batch: Optional[int]) -> dict:
     config["data"]["limit_val_batches"] = loaded.saved_val_limit
     return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
             "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
-            "batch": batch}
+            "batch": batch, "calibration": export_record(loaded.calibration)}
 
 
 def onnx_metadata_props(metadata: dict) -> dict[str, str]:
@@ -167,7 +169,7 @@ def _open_checkpoint(path: Path, overrides: list[str]) -> ModelFile:
     return ModelFile("checkpoint", path, loaded.cfg, loaded.classes, loaded.epoch,
                      lambda device, channels_last: build_eval_model(loaded, device, channels_last),
                      saved_val_limit=loaded.saved_val_limit, threads=loaded.threads,
-                     data_source=loaded.data_source)
+                     data_source=loaded.data_source, calibration=loaded.calibration)
 
 
 def onnx_session(path: Path, device: torch.device = torch.device("cpu")):
@@ -229,7 +231,7 @@ def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
     return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
-                     saved_val_limit)
+                     saved_val_limit, calibration=metadata.get("calibration") if metadata else None)
 
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
@@ -275,7 +277,8 @@ def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
 
             on_device = move_to_device_pass(program, device)
         return FunctionModel(on_device.module().__call__, fixed_batch)
-    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit)
+    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
+                     calibration=metadata.get("calibration"))
 
 
 def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
@@ -314,4 +317,5 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
             reason = " ".join(str(err).split())[:300]
             raise CheckpointError(f"{path}: timm cannot load this folder: {reason}") from err
         return model.to(device, memory_format=memory_format(channels_last)).eval()
-    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit)
+    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit,
+                     calibration=ours.get("calibration"))

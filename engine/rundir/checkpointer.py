@@ -362,6 +362,7 @@ class LoadedCheckpoint:
     saved_val_limit: Optional[int] = None  # data.limit_val_batches of the training run
     threads: Optional[int] = None          # CPU threads the training run validated with
     data_source: Optional[dict] = None     # the training run's data record (split file lists, ...)
+    calibration: Optional[dict] = None     # temperature and reject record (engine.evaluation.trust), fitted after training
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)
@@ -379,7 +380,8 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     cfg, saved_val_limit = eval_config(ckpt["config"], ckpt.get("preprocessing") or {}, overrides,
                                        f"checkpoint {path}")
     return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit,
-                            recorded_threads(ckpt), ckpt.get("data_source"))
+                            recorded_threads(ckpt), ckpt.get("data_source"),
+                            ckpt.get("calibration") if isinstance(ckpt.get("calibration"), dict) else None)
 
 
 def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:
