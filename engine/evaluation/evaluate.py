@@ -62,9 +62,12 @@ class Predictions:
     errors: dict               # input index -> reason the file could not be read
 
 
-def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -> Predictions:
+def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, temperature: Optional[float] = None,
+            on_logits: Optional[Callable] = None) -> Predictions:
     """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order; the
-    padding rows are dropped before softmax / top-k."""
+    padding rows are dropped before softmax / top-k. `temperature` scales the logits first (calibrated
+    probabilities; the ranking is unchanged); `on_logits(logits, n)` receives each batch's logits, padding
+    included, and the count of real rows (the reject scores)."""
     probs_out, indices_out, valid_out = [], [], []
     errors: dict = {}
     with torch.inference_mode():
@@ -73,7 +76,10 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -
             batch = device_input.prepare(images)
             with device_input.autocast():
                 logits = model(batch)
-            top = logits[:n].float().softmax(dim=1).topk(k, dim=1)
+            if on_logits is not None:
+                on_logits(logits, n)
+            scaled = logits[:n].float() if temperature is None else logits[:n].float() / temperature
+            top = scaled.softmax(dim=1).topk(k, dim=1)
             probs_out.append(top.values)
             indices_out.append(top.indices)
             valid_out.append(valid)

@@ -29,15 +29,31 @@ KNN_K = 1
 BANK_SIZE = 2048   # training features kept in the checkpoint (fp16): 2048 x 512 is 2 MB
 
 
-class FeatureTap:
-    """Records the input of a timm model's classifier (`get_classifier()`) on every forward: the pooled
-    penultimate features, caught without changing how the model is called (folded, compiled or wrapped).
-    `available` is False for a model without one (torchvision models, exports)."""
+def classifier_name(model: torch.nn.Module) -> Optional[str]:
+    """The qualified name of a timm model's classifier (`get_classifier()`), None for a model without one
+    with weights (torchvision models, exports)."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    if not isinstance(head, torch.nn.Module) or not any(True for _ in head.parameters()):
+        return None
+    return next((name for name, m in model.named_modules() if m is head), None)
 
-    def __init__(self, model: torch.nn.Module):
+
+class FeatureTap:
+    """Records the input of a timm model's classifier on every forward: the pooled penultimate features,
+    caught without changing how the model is called (compiled, or BatchNorm-folded by torch.fx, which keeps
+    the submodule names: pass `head_name` found on the model before folding). `available` is False for a
+    model without a classifier module."""
+
+    def __init__(self, model: torch.nn.Module, head_name: Optional[str] = None):
         self.features: Optional[torch.Tensor] = None
-        head = model.get_classifier() if hasattr(model, "get_classifier") else None
-        self.available = isinstance(head, torch.nn.Module) and any(True for _ in head.parameters())
+        name = head_name or classifier_name(model)
+        head = None
+        if name:
+            try:
+                head = model.get_submodule(name)
+            except AttributeError:
+                head = None
+        self.available = head is not None
         self._handle = head.register_forward_hook(self._record) if self.available else None
 
     def _record(self, module, inputs, output) -> None:
