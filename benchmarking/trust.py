@@ -80,12 +80,30 @@ def measure(checkpoint: str, count: int, coverage: float) -> dict:
               "coverage": coverage, "bank_size": int(stored_bank.shape[0]), "knn_k": record["knn_k"],
               "val_kept": {n: 100.0 * float((s >= thresholds[n]).double().mean()) for n, s in val_scores.items()},
               "rejected": {}}
+    result["held_out"] = held_out_halves(val, val_scores, coverage)
     with tempfile.TemporaryDirectory() as tmp:
         for name, paths in write_ood_images(Path(tmp), count).items():
             index = ImageFolderIndex(Path(tmp), list(loaded.classes), paths, [0] * len(paths))
             ood = scores(outputs_of(model, index, loaded, 64, device_input))
             result["rejected"][name] = {n: 100.0 * float((s < thresholds[n]).double().mean()) for n, s in ood.items()}
     return result
+
+
+def held_out_halves(val, val_scores: dict, coverage: float) -> dict:
+    """Two-fold check on the validation split: fit the temperature and the thresholds on one half (even /
+    odd positions), measure ECE and the share kept on the other; the mean of the two folds."""
+    from engine.evaluation.calibration import fit_temperature
+
+    halves = [torch.arange(0, len(val), 2), torch.arange(1, len(val), 2)]
+    ece, ece_before, kept = [], [], {name: [] for name in val_scores}
+    for fit, test in (halves, halves[::-1]):
+        t = fit_temperature(val.logits[fit], val.labels[fit])
+        ece.append(expected_calibration_error(apply_temperature(val.logits[test], t), val.labels[test]))
+        ece_before.append(expected_calibration_error(apply_temperature(val.logits[test], None), val.labels[test]))
+        for name, s in val_scores.items():
+            kept[name].append(100.0 * float((s[test] >= threshold_for_coverage(s[fit], coverage)).double().mean()))
+    return {"ece": sum(ece) / 2, "ece_uncalibrated": sum(ece_before) / 2,
+            "val_kept": {name: sum(v) / 2 for name, v in kept.items()}}
 
 
 def main(argv=None) -> int:

@@ -99,7 +99,8 @@ def test_best_pt_carries_the_calibration_record(trained):
     _, _, best = trained
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     assert 0.05 <= record["temperature"] <= 20 and record["temperature_setting"] == "auto"
-    assert record["method"] == "knn" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    assert record["method"] == "mahalanobis" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    assert record["class_means"].shape[0] == 3 and record["precision"].shape[0] == record["precision"].shape[1]
     bank = record["feature_bank"]
     assert bank.dtype == torch.float16 and bank.shape[0] == 48  # every training image (under the cap)
     assert torch.allclose(bank.float().norm(dim=1), torch.ones(48), atol=1e-2)
@@ -116,7 +117,7 @@ def test_eval_reports_calibration_and_selective_figures(trained, tmp_path, capsy
     assert doc["temperature"] == pytest.approx(record["temperature"])
     assert 0 <= doc["ece"] <= 100 and 0 <= doc["ece_uncalibrated"] <= 100 and doc["nll"] >= 0
     sel = doc["selective"]
-    assert sel["method"] == "knn" and sel["threshold"] == pytest.approx(record["thresholds"]["knn"])
+    assert sel["method"] == "mahalanobis" and sel["threshold"] == pytest.approx(record["thresholds"]["mahalanobis"])
     assert sel["coverage"] >= 95.0 - 100 / 36 and 0 <= sel["accuracy"] <= 100  # the split it was set on
     assert Image.open(tmp_path / "rel.png").size[0] > 100
     # a hand threshold above every score keeps nothing
@@ -142,7 +143,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
     assert kept >= 0.8 and rejected >= 0.8, (kept, rejected)
     assert all(rows[p]["predicted"] in COLOURS for p in photos)  # the would-be label is kept
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
-    assert f"knn score < {record['thresholds']['knn']:.4g}" in err
+    assert f"mahalanobis score < {record['thresholds']['mahalanobis']:.4g}" in err
 
 
 def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
@@ -217,19 +218,26 @@ def test_reject_without_a_stored_threshold_is_a_usage_error(trained, tmp_path, c
 
 
 def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path):
+    """Killed after epoch 2's last.pt, resumed and killed again after the last epoch's last.pt (before the
+    calibration), resumed: the run ends with the uninterrupted run's calibration record."""
     base, data, best = trained
     run, marker = tmp_path / "run", tmp_path / "paused"
-    paused = [str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:2", "--"]
-    proc = subprocess.Popen(train_cmd(data, run, script=paused), env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(proc, marker.exists, "the pause point")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert "calibration" not in torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+    for point, extra in (("after_save:2", ()), ("after_save:1", ("--resume", "auto"))):
+        paused = [str(REPO / "tests" / "paused_train.py"), str(marker), point, "--"]
+        proc = subprocess.Popen(train_cmd(data, run, *extra, script=paused), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_for(proc, marker.exists, "the pause point")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        marker.unlink()
+        assert "calibration" not in torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+    assert torch.load(run / "last.pt", map_location="cpu", weights_only=True)["epoch"] == 3
     done = subprocess.run(train_cmd(data, run, "--resume", "auto"), env=ENV, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "calibration on 36 validation images" in done.stderr
     a = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     b = torch.load(run / "best.pt", map_location="cpu", weights_only=True)["calibration"]
     assert a["temperature"] == b["temperature"] and a["thresholds"] == b["thresholds"]
-    assert torch.equal(a["feature_bank"], b["feature_bank"])
+    for key in ("feature_bank", "class_means", "precision"):
+        assert torch.equal(a[key], b[key]), key

@@ -22,11 +22,11 @@ import torch
 METHODS = ("msp", "energy", "knn", "mahalanobis")
 FEATURE_METHODS = ("knn", "mahalanobis")
 # the method the checkpoint's reject option uses: chosen by measurement (README, "Can I trust a prediction?")
-DEFAULT_METHOD = "knn"
+DEFAULT_METHOD = "mahalanobis"
 # what an exported model's reject option uses: its output is the logits only
 LOGITS_METHOD = "energy"
 KNN_K = 1
-BANK_SIZE = 2048   # training features kept in the checkpoint (fp16): 2048 x 512 is 2 MB
+BANK_SIZE = 2048   # training features used (and kept in the checkpoint, fp16: 2048 x 512 is 2 MB)
 
 
 def classifier_name(model: torch.nn.Module) -> Optional[str]:

@@ -3,7 +3,8 @@ built from the validation split's outputs, and the trust figures eval.py reports
 
 Record keys: `temperature` (None: plain softmax), `temperature_setting`, `coverage`, `method` (the reject
 score used), `thresholds` (method -> the score that keeps `coverage` of the validation split), `knn_k`,
-`num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features).
+`num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
+score) and, when the method is mahalanobis, `class_means` [C, D] and `precision` [D, D] (fp32).
 """
 from __future__ import annotations
 

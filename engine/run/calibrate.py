@@ -36,6 +36,12 @@ def bank_index(train_index, seed: int) -> Optional[ImageFolderIndex]:
                                labels=[train_index.labels[i] for i in keep])
 
 
+def best_is_calibrated(run_dir: Path) -> bool:
+    """Whether the run's best.pt holds its calibration record (True when there is no best.pt to calibrate)."""
+    path = run_dir / "best.pt"
+    return not path.exists() or "calibration" in load_checkpoint(path)
+
+
 def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_loader, train_index,
                    device_input: DeviceInput, dist: dist_utils.DistInfo) -> Optional[dict]:
     """Load best.pt's weights into `eval_model` (training is over), gather its outputs, and on rank 0 add
