@@ -128,7 +128,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
         log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
     enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
     rejector = build_rejector(loaded, trust, head_name is not None)
-    scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None  # its feature tap before compiling
+    # the recorder's feature tap goes on before compiling
+    scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
     if compile_model:
         model = torch.compile(model, dynamic=False)
     transform = loaded.eval_transform()

@@ -64,7 +64,6 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
     correct = (predicted == labels.long()).double()
     # bin b holds confidences in (b / bins, (b + 1) / bins]; a confidence of exactly 0 joins the first bin
     which = (confidence * bins).ceil().long().clamp(1, bins) - 1
-    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, torch.ones_like(confidence))
     conf_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, confidence)
     hit_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, correct)
     return float(100.0 * (hit_sum - conf_sum).abs().sum() / n)
