@@ -12,11 +12,12 @@ import argparse
 import logging
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
 from core.errors import ConfigError
+from core.outputs import check_output_file
 
 
-def main(argv=None) -> int:
+def main(argv=None, host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
                                                             "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
@@ -45,10 +46,11 @@ def main(argv=None) -> int:
     from commands.evaluate import evaluate_checkpoint
     from commands.reliability_plot import draw_reliability
     from commands.report import (confusion_png_path, draw_confusion, eval_document, format_eval_table,
-                                 format_trust_line, write_json)
+                                 format_trust_line)
+    from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, args.reject_below)
+                                 args.classes, host, args.reject_below)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}, "
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         print(f"wrote {args.json} and {png}")
     if args.reliability and result.trust:
         t = result.trust
-        print(f"wrote {draw_reliability(result.reliability, args.reliability, t['ece'], t['ece_uncalibrated'], t['temperature'])}")
+        png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])
+        print(f"wrote {png}")
     if result.metrics["num_samples"] == 0:
         print("error: no image in the split could be read", file=sys.stderr)
         return 1

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from benchmarking.photos import photo, sample_photo_crop
-from data.build import build_eval_loader_for, scan_tree
-from data.folder import ImageFolderIndex
+from data.build import build_eval_loader_for, scan_splits
+from data.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from engine.evaluation.outputs import collect_outputs
 from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
@@ -57,7 +57,7 @@ def outputs_of(model, index, loaded, batch: int, device_input):
 def measure(checkpoint: str, count: int, coverage: float) -> dict:
     loaded = load_model_file(checkpoint)
     cfg = loaded.cfg
-    train_index, val_index = scan_tree(cfg)
+    train_index, val_index = scan_splits(cfg)
     device_input = DeviceInput.from_config(cfg, torch.device("cpu"), None)
     model = loaded.build_model(torch.device("cpu"), channels_last=False)
     val = outputs_of(model, val_index, loaded, 64, device_input)
@@ -83,7 +83,7 @@ def measure(checkpoint: str, count: int, coverage: float) -> dict:
     result["held_out"] = held_out_halves(val, val_scores, coverage)
     with tempfile.TemporaryDirectory() as tmp:
         for name, paths in write_ood_images(Path(tmp), count).items():
-            index = ImageFolderIndex(Path(tmp), list(loaded.classes), paths, [0] * len(paths))
+            index = ImageIndex(Path(tmp), list(loaded.classes), paths, [0] * len(paths))
             ood = scores(outputs_of(model, index, loaded, 64, device_input))
             result["rejected"][name] = {n: 100.0 * float((s < thresholds[n]).double().mean()) for n, s in ood.items()}
     return result

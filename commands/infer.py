@@ -15,15 +15,16 @@ from commands.infer_trust import (EXPLAIN_COLUMNS, ScoreRecorder, TrustOptions, 
                                   check_trust_options, explain_rows, extra_columns)
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from engine.rundir.checkpointer import find_newest_checkpoint
-from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
-                           select_device)
+from engine.model_io.checkpoint_files import find_newest_checkpoint
+from engine.runtime.device import DeviceInput, select_device
+from engine.runtime.runtime import Runtime, build_runtime
 from engine.evaluation.evaluate import Predictions, predict
 from engine.evaluation.rejection import classifier_name
-from engine.model_io.model_files import KIND_NAMES, load_model_file
+from engine.model_io.model_file import KIND_NAMES
+from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
 
-log = logging.getLogger("infer")
+log = logging.getLogger(__name__)
 
 
 def result_columns(k: int) -> list[str]:
@@ -95,7 +96,7 @@ DEFAULT_BATCH_SIZE = 32
 
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
-                  device_setting: str = "auto", classes_file: Optional[str] = None,
+                  device_setting: str = "auto", classes_file: Optional[str] = None, host=None,
                   trust: Optional[TrustOptions] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
@@ -114,11 +115,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     trust = trust or TrustOptions()
     check_trust_options(loaded, trust)
     cfg = loaded.cfg
-    device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
+    runtime = _runtime(loaded, device_setting, amp, host)
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
-    # as eval.py
-    apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
 
     model = loaded.build_model(device, channels_last=True)
     head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
@@ -126,7 +126,6 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     if folded:
         model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
         log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
-    enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
     rejector = build_rejector(loaded, trust, head_name is not None)
     # the recorder's feature tap goes on before compiling
     scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
@@ -169,19 +168,18 @@ def _apply_trust(loaded, paths: list[str], rows: list[dict], trust: TrustOptions
         print(f"wrote Grad-CAM overlays to {trust.explain_dir}", file=sys.stderr)
 
 
-def _device_and_precision(loaded, device_setting: str, amp: Optional[str]):
-    """The device and autocast dtype: `--amp`, else the checkpoint's train.amp resolved for this device;
-    an ONNX model always runs in fp32."""
+def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
+    """The runtime eval.py would set up, on `--device`, at `--amp` (else the checkpoint's train.amp resolved
+    for this device; an ONNX model always runs in fp32), with the checkpoint's thread count. cudnn
+    autotuning pays here: padded batches have one input shape, tuned once."""
     try:
-        device = select_device(device_setting)
-        if loaded.fp32_only:
-            if amp not in (None, "none", "auto"):
-                log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
-            return device, None
+        if loaded.fp32_only and amp not in (None, "none", "auto"):
+            log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
         setting = amp or loaded.cfg.train.amp
-        if amp is None and setting == "fp16" and device.type != "cuda":
+        if amp is None and setting == "fp16" and select_device(device_setting).type != "cuda":
             setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        return device, resolve_amp(setting, device)
+        return build_runtime(loaded.cfg, host, saved_threads=loaded.threads, device_setting=device_setting,
+                             amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
 

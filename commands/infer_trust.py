@@ -19,7 +19,7 @@ from core.errors import ConfigError
 from engine.evaluation.rejection import FeatureTap, LOGITS_METHOD, Rejector
 from engine.evaluation.trust import usable_rejector
 
-log = logging.getLogger("infer")
+log = logging.getLogger(__name__)
 
 UNKNOWN = "unknown"
 REJECT_COLUMNS = ["predicted", "score"]

@@ -78,7 +78,8 @@ def test_knn_and_mahalanobis_reject_far_features_and_keep_near_ones():
 
 def test_record_stores_a_small_fp16_bank_and_exports_carry_numbers_only():
     g = torch.Generator().manual_seed(0)
-    val = SplitOutputs(torch.randn(50, 3, generator=g), torch.arange(50) % 3, torch.arange(50), torch.randn(50, 8, generator=g))
+    val = SplitOutputs(torch.randn(50, 3, generator=g), torch.arange(50) % 3, torch.arange(50),
+                       torch.randn(50, 8, generator=g))
     bank = SplitOutputs(torch.randn(5000, 3, generator=g), torch.arange(5000) % 3, torch.arange(5000),
                         torch.randn(5000, 8, generator=g))
     record = build_record(val, bank, "auto", 0.9, seed=3)

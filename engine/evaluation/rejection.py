@@ -105,7 +105,8 @@ def knn_score(features: torch.Tensor, bank: torch.Tensor, k: int = KNN_K) -> tor
     return -(2.0 - 2.0 * kth).clamp(min=0).sqrt()
 
 
-def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
+                    num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Class means [C, D] and the precision matrix [D, D] of the shared (tied) covariance, in float64,
     regularised by a small ridge so it inverts when features outnumber samples."""
     x = features.double()

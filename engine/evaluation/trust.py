@@ -64,7 +64,8 @@ def export_record(record: Optional[dict]) -> Optional[dict]:
         return None
     return {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
             "coverage": record.get("coverage"), "method": LOGITS_METHOD,
-            "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]}, "num_samples": record.get("num_samples")}
+            "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
+            "num_samples": record.get("num_samples")}
 
 
 def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Optional[float] = None,

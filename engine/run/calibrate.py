@@ -14,7 +14,7 @@ import torch
 from core.config import Config, eval_size
 from core.safe_load import load_checkpoint
 from data.build import build_eval_loader_for, eval_transform
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from engine.evaluation.outputs import SplitOutputs, collect_outputs, gather_outputs
 from engine.evaluation.rejection import BANK_SIZE, seeded_subset
@@ -23,13 +23,13 @@ from engine.rundir.atomic_files import save_atomic
 from engine.runtime import distributed as dist_utils
 from engine.runtime.device import DeviceInput
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
-def bank_index(train_index, seed: int) -> Optional[ImageFolderIndex]:
+def bank_index(train_index, seed: int) -> Optional[ImageIndex]:
     """The training files whose features form the bank: a seeded subset of at most BANK_SIZE (None for
     WebDataset shards, which cannot be addressed by index; the reject option then uses the energy score)."""
-    if not isinstance(train_index, ImageFolderIndex):
+    if not isinstance(train_index, ImageIndex):
         return None
     keep = seeded_subset(len(train_index), BANK_SIZE, seed)
     return dataclasses.replace(train_index, paths=[train_index.paths[i] for i in keep],
