@@ -340,6 +340,7 @@ def test_convert_sync_bn_replaces_every_batchnorm():
     assert set(converted.state_dict()) == set(create_model("resnet10t", 3).state_dict())
 
 
+@pytest.mark.slow
 def test_calibration_gathers_every_validation_sample_once_and_equals_one_process(ddp_run, data_root):
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""

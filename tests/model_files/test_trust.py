@@ -17,6 +17,8 @@ from PIL import Image
 
 from conftest import REPO, tiny_overrides, wait_for
 
+pytestmark = pytest.mark.slow  # trains a model (and kills and resumes one)
+
 SIZE = 64
 COLOURS = {"blue": (40, 60, 230), "green": (40, 200, 60), "red": (230, 40, 40)}
 CORNERS = ("tl", "tr", "bl", "br")
