@@ -81,7 +81,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     outputs = recorder.outputs()
     trust, reliability = None, None
     if len(outputs):
-        trust = trust_metrics(outputs, loaded.calibration, reject_below)
+        trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
         reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
     metrics = sums.compute()
     confusion = sums.confusion.cpu()

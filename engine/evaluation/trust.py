@@ -69,10 +69,11 @@ def export_record(record: Optional[dict]) -> Optional[dict]:
 
 
 def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Optional[float] = None,
-                  method: Optional[str] = None) -> dict:
+                  method: Optional[str] = None, log_probs: bool = False) -> dict:
     """eval.py's calibration figures over `outputs`: `ece` (calibrated, percent), `ece_uncalibrated`, `nll`
     (calibrated), `temperature`, `selective` (`threshold`, `coverage`, `accuracy`, percent, and `method`).
-    `threshold` replaces the stored one (`--reject-below`)."""
+    `threshold` replaces the stored one (`--reject-below`). `log_probs`: the outputs are log-probabilities
+    (test-time augmentation averages probabilities), whose energy is 0 for every image: no energy selection."""
     temperature = record.get("temperature") if record else None
     labels = outputs.labels
     calibrated = apply_temperature(outputs.logits, temperature)
@@ -81,14 +82,14 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
               "temperature": temperature}
-    if record:
-        rejector = usable_rejector(record, outputs.features is not None, method)
+    rejector = usable_rejector(record, outputs.features is not None, method) if record else None
+    if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):
         if threshold is not None:
             rejector.threshold = threshold
         scores = rejector.scores(outputs.logits, outputs.features)
         selective = selective_report(scores, correct, rejector.threshold)
         selective["method"] = rejector.method
-    else:
+    else:  # no stored threshold, or none that applies: everything kept
         selective = selective_report(torch.zeros(len(labels)), correct, None)
         selective["method"] = None
     result["selective"] = selective

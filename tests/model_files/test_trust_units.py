@@ -97,6 +97,10 @@ def test_record_stores_a_small_fp16_bank_and_exports_carry_numbers_only():
     assert metrics["selective"]["method"] == "energy"
     assert metrics["selective"]["coverage"] == pytest.approx(90.0, abs=2.1)
     assert float((energy_score(val.logits) >= exported["thresholds"]["energy"]).double().mean()) >= 0.9
+    # test-time augmentation gives log-probabilities, whose energy is 0 everywhere: no selection by it
+    log_probs = SplitOutputs(val.logits.log_softmax(1), val.labels, val.indices, None)
+    selective = trust_metrics(log_probs, exported, log_probs=True)["selective"]
+    assert selective["threshold"] is None and selective["coverage"] == 100.0 and selective["method"] is None
 
 
 def test_feature_tap_catches_the_classifier_input():
