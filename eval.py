@@ -3,6 +3,7 @@
 data.val_fraction split, a CSV list or WebDataset shards), exactly as training validated it.
 
 python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [--classes FILE]
+               [--reliability FILE.png] [--reject-below X]
                [KEY=VALUE ...]
 
 CKPT: a checkpoint written by train.py, or a model written by export.py (FILE.onnx, FILE.pt2, a timm folder).
@@ -28,19 +29,26 @@ def main(argv=None, host=None) -> int:
     parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
     parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign ONNX "
                                           "file; default class_0, class_1, ...)")
+    parser.add_argument("--reliability", metavar="FILE.png", help="draw the reliability diagram (calibrated "
+                                                                  "probabilities) here")
+    parser.add_argument("--reject-below", type=float, metavar="X", help="the reject score threshold for the "
+                        "'selective' figures (default: the one stored with the model)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
     check_output_file("--json", args.json)
+    check_output_file("--reliability", args.reliability, ".png")
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
     from commands.evaluate import evaluate_checkpoint
-    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table
+    from commands.reliability_plot import draw_reliability
+    from commands.report import (confusion_png_path, draw_confusion, eval_document, format_eval_table,
+                                 format_trust_line)
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, host)
+                                 args.classes, host, args.reject_below)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     fixed = " (fixed by the export)" if s["fixed_batch"] else ""
@@ -51,12 +59,18 @@ def main(argv=None, host=None) -> int:
         for path in result.skipped_files:
             print(f"  {path}", file=sys.stderr)
     print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
+    if result.trust:
+        print(format_trust_line(result.trust))
     if args.json:
         doc = eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                            skipped_files=result.skipped_files, **s)
+                            skipped_files=result.skipped_files, **(result.trust or {}), **s)
         write_json(doc, args.json)
         png = draw_confusion(result.confusion, result.classes, confusion_png_path(args.json))
         print(f"wrote {args.json} and {png}")
+    if args.reliability and result.trust:
+        t = result.trust
+        png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])
+        print(f"wrote {png}")
     if result.metrics["num_samples"] == 0:
         print("error: no image in the split could be read", file=sys.stderr)
         return 1

@@ -3,9 +3,11 @@
 
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
                 [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
+                [--reject] [--reject-below X] [--explain DIR]
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
-FILE.pt2; a timm folder).
+FILE.pt2; a timm folder). `prob` is calibrated: the softmax of the logits divided by the temperature
+stored with the model (none stored: the plain softmax).
 
 Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
 classified, 1 when none could be, 2 on a usage error.
@@ -45,6 +47,13 @@ def main(argv=None, host=None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (one shape, one compile)")
     parser.add_argument("--num-workers", type=int, default=default_workers(), help="decoding processes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--reject", action="store_true", help="label 'unknown' every image whose reject score is "
+                        "below the threshold stored with the model (kept: calibration.coverage of the validation "
+                        "images); the would-be label goes to 'predicted'")
+    parser.add_argument("--reject-below", type=float, metavar="X", help="--reject with this score threshold "
+                        "instead of the stored one")
+    parser.add_argument("--explain", metavar="DIR", help="write a Grad-CAM overlay PNG per image into DIR and its "
+                        "heatmap peak (original pixels) into the rows (checkpoints only)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -60,9 +69,11 @@ def main(argv=None, host=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from commands.infer import run_inference
+    from commands.infer_trust import TrustOptions
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device, args.classes, host)
+                         args.compile, args.num_workers, args.device, args.classes, host,
+                         TrustOptions(args.reject, args.reject_below, args.explain))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
+from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import evaluate
+from engine.evaluation.outputs import OutputRecorder
+from engine.evaluation.trust import trust_metrics
 from engine.evaluation.metrics import per_class_report
 from engine.model_io.model_files import load_model_file
 
@@ -27,11 +30,13 @@ class EvalResult:
     classes: list[str]
     skipped_files: list[str]
     settings: dict
+    trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (engine.evaluation.trust)
+    reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None, host=None) -> EvalResult:
+                        classes_file: str | None = None, host=None, reject_below: float | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -72,8 +77,17 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     loader = build_eval_loader_for(index, transform, transform.img_size, cfg.train.batch_size,
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
-    sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
-                                tta_flip=tta)
+    recorder = OutputRecorder(model)
+    try:
+        sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
+                                    tta_flip=tta, on_outputs=recorder)
+    finally:
+        recorder.close()
+    outputs = recorder.outputs()
+    trust, reliability = None, None
+    if len(outputs):
+        trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
+        reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
     metrics = sums.compute()
     confusion = sums.confusion.cpu()
     skipped = [index.paths[i] for i in sorted(unreadable)]
@@ -86,4 +100,4 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                   "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
                                   "std": list(cfg.data.std)}}
     return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
-                      settings)
+                      settings, trust, reliability)

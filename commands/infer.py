@@ -11,12 +11,15 @@ from typing import Optional
 
 import torch
 
+from commands.infer_trust import (EXPLAIN_COLUMNS, ScoreRecorder, TrustOptions, apply_reject, build_rejector,
+                                  check_trust_options, explain_rows, extra_columns)
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.runtime.device import DeviceInput, amp_setting, select_device
 from engine.runtime.runtime import Runtime, build_runtime
 from engine.evaluation.evaluate import Predictions, predict
+from engine.evaluation.rejection import classifier_name
 from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
@@ -71,14 +74,18 @@ def format_predictions_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_rows(rows: list[dict], path: str | Path, k: int) -> None:
+def write_rows(rows: list[dict], path: str | Path, k: int, extra: list[str] = ()) -> None:
+    """`extra`: columns after the standard ones (infer_trust's); the JSON keeps `explain` as a list instead
+    of the CSV's flat explain columns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
-        path.write_text(json.dumps(rows, indent=1) + "\n")
+        json_rows = [{key: value for key, value in row.items() if key not in EXPLAIN_COLUMNS} for row in rows]
+        path.write_text(json.dumps(json_rows, indent=1) + "\n")
         return
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=result_columns(k), lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=result_columns(k) + list(extra), lineterminator="\n",
+                                extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: "" if value is None else value for key, value in row.items()})
@@ -89,7 +96,8 @@ DEFAULT_BATCH_SIZE = 32
 
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
-                  device_setting: str = "auto", classes_file: Optional[str] = None, host=None) -> int:
+                  device_setting: str = "auto", classes_file: Optional[str] = None, host=None,
+                  trust: Optional[TrustOptions] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
@@ -104,6 +112,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
         log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
+    trust = trust or TrustOptions()
+    check_trust_options(loaded, trust)
     cfg = loaded.cfg
     runtime = _runtime(loaded, device_setting, amp, host)
     device, amp_dtype = runtime.device, runtime.amp_dtype
@@ -113,28 +123,51 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     k = min(topk, len(loaded.classes))
 
     model = loaded.build_model(device, channels_last=True)
+    head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
     model, folded = fold_batchnorm(model)
     if folded:
         model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
         log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
+    rejector = build_rejector(loaded, trust, head_name is not None)
+    # the recorder's feature tap goes on before compiling
+    scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
     if compile_model:
         model = torch.compile(model, dynamic=False)
     transform = loaded.eval_transform()
     dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
-    preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k)
+    temperature = (loaded.calibration or {}).get("temperature")
+    try:
+        preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k,
+                        temperature, on_logits=scores)
+    finally:
+        if scores is not None:
+            scores.close()
     rows = result_rows(paths, preds, loaded.classes)
+    _apply_trust(loaded, paths, rows, trust, rejector, scores)
 
     print(format_predictions_table(rows))
     failed = [r for r in rows if r["error"] is not None]
     for r in failed:
         log.warning("could not read %s: %s", r["path"], r["error"])
     if output:
-        write_rows(rows, output, k)
+        write_rows(rows, output, k, extra_columns(trust))
     classified = len(rows) - len(failed)
     print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
           + (f"; wrote {output}" if output else ""), file=sys.stderr)
     return 0 if classified else 1
+
+
+def _apply_trust(loaded, paths: list[str], rows: list[dict], trust: TrustOptions, rejector, scores) -> None:
+    """--reject / --reject-below: `unknown` below the threshold; --explain: Grad-CAM overlays."""
+    if rejector is not None:
+        rejected = apply_reject(rows, scores.all_scores(), rejector)
+        classified = sum(1 for r in rows if r["error"] is None)
+        print(f"rejected {rejected} of {classified} image(s) as {'unknown'!r} ({rejector.method} score < "
+              f"{rejector.threshold:.4g})", file=sys.stderr)
+    if trust.explain_dir:
+        explain_rows(loaded, paths, rows, loaded.classes, trust.explain_dir)
+        print(f"wrote Grad-CAM overlays to {trust.explain_dir}", file=sys.stderr)
 
 
 def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:

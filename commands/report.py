@@ -35,6 +35,18 @@ def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:
     return "\n".join(lines)
 
 
+def format_trust_line(trust: dict) -> str:
+    """Calibration and selective-prediction figures in one line."""
+    t = trust["temperature"]
+    sel = trust["selective"]
+    line = (f"calibration: ECE {trust['ece']:.2f}% (uncalibrated {trust['ece_uncalibrated']:.2f}%), NLL "
+            f"{trust['nll']:.4f}, temperature {'none' if t is None else f'{t:.4f}'}")
+    if sel["threshold"] is not None:
+        line += (f"; selective ({sel['method']} score >= {sel['threshold']:.4g}): coverage {sel['coverage']:.2f}%, "
+                 f"accuracy {sel['accuracy']:.2f}%")
+    return line
+
+
 def confusion_png_path(json_path: str | Path) -> Path:
     json_path = Path(json_path)
     return json_path.with_name(f"{json_path.stem}_confusion.png")

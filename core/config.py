@@ -184,6 +184,14 @@ class OutputConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    # auto: fit one temperature on the validation split after training; none: plain softmax; a number: that T
+    temperature: Union[float, Literal["auto", "none"]] = field(default="auto", metadata=_range(0.0, 100.0, lo_open=True,
+                                                                                                 resume_free=True))
+    coverage: float = field(default=0.95, metadata=_range(0.0, 1.0, lo_open=True, resume_free=True))
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -193,6 +201,7 @@ class Config:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     def __post_init__(self):
         # Dotted keys that a config file or an override set (not base.yaml, which only restates the

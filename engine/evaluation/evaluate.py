@@ -19,12 +19,14 @@ from engine.evaluation.metrics import MetricSums
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
              tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None,
-             should_stop: Optional[Callable[[int], bool]] = None) -> tuple[MetricSums, list[int]]:
+             should_stop: Optional[Callable[[int], bool]] = None,
+             on_outputs: Optional[Callable] = None) -> tuple[MetricSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
     of files that could not be read (excluded, never substituted). A limit on the samples evaluated
     belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`). `on_batch` runs after each
     batch (a progress bar); `should_stop(batches done)`, asked before each batch, ends the pass with
-    StopRequested."""
+    StopRequested. `on_outputs(logits, targets, valid, indices)` receives every batch's outputs (eval.py's
+    calibration figures; it copies them to the host)."""
     was_training = model.training
     model.eval()
     sums = MetricSums(num_classes, device_input.device)
@@ -43,6 +45,8 @@ def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_clas
                     flipped = model(images.flip(3)).float()
                     logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
             sums.update(logits, device_input.labels(targets), valid.to(device_input.device, non_blocking=True))
+            if on_outputs is not None:
+                on_outputs(logits, targets, valid, indices)
             if on_batch is not None:
                 on_batch()
     finally:
@@ -58,9 +62,12 @@ class Predictions:
     errors: dict               # input index -> reason the file could not be read
 
 
-def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -> Predictions:
+def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, temperature: Optional[float] = None,
+            on_logits: Optional[Callable] = None) -> Predictions:
     """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order; the
-    padding rows are dropped before softmax / top-k."""
+    padding rows are dropped before softmax / top-k. `temperature` scales the logits first (calibrated
+    probabilities; the ranking is unchanged); `on_logits(logits, n)` receives each batch's logits, padding
+    included, and the count of real rows (the reject scores)."""
     probs_out, indices_out, valid_out = [], [], []
     errors: dict = {}
     with torch.inference_mode():
@@ -69,7 +76,10 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -
             batch = device_input.prepare(images)
             with device_input.autocast():
                 logits = model(batch)
-            top = logits[:n].float().softmax(dim=1).topk(k, dim=1)
+            if on_logits is not None:
+                on_logits(logits, n)
+            scaled = logits[:n].float() if temperature is None else logits[:n].float() / temperature
+            top = scaled.softmax(dim=1).topk(k, dim=1)
             probs_out.append(top.values)
             indices_out.append(top.indices)
             valid_out.append(valid)

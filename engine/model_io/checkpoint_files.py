@@ -44,7 +44,8 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> ModelFile:
     opened = ModelFile("checkpoint", path, cfg, classes, int(ckpt.get("epoch", 0)),
                        lambda device, channels_last: build_eval_model(opened, device, channels_last),
                        saved_val_limit=saved_val_limit, threads=recorded_threads(ckpt),
-                       data_source=ckpt.get("data_source"), state_dict=ckpt["model"])
+                       data_source=ckpt.get("data_source"), state_dict=ckpt["model"],
+                       calibration=ckpt.get("calibration") if isinstance(ckpt.get("calibration"), dict) else None)
     return opened
 
 

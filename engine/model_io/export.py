@@ -133,7 +133,7 @@ def write_timm_folder(loaded: ModelFile, folder: Path, metadata: dict) -> None:
     p = preprocessing_record(loaded.cfg)
     data_config = {"input_size": (3, p["img_size"], p["img_size"]), "interpolation": p["interpolation"],
                    "mean": tuple(p["mean"]), "std": tuple(p["std"]), "crop_pct": p["crop_pct"], "crop_mode": "center"}
-    ours = {key: metadata[key] for key in ("format_version", "config", "epoch")}
+    ours = {key: metadata[key] for key in ("format_version", "config", "epoch", "calibration")}
     save_for_hf(model, str(folder), model_config={"label_names": list(loaded.classes), TIMM_METADATA_KEY: ours},
                 safe_serialization=True, data_config=data_config)
 

@@ -33,6 +33,7 @@ class ModelFile:
     threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
+    calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
 
     @property
     def fp32_only(self) -> bool:

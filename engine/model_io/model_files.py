@@ -21,6 +21,7 @@ from core.config import Config
 from core.errors import CheckpointError, ConfigError
 from engine.model_io.checkpoint_files import check_class_names, eval_config, preprocessing_record, read_checkpoint
 from engine.model_io.model_file import FunctionModel, ModelFile
+from engine.evaluation.trust import export_record
 from engine.runtime.device import memory_format
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
     config["data"]["limit_val_batches"] = loaded.saved_val_limit
     return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
             "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
-            "batch": batch}
+            "batch": batch, "calibration": export_record(loaded.calibration)}
 
 
 def onnx_metadata_props(metadata: dict) -> dict[str, str]:
@@ -167,7 +168,7 @@ def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
     return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
-                     saved_val_limit)
+                     saved_val_limit, calibration=metadata.get("calibration") if metadata else None)
 
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
@@ -213,7 +214,8 @@ def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
 
             on_device = move_to_device_pass(program, device)
         return FunctionModel(on_device.module().__call__, fixed_batch)
-    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit)
+    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
+                     calibration=metadata.get("calibration"))
 
 
 def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
@@ -252,4 +254,5 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
             reason = " ".join(str(err).split())[:300]
             raise CheckpointError(f"{path}: timm cannot load this folder: {reason}") from err
         return model.to(device, memory_format=memory_format(channels_last)).eval()
-    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit)
+    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit,
+                     calibration=ours.get("calibration"))

@@ -35,6 +35,7 @@ from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
+from engine.run.calibrate import best_is_calibrated, calibrate_best
 from engine.run.reporter import RunReporter
 from engine.run.setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
 from engine.rundir.run_lock import RunDirLock, open_run_dir
@@ -216,6 +217,8 @@ class Trainer:
                           stop_requested=lambda step: self.stop_signal.agreed(step, self.runtime.dist, self.runtime.device), save=self._save_mid_epoch,
                           log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
+            if not best_is_calibrated(self.run_dir):  # the run ended before its calibration was written
+                self._calibrate()
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             return 0
         next_batches = None
@@ -243,10 +246,15 @@ class Trainer:
                 raise StopRequested()
             if self.state.stopped_early:
                 break
+        self._calibrate()
         self.write_summary()
         self.reporter.log_done(self.state, self.run_dir, time.perf_counter() - self.started)
         dist_utils.barrier()
         return 0
+
+    def _calibrate(self) -> None:
+        calibrate_best(self.cfg, self.run_dir, self.eval_model, self.data.val_loader, self.data.train_index,
+                       self.step.input, self.runtime.dist)
 
     def _start_validation(self) -> None:
         if self.val_batches is None:

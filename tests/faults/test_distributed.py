@@ -338,3 +338,32 @@ def test_convert_sync_bn_replaces_every_batchnorm():
     assert count == batchnorms > 0
     assert not any(type(m) is torch.nn.BatchNorm2d for m in converted.modules())
     assert set(converted.state_dict()) == set(create_model("resnet10t", 3).state_dict())
+
+
+@pytest.mark.slow
+def test_calibration_gathers_every_validation_sample_once_and_equals_one_process(ddp_run, data_root):
+    """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
+    once (17 and 120, split unevenly over the ranks), as a single process computes them."""
+    from data.folder import scan_split
+    from engine.evaluation.calibration import fit_temperature
+    from engine.evaluation.outputs import collect_outputs
+    from engine.evaluation.rejection import normalise
+
+    out, result = ddp_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = torch.load(out / "best.pt", weights_only=True)
+    record = best["calibration"]
+    assert record["num_samples"] == VAL_SIZE and record["feature_bank"].shape[0] == 120
+    cfg, pre = best["config"], best["preprocessing"]
+    model = create_model(cfg["model"]["name"], len(best["classes"]))
+    model.load_state_dict(best["model"], strict=True)
+    device_input = DeviceInput(torch.device("cpu"), pre["mean"], pre["std"], False, None)
+    transform = EvalTransform(pre["img_size"], pre["crop_pct"], pre["interpolation"])
+
+    def outputs(split):
+        index = scan_split(data_root / split, classes=best["classes"])
+        loader = build_eval_loader(EvalDataset(index, transform, pre["img_size"]), 5, 0, False)
+        return collect_outputs(model, loader, device_input, with_features=True)
+    val, train = outputs("val"), outputs("train")
+    assert record["temperature"] == pytest.approx(fit_temperature(val.logits, val.labels), rel=1e-3)
+    assert torch.allclose(record["feature_bank"].float(), normalise(train.features), atol=2e-3)

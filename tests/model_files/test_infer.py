@@ -287,8 +287,10 @@ def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, im
     from data.transforms import normalize_batch
 
     d = loaded.cfg.data
+    temperature = (loaded.calibration or {}).get("temperature") or 1.0  # prob is calibrated (stored temperature)
     with torch.inference_mode():
         for i, row in enumerate(rows):
-            probs = model(normalize_batch(dataset[i][0][None], d.mean, d.std, channels_last=True)).softmax(1)[0]
+            logits = model(normalize_batch(dataset[i][0][None], d.mean, d.std, channels_last=True))
+            probs = (logits / temperature).softmax(1)[0]
             assert row["top1_label"] == loaded.classes[int(probs.argmax())]
             assert row["top1_prob"] == pytest.approx(float(probs.max()), abs=1e-4)

@@ -1,0 +1,104 @@
+"""The `calibration` record a checkpoint carries (the temperature, the reject thresholds, the feature bank)
+built from the validation split's outputs, and the trust figures eval.py reports from one.
+
+Record keys: `temperature` (None: plain softmax), `temperature_setting`, `coverage`, `method` (the reject
+score used), `thresholds` (method -> the score that keeps `coverage` of the validation split), `knn_k`,
+`num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
+score) and, when the method is mahalanobis, `class_means` [C, D] and `precision` [D, D] (fp32).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
+                                           selective_report)
+from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGITS_METHOD, Rejector, energy_score,
+                                         knn_score, mahalanobis_fit, mahalanobis_score, msp_score, normalise,
+                                         rejector_from_record, seeded_subset, threshold_for_coverage)
+
+
+def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> Optional[float]:
+    """calibration.temperature: `auto` fits on the validation outputs, `none` is None, a number is itself."""
+    if setting == "auto":
+        return fit_temperature(val.logits, val.labels)
+    if setting == "none":
+        return None
+    return float(setting)
+
+
+def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:
+    """A seeded subset of at most `size` training features, L2-normalised, in fp16."""
+    keep = seeded_subset(len(bank), size, seed)
+    return normalise(bank.features[keep]).half()
+
+
+def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union[str, float], coverage: float,
+                 seed: int, method: str = DEFAULT_METHOD) -> dict:
+    """The checkpoint's `calibration` record. Without features (a model without a timm classifier, or no
+    training features) the reject option falls back to the energy score."""
+    temperature = resolve_temperature(setting, val)
+    scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
+    record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
+              "knn_k": KNN_K, "num_samples": len(val)}
+    features = val.features is not None and bank is not None and bank.features is not None and len(bank) > 0
+    if features:
+        stored = feature_bank(bank, seed)
+        scores["knn"] = knn_score(val.features, stored.float(), KNN_K)
+        means, precision = mahalanobis_fit(bank.features, bank.labels, val.logits.shape[1])
+        scores["mahalanobis"] = mahalanobis_score(val.features, means, precision)
+        record["feature_bank"] = stored
+        if method == "mahalanobis":
+            record["class_means"], record["precision"] = means, precision
+    record["thresholds"] = {name: threshold_for_coverage(s, coverage) for name, s in scores.items()}
+    record["method"] = method if method in scores else LOGITS_METHOD
+    return record
+
+
+def export_record(record: Optional[dict]) -> Optional[dict]:
+    """What an export's metadata (JSON) carries: the numbers, with the logits-only reject score (an export
+    returns logits, not features)."""
+    if not record:
+        return None
+    return {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
+            "coverage": record.get("coverage"), "method": LOGITS_METHOD,
+            "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
+            "num_samples": record.get("num_samples")}
+
+
+def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Optional[float] = None,
+                  method: Optional[str] = None, log_probs: bool = False) -> dict:
+    """eval.py's calibration figures over `outputs`: `ece` (calibrated, percent), `ece_uncalibrated`, `nll`
+    (calibrated), `temperature`, `selective` (`threshold`, `coverage`, `accuracy`, percent, and `method`).
+    `threshold` replaces the stored one (`--reject-below`). `log_probs`: the outputs are log-probabilities
+    (test-time augmentation averages probabilities), whose energy is 0 for every image: no energy selection."""
+    temperature = record.get("temperature") if record else None
+    labels = outputs.labels
+    calibrated = apply_temperature(outputs.logits, temperature)
+    correct = calibrated.argmax(1) == labels
+    result = {"ece": expected_calibration_error(calibrated, labels),
+              "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
+              "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
+              "temperature": temperature}
+    rejector = usable_rejector(record, outputs.features is not None, method) if record else None
+    if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):
+        if threshold is not None:
+            rejector.threshold = threshold
+        scores = rejector.scores(outputs.logits, outputs.features)
+        selective = selective_report(scores, correct, rejector.threshold)
+        selective["method"] = rejector.method
+    else:  # no stored threshold, or none that applies: everything kept
+        selective = selective_report(torch.zeros(len(labels)), correct, None)
+        selective["method"] = None
+    result["selective"] = selective
+    return result
+
+
+def usable_rejector(record: dict, have_features: bool, method: Optional[str] = None) -> Rejector:
+    """The record's reject scorer, or its logits-only one where no features can be had."""
+    method = method or record["method"]
+    if method in ("knn", "mahalanobis") and (not have_features or method not in record["thresholds"]):
+        method = LOGITS_METHOD
+    return rejector_from_record(record, method)

@@ -1,0 +1,245 @@
+"""Calibration, the reject option and Grad-CAM explanations end to end: one short training run on generated
+images whose class evidence (a coloured square) sits in a known corner, then eval.py, infer.py, export.py
+and a killed-and-resumed run on it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import REPO, tiny_overrides, wait_for
+
+pytestmark = pytest.mark.slow  # trains a model (and kills and resumes one)
+
+SIZE = 64
+COLOURS = {"blue": (40, 60, 230), "green": (40, 200, 60), "red": (230, 40, 40)}
+CORNERS = ("tl", "tr", "bl", "br")
+TRAIN = ["data.img_size=64", "data.crop_pct=1.0", "data.scale=[0.85,1.0]", "data.hflip=0.0", "train.epochs=3",
+         "optim.lr=0.1", "checkpoint.every_steps=0"]
+
+
+def square_image(colour, corner: str, rng: np.random.Generator) -> Image.Image:
+    """Grey noise with a 22-px square of `colour` in `corner`."""
+    pixels = rng.normal(128, 25, size=(SIZE, SIZE, 3))
+    side = 22
+    top = 2 if corner[0] == "t" else SIZE - side - 2
+    left = 2 if corner[1] == "l" else SIZE - side - 2
+    pixels[top:top + side, left:left + side] = np.array(colour) + rng.normal(0, 10, size=(side, side, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def write_squares(root: Path, per_class: int, seed: int) -> list[tuple[str, str, str]]:
+    """root/<colour>/<corner>_<i>.png; returns (path, colour, corner) rows."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for name, colour in COLOURS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            corner = CORNERS[i % 4]
+            path = root / name / f"{corner}_{i:03d}.png"
+            square_image(colour, corner, rng).save(path)
+            rows.append((str(path), name, corner))
+    return rows
+
+
+def write_photos(root: Path, count: int) -> list[str]:
+    """Out-of-distribution images: benchmarking/photos.py's generated photos at other sizes."""
+    from benchmarking.photos import photo
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    paths = []
+    for i in range(count):
+        path = root / f"photo_{i:03d}.jpg"
+        Image.fromarray(photo(rng, int(rng.integers(80, 200)), int(rng.integers(80, 200)))).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def train_cmd(data: Path, out: Path, *extra: str, script=None) -> list:
+    script = script or [str(REPO / "train.py")]
+    return [sys.executable, *script, "--config", "base", *tiny_overrides(data, out), *TRAIN, *extra]
+
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def call(script: str, *argv: str, capsys) -> tuple[int, str]:
+    """An entry script's main in this process (no interpreter start-up): (exit status, stderr)."""
+    import importlib
+
+    from commands.cli import run_main
+
+    main = importlib.import_module(script).main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_main(lambda: main(list(argv)))
+    return exited.value.code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("trust")
+    data = base / "data"
+    write_squares(data / "train", 16, seed=0)
+    write_squares(data / "val", 12, seed=1)
+    done = subprocess.run(train_cmd(data, base / "run"), env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "calibration on 36 validation images: temperature" in done.stderr
+    return base, data, base / "run" / "best.pt"
+
+
+def test_best_pt_carries_the_calibration_record(trained):
+    _, _, best = trained
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    assert 0.05 <= record["temperature"] <= 20 and record["temperature_setting"] == "auto"
+    assert record["method"] == "mahalanobis" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    assert record["class_means"].shape[0] == 3 and record["precision"].shape[0] == record["precision"].shape[1]
+    bank = record["feature_bank"]
+    assert bank.dtype == torch.float16 and bank.shape[0] == 48  # every training image (under the cap)
+    assert torch.allclose(bank.float().norm(dim=1), torch.ones(48), atol=1e-2)
+
+
+def test_eval_reports_calibration_and_selective_figures(trained, tmp_path, capsys):
+    _, _, best = trained
+    out = tmp_path / "eval.json"
+    code, err = call("eval", "--checkpoint", str(best), "--json", str(out), "--reliability",
+                     str(tmp_path / "rel.png"), "data.num_workers=0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    doc = json.loads(out.read_text())
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    assert doc["temperature"] == pytest.approx(record["temperature"])
+    assert 0 <= doc["ece"] <= 100 and 0 <= doc["ece_uncalibrated"] <= 100 and doc["nll"] >= 0
+    sel = doc["selective"]
+    assert sel["method"] == "mahalanobis" and sel["threshold"] == pytest.approx(record["thresholds"]["mahalanobis"])
+    assert sel["coverage"] >= 95.0 - 100 / 36 and 0 <= sel["accuracy"] <= 100  # the split it was set on
+    assert Image.open(tmp_path / "rel.png").size[0] > 100
+    # a hand threshold above every score keeps nothing
+    code, err = call("eval", "--checkpoint", str(best), "--json", str(out), "--reject-below", "1e9",
+                     "data.num_workers=0", capsys=capsys)
+    assert code == 0 and json.loads(out.read_text())["selective"]["coverage"] == 0.0
+
+
+def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
+    _, _, best = trained
+    squares = write_squares(tmp_path / "squares", 8, seed=5)
+    photos = write_photos(tmp_path / "photos", 24)
+    out = tmp_path / "rows.csv"
+    code, err = call("infer", str(tmp_path / "squares"), str(tmp_path / "photos"), "--checkpoint", str(best),
+                     "--reject", "--output", str(out), "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    import csv
+
+    rows = {r["path"]: r for r in csv.DictReader(out.open())}
+    assert {"predicted", "score"} <= set(next(iter(rows.values())))
+    kept = sum(rows[p]["label"] != "unknown" for p, _, _ in squares) / len(squares)
+    rejected = sum(rows[p]["label"] == "unknown" for p in photos) / len(photos)
+    assert kept >= 0.8 and rejected >= 0.8, (kept, rejected)
+    assert all(rows[p]["predicted"] in COLOURS for p in photos)  # the would-be label is kept
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    assert f"mahalanobis score < {record['thresholds']['mahalanobis']:.4g}" in err
+
+
+def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
+    """Grad-CAM's peak for the predicted class lies in the quadrant holding the coloured square, in the
+    original image's pixels (here the image is also upscaled 2x, so the eval resize must be undone)."""
+    _, _, best = trained
+    rows = write_squares(tmp_path / "squares", 8, seed=9)
+    for path, _, _ in rows:  # 128 px originals: the peak must be mapped back through the resize
+        Image.open(path).resize((2 * SIZE, 2 * SIZE), Image.NEAREST).save(path)
+    out, folder = tmp_path / "rows.json", tmp_path / "cams"
+    code, err = call("infer", str(tmp_path / "squares"), "--checkpoint", str(best), "--explain", str(folder),
+                     "--output", str(out), "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    results = {r["path"]: r for r in json.loads(out.read_text())}
+    hits = 0
+    for path, colour, corner in rows:
+        (explained,) = results[path]["explain"]
+        x, y = explained["peak"]
+        assert 0 <= x < 2 * SIZE and 0 <= y < 2 * SIZE and explained["label"] == results[path]["label"]
+        assert Image.open(explained["overlay"]).size == (2 * SIZE, 2 * SIZE)
+        hits += ("t" if y < SIZE else "b") + ("l" if x < SIZE else "r") == corner
+    assert hits >= 0.75 * len(rows), hits
+
+
+def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, capsys):
+    _, data, best = trained
+    onnx = tmp_path / "model.onnx"
+    code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(onnx), capsys=capsys)
+    assert code == 0, err[-2000:]
+    from engine.model_io.model_files import load_model_file
+
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    exported = load_model_file(onnx).calibration
+    assert exported["temperature"] == pytest.approx(record["temperature"]) and exported["method"] == "energy"
+    assert exported["thresholds"] == {"energy": pytest.approx(record["thresholds"]["energy"])}
+    out = tmp_path / "rows.json"
+    photos = write_photos(tmp_path / "photos", 4)
+    code, err = call("infer", *photos, "--checkpoint", str(onnx), "--reject", "--output", str(out),
+                     "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    assert "energy score <" in err
+    assert all("predicted" in r for r in json.loads(out.read_text()))
+    # the calibrated prob is the same from the export as from the checkpoint, and is the softmax of the
+    # logits divided by the stored temperature
+    ckpt_out = tmp_path / "ckpt.json"
+    call("infer", *photos, "--checkpoint", str(best), "--output", str(ckpt_out), "--num-workers", "0", capsys=capsys)
+    probs = [r["prob"] for r in json.loads(ckpt_out.read_text())]
+    assert [r["prob"] for r in json.loads(out.read_text())] == pytest.approx(probs, abs=1e-4)
+    from engine.model_io.model_files import load_model_file as load
+
+    loaded = load(best)
+    model = loaded.build_model(torch.device("cpu"), channels_last=False)
+    from data.transforms import normalize_batch
+
+    x = normalize_batch(torch.stack([loaded.eval_transform()(p) for p in photos]), loaded.cfg.data.mean,
+                        loaded.cfg.data.std)
+    with torch.no_grad():
+        want = (model(x) / record["temperature"]).softmax(1).max(1).values.tolist()
+    assert probs == pytest.approx(want, abs=1e-4)
+    code, err = call("infer", *photos, "--checkpoint", str(onnx), "--explain", str(tmp_path / "cams"), capsys=capsys)
+    assert code == 2 and "--explain" in err and "export" in err
+
+
+def test_reject_without_a_stored_threshold_is_a_usage_error(trained, tmp_path, capsys):
+    base, _, _ = trained
+    photos = write_photos(tmp_path / "photos", 1)
+    code, err = call("infer", *photos, "--checkpoint", str(base / "run" / "last.pt"), "--reject", capsys=capsys)
+    assert code == 2 and "--reject-below" in err
+    code, err = call("infer", *photos, "--checkpoint", str(base / "run" / "last.pt"), "--reject-below", "1e9",
+                     "--output", str(tmp_path / "r.json"), "--num-workers", "0", capsys=capsys)
+    assert code == 0 and json.loads((tmp_path / "r.json").read_text())[0]["label"] == "unknown"
+
+
+def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path):
+    """Killed after epoch 2's last.pt, resumed and killed again after the last epoch's last.pt (before the
+    calibration), resumed: the run ends with the uninterrupted run's calibration record."""
+    base, data, best = trained
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    for point, extra in (("after_save:2", ()), ("after_save:1", ("--resume", "auto"))):
+        paused = [str(REPO / "tests" / "paused_train.py"), str(marker), point, "--"]
+        proc = subprocess.Popen(train_cmd(data, run, *extra, script=paused), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_for(proc, marker.exists, "the pause point")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        marker.unlink()
+        assert "calibration" not in torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+    assert torch.load(run / "last.pt", map_location="cpu", weights_only=True)["epoch"] == 3
+    done = subprocess.run(train_cmd(data, run, "--resume", "auto"), env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "calibration on 36 validation images" in done.stderr
+    a = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    b = torch.load(run / "best.pt", map_location="cpu", weights_only=True)["calibration"]
+    assert a["temperature"] == b["temperature"] and a["thresholds"] == b["thresholds"]
+    for key in ("feature_bank", "class_means", "precision"):
+        assert torch.equal(a[key], b[key]), key

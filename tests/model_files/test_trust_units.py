@@ -1,0 +1,143 @@
+"""Calibration, reject scores and Grad-CAM geometry as pure functions (no training)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
+                                           reliability_bins, selective_report)
+from engine.evaluation.explain import crop_geometry, heatmap_peak, to_original
+from engine.evaluation.outputs import SplitOutputs, gather_outputs
+from engine.evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
+                                         seeded_subset, threshold_for_coverage)
+from engine.evaluation.trust import build_record, export_record, trust_metrics
+
+
+def overconfident_split(n=2000, classes=5, seed=0):
+    """Logits of a model that is right ~70% of the time but sure of itself: labels drawn from the
+    softmax of moderate logits, then the logits scaled up 4x."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, classes, generator=g) * 1.5
+    labels = torch.multinomial(base.softmax(1), 1, generator=g).squeeze(1)
+    return base * 4.0, labels
+
+
+def test_fitted_temperature_lowers_nll_and_keeps_the_argmax():
+    logits, labels = overconfident_split()
+    t = fit_temperature(logits, labels)
+    assert 3.0 < t < 5.0  # the logits were scaled by 4 from calibrated ones
+    assert nll(logits, labels, t) < nll(logits, labels) - 0.3
+    # a minimum: a little either way is worse
+    assert nll(logits, labels, t) <= min(nll(logits, labels, t * 1.05), nll(logits, labels, t / 1.05))
+    assert torch.equal(apply_temperature(logits, t).argmax(1), logits.argmax(1))
+    before = expected_calibration_error(apply_temperature(logits, None), labels)
+    after = expected_calibration_error(apply_temperature(logits, t), labels)
+    assert after < before / 3
+
+
+def test_ece_against_a_hand_computation():
+    probs = torch.tensor([[0.95, 0.05], [0.92, 0.08], [0.58, 0.42], [0.3, 0.7], [0.55, 0.45]])
+    labels = torch.tensor([0, 1, 0, 1, 1])
+    # 15 bins of width 1/15: 0.95 and 0.92 -> bin (0.9333, 1.0] is 0.95 only; 0.92 -> (0.8667, 0.9333];
+    # 0.58 -> (0.5333, 0.6]; 0.7 -> (0.6667, 0.7333]; 0.55 -> (0.5333, 0.6]
+    # bins: {0.95: hit} |1-0.95|=0.05; {0.92: miss} 0.92; {0.58 hit, 0.55 miss} |0.5-0.565| x2;
+    # {0.7 hit} 0.3
+    hand = (0.05 + 0.92 + 2 * 0.065 + 0.3) / 5 * 100
+    assert expected_calibration_error(probs, labels) == pytest.approx(hand)
+    bins = reliability_bins(probs, labels)
+    assert sum(b["count"] for b in bins) == 5 and len(bins) == 15
+    assert bins[8]["count"] == 2 and bins[8]["accuracy"] == pytest.approx(0.5)
+
+
+def test_threshold_keeps_the_requested_coverage():
+    scores = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    for coverage in (0.5, 0.9, 0.95, 0.99, 1.0):
+        t = threshold_for_coverage(scores, coverage)
+        kept = int((scores >= t).sum())
+        assert kept == math.ceil(coverage * 1000)  # at least the coverage, and not one more
+    report = selective_report(scores, torch.ones(1000, dtype=torch.bool), threshold_for_coverage(scores, 0.95))
+    assert report["coverage"] == pytest.approx(95.0) and report["accuracy"] == 100.0
+
+
+def test_knn_and_mahalanobis_reject_far_features_and_keep_near_ones():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(3, 32, generator=g) * 3
+    labels = torch.arange(300) % 3
+    bank = centres[labels] + torch.randn(300, 32, generator=g) * 0.3
+    near = centres[torch.arange(60) % 3] + torch.randn(60, 32, generator=g) * 0.3
+    far = torch.randn(60, 32, generator=g) * 3
+    t = threshold_for_coverage(knn_score(near, bank), 0.95)
+    assert float((knn_score(far, bank) < t).double().mean()) > 0.9
+    means, precision = mahalanobis_fit(bank, labels, 3)
+    t = threshold_for_coverage(mahalanobis_score(near, means, precision), 0.95)
+    assert float((mahalanobis_score(far, means, precision) < t).double().mean()) > 0.9
+
+
+def test_record_stores_a_small_fp16_bank_and_exports_carry_numbers_only():
+    g = torch.Generator().manual_seed(0)
+    val = SplitOutputs(torch.randn(50, 3, generator=g), torch.arange(50) % 3, torch.arange(50),
+                       torch.randn(50, 8, generator=g))
+    bank = SplitOutputs(torch.randn(5000, 3, generator=g), torch.arange(5000) % 3, torch.arange(5000),
+                        torch.randn(5000, 8, generator=g))
+    record = build_record(val, bank, "auto", 0.9, seed=3)
+    assert record["feature_bank"].dtype == torch.float16 and record["feature_bank"].shape == (2048, 8)
+    assert set(record["thresholds"]) == {"msp", "energy", "knn", "mahalanobis"} and record["method"] == "mahalanobis"
+    assert record["class_means"].shape == (3, 8) and record["precision"].shape == (8, 8)
+    assert build_record(val, bank, "auto", 0.9, seed=3, method="knn").keys() >= {"feature_bank"}
+    assert build_record(val, bank, 2.5, 0.9, seed=3)["temperature"] == 2.5
+    assert build_record(val, bank, "none", 0.9, seed=3)["temperature"] is None
+    assert seeded_subset(5000, 2048, 3) == seeded_subset(5000, 2048, 3) != seeded_subset(5000, 2048, 4)
+    exported = export_record(record)
+    assert exported["method"] == "energy" and "feature_bank" not in exported
+    # without features (an export), the metrics fall back to the energy score
+    metrics = trust_metrics(SplitOutputs(val.logits, val.labels, val.indices, None), exported)
+    assert metrics["selective"]["method"] == "energy"
+    assert metrics["selective"]["coverage"] == pytest.approx(90.0, abs=2.1)
+    assert float((energy_score(val.logits) >= exported["thresholds"]["energy"]).double().mean()) >= 0.9
+    # test-time augmentation gives log-probabilities, whose energy is 0 everywhere: no selection by it
+    log_probs = SplitOutputs(val.logits.log_softmax(1), val.labels, val.indices, None)
+    selective = trust_metrics(log_probs, exported, log_probs=True)["selective"]
+    assert selective["threshold"] is None and selective["coverage"] == 100.0 and selective["method"] is None
+
+
+def test_feature_tap_catches_the_classifier_input():
+    import timm
+
+    model = timm.create_model("resnet10t", num_classes=4).eval()
+    tap = FeatureTap(model)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(x)
+        features = tap.take()
+        assert torch.allclose(model.get_classifier()(features), logits, atol=1e-5)
+    tap.close()
+    assert not FeatureTap(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))).available
+
+
+def test_gather_outputs_sorts_by_index_in_one_process():
+    out = SplitOutputs(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([0, 1, 2]), torch.tensor([4, 0, 2]), None)
+    gathered = gather_outputs(out)
+    assert gathered.indices.tolist() == [0, 2, 4] and gathered.logits.squeeze(1).tolist() == [2.0, 3.0, 1.0]
+
+
+@pytest.mark.parametrize("size,resize_to,img_size", [((200, 100), 36, 32), ((100, 300), 64, 56), ((64, 64), 64, 64)])
+def test_peak_maps_back_to_the_original_pixels(size, resize_to, img_size):
+    """A heatmap peak at a known place of the crop lands on the original pixel that the eval transform
+    moved there (checked by running torchvision's own resize and crop on a coordinate image)."""
+    import torchvision.transforms.v2.functional as F
+
+    width, height = size
+    xs = torch.arange(width, dtype=torch.float32)[None, None, :].expand(1, height, width)
+    ys = torch.arange(height, dtype=torch.float32)[None, :, None].expand(1, height, width)
+    coords = torch.cat([xs, ys])
+    cropped = F.center_crop(F.resize(coords, resize_to, antialias=False), img_size)
+    geometry = crop_geometry(width, height, resize_to, img_size)
+    for cx, cy in ((0, 0), (img_size - 1, img_size // 3), (img_size // 2, img_size - 1)):
+        cam = np.zeros((img_size, img_size))
+        cam[cy, cx] = 1.0
+        x, y = to_original(*heatmap_peak(cam), geometry, width, height)
+        want_x, want_y = cropped[0, cy, cx].item(), cropped[1, cy, cx].item()
+        assert abs(x - want_x) <= 1.0 and abs(y - want_y) <= 1.0
