@@ -1,0 +1,208 @@
+"""Hostile inputs of the second adversarial sweep (issue 28): shard folders reused, damaged shards, CSV rows
+that split or name nothing, files the config names that are FIFOs, file links across classes, non-finite
+validations and model outputs, model files that disagree with themselves or are hostile, exports over
+existing files, and the small tools' edge cases. Each test failed before its fix.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+import data.shards as shards
+from conftest import class_image, make_tree
+from core.config import ConfigError, check_data_root, load_config
+from core.errors import BadDataError, DataTreeError
+from data.folder import scan_split
+from data.sources import scan_sources
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """3 classes x 4 train / 2 val JPEGs, 16 px: the data of every test here that trains nothing."""
+    return make_tree(tmp_path_factory.mktemp("h2") / "tree", {"a": (4, 2), "b": (4, 2), "c": (4, 2)}, size=(16, 16),
+                     ext=".jpg")
+
+
+def write_csv(path: Path, rows: list[list[str]], header=("path", "label")) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def tree_rows(tree: Path, split: str = "train") -> list[list[str]]:
+    return [[str(p.relative_to(tree)), p.parent.name] for p in sorted((tree / split).glob("*/*.jpg"))]
+
+
+# ---------------------------------------------------------------- bug 1, 8 (--to a file), 12: the shard writer
+
+def test_shard_writer_refuses_a_folder_of_old_shards_and_overwrite_replaces_them_all(tree, tmp_path, capsys):
+    """A second write into sh2 left old shards 2-7 beside the new 0-1, and a brace pattern trained on both."""
+    out = tmp_path / "sh2"
+    assert shards.main(["--from", str(tree / "train"), "--to", str(out), "--shard-size", "2"]) == 0
+    assert len(list(out.glob("shard-*.tar"))) == 6
+    with pytest.raises(ConfigError, match="not empty.*--overwrite"):
+        shards.main(["--from", str(tree / "val"), "--to", str(out), "--shard-size", "4"])
+    assert len(list(out.glob("shard-*.tar"))) == 6  # nothing touched
+    capsys.readouterr()
+    assert shards.main(["--from", str(tree / "val"), "--to", str(out), "--shard-size", "4", "--overwrite"]) == 0
+    said = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("shard-*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
+    assert "6 samples of 3 classes in 2 shard(s)" in said and "shard-000000.tar..shard-000001.tar" in said
+    assert "removed the 7 file(s)" in said
+    assert shards.count_samples(sorted(str(p) for p in out.glob("shard-*.tar"))) == [4, 2]
+    # --overwrite replaces shards only, never a folder of other things
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes.txt"):
+        shards.main(["--from", str(tree / "val"), "--to", str(out), "--overwrite"])
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_shard_writer_to_a_file_and_from_a_csv_of_missing_files_exit_2(tree, tmp_path):
+    target = tmp_path / "file.tar"
+    target.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        shards.main(["--from", str(tree / "train"), "--to", str(target)])
+    ghosts = write_csv(tmp_path / "ghosts.csv", [[f"nowhere/{i}.jpg", "abcd"[i]] for i in range(4)])
+    with pytest.raises(DataTreeError, match="none of its 4 row"):
+        shards.main(["--from", str(ghosts), "--to", str(tmp_path / "out")])
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
+# ---------------------------------------------------------------- bug 11: a damaged shard
+
+@pytest.fixture(scope="module")
+def shard_set(tree, tmp_path_factory) -> Path:
+    """12 samples in 3 shards of 4, then shard 1 cut at half its bytes."""
+    out = tmp_path_factory.mktemp("shardset") / "sh"
+    assert shards.main(["--from", str(tree / "train"), "--to", str(out), "--shard-size", "4"]) == 0
+    cut = out / "shard-000001.tar"
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    return out
+
+
+def test_a_cut_shard_is_named_and_counted_under_the_bad_file_policy(shard_set, caplog):
+    """webdataset's reader stopped at the cut without a word: 24 samples cut at 50% counted as 14."""
+    spec = str(shard_set / "shard-{000000..000002}.tar")
+    assert shards.shard_damage(str(shard_set / "shard-000000.tar")) is None
+    assert "cut short" in shards.shard_damage(str(shard_set / "shard-000001.tar"))
+    with pytest.raises(BadDataError, match=r"(?s)in damaged shards, more than data.max_bad_fraction=0.01.*shard-000001.tar \(cut short"):
+        shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.01)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        index = shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.5)
+    assert [Path(u).name for u in index.urls] == ["shard-000000.tar", "shard-000002.tar"] and index.total == 8
+    assert "1 damaged shard(s) left out" in caplog.text and "shard-000001.tar: cut short" in caplog.text
+
+
+# ---------------------------------------------------------------- bug 6 and the CSV weak spots
+
+def csv_cfg(tree: Path, train_csv: Path, **extra):
+    values = {"data.format": "csv", "data.root": str(tree), "data.train_csv": str(train_csv),
+              "data.val_csv": str(write_csv(train_csv.with_name("val.csv"), tree_rows(tree, "val")))} | extra
+    return load_config("base", [f"{k}={v}" for k, v in values.items()])
+
+
+def test_csv_rows_with_extra_fields_are_refused_naming_the_line(tree, tmp_path):
+    """An unquoted comma in a path made a class named 'y.jpg'."""
+    path = tmp_path / "train.csv"
+    path.write_text("path,label\n" + "".join(f"{p},{c}\n" for p, c in tree_rows(tree)) + "a/x,y.jpg,a\n")
+    with pytest.raises(DataTreeError, match=r"line 14: 3 field\(s\), the header has 2 .*quoted"):
+        scan_sources(csv_cfg(tree, path))
+
+
+@pytest.mark.parametrize("sampler", ["random", "weighted"])
+def test_a_csv_class_whose_files_are_all_missing_exits_2_naming_it(tree, tmp_path, sampler):
+    path = write_csv(tmp_path / "train.csv", tree_rows(tree) + [["train/ghost/1.jpg", "ghost"]])
+    with pytest.raises(DataTreeError, match="class\\(es\\) with no existing image file: ghost"):
+        scan_sources(csv_cfg(tree, path, **{"data.sampler": sampler, "data.max_bad_fraction": 0.5}))
+
+
+def test_csv_rows_leaving_the_root_and_repeated_rows_are_warned_with_counts(tree, tmp_path, caplog):
+    rows = tree_rows(tree)
+    outside = [str(tree / rows[0][0]), rows[0][1]]
+    class_image(1, (16, 16)).save(tree.parent / "loose.jpg")
+    climbing = ["../loose.jpg", "b"]
+    path = write_csv(tmp_path / "train.csv", rows + [outside, climbing, rows[2]])
+    with caplog.at_level(logging.WARNING, logger="train"):
+        sources = scan_sources(csv_cfg(tree, path))
+    assert len(sources.train_index) == 15
+    # the absolute row lies inside data.root; '../loose.jpg' does not
+    assert "1 row(s) name files outside" in caplog.text and "line 15 '../loose.jpg'" in caplog.text
+    assert "2 row(s) repeat a path listed before" in caplog.text and "line 14" in caplog.text
+
+
+# ---------------------------------------------------------------- bug 7: files the config names
+
+@pytest.mark.parametrize("fmt", ["folder", "csv", "webdataset"])
+def test_a_fifo_named_by_a_data_key_exits_2_saying_it_is_a_fifo(tree, tmp_path, fmt):
+    """data.classes on a FIFO hung for ever; data.train_csv on a FIFO said 'no such file'."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    values = {"folder": {"data.root": tree, "data.classes": fifo},
+              "csv": {"data.format": "csv", "data.root": tree, "data.train_csv": fifo, "data.val_fraction": 0.5},
+              "webdataset": {"data.format": "webdataset", "data.root": "null", "data.classes": fifo,
+                             "data.train_shards": "x.tar", "data.val_shards": "y.tar"}}[fmt]
+    cfg = load_config("base", [f"{k}={v}" for k, v in values.items()])
+    key = "data.train_csv" if fmt == "csv" else "data.classes"
+    with pytest.raises(ConfigError, match=f"'{key}' = {fifo}: a named pipe \\(FIFO\\); it must name a regular file"):
+        check_data_root(cfg)
+    with pytest.raises(DataTreeError, match="a named pipe"):  # and the readers themselves never open one
+        scan_sources(cfg)
+
+
+def test_a_folder_named_as_the_class_list_says_so(tree):
+    cfg = load_config("base", [f"data.root={tree}", f"data.classes={tree}"])
+    with pytest.raises(ConfigError, match="a folder; it must name a regular file"):
+        check_data_root(cfg)
+
+
+# ---------------------------------------------------------------- bug 10: file links
+
+def test_file_links_out_of_the_class_folder_are_left_out_and_listed(tmp_path, caplog):
+    root = make_tree(tmp_path / "data", {"a": 3, "b": 2}, splits=("train",))
+    train = root / "train"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_image(0).save(elsewhere / "stranger.png")
+    os.symlink("../b/b_0000.png", train / "a" / "fromb.png")            # into another class
+    os.symlink(elsewhere / "stranger.png", train / "a" / "outside.png")  # out of the tree
+    os.symlink("a_0000.png", train / "a" / "again.png")                  # a second name in its own class
+    with caplog.at_level(logging.WARNING, logger="train"):
+        index = scan_split(train)
+    assert index.class_counts() == [3, 2]
+    assert not any(Path(p).name in ("fromb.png", "outside.png", "again.png") for p in index.paths)
+    assert f"{train / 'a' / 'fromb.png'} (a link to a file outside {train / 'a'})" in index.skipped
+    assert f"{train / 'a' / 'outside.png'} (a link to a file outside {train / 'a'})" in index.skipped
+    assert f"{train / 'a' / 'again.png'} (a second name of a file already read)" in index.skipped
+    assert "fromb.png" in caplog.text
+
+
+# ---------------------------------------------------------------- config weak spots
+
+@pytest.mark.parametrize("override, words", [
+    ("data.val_fraction=1", ["'data.val_fraction' = 1.0 is out of range; it must be > 0.0 and < 1.0"]),
+    ("data.val_fraction=0", ["'data.val_fraction' = 0.0 is out of range; it must be > 0.0 and < 1.0"]),
+    ("optim.lr=nan", ["'optim.lr'", "NaN and infinity are refused"]),
+    ("train.clip_grad_norm=-inf", ["'train.clip_grad_norm'", "NaN and infinity are refused"]),
+])
+def test_config_ranges_and_non_finite_words_say_the_true_rule(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config("base", [override])
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_webdataset_with_a_missing_root_does_not_speak_of_csv_lists(tmp_path):
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a\nb\n")
+    cfg = load_config("base", ["data.format=webdataset", f"data.root={tmp_path / 'nope'}", f"data.classes={classes}",
+                               "data.train_shards=x.tar", "data.val_shards=y.tar"])
+    with pytest.raises(ConfigError) as err:
+        check_data_root(cfg)
+    assert "no such folder" in str(err.value) and "CSV" not in str(err.value)
