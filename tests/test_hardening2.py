@@ -206,3 +206,59 @@ def test_webdataset_with_a_missing_root_does_not_speak_of_csv_lists(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_data_root(cfg)
     assert "no such folder" in str(err.value) and "CSV" not in str(err.value)
+
+
+# ---------------------------------------------------------------- bug 3: a diverged validation is never best
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory) -> Path:
+    # 24 training images, batch 8: 3 optimizer steps per epoch
+    return make_tree(tmp_path_factory.mktemp("h2train") / "data", {"a": (8, 2), "b": (8, 2), "c": (8, 2)},
+                     size=(16, 16))
+
+
+def test_nonfinite_numbers_are_never_an_improvement():
+    from engine.evaluation.metrics import is_improvement
+    from engine.rundir.state import TrainState
+
+    assert not is_improvement(float("nan"), None, "loss", 0.0)
+    assert not is_improvement(float("-inf"), 1.0, "loss", 0.0)
+    state = TrainState()
+    diverged = {"top1": 33.3, "top5": 100.0, "loss": float("nan"), "mean_class_acc": 33.3, "num_samples": 6}
+    assert not state.record_validation(0, diverged, "top1", 0.0, patience=None)
+    assert state.best_value is None and state.best_metrics == {} and state.bad_epochs == 1
+    assert state.record_validation(1, dict(diverged, loss=1.0), "top1", 0.0, patience=None)
+    assert state.best_epoch == 2
+
+
+@pytest.mark.parametrize("metric", ["loss", "top1"])
+def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(train_root, tmp_path, monkeypatch,
+                                                                               metric):
+    """`optim.lr=1000000`: epoch 1 logged `loss nan ... best` and best.pt held `summary.best.loss: null`."""
+    import json
+
+    import torch
+
+    import engine.run.trainer as trainer
+    from test_faults import make_cfg
+
+    calls = []
+
+    def first_pass_diverged(*args, **kwargs):
+        sums, unreadable = real_evaluate(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            sums.loss_sum.fill_(float("nan"))
+        return sums, unreadable
+
+    real_evaluate = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", first_pass_diverged)
+    out = tmp_path / "run"
+    assert trainer.run(make_cfg(train_root, out, **{"early_stop.metric": metric})) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_epoch"] == 2 and summary["best"]["loss"] is not None
+    assert torch.load(out / "best.pt", weights_only=True)["epoch"] == 2
+    log = (out / "train.log").read_text()
+    assert "epoch 1: validation is not finite (loss nan): the model has diverged, so this epoch is never best" in log
+    assert "loss nan" in log and "(6 samples)" in log
+    assert not [line for line in log.splitlines() if "epoch 1/2" in line and line.endswith("best")]

@@ -5,6 +5,8 @@ sums into numbers. Under DDP the sums are all-reduced before reducing, so every 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -90,7 +92,16 @@ def per_class_report(confusion: torch.Tensor, classes: list[str]) -> dict:
     return report
 
 
+def nonfinite_metrics(metrics: dict) -> list[str]:
+    """The names of a validation's numbers that are NaN or infinite (a diverged model): such a validation is
+    never the best, whatever its chosen metric says."""
+    return [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
 def is_improvement(value: float, best: float | None, metric: str, min_delta: float) -> bool:
+    """A NaN or infinite value is never an improvement (NaN compares false, -inf would be a loss of all bests)."""
+    if not math.isfinite(value):
+        return False
     if best is None:
         return True
     if metric == "loss":
