@@ -12,7 +12,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
 from engine.runtime.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune,
                            pin_memory_for, resolve_amp, select_device)
-from engine.evaluation.evaluate import evaluate
+from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.metrics import per_class_report
 from engine.model_io.model_files import load_model_file
 
@@ -72,6 +72,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
                                 tta_flip=tta)
     metrics = sums.compute()
+    check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
     confusion = sums.confusion.cpu()
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,

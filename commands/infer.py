@@ -16,7 +16,7 @@ from data.file_list import FileListDataset, build_inference_loader, expand_input
 from engine.rundir.checkpointer import find_newest_checkpoint
 from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
                            select_device)
-from engine.evaluation.evaluate import Predictions, predict
+from engine.evaluation.evaluate import Predictions, check_finite_outputs, predict
 from engine.model_io.model_files import KIND_NAMES, load_model_file
 from models.factory import fold_batchnorm
 
@@ -122,6 +122,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
     preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k)
+    check_finite_outputs(preds.nonfinite, int(preds.valid.sum()), loaded.path)
     rows = result_rows(paths, preds, loaded.classes)
 
     print(format_predictions_table(rows))

@@ -27,6 +27,7 @@ import torchvision
 from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
 from core.safe_load import load_checkpoint
+from models.timm_folder import check_timm_folder
 
 log = logging.getLogger("train")
 TORCHVISION_PREFIX = "tv:"
@@ -286,6 +287,8 @@ def load_pretrained(model_cfg) -> torch.nn.Module:
     if "." in name and not name.startswith((HF_HUB_PREFIX, LOCAL_DIR_PREFIX)) and not timm.list_pretrained(name):
         raise ModelError(f"'model.name' = {name}: timm has no pretrained weights with that tag "
                          f"(timm.list_pretrained('{name.split('.')[0]}.*') lists them)")
+    if name.startswith(LOCAL_DIR_PREFIX):
+        check_timm_folder(name[len(LOCAL_DIR_PREFIX):])
     try:
         if name.startswith(TORCHVISION_PREFIX):
             return torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], weights="DEFAULT")

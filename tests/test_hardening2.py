@@ -262,3 +262,230 @@ def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(
     assert "epoch 1: validation is not finite (loss nan): the model has diverged, so this epoch is never best" in log
     assert "loss nan" in log and "(6 samples)" in log
     assert not [line for line in log.splitlines() if "epoch 1/2" in line and line.endswith("best")]
+
+
+# ---------------------------------------------------------------- model files: one tiny trained run
+
+def exit_and_line(main, args, capsys) -> tuple[int, str]:
+    from commands.cli import run_main
+
+    with pytest.raises(SystemExit) as exited:
+        run_main(lambda: main(args))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return exited.value.code, err.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(data root, best.pt) of one 1-epoch run of resnet10t at 16 px on 3 classes."""
+    from conftest import train_tiny
+
+    return train_tiny(tmp_path_factory.mktemp("h2model"), {"a": (8, 2), "b": (8, 2), "c": (8, 2)})
+
+
+def test_nan_weights_are_an_error_naming_the_model_file_in_infer_and_eval(trained, tmp_path, capsys):
+    """A .pt whose first conv weight is NaN printed 'classified 4 of 4' with prob nan, exit 0."""
+    import torch
+
+    import eval as eval_script
+    import infer
+
+    data, checkpoint = trained
+    saved = torch.load(checkpoint, weights_only=True)
+    first_conv = next(k for k, v in saved["model"].items() if v.ndim == 4)
+    saved["model"][first_conv] = torch.full_like(saved["model"][first_conv], float("nan"))
+    broken = tmp_path / "nan.pt"
+    torch.save(saved, broken)
+    out = tmp_path / "rows.csv"
+    code, line = exit_and_line(infer.main, [str(data / "val"), "--checkpoint", str(broken), "--num-workers", "0",
+                                            "--output", str(out)], capsys)
+    assert code == 1 and line.startswith(f"error: {broken}: the model's outputs are not finite")
+    assert "for 6 of 6 image(s)" in line and not out.exists()
+    code, line = exit_and_line(eval_script.main, ["--checkpoint", str(broken), "--data", str(data)], capsys)
+    assert code == 1 and f"{broken}: the model's outputs are not finite" in line
+
+
+def test_an_export_never_overwrites_silently_nor_writes_into_a_run_directory(trained, tmp_path, capsys):
+    import export
+
+    data, checkpoint = trained
+    run_dir = checkpoint.parent
+    before = sorted(p.name for p in run_dir.iterdir())
+    for fmt, output in (("timm", run_dir), ("onnx", run_dir / "model.onnx"), ("timm", run_dir / "sub" / "..")):
+        code, line = exit_and_line(export.main, ["--checkpoint", str(checkpoint), "--format", fmt, "--output",
+                                                 str(output)], capsys)
+        assert code == 2 and "is a run directory (it holds last.pt)" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    onnx_out = tmp_path / "m.onnx"
+    assert export.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output", str(onnx_out)]) == 0
+    first = onnx_out.read_bytes()
+    code, line = exit_and_line(export.main, ["--checkpoint", str(checkpoint), "--format", "onnx", "--output",
+                                             str(onnx_out)], capsys)
+    assert code == 2 and f"--output {onnx_out} exists; pass --overwrite" in line
+    assert onnx_out.read_bytes() == first
+    assert export.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output", str(onnx_out),
+                        "--overwrite"]) == 0
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    code, line = exit_and_line(export.main, ["--checkpoint", str(checkpoint), "--format", "timm", "--output",
+                                             str(busy), "--overwrite"], capsys)
+    assert code == 2 and "holds other files (notes.txt)" in line
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+# ---------------------------------------------------------------- bug 2: a hostile .pt2
+
+class Marker:
+    """Unpickling this creates the file `path` (what a hostile payload would do, harmlessly)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def rewrite_zip(source: Path, target: Path, replace: dict) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            for suffix, change in replace.items():
+                if info.filename.endswith(suffix):
+                    data = change(data)
+            dst.writestr(info.filename, data)
+
+
+@pytest.fixture(scope="module")
+def plain_pt2(tmp_path_factory) -> Path:
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    path = tmp_path_factory.mktemp("pt2") / "plain.pt2"
+    torch.export.save(torch.export.export(model, (torch.zeros(1, 3, 16, 16),)), str(path),
+                      extra_files={"imgcls.json": '{"classes": ["a", "b", "c"]}'})
+    return path
+
+
+@pytest.mark.parametrize("how", ["use_pickle", "sample_inputs"])
+def test_a_pt2_that_would_unpickle_is_refused_before_anything_in_it_runs(plain_pt2, tmp_path, how):
+    """A weight marked use_pickle (or sample inputs a plain load refuses) ran its payload in infer.py."""
+    import json
+    import pickle
+
+    from core.errors import CheckpointError
+    from engine.model_io.model_files import load_model_file
+
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(Marker(str(marker)))
+
+    def pickled_weight(data: bytes) -> bytes:
+        config = json.loads(data)
+        config["config"]["0.weight"]["use_pickle"] = True
+        return json.dumps(config).encode()
+
+    evil = tmp_path / "evil.pt2"
+    if how == "use_pickle":
+        rewrite_zip(plain_pt2, evil, {"model_weights_config.json": pickled_weight, "data/weights/weight_0":
+                                      lambda _: payload})
+    else:
+        rewrite_zip(plain_pt2, evil, {"data/sample_inputs/model.pt": lambda _: payload})
+    with pytest.raises(CheckpointError, match="refused before loading, nothing in it was run"):
+        load_model_file(evil)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- bugs 5 and 8: timm folders, foreign ONNX
+
+@pytest.fixture
+def timm_folder(tmp_path) -> Path:
+    from conftest import write_pretrained_folder
+
+    folder = tmp_path / "timm_model"
+    write_pretrained_folder(folder, num_classes=3, label_names=["a", "b", "c"])
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> None:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def refusals(folder: Path) -> list[str]:
+    """The messages of infer/eval's loader and of model.pretrained=true model.name=local-dir:FOLDER."""
+    from core.errors import ModelError
+    from engine.model_io.model_files import load_model_file
+    from models.factory import load_pretrained
+
+    said = []
+    for load in (lambda: load_model_file(folder),
+                 lambda: load_pretrained(load_config("base", [f"model.name=local-dir:{folder}",
+                                                              "model.pretrained=true"]).model)):
+        with pytest.raises(ModelError) as err:
+            load()
+        said.append(str(err.value))
+    return said
+
+
+def test_a_timm_folder_whose_config_disagrees_with_its_weights_exits_2_naming_it(timm_folder):
+    """num_classes 7 over 3-class weights silently got a random classifier."""
+    edit_config(timm_folder, num_classes=7)
+    for said in refusals(timm_folder):
+        assert "config.json: num_classes 7 but model_args.num_classes 3" in said
+    edit_config(timm_folder, num_classes=3, label_names=["a", "b"])
+    for said in refusals(timm_folder):
+        assert "num_classes 3 but 2 label_names" in said
+    # a folder without model_args (an older timm): the classifier's shape tells
+    edit_config(timm_folder, num_classes=7, label_names=[f"n{i}" for i in range(7)], model_args={})
+    for said in refusals(timm_folder):
+        assert "config.json (architecture and num_classes 7) and model.safetensors disagree" in said
+        assert "[3, " in said and "(config.json: [7, " in said
+
+
+def test_timm_folders_with_cut_mismatched_or_pickled_weights_exit_2_in_one_line(timm_folder):
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = timm_folder / "model.safetensors"
+    state = {k: v.clone() for k, v in load_file(str(weights)).items()}  # not mapped: the file is cut below
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    for said in refusals(timm_folder):
+        assert "damaged or truncated safetensors file" in said
+    conv = next(k for k, v in state.items() if v.ndim == 4)
+    save_file(dict(state, **{conv: torch.zeros(5, *state[conv].shape[1:])}), str(weights))
+    for said in refusals(timm_folder):
+        assert f"disagree on" in said and conv in said
+    weights.unlink()
+    (timm_folder / "pytorch_model.bin").write_bytes(pickle.dumps(Marker(str(timm_folder / "ran")), protocol=2))
+    for said in refusals(timm_folder):
+        assert "was refused" in said and "pytorch_model.bin" in said
+    assert not (timm_folder / "ran").exists()
+
+
+def test_a_foreign_onnx_with_a_fixed_non_square_input_exits_2(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from core.errors import CheckpointError
+    from engine.model_io.model_files import load_model_file
+
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["images"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["logits"])], "foreign",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, 64, 48])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "foreign.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(CheckpointError, match="fixed 64x48 \\(height x width\\) inputs"):
+        load_model_file(path)

@@ -19,6 +19,7 @@ class MetricSums:
         self.top1 = torch.zeros((), dtype=torch.int64, device=device)
         self.topk = torch.zeros((), dtype=torch.int64, device=device)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # samples with a NaN/inf logit
 
     @property
     def k(self) -> int:
@@ -38,6 +39,7 @@ class MetricSums:
         hits = top == targets[:, None]
         self.top1 += (hits[:, 0].long() * weight).sum()
         self.topk += (hits.any(dim=1).long() * weight).sum()
+        self.nonfinite += ((~torch.isfinite(logits).all(dim=1)).long() * weight).sum()
         flat = targets * self.num_classes + top[:, 0]
         self.confusion.view(-1).index_add_(0, flat, weight)
 
@@ -45,7 +47,7 @@ class MetricSums:
         """Sum over processes (a no-op in a single process), so every sample counts once."""
         from engine.runtime.distributed import all_reduce_sum
 
-        for t in (self.loss_sum, self.top1, self.topk, self.confusion):
+        for t in (self.loss_sum, self.top1, self.topk, self.confusion, self.nonfinite):
             all_reduce_sum(t)
 
     def compute(self) -> dict:
