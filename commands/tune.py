@@ -13,6 +13,7 @@ from core.errors import ConfigError
 
 log = logging.getLogger("train")
 RUN_DIR_MARKERS = ("config.yaml", "last.pt", "best.pt", "summary.json")
+DEFAULT_STEPS = 100  # optimizer steps per batch size, or of the LR range test
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -64,6 +65,11 @@ def check_arguments(args) -> None:
         raise ConfigError("--steps must be >= 2")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise ConfigError("--warmup-steps must be >= 0")
+    steps = args.steps or DEFAULT_STEPS
+    if args.warmup_steps is not None and args.warmup_steps >= steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} is not below --steps {steps}: the LR would never "
+                          f"reach its peak and the sizes would be compared during warmup; give fewer warmup "
+                          f"steps or more steps")
     if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
         raise ConfigError(f"--target-loss {args.target_loss}: must be a positive number")
     if args.lr_range is not None and (args.batch_sizes or args.target_loss is not None or args.checkpointing):

@@ -3,10 +3,13 @@ the sweep or the LR range test from engine/tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
-from commands.tune import write_json
+from commands.tune import DEFAULT_STEPS, write_json
 from core.config import check_data_root
 from core.errors import ConfigError
 from data.build import prepare_root, scan_tree
@@ -20,7 +23,6 @@ from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_ro
 from models.factory import check_grad_checkpointing, check_model_name
 
 log = logging.getLogger("train")
-DEFAULT_STEPS = 100
 
 
 def prepare(cfg) -> tuple[RunContext, int, int]:
@@ -63,8 +65,9 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     check_sizes(sizes, images, world)
     steps = args.steps or DEFAULT_STEPS
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
     memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
-                         small=max(1, min(8, sizes[0] // world // 2)))
+                         small=max(2, min(8, sizes[0] // world // 2)))
     breakdown = memory.breakdown(cfg.model.grad_checkpointing)
     say(ctx, f"tune: batch sizes {', '.join(map(str, sizes))}, {steps} optimizer steps each (warmup {warmup}), "
              f"model {cfg.model.name}, {cfg.data.img_size} px, {precision_name(ctx.amp_dtype)}, {ctx.device}")
@@ -72,9 +75,11 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     announce = EstimateOnce(ctx, sizes, steps)
     results: list[dict] = []
     interrupted = False
+    signalled: list[int] = []
     try:
-        sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
-                          on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
+        with sigterm_as_interrupt(signalled):
+            sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
+                              on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
     except KeyboardInterrupt:
         interrupted = True
     interrupted = interrupted or any(r["interrupted"] for r in results)
@@ -94,11 +99,30 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
             plot_sweep(results, target, args.plot)
     dist_utils.shutdown()
     if interrupted:
-        return 130
+        return 143 if signalled else 130
     if args.target_loss is not None and verdict["least_time_to_target"] is None:
         raise ConfigError(f"--target-loss {args.target_loss}: no batch size reached it within {steps} steps "
                           f"(lowest smoothed losses: {', '.join(str(r['final_loss']) for r in rows)})")
     return 0
+
+
+@contextmanager
+def sigterm_as_interrupt(signalled: list):
+    """While the sweep runs, SIGTERM (a scheduler's pre-emption, `kill`) stops it as Ctrl-C does, so the table
+    and the JSON of the sizes so far are still written; the signal is noted in `signalled` (exit 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        signalled.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def entry_result(entry) -> dict:

@@ -489,3 +489,59 @@ def test_a_foreign_onnx_with_a_fixed_non_square_input_exits_2(tmp_path):
     onnx.save(model, str(path))
     with pytest.raises(CheckpointError, match="fixed 64x48 \\(height x width\\) inputs"):
         load_model_file(path)
+
+
+# ---------------------------------------------------------------- bug 9 and the tune.py weak spots
+
+def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(train_root, tmp_path, capsys):
+    """`--batch-sizes 2,4` probed memory at batch 1 and died in BatchNorm ('Expected more than 1 value per
+    channel'), exit 1, no table."""
+    import json
+    from argparse import Namespace
+
+    from commands.tune_run import run_sweep
+    from conftest import tiny_overrides
+
+    cfg = load_config("base", tiny_overrides(train_root, tmp_path / "run"))
+    out = tmp_path / "t.json"
+    args = Namespace(steps=2, warmup_steps=0, target_loss=None, checkpointing=False, json=str(out), plot=None)
+    assert run_sweep(cfg, args, [2, 4]) == 0
+    assert [row["effective_batch"] for row in json.loads(out.read_text())["rows"]] == [2, 4]
+    assert "verdict" in capsys.readouterr().out
+
+
+def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
+    from argparse import Namespace
+
+    from commands.tune import check_arguments
+
+    base = dict(batch_sizes=None, target_loss=None, lr_range=None, checkpointing=False, json=None, plot=None)
+    with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 2"):
+        check_arguments(Namespace(steps=2, warmup_steps=100, **base))
+    with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 100"):
+        check_arguments(Namespace(steps=None, warmup_steps=100, **base))
+    check_arguments(Namespace(steps=4, warmup_steps=3, **base))
+
+
+def test_tune_on_sigterm_writes_the_table_and_json_of_the_sizes_so_far(train_root, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, tiny_overrides, wait_for
+
+    out, err = tmp_path / "t.json", tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tune.py"), "--config", "base",
+                                 *tiny_overrides(train_root, tmp_path / "run"), "--batch-sizes", "4,8",
+                                 "--steps", "400", "--json", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        wait_for(proc, lambda: "s in all" in err.read_text(), "the sweep's first points")
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.read_text()[-2000:]
+    assert "verdict" in stdout and "(interrupted: the sizes so far)" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and [row["effective_batch"] for row in doc["rows"]] == [4]
