@@ -14,9 +14,9 @@ from pathlib import Path
 
 from core.errors import DataTreeError
 from core.paths import not_a_regular_file
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +91,7 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | No
 
 
 def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: list[str], known_as: str
-              ) -> tuple[ImageFolderIndex, list[str]]:
+              ) -> tuple[ImageIndex, list[str]]:
     """(the index of the rows whose file exists, the resolved paths of those that do not). A label outside
     `classes` is a DataTreeError naming the row; `known_as` says what the classes are ('training classes')."""
     position = {name: i for i, name in enumerate(classes)}
@@ -108,7 +108,7 @@ def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: lis
             continue
         paths.append(path)
         labels.append(position[row.label])
-    return ImageFolderIndex(Path(base), list(classes), paths, labels), missing
+    return ImageIndex(Path(base), list(classes), paths, labels), missing
 
 
 def warn_odd_rows(csv_path, base: Path, rows: list[CsvRow]) -> None:
@@ -137,7 +137,7 @@ def _inside(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def check_no_empty_classes(csv_path, index: ImageFolderIndex, missing: list[str]) -> None:
+def check_no_empty_classes(csv_path, index: ImageIndex, missing: list[str]) -> None:
     """DataTreeError naming the classes with no existing file in a training list (as the folder format
     refuses an empty class folder): a class of rows whose files are all missing is no class to learn."""
     empty = [name for name, n in zip(index.classes, index.class_counts()) if n == 0]

@@ -29,7 +29,7 @@ from core.errors import CheckpointError, ModelError
 from core.safe_load import load_checkpoint
 from models.timm_folder import check_timm_folder
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 TORCHVISION_PREFIX = "tv:"
 HF_HUB_PREFIX = "hf-hub:"
 LOCAL_DIR_PREFIX = "local-dir:"

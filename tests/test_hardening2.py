@@ -94,7 +94,7 @@ def test_a_cut_shard_is_named_and_counted_under_the_bad_file_policy(shard_set, c
     assert "cut short" in shards.shard_damage(str(shard_set / "shard-000001.tar"))
     with pytest.raises(BadDataError, match=r"(?s)in damaged shards, more than data.max_bad_fraction=0.01.*shard-000001.tar \(cut short"):
         shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.01)
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         index = shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.5)
     assert [Path(u).name for u in index.urls] == ["shard-000000.tar", "shard-000002.tar"] and index.total == 8
     assert "1 damaged shard(s) left out" in caplog.text and "shard-000001.tar: cut short" in caplog.text
@@ -129,7 +129,7 @@ def test_csv_rows_leaving_the_root_and_repeated_rows_are_warned_with_counts(tree
     class_image(1, (16, 16)).save(tree.parent / "loose.jpg")
     climbing = ["../loose.jpg", "b"]
     path = write_csv(tmp_path / "train.csv", rows + [outside, climbing, rows[2]])
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         sources = scan_sources(csv_cfg(tree, path))
     assert len(sources.train_index) == 15
     # the absolute row lies inside data.root; '../loose.jpg' does not
@@ -173,7 +173,7 @@ def test_file_links_out_of_the_class_folder_are_left_out_and_listed(tmp_path, ca
     os.symlink("../b/b_0000.png", train / "a" / "fromb.png")            # into another class
     os.symlink(elsewhere / "stranger.png", train / "a" / "outside.png")  # out of the tree
     os.symlink("a_0000.png", train / "a" / "again.png")                  # a second name in its own class
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         index = scan_split(train)
     assert index.class_counts() == [3, 2]
     assert not any(Path(p).name in ("fromb.png", "outside.png", "again.png") for p in index.paths)
