@@ -245,12 +245,18 @@ def local_path(url: str) -> Optional[str]:
 
 def shard_damage(url: str) -> Optional[str]:
     """Why a local tar shard is damaged (cut short, or not a tar file), or None. webdataset's reader stops at a
-    cut without a word, so the headers are walked here (the data is skipped, not read): every member must
-    end inside the file and the archive must end with tar's two zero blocks."""
+    cut without a word. A whole tar file ends in tar's two zero blocks, which a cut one lacks (its last bytes
+    are a member's): that one read decides; only then are the headers walked (the data skipped) to say where
+    it was cut."""
     path = local_path(url)
     if path is None or not os.path.isfile(path):
         return None  # a pipe or a URL cannot be checked ahead; a missing file fails when it is read
     size = os.path.getsize(path)
+    if size % 512 == 0 and size >= 1024:
+        with open(path, "rb") as f:
+            f.seek(size - 1024)
+            if f.read(1024).count(0) == 1024:
+                return None
     end, last = 0, None
     try:
         with tarfile.open(path, "r:") as tar:
