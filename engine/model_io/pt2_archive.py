@@ -1,7 +1,7 @@
-"""A `.pt2` archive read before `torch.export.load` opens it: torch's loader unpickles with
-`weights_only=False` any weight or constant its JSON config marks `use_pickle`, loads custom and opaque
-objects by pickle, falls back to `weights_only=False` for sample inputs and legacy weight files that a
-plain load refuses, and runs compiled AOTInductor code. A program export.py writes holds none of these, so
+"""A `.pt2` archive read before `torch.export.load` opens it: torch's loader fully unpickles (no weights-only
+restriction) any weight or constant its JSON config marks `use_pickle`, loads custom and opaque objects by
+pickle, falls back to a full unpickle for sample inputs and legacy weight files that a weights-only load
+refuses, and runs compiled AOTInductor code. A program export.py writes holds none of these, so
 an archive that does is refused, naming the entry, before anything in it is loaded.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _entry_problem(archive: zipfile.ZipFile, name: str) -> Optional[str]:
         except (ValueError, UnicodeDecodeError):
             return f"{name} is not valid JSON"
         return next(_flagged(parsed, name), None)
-    if inner.endswith(".pt"):  # sample inputs, legacy weights: torch retries these with weights_only=False
+    if inner.endswith(".pt"):  # sample inputs, legacy weights: torch retries these with a full unpickle
         try:
             torch.load(io.BytesIO(archive.read(name)), weights_only=True)
         except Exception as err:  # noqa: BLE001 - any refusal of a plain load means torch would unpickle freely

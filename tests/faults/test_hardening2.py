@@ -231,6 +231,7 @@ def test_nonfinite_numbers_are_never_an_improvement():
     assert state.best_epoch == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["loss", "top1"])
 def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(train_root, tmp_path, monkeypatch,
                                                                                metric):
@@ -240,7 +241,7 @@ def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(
     import torch
 
     import engine.run.trainer as trainer
-    from test_faults import make_cfg
+    from conftest import make_cfg
 
     calls = []
 
@@ -284,6 +285,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return train_tiny(tmp_path_factory.mktemp("h2model"), {"a": (8, 2), "b": (8, 2), "c": (8, 2)})
 
 
+@pytest.mark.slow
 def test_nan_weights_are_an_error_naming_the_model_file_in_infer_and_eval(trained, tmp_path, capsys):
     """A .pt whose first conv weight is NaN printed 'classified 4 of 4' with prob nan, exit 0."""
     import torch
@@ -306,6 +308,7 @@ def test_nan_weights_are_an_error_naming_the_model_file_in_infer_and_eval(traine
     assert code == 1 and f"{broken}: the model's outputs are not finite" in line
 
 
+@pytest.mark.slow
 def test_an_export_never_overwrites_silently_nor_writes_into_a_run_directory(trained, tmp_path, capsys):
     import export
 
@@ -493,6 +496,7 @@ def test_a_foreign_onnx_with_a_fixed_non_square_input_exits_2(tmp_path):
 
 # ---------------------------------------------------------------- bug 9 and the tune.py weak spots
 
+@pytest.mark.slow
 def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(train_root, tmp_path, capsys):
     """`--batch-sizes 2,4` probed memory at batch 1 and died in BatchNorm ('Expected more than 1 value per
     channel'), exit 1, no table."""
@@ -523,6 +527,7 @@ def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
     check_arguments(Namespace(steps=4, warmup_steps=3, **base))
 
 
+@pytest.mark.slow
 def test_tune_on_sigterm_writes_the_table_and_json_of_the_sizes_so_far(train_root, tmp_path):
     import json
     import signal
