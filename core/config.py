@@ -223,6 +223,9 @@ def resolve_config_path(name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
+    problem = not_a_regular_file(name)
+    if problem and problem != "no such file":  # it exists, as something a config cannot be read from
+        raise ConfigError(f"config '{name}': {problem}; it must name a regular YAML file")
     known = available_configs()
     hint = _did_you_mean(Path(name).stem, known)
     raise ConfigError(f"config '{name}' not found (a YAML path or one of: {', '.join(known)}){hint}")

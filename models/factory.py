@@ -26,6 +26,7 @@ import torchvision
 
 from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
+from core.paths import not_a_regular_file
 from core.safe_load import load_checkpoint
 from models.timm_folder import check_timm_folder
 
@@ -224,8 +225,9 @@ def fold_batchnorm(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
 
 def read_weights_file(path: str | Path) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"'model.weights' = {path}: no such file")
+    problem = not_a_regular_file(path)
+    if problem:
+        raise ModelError(f"'model.weights' = {path}: {problem}; it must name a regular file")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -19,6 +19,7 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ConfigError
+from core.paths import not_a_regular_file
 from engine.model_io.checkpoint_files import check_class_names, eval_config, preprocessing_record, read_checkpoint
 from engine.model_io.model_file import FunctionModel, ModelFile
 from engine.model_io.pt2_archive import check_pt2_archive
@@ -57,6 +58,9 @@ def load_model_file(path: str | Path, overrides: list[str] = (), classes_file: O
 def read_classes_file(path: str | Path, count: int) -> list[str]:
     """Class names, one per line (blank lines ignored); their number must match the model's outputs."""
     path = Path(path)
+    problem = not_a_regular_file(path)
+    if problem:
+        raise ConfigError(f"--classes {path}: {problem}; it must name a regular file (one class name per line)")
     try:
         names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as err:

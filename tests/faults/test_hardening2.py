@@ -156,6 +156,26 @@ def test_a_fifo_named_by_a_data_key_exits_2_saying_it_is_a_fifo(tree, tmp_path, 
         scan_sources(cfg)
 
 
+def test_fifos_named_as_config_checkpoint_classes_or_weights_say_so_without_reading(tmp_path):
+    """Each of these was opened and read: a FIFO blocked for ever (--classes) or was called missing."""
+    from core.config import resolve_config_path
+    from core.errors import CheckpointError, ModelError
+    from core.safe_load import load_checkpoint
+    from engine.model_io.model_files import read_classes_file
+    from models.factory import read_weights_file
+
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a named pipe \\(FIFO\\); it must name a regular YAML file"):
+        resolve_config_path(str(fifo))
+    with pytest.raises(CheckpointError, match="a named pipe \\(FIFO\\); a checkpoint is a regular file"):
+        load_checkpoint(fifo)
+    with pytest.raises(ConfigError, match="--classes .*a named pipe"):
+        read_classes_file(fifo, 3)
+    with pytest.raises(ModelError, match="'model.weights' = .*a named pipe"):
+        read_weights_file(fifo)
+
+
 def test_a_folder_named_as_the_class_list_says_so(tree):
     cfg = load_config("base", [f"data.root={tree}", f"data.classes={tree}"])
     with pytest.raises(ConfigError, match="a folder; it must name a regular file"):
