@@ -611,13 +611,21 @@ def check_data_root(cfg: Config) -> Optional[Path]:
     if cfg.data.builtin:
         return root
     if not root.is_dir():
-        raise ConfigError(f"'data.root' = {cfg.data.root}: no such folder")
+        raise ConfigError(f"'data.root' = {cfg.data.root}: {not_a_folder(root)}")
     if cfg.data.val_fraction is not None:
         return root  # one class-folder tree, split by data.val_fraction
     for split in (cfg.data.train_split, cfg.data.val_split):
         if not (root / split).is_dir():
             raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / data.val_split)")
     return root
+
+
+def not_a_folder(path: Path) -> str:
+    """What a path that should be a folder is: "no such folder", or "not a folder (a regular file)", ..."""
+    problem = not_a_regular_file(path)
+    if problem in ("no such file", "a broken link"):
+        return "no such folder" if problem == "no such file" else "no such folder (a broken link)"
+    return f"not a folder ({problem or 'a regular file'})"
 
 
 def check_named_files(d: DataConfig) -> None:
@@ -635,7 +643,7 @@ def _check_csv_files(d: DataConfig) -> Optional[Path]:
         meant = ("the CSV lists' relative paths resolve against it" if d.format == "csv" else
                  "relative shard patterns are read as given; data.root is not used by data.format=webdataset, "
                  "set it to null")
-        raise ConfigError(f"'data.root' = {d.root}: no such folder ({meant})")
+        raise ConfigError(f"'data.root' = {d.root}: {not_a_folder(Path(d.root).expanduser())} ({meant})")
     return Path(d.root).expanduser() if d.root else None
 
 

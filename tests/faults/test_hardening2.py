@@ -226,6 +226,10 @@ def test_webdataset_with_a_missing_root_does_not_speak_of_csv_lists(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_data_root(cfg)
     assert "no such folder" in str(err.value) and "CSV" not in str(err.value)
+    fifo = tmp_path / "root"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="'data.root' = .*: not a folder \\(a named pipe \\(FIFO\\)\\)"):
+        check_data_root(load_config("base", [f"data.root={fifo}"]))
 
 
 # ---------------------------------------------------------------- bug 3: a diverged validation is never best
