@@ -47,10 +47,14 @@ def default_sizes(cfg, images: int, world: int) -> list[int]:
     return sizes or [max(world, min(base, images))]
 
 
-def check_sizes(sizes: list[int], images: int, world: int) -> None:
+def check_sizes(sizes: list[int], images: int, world: int, norm: str = "batch") -> None:
     for size in sizes:
         if size % world:
             raise ConfigError(f"--batch-sizes: {size} is not a multiple of the {world} processes")
+        if size // world < 2 and norm == "batch":
+            raise ConfigError(f"--batch-sizes: {size} is one image per process, and BatchNorm cannot train on one "
+                              f"(it needs two values per channel); sweep from 2 per process, or set "
+                              f"model.norm=group")
         if size // world > images // world:
             raise ConfigError(f"--batch-sizes: {size} is larger than the training split ({images} images"
                               f"{f' over {world} processes' if world > 1 else ''})")
@@ -60,7 +64,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
     ctx, images, classes = prepare(cfg, host)
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
-    check_sizes(sizes, images, world)
+    check_sizes(sizes, images, world, cfg.model.norm)
     steps = args.steps or DEFAULT_STEPS
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
@@ -173,7 +177,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
         raise ConfigError("--lr-range runs at train.batch_size: give it a number (tune.py's sweep or "
                           "benchmark.py --mode find-batch pick one)")
     ctx, images, _ = prepare(cfg, host)
-    check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size)
+    check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
     steps = args.steps or DEFAULT_STEPS
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "

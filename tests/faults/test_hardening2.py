@@ -538,6 +538,16 @@ def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(train_
     assert "verdict" in capsys.readouterr().out
 
 
+def test_tune_refuses_a_one_image_batch_that_batchnorm_cannot_train_on():
+    from commands.tune_run import check_sizes
+
+    with pytest.raises(ConfigError, match="--batch-sizes: 1 is one image per process, and BatchNorm cannot train"):
+        check_sizes([1, 2], 24, 1)
+    with pytest.raises(ConfigError, match="--batch-sizes: 2 is one image per process"):
+        check_sizes([2, 4], 24, 2)
+    check_sizes([1, 2], 24, 1, norm="group")
+
+
 def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
     from argparse import Namespace
 
