@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Export a trained checkpoint for deployment, and check the export against the checkpoint.
 
-python export.py --checkpoint CKPT --format onnx|pt2|timm --output PATH [--batch-size N | --dynamic-batch]
+python export.py --checkpoint CKPT --format onnx|pt2|timm --output PATH [--batch-size N | --dynamic-batch] [--overwrite]
 
 onnx: an ONNX model (BatchNorm folded) with the classes and preprocessing in its metadata_props;
 pt2: a torch.export program with the same metadata as the archive's imgcls.json; timm: a folder with
@@ -24,6 +24,8 @@ def main(argv=None, host=None) -> int:
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help="onnx/pt2: the fixed batch the model is traced for (default 1)")
     batch.add_argument("--dynamic-batch", action="store_true", help="onnx/pt2: any batch size")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export at --output (never "
+                        "a run directory's files)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -38,7 +40,8 @@ def main(argv=None, host=None) -> int:
     announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
     from commands.export import run_export
 
-    return run_export(args.checkpoint, args.format, args.output, None if args.dynamic_batch else args.batch_size or 1)
+    return run_export(args.checkpoint, args.format, args.output, None if args.dynamic_batch else args.batch_size or 1,
+                      overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

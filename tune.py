@@ -16,7 +16,8 @@ from commands.cli import run_main
 def main(host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done, 1 failed, 2 usage or config error, 130 after "
-                                            "Ctrl-C (the table so far is printed). Writes no run directory.")
+                                            "Ctrl-C, 143 after SIGTERM (the table and JSON of the sizes so far "
+                                            "are written). Writes no run directory.")
     parser.add_argument("--config", required=True, help="a YAML path or a name in configs/")
     parser.add_argument("--batch-sizes", help="effective batch sizes to compare, comma-separated "
                                               "(default: train.batch_size halved, as it is, x2, x4)")

@@ -13,7 +13,7 @@ from data.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
 from engine.evaluation.calibration import apply_temperature, reliability_bins
-from engine.evaluation.evaluate import evaluate
+from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.outputs import OutputRecorder
 from engine.evaluation.trust import trust_metrics
 from engine.evaluation.metrics import per_class_report
@@ -89,6 +89,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
         trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
         reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
     metrics = sums.compute()
+    check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
     confusion = sums.confusion.cpu()
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,

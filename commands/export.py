@@ -7,17 +7,20 @@ from typing import Optional
 from core.errors import CheckpointError
 from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
+from engine.model_io.export_target import check_export_target
 from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import model_file_kind
 
 
-def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int]) -> int:
-    """Export `checkpoint` as `fmt` to `output` (batch None: any batch size); returns the exit status."""
+def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], overwrite: bool = False) -> int:
+    """Export `checkpoint` as `fmt` to `output` (batch None: any batch size; an existing output only with
+    `overwrite`, never in a run directory); returns the exit status."""
     kind = model_file_kind(checkpoint)
     if kind != "checkpoint" and Path(checkpoint).exists():
         raise CheckpointError(f"--checkpoint {checkpoint} is {KIND_NAMES[kind]}; export.py takes a checkpoint "
                               f"written by train.py (best.pt or last.pt)")
     path = check_output_path(fmt, output)
+    check_export_target(fmt, path, overwrite)
     if fmt == "timm":
         batch = None  # weights: any batch
     loaded = read_checkpoint(checkpoint)

@@ -18,7 +18,7 @@ from data.file_list import FileListDataset, build_inference_loader, expand_input
 from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.runtime.device import DeviceInput, amp_setting, select_device
 from engine.runtime.runtime import Runtime, build_runtime
-from engine.evaluation.evaluate import Predictions, predict
+from engine.evaluation.evaluate import Predictions, check_finite_outputs, predict
 from engine.evaluation.rejection import classifier_name
 from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import load_model_file
@@ -143,6 +143,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     finally:
         if scores is not None:
             scores.close()
+    check_finite_outputs(preds.nonfinite, int(preds.valid.sum()), loaded.path)
     rows = result_rows(paths, preds, loaded.classes)
     _apply_trust(loaded, paths, rows, trust, rejector, scores)
 

@@ -11,6 +11,8 @@ from core.errors import ConfigError
 from core.outputs import check_output_file
 
 log = logging.getLogger(__name__)
+# tune_run.DEFAULT_STEPS, here too so that usage errors answer before torch is imported
+DEFAULT_STEPS = 100
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -48,6 +50,11 @@ def check_arguments(args) -> None:
         raise ConfigError("--steps must be >= 2")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise ConfigError("--warmup-steps must be >= 0")
+    steps = args.steps or DEFAULT_STEPS
+    if args.warmup_steps is not None and args.warmup_steps >= steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} is not below --steps {steps}: the LR would never "
+                          f"reach its peak and the sizes would be compared during warmup; give fewer warmup "
+                          f"steps or more steps")
     if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
         raise ConfigError(f"--target-loss {args.target_loss}: must be a positive number")
     if args.lr_range is not None and (args.batch_sizes or args.target_loss is not None or args.checkpointing):

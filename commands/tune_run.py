@@ -3,7 +3,10 @@ the sweep or the LR range test from engine/tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
 from core.config import check_data_root
@@ -44,10 +47,14 @@ def default_sizes(cfg, images: int, world: int) -> list[int]:
     return sizes or [max(world, min(base, images))]
 
 
-def check_sizes(sizes: list[int], images: int, world: int) -> None:
+def check_sizes(sizes: list[int], images: int, world: int, norm: str = "batch") -> None:
     for size in sizes:
         if size % world:
             raise ConfigError(f"--batch-sizes: {size} is not a multiple of the {world} processes")
+        if size // world < 2 and norm == "batch":
+            raise ConfigError(f"--batch-sizes: {size} is one image per process, and BatchNorm cannot train on one "
+                              f"(it needs two values per channel); sweep from 2 per process, or set "
+                              f"model.norm=group")
         if size // world > images // world:
             raise ConfigError(f"--batch-sizes: {size} is larger than the training split ({images} images"
                               f"{f' over {world} processes' if world > 1 else ''})")
@@ -57,11 +64,12 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
     ctx, images, classes = prepare(cfg, host)
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
-    check_sizes(sizes, images, world)
+    check_sizes(sizes, images, world, cfg.model.norm)
     steps = args.steps or DEFAULT_STEPS
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
     memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
-                         small=max(1, min(8, sizes[0] // world // 2)))
+                         small=max(2, min(8, sizes[0] // world // 2)))
     breakdown = memory.breakdown(cfg.model.grad_checkpointing)
     say(ctx, f"tune: batch sizes {', '.join(map(str, sizes))}, {steps} optimizer steps each (warmup {warmup}), "
              f"model {cfg.model.name}, {cfg.data.img_size} px, {precision_name(ctx.amp_dtype)}, {ctx.device}")
@@ -69,9 +77,11 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
     announce = EstimateOnce(ctx, sizes, steps)
     results: list[dict] = []
     interrupted = False
+    signalled: list[int] = []
     try:
-        sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
-                          on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
+        with sigterm_as_interrupt(signalled):
+            sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
+                              on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
     except KeyboardInterrupt:
         interrupted = True
     interrupted = interrupted or any(r["interrupted"] for r in results)
@@ -91,11 +101,30 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
             plot_sweep(results, target, args.plot)
     dist_utils.shutdown()
     if interrupted:
-        return 130
+        return 143 if signalled else 130
     if args.target_loss is not None and verdict["least_time_to_target"] is None:
         raise ConfigError(f"--target-loss {args.target_loss}: no batch size reached it within {steps} steps "
                           f"(lowest smoothed losses: {', '.join(str(r['final_loss']) for r in rows)})")
     return 0
+
+
+@contextmanager
+def sigterm_as_interrupt(signalled: list):
+    """While the sweep runs, SIGTERM (a scheduler's pre-emption, `kill`) stops it as Ctrl-C does, so the table
+    and the JSON of the sizes so far are still written; the signal is noted in `signalled` (exit 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        signalled.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def entry_result(entry) -> dict:
@@ -170,7 +199,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
         raise ConfigError("--lr-range runs at train.batch_size: give it a number (tune.py's sweep or "
                           "benchmark.py --mode find-batch pick one)")
     ctx, images, _ = prepare(cfg, host)
-    check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size)
+    check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
     steps = args.steps or DEFAULT_STEPS
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "

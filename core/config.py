@@ -18,14 +18,16 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from core.errors import ConfigError
+from core.paths import not_a_regular_file
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def _range(lo=None, hi=None, lo_open=False, resume_free=False):
-    """Field metadata: the allowed range, and whether the key may change on --resume (it does not change
-    the math of the run: paths, workers, logging, checkpoint cadence, stopping policy)."""
-    return {"min": lo, "max": hi, "lo_open": lo_open, "resume_free": resume_free}
+def _range(lo=None, hi=None, lo_open=False, resume_free=False, hi_open=False):
+    """Field metadata: the allowed range (`lo_open` / `hi_open`: that end excluded), and whether the key may
+    change on --resume (it does not change the math of the run: paths, workers, logging, checkpoint cadence,
+    stopping policy)."""
+    return {"min": lo, "max": hi, "lo_open": lo_open, "hi_open": hi_open, "resume_free": resume_free}
 
 
 FREE = _range(resume_free=True)  # a key without a range that may change on --resume
@@ -72,7 +74,7 @@ class DataConfig:
     eval_img_size: Optional[int] = field(default=None, metadata=_range(8))
     random_erasing: float = field(default=0.0, metadata=_range(0.0, 1.0))
     format: Literal["folder", "csv", "webdataset"] = "folder"
-    val_fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    val_fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True, hi_open=True))
     split_seed: int = 0
     # Paths may move on --resume; the checkpoint's record of the lists' contents decides whether they changed.
     train_csv: Optional[str] = field(default=None, metadata=FREE)
@@ -230,6 +232,9 @@ def resolve_config_path(name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
+    problem = not_a_regular_file(name)
+    if problem and problem != "no such file":  # it exists, as something a config cannot be read from
+        raise ConfigError(f"config '{name}': {problem}; it must name a regular YAML file")
     known = available_configs()
     hint = _did_you_mean(Path(name).stem, known)
     raise ConfigError(f"config '{name}' not found (a YAML path or one of: {', '.join(known)}){hint}")
@@ -390,9 +395,20 @@ def _describe(tp) -> str:
 
 def _coerce(key: str, value: Any, tp, source: str) -> Any:
     ok, out = _try_coerce(value, tp)
+    if not ok and isinstance(value, str) and _NON_FINITE.match(value.strip()) and _accepts_float(tp):
+        raise ConfigError(f"{source}: '{key}' = {value!r} is not allowed: NaN and infinity are refused; it must be "
+                          f"a finite number")
     if not ok:
         raise ConfigError(f"{source}: '{key}' = {value!r} is not allowed; expected {_describe(tp)}")
     return out
+
+
+# what a user means by NaN or infinity when YAML reads it as a string (YAML's own `.nan` and `.inf` are floats)
+_NON_FINITE = re.compile(r"^[-+]?(nan|inf|infinity)$", re.IGNORECASE)
+
+
+def _accepts_float(tp) -> bool:
+    return tp is float or any(_accepts_float(a) for a in typing.get_args(tp))
 
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -448,14 +464,16 @@ def _check_ranges(obj, prefix="") -> None:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"'{key}' = {value} is not allowed; it must be a finite number")
-        lo, hi, lo_open = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("lo_open", False)
+        lo, hi = f.metadata.get("min"), f.metadata.get("max")
+        lo_open, hi_open = f.metadata.get("lo_open", False), f.metadata.get("hi_open", False)
         if hi is None and isinstance(value, int):
             hi = INT_LIMIT
-        if lo is not None and (value < lo or (lo_open and value == lo)):
-            raise ConfigError(f"'{key}' = {value} is out of range; it must be {'>' if lo_open else '>='} {lo}"
-                              + (f" and <= {hi}" if hi is not None else ""))
-        if hi is not None and value > hi:
-            raise ConfigError(f"'{key}' = {value} is out of range; it must be <= {hi}")
+        below = lo is not None and (value < lo or (lo_open and value == lo))
+        above = hi is not None and (value > hi or (hi_open and value == hi))
+        if below or above:
+            low = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
+            high = f"{'<' if hi_open else '<='} {hi}" if hi is not None else ""
+            raise ConfigError(f"'{key}' = {value} is out of range; it must be " + " and ".join(x for x in (low, high) if x))
 
 
 def validate(cfg: Config) -> None:
@@ -549,8 +567,6 @@ def eval_size(data_cfg: DataConfig) -> int:
 
 def _check_data_source(d: DataConfig) -> None:
     """The keys of `data.format` that belong together."""
-    if d.val_fraction is not None and d.val_fraction >= 1.0:
-        raise ConfigError(f"'data.val_fraction' = {d.val_fraction} must be a fraction 0 < f < 1 (or null: no split)")
     if d.builtin and (d.val_fraction is not None or d.format != "folder"):
         raise ConfigError(f"'data.builtin' = {d.builtin} writes its own train/ and val/ folders: drop "
                           f"data.val_fraction and keep data.format=folder")
@@ -593,7 +609,9 @@ def _check_shard_keys(d: DataConfig) -> None:
 
 
 def check_data_root(cfg: Config) -> Optional[Path]:
-    """The data root must exist (or be creatable from a built-in data set); CSV lists must exist."""
+    """The data root must exist (or be creatable from a built-in data set); the files the data keys name
+    (CSV lists, the class list) must be regular files, whatever the format."""
+    check_named_files(cfg.data)
     if cfg.data.format in ("csv", "webdataset"):
         return _check_csv_files(cfg.data)
     if not cfg.data.root:
@@ -602,7 +620,7 @@ def check_data_root(cfg: Config) -> Optional[Path]:
     if cfg.data.builtin:
         return root
     if not root.is_dir():
-        raise ConfigError(f"'data.root' = {cfg.data.root}: no such folder")
+        raise ConfigError(f"'data.root' = {cfg.data.root}: {not_a_folder(root)}")
     if cfg.data.val_fraction is not None:
         return root  # one class-folder tree, split by data.val_fraction
     for split in (cfg.data.train_split, cfg.data.val_split):
@@ -611,14 +629,30 @@ def check_data_root(cfg: Config) -> Optional[Path]:
     return root
 
 
-def _check_csv_files(d: DataConfig) -> Optional[Path]:
-    """The list files (CSV lists, the class list) exist; shards are checked when they are read."""
+def not_a_folder(path: Path) -> str:
+    """What a path that should be a folder is: "no such folder", or "not a folder (a regular file)", ..."""
+    problem = not_a_regular_file(path)
+    if problem in ("no such file", "a broken link"):
+        return "no such folder" if problem == "no such file" else "no such folder (a broken link)"
+    return f"not a folder ({problem or 'a regular file'})"
+
+
+def check_named_files(d: DataConfig) -> None:
+    """Every file a data key names is a regular file (a FIFO would block the read for ever), or ConfigError
+    saying what it is instead; shards are checked when they are read."""
     for key in ("train_csv", "val_csv", "classes"):
         value = getattr(d, key)
-        if value and not Path(value).expanduser().is_file():
-            raise ConfigError(f"'data.{key}' = {value}: no such file")
+        problem = not_a_regular_file(value) if value else None
+        if problem:
+            raise ConfigError(f"'data.{key}' = {value}: {problem}; it must name a regular file")
+
+
+def _check_csv_files(d: DataConfig) -> Optional[Path]:
     if d.root and not Path(d.root).expanduser().is_dir():
-        raise ConfigError(f"'data.root' = {d.root}: no such folder (the CSV lists' relative paths resolve against it)")
+        meant = ("the CSV lists' relative paths resolve against it" if d.format == "csv" else
+                 "relative shard patterns are read as given; data.root is not used by data.format=webdataset, "
+                 "set it to null")
+        raise ConfigError(f"'data.root' = {d.root}: {not_a_folder(Path(d.root).expanduser())} ({meant})")
     return Path(d.root).expanduser() if d.root else None
 
 

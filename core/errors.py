@@ -2,6 +2,7 @@
 
 Usage errors (exit 2, found before any work): ConfigError, DataTreeError, ModelError, CheckpointError.
 Job failures (exit 1): BadDataError, NonFiniteError, DiskFullError, DistributedSetupError, ExportError,
+ModelOutputError,
 ImageDecodeError escaping a split.
 """
 from __future__ import annotations
@@ -47,10 +48,14 @@ class ExportError(Exception):
     """export.py could not write the model, or the export disagrees with the checkpoint (exit 1)."""
 
 
+class ModelOutputError(Exception):
+    """eval.py / infer.py: the model's outputs are not finite (damaged or diverged weights), exit 1."""
+
+
 class StopRequested(Exception):
     """A signal asked the run to save and stop."""
 
 
 USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
 # failures of the job whose message says everything: one line, exit 1, no traceback
-JOB_FAILURES = (DistributedSetupError, ExportError, BadDataError)
+JOB_FAILURES = (DistributedSetupError, ExportError, BadDataError, ModelOutputError)

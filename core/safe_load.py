@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from core.errors import CheckpointError
+from core.paths import not_a_regular_file
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
@@ -21,8 +22,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file (pass {path / 'last.pt'} "
                               f"or {path / 'best.pt'}; to continue a run, --resume auto with output.dir={path})")
-    if not path.is_file():
+    problem = not_a_regular_file(path)
+    if problem == "no such file":
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {problem}; a checkpoint is a regular file")
     try:
         with warnings.catch_warnings():  # a plain pickle makes torch ask for a bug report; the error says enough
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)

@@ -7,12 +7,16 @@ image file does not exist are returned apart so the caller can list, count and l
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DataTreeError
+from core.paths import not_a_regular_file
 from data.folder import ImageIndex
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,6 +28,9 @@ class CsvRow:
 
 def read_class_list(path: str | Path) -> list[str]:
     """`data.classes`: one class name per line, in label order; blank lines are ignored."""
+    problem = not_a_regular_file(path)
+    if problem:
+        raise DataTreeError(f"'data.classes' = {path}: {problem}; it must name a regular file")
     try:
         names = [line.strip() for line in Path(path).read_text(encoding="utf-8-sig").splitlines()]
     except OSError as err:
@@ -43,6 +50,9 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | No
     """The rows of a CSV list, checked: the file exists and has a header naming both columns, and every row
     has a path and a label (without `label_column`: paths only, labels '')."""
     csv_path = Path(csv_path)
+    problem = not_a_regular_file(csv_path)
+    if problem:
+        raise DataTreeError(f"CSV list {csv_path}: {problem}; it must name a regular file")
     try:
         f = open(csv_path, newline="", encoding="utf-8-sig")  # utf-8-sig: spreadsheet exports start with a BOM
     except OSError as err:
@@ -65,9 +75,10 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | No
             if not any(field.strip() for field in fields):
                 continue  # blank line
             line = reader.line_num
-            if len(fields) <= max(at_path, at_label):
+            if len(fields) != len(header):
                 raise DataTreeError(f"CSV list {csv_path} line {line}: {len(fields)} field(s), the header has "
-                                    f"{len(header)}")
+                                    f"{len(header)}" + (" (a path or label holding a comma must be quoted: "
+                                                        "\"a/x,y.jpg\")" if len(fields) > len(header) else ""))
             path = fields[at_path].strip()
             label = fields[at_label].strip() if label_column is not None else ""
             if not path or (label_column is not None and not label):
@@ -85,6 +96,7 @@ def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: lis
     `classes` is a DataTreeError naming the row; `known_as` says what the classes are ('training classes')."""
     position = {name: i for i, name in enumerate(classes)}
     paths, labels, missing = [], [], []
+    warn_odd_rows(csv_path, base, rows)
     for row in rows:
         if row.label not in position:
             shown = ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else "")
@@ -97,6 +109,42 @@ def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: lis
         paths.append(path)
         labels.append(position[row.label])
     return ImageIndex(Path(base), list(classes), paths, labels), missing
+
+
+def warn_odd_rows(csv_path, base: Path, rows: list[CsvRow]) -> None:
+    """One warning each, with the count and the first line: rows whose path leaves `base` (absolute, or `..`
+    out of it; used as written, since lists made elsewhere often hold absolute paths), and rows naming a
+    path already listed (each is trained on as often as it is listed)."""
+    top = os.path.normpath(os.path.abspath(base))
+    outside = [row for row in rows if not _inside(os.path.normpath(os.path.join(top, row.path)), top)]
+    if outside:
+        log.warning("CSV list %s: %d row(s) name files outside %s (absolute or '..' paths), used as written; "
+                    "first: line %d '%s'", csv_path, len(outside), base, outside[0].line, outside[0].path)
+    seen: dict[str, int] = {}
+    repeated = []
+    for row in rows:
+        key = os.path.normpath(os.path.join(top, row.path))
+        if key in seen:
+            repeated.append((row, seen[key]))
+        seen.setdefault(key, row.line)
+    if repeated:
+        row, first = repeated[0]
+        log.warning("CSV list %s: %d row(s) repeat a path listed before (each copy counts as a sample); first: "
+                    "line %d '%s' (also line %d)", csv_path, len(repeated), row.line, row.path, first)
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def check_no_empty_classes(csv_path, index: ImageIndex, missing: list[str]) -> None:
+    """DataTreeError naming the classes with no existing file in a training list (as the folder format
+    refuses an empty class folder): a class of rows whose files are all missing is no class to learn."""
+    empty = [name for name, n in zip(index.classes, index.class_counts()) if n == 0]
+    if empty:
+        raise DataTreeError(f"CSV list {csv_path}: class(es) with no existing image file: {', '.join(empty[:20])}"
+                            + (f" ({len(missing)} row(s) name files that do not exist)" if missing else "")
+                            + "; fix the paths or drop those rows (or those names from data.classes)")
 
 
 def csv_paths(csv_path: str | Path, path_column: str = "path") -> list[str]:

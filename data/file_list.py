@@ -33,7 +33,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
         if item.lower().endswith(".csv") and os.path.isfile(item):  # a CSV list: the files of its path column
             found.extend(csv_paths(item))
         elif os.path.isdir(item):
-            found.extend(list_images(Path(item), skipped))
+            found.extend(list_images(Path(item), skipped, file_links_out=True))
         elif os.path.exists(item):
             found.append(item)
         elif _GLOB_CHARS & set(item):
@@ -41,7 +41,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             if not matches:
                 missing.append(item)
             for match in matches:
-                found.extend(list_images(Path(match), skipped) if os.path.isdir(match) else [match])
+                found.extend(list_images(Path(match), skipped, file_links_out=True) if os.path.isdir(match) else [match])
         else:
             missing.append(item)
     if missing:

@@ -1,9 +1,9 @@
 """Class-folder trees: `<root>/<split>/<class>/.../<image>`.
 
 Hidden entries (names starting with '.') are skipped; files without an image extension are ignored;
-classes are the sorted sub-folder names. Symbolic links are followed, but each real folder is read once
-and never one outside the class folder (a loop or a link to another class would repeat or relabel
-images); only regular files are images (a FIFO named .jpg would block its reader). What is left out for
+classes are the sorted sub-folder names. Symbolic links are followed, but each real folder and file is read
+once and never one outside the class folder (a loop or a link to another class would repeat or relabel
+images; a link to a file elsewhere is left out like a link to a folder elsewhere); only regular files are images (a FIFO named .jpg would block its reader). What is left out for
 those reasons is listed in the log.
 """
 from __future__ import annotations
@@ -56,16 +56,33 @@ def _inside(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def list_images(folder: Path, skipped: list[str] | None = None) -> list[str]:
+def _file_left_out(entry: os.DirEntry, path: str, top: str | None, folder, read_files: set) -> str | None:
+    """Why an image-named entry is not an image of this class folder, or None. Links to files are treated as
+    links to folders: one whose target lies outside the class folder (another class, outside the tree) is
+    left out, and a file already read under another name (a link, a hard link) is read once."""
+    if not entry.is_file():
+        return _special_file_kind(path)
+    if top is not None and entry.is_symlink() and not _inside(os.path.realpath(path), top):
+        return f"a link to a file outside {folder}"
+    info = entry.stat()
+    if (info.st_dev, info.st_ino) in read_files:
+        return "a second name of a file already read"
+    read_files.add((info.st_dev, info.st_ino))
+    return None
+
+
+def list_images(folder: Path, skipped: list[str] | None = None, file_links_out: bool = False) -> list[str]:
     """Image files under `folder`, recursively, hidden entries skipped, in a stable order (that of
     `os.walk(folder, followlinks=True)` with sorted names).
 
-    Links are followed, but a real folder (device, inode) is read once, and a link to a folder outside
-    `folder`'s real path is not followed; image-named entries that are not regular files (FIFOs, sockets,
-    devices, broken links) are left out. Each entry left out is appended to `skipped` as "path (reason)"."""
+    Links are followed, but a real folder or file (device, inode) is read once, and a link to a folder or a
+    file outside `folder`'s real path is not followed; image-named entries that are not regular files (FIFOs, sockets,
+    devices, broken links) are left out. `file_links_out`: links to files elsewhere are followed (infer.py's
+    inputs, which carry no class). Each entry left out is appended to `skipped` as "path (reason)"."""
     skipped = [] if skipped is None else skipped
     top = os.path.realpath(folder)
     seen: set[tuple[int, int]] = set()
+    read_files: set[tuple[int, int]] = set()
     found: list[str] = []
     stack = [str(folder)]
     while stack:
@@ -94,10 +111,11 @@ def list_images(folder: Path, skipped: list[str] | None = None) -> list[str]:
                 else:
                     subdirs.append(path)
             elif is_image_file(entry.name):
-                if entry.is_file():
-                    found.append(path)
+                why = _file_left_out(entry, path, None if file_links_out else top, folder, read_files)
+                if why:
+                    skipped.append(f"{path} ({why})")
                 else:
-                    skipped.append(f"{path} ({_special_file_kind(path)})")
+                    found.append(path)
         stack.extend(reversed(subdirs))
     return found
 

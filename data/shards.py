@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import os
 import random
 import shlex
+import tarfile
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -35,7 +37,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from core.errors import DataTreeError, ImageDecodeError
+from core.errors import BadDataError, DataTreeError, ImageDecodeError
 from data.samplers import mix_seed
 
 log = logging.getLogger(__name__)
@@ -236,11 +238,86 @@ class ShardEvalStream(IterableDataset):
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), 0, False, sample_id
 
 
-def shard_index(spec, classes: list[str], total: Optional[int], what: str) -> ShardIndex:
-    """The index of a shard set; without `total`, the shards are read once to count their samples."""
+def local_path(url: str) -> Optional[str]:
+    """The file a shard URL names on this machine (plain path or `file:`); None for pipes and remote URLs."""
+    path = url[len("file:"):] if url.startswith("file:") else url
+    return None if "://" in path or path.startswith("pipe:") else path
+
+
+def shard_damage(url: str) -> Optional[str]:
+    """Why a local tar shard is damaged (cut short, or not a tar file), or None. webdataset's reader stops at a
+    cut without a word. A whole tar file ends in tar's two zero blocks, which a cut one lacks (its last bytes
+    are a member's): that one read decides; only then are the headers walked (the data skipped) to say where
+    it was cut."""
+    path = local_path(url)
+    if path is None or not os.path.isfile(path):
+        return None  # a pipe or a URL cannot be checked ahead; a missing file fails when it is read
+    size = os.path.getsize(path)
+    if size % 512 == 0 and size >= 1024:
+        with open(path, "rb") as f:
+            f.seek(size - 1024)
+            if f.read(1024).count(0) == 1024:
+                return None
+    end, last = 0, None
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if member.offset_data + member.size > size:
+                    return f"cut short: {member.name} needs {member.offset_data + member.size} bytes, the file has {size}"
+                end, last = member.offset_data + -(-member.size // 512) * 512, member.name
+    except (tarfile.TarError, OSError) as err:
+        if last is not None:
+            return f"cut short or damaged after {last} ({type(err).__name__}: {err})"
+        return f"not a readable tar file ({type(err).__name__}: {err})"
+    with open(path, "rb") as f:
+        f.seek(end)
+        marker = f.read(1024)
+    if len(marker) < 1024 or marker.count(0) != 1024:
+        return f"cut short after {last or 'its start'} at byte {size} (no end-of-archive blocks)"
+    return None
+
+
+def readable_prefix(url: str) -> int:
+    """How many samples a damaged shard yields before its damage (its reader may stop or raise there)."""
+    n = 0
+    try:
+        for _ in read_shard(url):
+            n += 1
+    except Exception:  # noqa: BLE001 - the damage itself, whatever tarfile or webdataset call it
+        pass
+    return n
+
+
+def drop_damaged(urls: list[str], what: str, max_bad_fraction: Optional[float]) -> list[str]:
+    """The shards without damage. A damaged shard is left out whole, named in the log, and its samples count as
+    unreadable under the bad-file policy (above `max_bad_fraction` of the set, BadDataError: exit 1)."""
+    damaged = {url: why for url in urls if (why := shard_damage(url))}
+    if not damaged:
+        return urls
+    lost = {url: readable_prefix(url) + 1 for url in damaged}  # what it still holds, and the cut one
+    listing = "; ".join(f"{url}: {why}" for url, why in damaged.items())
+    log.warning("%s: %d damaged shard(s) left out, their %d sample(s) counted as unreadable: %s", what,
+                len(damaged), sum(lost.values()), listing)
+    kept = [url for url in urls if url not in damaged]
+    if max_bad_fraction is not None:
+        names = [f"{url} ({damaged[url]})" for url in damaged]
+        total = sum(lost.values()) + sum(count_samples(kept))
+        if total and sum(lost.values()) / total > max_bad_fraction:
+            raise BadDataError(f"{what}: {sum(lost.values())} of {total} samples are in damaged shards, more than "
+                               f"data.max_bad_fraction={max_bad_fraction}:\n  " + "\n  ".join(names))
+    if not kept:
+        raise DataTreeError(f"{what}: every shard is damaged: {listing}")
+    return kept
+
+
+def shard_index(spec, classes: list[str], total: Optional[int], what: str,
+                max_bad_fraction: Optional[float] = None) -> ShardIndex:
+    """The index of a shard set, damaged shards left out (`drop_damaged`); without `total`, the shards are read
+    once to count their samples."""
     urls = expand_shards(spec)
     if not urls:
         raise DataTreeError(f"{what}: no shards in {spec!r}")
+    urls = drop_damaged(urls, what, max_bad_fraction)
     counts = None
     if total is None:
         try:
@@ -302,36 +379,79 @@ def main(argv=None) -> int:
     parser.add_argument("--root", help="with a CSV: the folder its relative paths resolve against "
                                        "(default: the CSV's folder)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the order samples are written in")
+    parser.add_argument("--overwrite", action="store_true", help="replace the shards and classes.txt already in "
+                        "--to (without it, a --to holding anything is refused)")
     args = parser.parse_args(argv)
     from core.errors import ConfigError
     from data.images import IMAGE_EXTENSIONS
 
     if args.shard_size < 1:
         raise ConfigError("--shard-size must be >= 1")
+    out = Path(args.to)
+    old = writable_output(out, args.overwrite)
     source = Path(args.source)
-    if source.suffix.lower() == ".csv":
-        from data.csv_list import csv_index, read_csv_rows
-
-        rows = read_csv_rows(source, "path", "label")
-        classes = sorted({row.label for row in rows})
-        index, missing = csv_index(source, Path(args.root) if args.root else source.parent, rows, classes,
-                                   "labels")
-        if missing:
-            log.warning("%d file(s) of %s do not exist, left out", len(missing), source)
-    else:
-        from data.folder import scan_split
-
-        index = scan_split(source)
+    index = source_index(source, args.root)
     unsupported = sorted({Path(p).suffix for p in index.paths if Path(p).suffix.lower() not in
                           tuple("." + k for k in IMAGE_KEYS)})
     if unsupported:
         raise ConfigError(f"--from {source}: shards hold {', '.join(IMAGE_KEYS)} images; found {unsupported} "
                           f"(one of {', '.join(IMAGE_EXTENSIONS)})")
-    written = write_shards(index.paths, index.labels, index.classes, Path(args.to), args.shard_size, args.seed)
-    print(f"wrote {len(index)} samples of {len(index.classes)} classes in {len(written)} shard(s) to {args.to} "
-          f"(and {Path(args.to) / 'classes.txt'})")
-    print(f"train.py overrides: {next_overrides(written, source, Path(args.to))}")
+    for path in old:
+        path.unlink()
+    written = write_shards(index.paths, index.labels, index.classes, out, args.shard_size, args.seed)
+    print(f"wrote {len(index)} samples of {len(index.classes)} classes in {len(written)} shard(s) to {out}: "
+          f"{Path(written[0]).name}..{Path(written[-1]).name} and classes.txt"
+          + (f" (removed the {len(old)} file(s) there before)" if old else ""))
+    print(f"train.py overrides: {next_overrides(written, source, out)}")
     return 0
+
+
+def writable_output(out: Path, overwrite: bool) -> list[Path]:
+    """The files to remove before writing into `out`: none for a new or empty folder; with `overwrite`, the
+    shards and classes.txt a previous write left (so no old shard joins the new set under a brace pattern).
+    ConfigError for a `--to` that is a file, or a folder holding anything without `overwrite`, or holding
+    more than shards and classes.txt."""
+    from core.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--to {out} is a file, not a folder: name a new or empty folder for the shards")
+    present = sorted(out.iterdir()) if out.is_dir() else []
+    if not present:
+        return []
+    ours = [p for p in present if p.is_file() and (p.name == "classes.txt" or
+                                                   (p.name.startswith("shard-") and p.name.endswith(".tar")))]
+    if not overwrite:
+        raise ConfigError(f"--to {out} is not empty ({len(present)} entries, {len(ours)} of them shards or "
+                          f"classes.txt): old shards would mix with the new set; name a new folder, or pass "
+                          f"--overwrite to replace them")
+    others = [p.name for p in present if p not in ours]
+    if others:
+        raise ConfigError(f"--to {out} holds other files than shards and classes.txt ({', '.join(others[:5])}); "
+                          f"--overwrite replaces only shards: name a new or empty folder")
+    return ours
+
+
+def source_index(source: Path, root: Optional[str]):
+    """The samples to write: a class-folder tree, or a CSV list (rows of missing files left out and counted).
+    DataTreeError when none remains, or a class is left without a sample."""
+    if source.suffix.lower() == ".csv":
+        from data.csv_list import check_no_empty_classes, csv_index, read_csv_rows
+
+        rows = read_csv_rows(source, "path", "label")
+        classes = sorted({row.label for row in rows})
+        index, missing = csv_index(source, Path(root) if root else source.parent, rows, classes, "labels")
+        if missing:
+            log.warning("%d of %d row(s) of %s name files that do not exist, left out: %s", len(missing),
+                        len(rows), source, ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else ""))
+        if not len(index):
+            raise DataTreeError(f"--from {source}: none of its {len(rows)} row(s) names an existing file "
+                                f"(relative paths resolve against {Path(root) if root else source.parent}; "
+                                f"--root sets that folder); nothing written")
+        check_no_empty_classes(source, index, missing)
+        return index
+    from data.folder import scan_split
+
+    return scan_split(source)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import DataTreeError
-from data.csv_list import CsvRow, csv_index, read_class_list, read_csv_rows
+from data.csv_list import CsvRow, check_no_empty_classes, csv_index, read_class_list, read_csv_rows
 from data.folder import ImageIndex, match_classes, scan_split
 from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
@@ -61,6 +61,9 @@ def load_csv_list(d, csv_path: str, rows: list[CsvRow], classes: list[str], know
     if missing:
         log.warning("%s list %s: %d of %d row(s) name files that do not exist, left out: %s", split, csv_path,
                     len(missing), len(rows), ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""))
+    if split == "training":
+        check_no_empty_classes(csv_path, index, missing)
+    if missing:
         check_bad_fraction(missing, len(rows), f"{split} (missing, from {csv_path})", d.max_bad_fraction)
     return index
 
@@ -109,10 +112,10 @@ def scan_folder(d) -> DataSources:
 
 def scan_webdataset(d) -> DataSources:
     classes = read_class_list(Path(d.classes).expanduser())
-    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards")
+    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", d.max_bad_fraction)
     if d.train_samples is None:
         log.info("set data.train_samples=%d to skip counting the training shards at start", train.total)
-    val = shard_index(d.val_shards, classes, None, "data.val_shards")
+    val = shard_index(d.val_shards, classes, None, "data.val_shards", d.max_bad_fraction)
     identity = {"format": "webdataset", "train_shards": [Path(url).name for url in train.urls],
                 "train_samples": train.total, "loader_workers": max(1, d.num_workers)}
     return DataSources(train, val, None, identity)
@@ -148,7 +151,7 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     shards_arg = data_arg is not None and data_arg.lower().endswith(".tar")
     if shards_arg or (data_arg is None and split is None and d.format == "webdataset"):
         spec = data_arg if shards_arg else d.val_shards
-        return EvalSource(shard_index(spec, classes, None, "shards"), str(spec), "shards", str(spec))
+        return EvalSource(shard_index(spec, classes, None, "shards", d.max_bad_fraction), str(spec), "shards", str(spec))
     if data_arg is not None and data_arg.lower().endswith(".csv"):
         index = load_csv_list(d, data_arg, read_list(d, data_arg), classes, known_as, "evaluation")
         return EvalSource(index, data_arg, "csv", data_arg)

@@ -26,8 +26,10 @@ import torchvision
 
 from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
+from core.paths import not_a_regular_file
 from core.safe_load import load_checkpoint
 from models.hub_access import hub_offline
+from models.timm_folder import check_timm_folder
 
 log = logging.getLogger(__name__)
 TORCHVISION_PREFIX = "tv:"
@@ -224,8 +226,9 @@ def fold_batchnorm(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
 
 def read_weights_file(path: str | Path) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"'model.weights' = {path}: no such file")
+    problem = not_a_regular_file(path)
+    if problem:
+        raise ModelError(f"'model.weights' = {path}: {problem}; it must name a regular file")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -290,6 +293,8 @@ def load_pretrained(model_cfg) -> torch.nn.Module:
         raise ModelError(f"'model.name' = {name}: timm has no pretrained weights with that tag "
                          f"(timm.list_pretrained('{name.split('.')[0]}.*') lists them)")
     offline, why = (False, "") if name.startswith((TORCHVISION_PREFIX, LOCAL_DIR_PREFIX)) else hub_offline()
+    if name.startswith(LOCAL_DIR_PREFIX):
+        check_timm_folder(name[len(LOCAL_DIR_PREFIX):])
     try:
         if name.startswith(TORCHVISION_PREFIX):
             return torchvision.models.get_model(name[len(TORCHVISION_PREFIX):], weights="DEFAULT")

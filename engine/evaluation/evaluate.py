@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from core.errors import StopRequested
+from core.errors import ModelOutputError, StopRequested
 from engine.runtime.device import DeviceInput
 from engine.evaluation.metrics import MetricSums
 
@@ -60,6 +60,7 @@ class Predictions:
     top_indices: torch.Tensor  # [N, k] int64
     valid: torch.Tensor        # [N] bool
     errors: dict               # input index -> reason the file could not be read
+    nonfinite: int = 0         # readable inputs whose logits hold a NaN or an infinity
 
 
 def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, temperature: Optional[float] = None,
@@ -70,6 +71,7 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, t
     included, and the count of real rows (the reject scores)."""
     probs_out, indices_out, valid_out = [], [], []
     errors: dict = {}
+    nonfinite = torch.zeros((), dtype=torch.int64, device=device_input.device)
     with torch.inference_mode():
         for images, valid, indices, reasons in loader:
             n = len(indices)
@@ -78,6 +80,8 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, t
                 logits = model(batch)
             if on_logits is not None:
                 on_logits(logits, n)
+            bad = ~torch.isfinite(logits[:n]).all(dim=1)
+            nonfinite += (bad & valid.to(bad.device, non_blocking=True)).sum()
             scaled = logits[:n].float() if temperature is None else logits[:n].float() / temperature
             top = scaled.softmax(dim=1).topk(k, dim=1)
             probs_out.append(top.values)
@@ -89,4 +93,13 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, t
     if not probs_out:
         empty = torch.zeros(0, k)
         return Predictions(empty, empty.long(), torch.zeros(0, dtype=torch.bool), errors)
-    return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors)
+    return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors,
+                       int(nonfinite))
+
+
+def check_finite_outputs(nonfinite: int, total: int, model_path) -> None:
+    """ModelOutputError (exit 1) naming the model file when any image got a NaN or infinite logit: a damaged
+    or diverged model's 'predictions' are noise, never results."""
+    if nonfinite:
+        raise ModelOutputError(f"{model_path}: the model's outputs are not finite (NaN or infinity) for {nonfinite} "
+                               f"of {total} image(s): its weights are damaged or diverged; no results written")

@@ -5,6 +5,8 @@ sums into numbers. Under DDP the sums are all-reduced before reducing, so every 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -17,6 +19,7 @@ class MetricSums:
         self.top1 = torch.zeros((), dtype=torch.int64, device=device)
         self.topk = torch.zeros((), dtype=torch.int64, device=device)
         self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # samples with a NaN/inf logit
 
     @property
     def k(self) -> int:
@@ -36,6 +39,7 @@ class MetricSums:
         hits = top == targets[:, None]
         self.top1 += (hits[:, 0].long() * weight).sum()
         self.topk += (hits.any(dim=1).long() * weight).sum()
+        self.nonfinite += ((~torch.isfinite(logits).all(dim=1)).long() * weight).sum()
         flat = targets * self.num_classes + top[:, 0]
         self.confusion.view(-1).index_add_(0, flat, weight)
 
@@ -43,7 +47,7 @@ class MetricSums:
         """Sum over processes (a no-op in a single process), so every sample counts once."""
         from engine.runtime.distributed import all_reduce_sum
 
-        for t in (self.loss_sum, self.top1, self.topk, self.confusion):
+        for t in (self.loss_sum, self.top1, self.topk, self.confusion, self.nonfinite):
             all_reduce_sum(t)
 
     def compute(self) -> dict:
@@ -90,7 +94,16 @@ def per_class_report(confusion: torch.Tensor, classes: list[str]) -> dict:
     return report
 
 
+def nonfinite_metrics(metrics: dict) -> list[str]:
+    """The names of a validation's numbers that are NaN or infinite (a diverged model): such a validation is
+    never the best, whatever its chosen metric says."""
+    return [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
 def is_improvement(value: float, best: float | None, metric: str, min_delta: float) -> bool:
+    """A NaN or infinite value is never an improvement (NaN compares false, -inf would be a loss of all bests)."""
+    if not math.isfinite(value):
+        return False
     if best is None:
         return True
     if metric == "loss":

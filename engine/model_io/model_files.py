@@ -19,10 +19,13 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ConfigError
+from core.paths import not_a_regular_file
 from engine.model_io.checkpoint_files import check_class_names, eval_config, preprocessing_record, read_checkpoint
 from engine.model_io.model_file import FunctionModel, ModelFile
 from engine.evaluation.trust import export_record
+from engine.model_io.pt2_archive import check_pt2_archive
 from engine.runtime.device import memory_format
+from models.timm_folder import check_timm_folder
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ def load_model_file(path: str | Path, overrides: list[str] = (), classes_file: O
 def read_classes_file(path: str | Path, count: int) -> list[str]:
     """Class names, one per line (blank lines ignored); their number must match the model's outputs."""
     path = Path(path)
+    problem = not_a_regular_file(path)
+    if problem:
+        raise ConfigError(f"--classes {path}: {problem}; it must name a regular file (one class name per line)")
     try:
         names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as err:
@@ -173,8 +179,13 @@ def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
     d = Config().data
-    square = isinstance(shape[2], int) and shape[2] == shape[3]
-    size = shape[2] if square else d.img_size
+    fixed = [s for s in shape[2:] if isinstance(s, int)]
+    if len(fixed) == 2 and fixed[0] != fixed[1]:
+        raise CheckpointError(f"{path}: the model takes fixed {fixed[0]}x{fixed[1]} (height x width) inputs; "
+                              f"images here are square (data.img_size): export it with a square or dynamic "
+                              f"input size")
+    square = bool(fixed)
+    size = fixed[0] if square else d.img_size
     log.warning("%s has no imgcls metadata (not written by export.py): preprocessing img_size %d (%s), "
                 "crop_pct %s, %s, mean %s, std %s (the config defaults otherwise; eval.py takes data.* overrides)",
                 path, size, "the model's input size" if square else "the default", d.crop_pct, d.interpolation,
@@ -192,6 +203,7 @@ def _onnx_class_count(session, batch: int, img_size: int) -> int:
 
 def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
     extra = {PT2_METADATA_FILE: ""}
+    check_pt2_archive(path)
     try:
         program = torch.export.load(str(path), extra_files=extra)
     except Exception as err:  # a damaged archive or another kind of file: torch raises many types
@@ -223,6 +235,7 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
     if not config_path.is_file():
         raise CheckpointError(f"{path} is a folder without config.json: not a timm model folder (export.py "
                               f"--format timm writes one; a checkpoint is a .pt file, an ONNX model a .onnx file)")
+    check_timm_folder(path)
     d = Config().data
     try:
         hf_config = json.loads(config_path.read_text())

@@ -13,7 +13,7 @@ from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
-from engine.evaluation.metrics import top5_label
+from engine.evaluation.metrics import nonfinite_metrics, top5_label
 from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
@@ -135,6 +135,7 @@ class RunReporter:
                      top5_label(self.top5_k), metrics["top5"], metrics["loss"], metrics["mean_class_acc"],
                      metrics["num_samples"],
                      samples_per_s, "best" if improved else f"no improvement for {state.bad_epochs} validation(s)")
+            self._warn_nonfinite(epoch, metrics, state)
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)
@@ -181,9 +182,18 @@ class RunReporter:
         """The whole job's training images per second over the run (its resumed parts included)."""
         return state.train_samples * self.world_size / state.train_time_s if state.train_time_s > 0 else 0.0
 
+    @staticmethod
+    def _warn_nonfinite(epoch: int, metrics: dict, state) -> None:
+        bad = nonfinite_metrics(metrics)
+        if bad:
+            kept = f"best.pt stays at epoch {state.best_epoch}" if state.best_epoch else "no best.pt yet"
+            log.warning("epoch %d: validation %s not finite (%s): the model has diverged, so this epoch is never "
+                        "best (%s); lower optim.lr or set train.clip_grad_norm", epoch + 1,
+                        "is" if len(bad) == 1 else "are", ", ".join(f"{k} {metrics[k]}" for k in bad), kept)
+
     def _best_text(self, state, run_dir) -> str:
         if not state.best_metrics:
-            return "no best.pt (no epoch was validated)"
+            return "no best.pt (no epoch was validated with finite numbers)"
         metric = self.cfg.early_stop.metric
         value = state.best_metrics[metric]
         return (f"best epoch {state.best_epoch}: {metric} {value:.4f}" if metric == "loss" else

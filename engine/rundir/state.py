@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from core.errors import NonFiniteError
-from engine.evaluation.metrics import is_improvement
+from engine.evaluation.metrics import is_improvement, nonfinite_metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,10 @@ class TrainState:
     def record_validation(self, epoch: int, metrics: dict, metric: str, min_delta: float,
                           patience: Optional[int]) -> bool:
         """Best-metric and early-stopping bookkeeping after validating epoch `epoch` (0-based); True when it is
-        the best so far (the caller saves best.pt). Patience counts validations."""
-        improved = is_improvement(metrics[metric], self.best_value, metric, min_delta)
+        the best so far (the caller saves best.pt). Patience counts validations; a validation with a non-finite
+        number (a diverged model) is never the best."""
+        improved = not nonfinite_metrics(metrics) and is_improvement(metrics[metric], self.best_value, metric,
+                                                                     min_delta)
         if improved:
             self.best_value, self.best_epoch, self.bad_epochs = metrics[metric], epoch + 1, 0
             self.best_metrics = {k: metrics[k] for k in BEST_KEYS}

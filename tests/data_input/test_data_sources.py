@@ -184,7 +184,7 @@ def test_csv_config_mistakes_exit_2(csv_data):
         csv_cfg(csv_data, **{"data.val_csv": "null"})
     with pytest.raises(ConfigError, match="both set"):
         csv_cfg(csv_data, **{"data.val_fraction": 0.2})
-    with pytest.raises(ConfigError, match="'data.val_fraction' = 1.0 must be a fraction"):
+    with pytest.raises(ConfigError, match="'data.val_fraction' = 1.0 is out of range; it must be > 0.0 and < 1.0"):
         load_config("base", ["data.val_fraction=1.0"])
 
 

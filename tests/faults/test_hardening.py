@@ -54,7 +54,7 @@ print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels"
 def test_links_in_a_class_folder_neither_repeat_nor_relabel_images(tmp_path, links):
     """`ln -s . a/self` counted class a 40 times over, `ln -s .. a/up` labelled b's files as a, and both
     together never finished. Each real folder is read once, never one outside the class folder; a link to
-    a single file is still an image of the class it sits in."""
+    a single file outside the class folder is left out and listed too (issue 28)."""
     root = make_tree(tmp_path / "data", {"a": 3, "b": 2}, splits=("train",))
     train = root / "train"
     elsewhere = tmp_path / "elsewhere"
@@ -69,7 +69,8 @@ def test_links_in_a_class_folder_neither_repeat_nor_relabel_images(tmp_path, lin
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout)
-    assert found["counts"] == [3, 3]
+    assert found["counts"] == [3, 2]
+    assert any(entry.startswith(str(train / "b" / "linked.png")) for entry in found["skipped"])
     for path, label in zip(found["paths"], found["labels"]):
         assert Path(path).relative_to(train).parts[0] == "ab"[label]
         assert "/self/" not in path and "/up/" not in path and "/outside/" not in path
