@@ -14,20 +14,24 @@ import torch
 from core.errors import StopRequested
 from engine.runtime.device import DeviceInput
 from engine.evaluation.metrics import MetricSums
+from engine.evaluation.multilabel import MultiLabelSums
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
              tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None,
-             should_stop: Optional[Callable[[int], bool]] = None) -> tuple[MetricSums, list[int]]:
+             should_stop: Optional[Callable[[int], bool]] = None,
+             classes: Optional[list[str]] = None) -> tuple[MetricSums | MultiLabelSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
     of files that could not be read (excluded, never substituted). A limit on the samples evaluated
     belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`). `on_batch` runs after each
     batch (a progress bar); `should_stop(batches done)`, asked before each batch, ends the pass with
-    StopRequested."""
+    StopRequested. `classes` given: a multi-label split (float multi-hot targets), recorded in
+    `MultiLabelSums` (engine/evaluation/multilabel.py) under those names."""
     was_training = model.training
     model.eval()
-    sums = MetricSums(num_classes, device_input.device)
+    multilabel = classes is not None
+    sums = MultiLabelSums(num_classes, device_input.device, classes) if multilabel else MetricSums(num_classes, device_input.device)
     unreadable: list[int] = []
     try:
         for done, (images, targets, valid, indices) in enumerate(loader):
@@ -38,7 +42,9 @@ def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_clas
             images = device_input.prepare(images)
             with device_input.autocast():
                 logits = model(images).float()
-                if tta_flip:
+                if tta_flip and multilabel:
+                    logits = torch.logit((logits.sigmoid() + model(images.flip(3)).float().sigmoid()) / 2)
+                elif tta_flip:
                     # log of the mean of the two probabilities, in log space so it never underflows to -inf
                     flipped = model(images.flip(3)).float()
                     logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
