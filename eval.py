@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
 
     from commands.evaluate import evaluate_checkpoint
-    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
+    from commands.report import (confusion_png_path, draw_confusion, eval_document, format_eval_table,
+                                 format_multilabel_table, multilabel_document, write_json)
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes)
@@ -46,8 +47,15 @@ def main(argv=None) -> int:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:
             print(f"  {path}", file=sys.stderr)
-    print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
-    if args.json:
+    if result.multilabel:
+        print(format_multilabel_table(result.metrics, result.per_class))
+        if args.json:
+            write_json(multilabel_document(result.metrics, result.per_class, result.classes,
+                                           skipped_files=result.skipped_files, **s), args.json)
+            print(f"wrote {args.json}")
+    else:
+        print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
+    if args.json and not result.multilabel:
         doc = eval_document(result.metrics, result.per_class, result.confusion, result.classes,
                             skipped_files=result.skipped_files, **s)
         write_json(doc, args.json)

@@ -3,6 +3,7 @@
 
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
                 [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
+                [--threshold X]
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
 FILE.pt2; a timm folder).
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (one shape, one compile)")
     parser.add_argument("--num-workers", type=int, default=default_workers(), help="decoding processes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--threshold", type=float, help="multi-label models: call a tag at this probability for "
+                                                        "every class (default: the per-class thresholds tuned "
+                                                        "in training)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -59,7 +63,7 @@ def main(argv=None) -> int:
     from commands.infer import run_inference
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device, args.classes)
+                         args.compile, args.num_workers, args.device, args.classes, args.threshold)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from engine.runtime.device import (DeviceInput, amp_setting, apply_cpu_policy, e
                            pin_memory_for, resolve_amp, select_device)
 from engine.evaluation.evaluate import evaluate
 from engine.evaluation.metrics import per_class_report
+from engine.evaluation.multilabel import DEFAULT_THRESHOLD
 from engine.model_io.model_files import load_model_file
 
 log = logging.getLogger("train")
@@ -27,6 +28,7 @@ class EvalResult:
     classes: list[str]
     skipped_files: list[str]
     settings: dict
+    multilabel: bool = False   # data.task=multilabel: metrics hold mAP / F1, per_class the per-tag figures
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
@@ -70,9 +72,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
     sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
-                                tta_flip=tta)
-    metrics = sums.compute()
-    confusion = sums.confusion.cpu()
+                                tta_flip=tta, classes=loaded.classes if loaded.multilabel else None)
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
                 "data": source.data, "split": source.split, "source": source.described,
@@ -82,5 +82,19 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                   "crop_pct": cfg.data.crop_pct,
                                   "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
                                   "std": list(cfg.data.std)}}
+    if loaded.multilabel:
+        return multilabel_result(sums, loaded, skipped, settings)
+    metrics = sums.compute()
+    confusion = sums.confusion.cpu()
     return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
                       settings)
+
+
+def multilabel_result(sums, loaded, skipped: list[str], settings: dict) -> EvalResult:
+    """A multi-label evaluation: F1, precision and recall at the model's tuned thresholds (those infer.py
+    applies; 0.5 where the model records none) and at 0.5, mAP over the classes with a positive."""
+    thresholds = loaded.thresholds
+    settings["thresholds"] = "tuned in training (recorded in the model)" if thresholds else "0.5 (none recorded)"
+    metrics = sums.compute(thresholds or [DEFAULT_THRESHOLD] * len(loaded.classes))
+    per_class = metrics.pop("per_class")
+    return EvalResult(metrics, per_class, None, loaded.classes, skipped, settings, multilabel=True)

@@ -17,6 +17,7 @@ from engine.rundir.checkpointer import find_newest_checkpoint
 from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
                            select_device)
 from engine.evaluation.evaluate import Predictions, predict
+from commands.infer_multilabel import check_threshold_flag, run_tag_inference
 from engine.model_io.model_files import KIND_NAMES, load_model_file
 from models.factory import fold_batchnorm
 
@@ -88,7 +89,8 @@ DEFAULT_BATCH_SIZE = 32
 
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
-                  device_setting: str = "auto", classes_file: Optional[str] = None) -> int:
+                  device_setting: str = "auto", classes_file: Optional[str] = None,
+                  threshold: Optional[float] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
@@ -101,6 +103,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     loaded = load_model_file(checkpoint_path, classes_file=classes_file)
     if loaded.kind != "checkpoint":
         log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
+    check_threshold_flag(threshold, loaded.multilabel)
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     cfg = loaded.cfg
@@ -121,6 +124,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     transform = loaded.eval_transform()
     dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
+    if loaded.multilabel:
+        return run_tag_inference(paths, model, loader, DeviceInput.from_config(cfg, device, amp_dtype,
+                                                                               channels_last=True),
+                                 loaded, threshold, output)
     preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k)
     rows = result_rows(paths, preds, loaded.classes)
 

@@ -86,3 +86,30 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int) -
         empty = torch.zeros(0, k)
         return Predictions(empty, empty.long(), torch.zeros(0, dtype=torch.bool), errors)
     return Predictions(torch.cat(probs_out).cpu(), torch.cat(indices_out).cpu(), torch.cat(valid_out), errors)
+
+
+@dataclass
+class TagPredictions:
+    probs: torch.Tensor        # [N, classes] float32 sigmoid probabilities, by input order
+    valid: torch.Tensor        # [N] bool
+    errors: dict               # input index -> reason the file could not be read
+
+
+def predict_tags(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int) -> TagPredictions:
+    """A multi-label model over a loader of padded batches (as `predict`): every class's sigmoid probability,
+    the padding rows dropped."""
+    probs_out, valid_out = [], []
+    errors: dict = {}
+    with torch.inference_mode():
+        for images, valid, indices, reasons in loader:
+            batch = device_input.prepare(images)
+            with device_input.autocast():
+                logits = model(batch)
+            probs_out.append(logits[:len(indices)].float().sigmoid())
+            valid_out.append(valid)
+            for i, reason in zip(indices.tolist(), reasons):
+                if reason:
+                    errors[i] = reason
+    if not probs_out:
+        return TagPredictions(torch.zeros(0, num_classes), torch.zeros(0, dtype=torch.bool), errors)
+    return TagPredictions(torch.cat(probs_out).cpu(), torch.cat(valid_out), errors)

@@ -21,8 +21,8 @@ from core.config import Config
 from core.errors import CheckpointError, ConfigError
 from data.build import eval_transform
 from data.transforms import EvalTransform
-from engine.rundir.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
-                                 preprocessing_record, read_checkpoint)
+from engine.rundir.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, check_thresholds,
+                                 eval_config, preprocessing_record, read_checkpoint)
 from engine.runtime.device import memory_format
 
 log = logging.getLogger("infer")
@@ -49,6 +49,11 @@ class ModelFile:
     saved_val_limit: Optional[int] = None
     threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
+    thresholds: Optional[list] = None   # data.task=multilabel: per-class thresholds tuned in training
+
+    @property
+    def multilabel(self) -> bool:
+        return self.cfg.data.task == "multilabel"
 
     @property
     def fp32_only(self) -> bool:
@@ -134,7 +139,7 @@ def export_metadata(loaded: LoadedCheckpoint, batch: Optional[int]) -> dict:
     config["data"]["limit_val_batches"] = loaded.saved_val_limit
     return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
             "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
-            "batch": batch}
+            "batch": batch, "thresholds": loaded.thresholds}
 
 
 def onnx_metadata_props(metadata: dict) -> dict[str, str]:
@@ -149,6 +154,11 @@ def _metadata_from_onnx_props(props: dict[str, str], path: Path) -> Optional[dic
         return {key: json.loads(value) for key, value in ours.items()}
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
+
+
+def metadata_thresholds(metadata: Optional[dict], classes: list[str], path: Path) -> Optional[list]:
+    """The per-class thresholds an export of a multi-label model carries (None: none recorded)."""
+    return check_thresholds((metadata or {}).get("thresholds"), len(classes), str(path))
 
 
 def _from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Config, list[str], Optional[int]]:
@@ -167,7 +177,7 @@ def _open_checkpoint(path: Path, overrides: list[str]) -> ModelFile:
     return ModelFile("checkpoint", path, loaded.cfg, loaded.classes, loaded.epoch,
                      lambda device, channels_last: build_eval_model(loaded, device, channels_last),
                      saved_val_limit=loaded.saved_val_limit, threads=loaded.threads,
-                     data_source=loaded.data_source)
+                     data_source=loaded.data_source, thresholds=loaded.thresholds)
 
 
 def onnx_session(path: Path, device: torch.device = torch.device("cpu")):
@@ -229,7 +239,7 @@ def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
     return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
-                     saved_val_limit)
+                     saved_val_limit, thresholds=metadata_thresholds(metadata, classes, path))
 
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
@@ -275,7 +285,8 @@ def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
 
             on_device = move_to_device_pass(program, device)
         return FunctionModel(on_device.module().__call__, fixed_batch)
-    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit)
+    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
+                     thresholds=metadata_thresholds(metadata, classes, path))
 
 
 def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
@@ -314,4 +325,5 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
             reason = " ".join(str(err).split())[:300]
             raise CheckpointError(f"{path}: timm cannot load this folder: {reason}") from err
         return model.to(device, memory_format=memory_format(channels_last)).eval()
-    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit)
+    return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit,
+                     thresholds=metadata_thresholds(ours, classes, config_path))

@@ -365,6 +365,7 @@ class LoadedCheckpoint:
     saved_val_limit: Optional[int] = None  # data.limit_val_batches of the training run
     threads: Optional[int] = None          # CPU threads the training run validated with
     data_source: Optional[dict] = None     # the training run's data record (split file lists, ...)
+    thresholds: Optional[list] = None      # data.task=multilabel: per-class thresholds (best.pt)
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)
@@ -382,7 +383,18 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> LoadedCheckp
     cfg, saved_val_limit = eval_config(ckpt["config"], ckpt.get("preprocessing") or {}, overrides,
                                        f"checkpoint {path}")
     return LoadedCheckpoint(path, cfg, classes, ckpt["model"], int(ckpt.get("epoch", 0)), saved_val_limit,
-                            recorded_threads(ckpt), ckpt.get("data_source"))
+                            recorded_threads(ckpt), ckpt.get("data_source"),
+                            check_thresholds(ckpt.get("thresholds"), len(classes), f"checkpoint {path}"))
+
+
+def check_thresholds(thresholds, count: int, where: str) -> Optional[list]:
+    """A multi-label model's per-class thresholds: None, or `count` numbers in [0, 1] (CheckpointError)."""
+    if thresholds is None:
+        return None
+    if (not isinstance(thresholds, list) or len(thresholds) != count
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= 1 for t in thresholds)):
+        raise CheckpointError(f"{where}: 'thresholds' must be {count} numbers in [0, 1], one per class")
+    return [float(t) for t in thresholds]
 
 
 def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:
