@@ -118,10 +118,11 @@ def scan_folder(d) -> DataSources:
 
 def scan_webdataset(d) -> DataSources:
     classes = read_class_list(Path(d.classes).expanduser())
-    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards")
+    multilabel = d.task == "multilabel"
+    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", multilabel)
     if d.train_samples is None:
         log.info("set data.train_samples=%d to skip counting the training shards at start", train.total)
-    val = shard_index(d.val_shards, classes, None, "data.val_shards")
+    val = shard_index(d.val_shards, classes, None, "data.val_shards", multilabel)
     identity = {"format": "webdataset", "train_shards": [Path(url).name for url in train.urls],
                 "train_samples": train.total, "loader_workers": max(1, d.num_workers)}
     return DataSources(train, val, None, identity)
@@ -157,7 +158,8 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     shards_arg = data_arg is not None and data_arg.lower().endswith(".tar")
     if shards_arg or (data_arg is None and split is None and d.format == "webdataset"):
         spec = data_arg if shards_arg else d.val_shards
-        return EvalSource(shard_index(spec, classes, None, "shards"), str(spec), "shards", str(spec))
+        return EvalSource(shard_index(spec, classes, None, "shards", d.task == "multilabel"), str(spec), "shards",
+                          str(spec))
     if data_arg is not None and data_arg.lower().endswith(".csv"):
         index = load_csv_list(d, data_arg, read_list(d, data_arg), classes, known_as, "evaluation")
         return EvalSource(index, data_arg, "csv", data_arg)
