@@ -49,6 +49,8 @@ class AsymmetricLoss(torch.nn.Module):
         self.clip = clip
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not targets.is_floating_point():  # int labels (the batch-size finder's synthetic batches)
+            targets = F.one_hot(targets, logits.shape[-1])
         targets = targets.float()
         p = torch.sigmoid(logits.float())
         p_neg = (p - self.clip).clamp(min=0) if self.clip > 0 else p
