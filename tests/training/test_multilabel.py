@@ -224,6 +224,7 @@ def held_out_paths(run: Path, train_csv: Path) -> tuple[list[str], list[str]]:
     return [str(train_csv.parent / r["path"]) for r in rows], [r["label"] for r in rows]
 
 
+@pytest.mark.slow
 def test_training_records_map_thresholds_and_the_task(trained):
     train_csv, run = trained
     best = torch.load(run / "best.pt", weights_only=True)
@@ -239,6 +240,7 @@ def test_training_records_map_thresholds_and_the_task(trained):
     assert "task: multilabel" in log and "with no tag (all-negative)" in log
 
 
+@pytest.mark.slow
 def test_eval_equals_training_and_scikit_learn_on_infer_probabilities(trained, tmp_path):
     train_csv, run = trained
     report = tmp_path / "eval.json"
@@ -268,6 +270,7 @@ def test_eval_equals_training_and_scikit_learn_on_infer_probabilities(trained, t
         assert set(filter(None, r["labels"].split(" "))) == called
 
 
+@pytest.mark.slow
 def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
     train_csv, run = trained
     paths, _ = held_out_paths(run, train_csv)
@@ -282,6 +285,7 @@ def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
         check_threshold_flag(0.5, multilabel=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, name", [("onnx", "model.onnx"), ("timm", "timm_folder")])
 def test_exports_carry_task_and_thresholds_and_evaluate_the_same(trained, tmp_path, fmt, name):
     train_csv, run = trained
@@ -298,6 +302,7 @@ def test_exports_carry_task_and_thresholds_and_evaluate_the_same(trained, tmp_pa
     assert doc["micro_f1"] == pytest.approx(best["metrics"]["micro_f1"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(trained, tmp_path):
     train_csv, reference = trained
     run, marker = tmp_path / "run", tmp_path / "paused"
@@ -322,6 +327,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(trained, tmp_path):
         torch.load(reference / "best.pt", weights_only=True)["thresholds"]
 
 
+@pytest.mark.slow
 def test_ddp_map_equals_single_process_eval(trained, tmp_path):
     """2 processes (gloo), one epoch: every validation score gathered once; eval.py in one process agrees."""
     train_csv, _ = trained
