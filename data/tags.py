@@ -6,7 +6,7 @@ trailing delimiters) dropped and repeats counted once. A row with no tag is an a
 outside the class list stops the run (DataTreeError, exit 2) naming the file, the line and the closest
 class name.
 
-`TagIndex` is an `ImageFolderIndex` whose labels are tuples of class positions; the datasets turn each into
+`TagIndex` is an `ImageIndex` whose labels are tuples of class positions; the datasets turn each into
 a float multi-hot vector of the class count (`target`), which mixup / CutMix mix and BCE / ASL take as is.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from core.errors import DataTreeError
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 
 
 def parse_tags(text: str, delimiter: str) -> list[str]:
@@ -33,7 +33,7 @@ def parse_tags(text: str, delimiter: str) -> list[str]:
 
 
 @dataclass
-class TagIndex(ImageFolderIndex):
+class TagIndex(ImageIndex):
     """Files with zero or more tags each: `labels[i]` is a sorted tuple of class positions."""
 
     delimiter: str = " "
