@@ -100,6 +100,24 @@ def test_unknown_tag_stops_with_the_row_and_the_close_match(images):
     assert issubclass(DataTreeError, USAGE_ERRORS)  # exit 2, before any work
 
 
+def test_shards_carry_the_tags(images, tmp_path):
+    """python -m data.shards --from LIST.csv --multilabel writes .tags members; the eval stream reads them back
+    as the CSV's multi-hot targets (an untagged image all zeros)."""
+    from data.shards import ShardEvalStream, main as write_shards_main, shard_index
+    from data.transforms import EvalTransform
+
+    rows = [(f"images/list_{i:04d}.png", label) for i, label in enumerate(["road,cloud", "", "water"])]
+    listed = write_list(images / "comma.csv", rows)
+    assert write_shards_main(["--from", str(listed), "--to", str(tmp_path), "--shard-size", "2", "--multilabel",
+                              "--label-delimiter", ","]) == 0
+    classes = (tmp_path / "classes.txt").read_text().split()
+    assert classes == ["cloud", "road", "water"]
+    index = shard_index(str(tmp_path / "shard-{000000..000001}.tar"), classes, None, "shards", multilabel=True)
+    got = sorted(tuple(target.tolist()) for _, target, valid, _ in ShardEvalStream(index, EvalTransform(16, 0.875,
+                                                                                                      "bilinear"), 16))
+    assert got == sorted([(1.0, 1.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0)])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["data.format=folder", "data.root=."], "use data.format=csv"),
     (["train.loss=ce"], "train.loss=bce or asl"),
