@@ -44,7 +44,7 @@ def main(argv=None, host=None) -> int:
     from commands.evaluate import evaluate_checkpoint
     from commands.reliability_plot import draw_reliability
     from commands.report import (confusion_png_path, draw_confusion, eval_document, format_eval_table,
-                                 format_trust_line)
+                                 format_multilabel_table, format_trust_line, multilabel_document)
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
@@ -58,10 +58,17 @@ def main(argv=None, host=None) -> int:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:
             print(f"  {path}", file=sys.stderr)
-    print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
+    if result.multilabel:
+        print(format_multilabel_table(result.metrics, result.per_class))
+        if args.json:
+            write_json(multilabel_document(result.metrics, result.per_class, result.classes,
+                                           skipped_files=result.skipped_files, **s), args.json)
+            print(f"wrote {args.json}")
+    else:
+        print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
     if result.trust:
         print(format_trust_line(result.trust))
-    if args.json:
+    if args.json and not result.multilabel:
         doc = eval_document(result.metrics, result.per_class, result.confusion, result.classes,
                             skipped_files=result.skipped_files, **(result.trust or {}), **s)
         write_json(doc, args.json)

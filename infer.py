@@ -3,7 +3,7 @@
 
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
                 [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
-                [--reject] [--reject-below X] [--explain DIR]
+                [--reject] [--reject-below X] [--explain DIR] [--threshold X]
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
 FILE.pt2; a timm folder). `prob` is calibrated: the softmax of the logits divided by the temperature
@@ -54,6 +54,9 @@ def main(argv=None, host=None) -> int:
                         "instead of the stored one")
     parser.add_argument("--explain", metavar="DIR", help="write a Grad-CAM overlay PNG per image into DIR and its "
                         "heatmap peak (original pixels) into the rows (checkpoints only)")
+    parser.add_argument("--threshold", type=float, help="multi-label models: call a tag at this probability for "
+                                                        "every class (default: the per-class thresholds tuned "
+                                                        "in training)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -73,7 +76,7 @@ def main(argv=None, host=None) -> int:
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device, args.classes, host,
-                         TrustOptions(args.reject, args.reject_below, args.explain))
+                         TrustOptions(args.reject, args.reject_below, args.explain), args.threshold)
 
 
 if __name__ == "__main__":

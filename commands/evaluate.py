@@ -17,6 +17,7 @@ from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.outputs import OutputRecorder
 from engine.evaluation.trust import trust_metrics
 from engine.evaluation.metrics import per_class_report
+from engine.evaluation.multilabel import DEFAULT_THRESHOLD
 from engine.model_io.model_files import load_model_file
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class EvalResult:
     settings: dict
     trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (engine.evaluation.trust)
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
+    multilabel: bool = False   # data.task=multilabel: metrics hold mAP / F1, per_class the per-tag figures
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
@@ -77,20 +79,14 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     loader = build_eval_loader_for(index, transform, transform.img_size, cfg.train.batch_size,
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
-    recorder = OutputRecorder(model)
+    recorder = None if loaded.multilabel else OutputRecorder(model)
     try:
         sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
-                                    tta_flip=tta, on_outputs=recorder)
+                                    tta_flip=tta, on_outputs=recorder,
+                                    classes=loaded.classes if loaded.multilabel else None)
     finally:
-        recorder.close()
-    outputs = recorder.outputs()
-    trust, reliability = None, None
-    if len(outputs):
-        trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
-        reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
-    metrics = sums.compute()
-    check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
-    confusion = sums.confusion.cpu()
+        if recorder is not None:
+            recorder.close()
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
                 "data": source.data, "split": source.split, "source": source.described,
@@ -100,5 +96,25 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                   "crop_pct": cfg.data.crop_pct,
                                   "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
                                   "std": list(cfg.data.std)}}
+    if loaded.multilabel:
+        return multilabel_result(sums, loaded, skipped, settings)
+    outputs = recorder.outputs()
+    trust, reliability = None, None
+    if len(outputs):
+        trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
+        reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
+    metrics = sums.compute()
+    check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
+    confusion = sums.confusion.cpu()
     return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
                       settings, trust, reliability)
+
+
+def multilabel_result(sums, loaded, skipped: list[str], settings: dict) -> EvalResult:
+    """A multi-label evaluation: F1, precision and recall at the model's tuned thresholds (those infer.py
+    applies; 0.5 where the model records none) and at 0.5, mAP over the classes with a positive."""
+    thresholds = loaded.thresholds
+    settings["thresholds"] = "tuned in training (recorded in the model)" if thresholds else "0.5 (none recorded)"
+    metrics = sums.compute(thresholds or [DEFAULT_THRESHOLD] * len(loaded.classes))
+    per_class = metrics.pop("per_class")
+    return EvalResult(metrics, per_class, None, loaded.classes, skipped, settings, multilabel=True)

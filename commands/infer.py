@@ -20,6 +20,7 @@ from engine.runtime.device import DeviceInput, amp_setting, select_device
 from engine.runtime.runtime import Runtime, build_runtime
 from engine.evaluation.evaluate import Predictions, check_finite_outputs, predict
 from engine.evaluation.rejection import classifier_name
+from commands.infer_multilabel import check_threshold_flag, run_tag_inference
 from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
@@ -97,7 +98,7 @@ DEFAULT_BATCH_SIZE = 32
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
                   device_setting: str = "auto", classes_file: Optional[str] = None, host=None,
-                  trust: Optional[TrustOptions] = None) -> int:
+                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
@@ -110,9 +111,14 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     loaded = load_model_file(checkpoint_path, classes_file=classes_file)
     if loaded.kind != "checkpoint":
         log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
+    check_threshold_flag(threshold, loaded.multilabel)
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     trust = trust or TrustOptions()
+    if loaded.multilabel and (trust.rejecting or trust.explain_dir):
+        raise ConfigError("--reject / --reject-below / --explain: not for multi-label models yet (calibration, the "
+                          "reject option and explanations are single-label; a multi-label model calls each tag "
+                          "at its threshold, --threshold X)")
     check_trust_options(loaded, trust)
     cfg = loaded.cfg
     runtime = _runtime(loaded, device_setting, amp, host)
@@ -136,6 +142,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     transform = loaded.eval_transform()
     dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
+    if loaded.multilabel:
+        return run_tag_inference(paths, model, loader, DeviceInput.from_config(cfg, device, amp_dtype,
+                                                                               channels_last=True),
+                                 loaded, threshold, output)
     temperature = (loaded.calibration or {}).get("temperature")
     try:
         preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k,

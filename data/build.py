@@ -13,6 +13,7 @@ from data.folder import ImageIndex
 from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
+from data.tags import TagIndex, describe_tags
 from data.sources import DataSources, scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
@@ -106,6 +107,9 @@ def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory:
     transform = train_transform(d)
     for line in describe_augmentation(d):
         log.info(line)
+    for name, index in (("training", train_index), ("validation", val_index)):
+        if isinstance(index, TagIndex):
+            log.info("%s: %s", name, describe_tags(index))
     if d.sampler == "sequential":
         log.warning("data.sampler=sequential: the training split is read in a fixed order every epoch; the loss "
                     "will cycle with the class order. Use data.sampler=random (or weighted) unless you mean it.")

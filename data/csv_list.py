@@ -46,9 +46,11 @@ def read_class_list(path: str | Path) -> list[str]:
     return names
 
 
-def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | None) -> list[CsvRow]:
+def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | None,
+                  allow_empty_label: bool = False) -> list[CsvRow]:
     """The rows of a CSV list, checked: the file exists and has a header naming both columns, and every row
-    has a path and a label (without `label_column`: paths only, labels '')."""
+    has a path and a label (without `label_column`: paths only, labels ''; `allow_empty_label`: a
+    multi-label list, where an empty tag field is an all-negative image)."""
     csv_path = Path(csv_path)
     problem = not_a_regular_file(csv_path)
     if problem:
@@ -81,7 +83,7 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | No
                                                         "\"a/x,y.jpg\")" if len(fields) > len(header) else ""))
             path = fields[at_path].strip()
             label = fields[at_label].strip() if label_column is not None else ""
-            if not path or (label_column is not None and not label):
+            if not path or (label_column is not None and not label and not allow_empty_label):
                 empty = path_column if not path else label_column
                 raise DataTreeError(f"CSV list {csv_path} line {line}: empty '{empty}'")
             rows.append(CsvRow(line, path, label))

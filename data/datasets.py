@@ -22,9 +22,10 @@ class TrainDataset(Dataset):
     def __init__(self, index: ImageIndex, transform):
         self.index = index
         self.transform = transform
-        self.by_class: list[list[int]] = [[] for _ in index.classes]
+        # files by label (a class, or a tag set): an unreadable file is replaced by one of the same label
+        self.by_class: dict = {}
         for i, label in enumerate(index.labels):
-            self.by_class[label].append(i)
+            self.by_class.setdefault(label, []).append(i)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -42,12 +43,12 @@ class TrainDataset(Dataset):
                     # costs ~1 ms per sample in a worker (a stack trace per lazy call); transforms run on the CPU.
                     torch.default_generator.manual_seed(seed)
                     image = self.transform(self.index.paths[index], seed)
-                return image, label, first_unreadable
+                return image, self.index.target(label), first_unreadable
             except ImageDecodeError:
                 if first_unreadable < 0:
                     first_unreadable = index
                 index = redraw.choice(self.by_class[label])
-        raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.classes[label]}' in a row could "
+        raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.label_name(label)}' in a row could "
                                f"not be read, starting with {self.index.paths[first_unreadable]}")
 
     def failure_reason(self, index: int) -> str:
@@ -74,9 +75,10 @@ class EvalDataset(Dataset):
     def __getitem__(self, i: int):
         """Returns (uint8 image, label, valid, index)."""
         try:
-            return self.transform(self.index.paths[i]), self.index.labels[i], True, i
+            return self.transform(self.index.paths[i]), self.index.target(self.index.labels[i]), True, i
         except ImageDecodeError:
-            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), self.index.labels[i], False, i
+            return (torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8),
+                    self.index.target(self.index.labels[i]), False, i)
 
 
 def failure_reason(dataset, index: int) -> str:

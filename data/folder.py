@@ -38,6 +38,13 @@ class ImageIndex:
             counts[label] += 1
         return counts
 
+    def target(self, label):
+        """What the datasets return for a label: the class position itself (a multi-hot vector in TagIndex)."""
+        return label
+
+    def label_name(self, label) -> str:
+        return self.classes[label]
+
 
 def _special_file_kind(path: str) -> str:
     """Why an image-named entry that is not a regular file is left out."""

@@ -20,6 +20,8 @@ from data.folder import ImageIndex, match_classes, scan_split
 from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
 from data.split import SplitRecord, index_from_record, relative_key, split_index
+from data.tag_split import split_tag_index, tag_index_from_record
+from data.tags import tag_classes, tag_csv_index
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +47,23 @@ def index_digest(index: ImageIndex, base: Path) -> str:
     """SHA-256 of a list's (relative path, label name) rows: the same list of files on any machine."""
     h = hashlib.sha256()
     for path, label in zip(index.paths, index.labels):
-        h.update(f"{relative_key(path, base)}\t{index.classes[label]}\n".encode())
+        h.update(f"{relative_key(path, base)}\t{index.label_name(label)}\n".encode())
     return h.hexdigest()
 
 
 def read_list(d, csv_path: str) -> list[CsvRow]:
-    return read_csv_rows(Path(csv_path).expanduser(), d.csv_path_column, d.csv_label_column)
+    return read_csv_rows(Path(csv_path).expanduser(), d.csv_path_column, d.csv_label_column,
+                         allow_empty_label=d.task == "multilabel")
 
 
 def load_csv_list(d, csv_path: str, rows: list[CsvRow], classes: list[str], known_as: str,
                   split: str) -> ImageIndex:
     """One CSV list as an index; rows naming missing files are listed, counted and left out, and above
     `data.max_bad_fraction` of the list they stop the run (BadDataError, exit 1) before any training."""
-    index, missing = csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as)
+    if d.task == "multilabel":
+        index, missing = tag_csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as, d.label_delimiter)
+    else:
+        index, missing = csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as)
     if missing:
         log.warning("%s list %s: %d of %d row(s) name files that do not exist, left out: %s", split, csv_path,
                     len(missing), len(rows), ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""))
@@ -73,6 +79,8 @@ def csv_classes(d, train_rows: list[CsvRow]) -> tuple[list[str], str]:
     the training list's labels."""
     if d.classes:
         return read_class_list(Path(d.classes).expanduser()), f"classes in {d.classes}"
+    if d.task == "multilabel":
+        return tag_classes(train_rows, d.label_delimiter), "tags of the training list"
     return sorted({row.label for row in train_rows}), "training labels"
 
 
@@ -83,7 +91,8 @@ def scan_csv(d) -> DataSources:
     base = csv_base(d, d.train_csv)
     identity = {"format": "csv", "train_csv_sha256": index_digest(train, base)}
     if d.val_fraction is not None:
-        train, val, record = split_index(train, base, d.val_fraction, d.split_seed)
+        split = split_tag_index if d.task == "multilabel" else split_index
+        train, val, record = split(train, base, d.val_fraction, d.split_seed)
         return DataSources(train, val, record, identity | {"split": record.to_dict()})
     known_as = known_as if d.classes else "labels of the training list"
     val = load_csv_list(d, d.val_csv, read_list(d, d.val_csv), classes, known_as, "validation")
@@ -112,10 +121,12 @@ def scan_folder(d) -> DataSources:
 
 def scan_webdataset(d) -> DataSources:
     classes = read_class_list(Path(d.classes).expanduser())
-    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", d.max_bad_fraction)
+    multilabel = d.task == "multilabel"
+    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", d.max_bad_fraction,
+                        multilabel)
     if d.train_samples is None:
         log.info("set data.train_samples=%d to skip counting the training shards at start", train.total)
-    val = shard_index(d.val_shards, classes, None, "data.val_shards", d.max_bad_fraction)
+    val = shard_index(d.val_shards, classes, None, "data.val_shards", d.max_bad_fraction, multilabel)
     identity = {"format": "webdataset", "train_shards": [Path(url).name for url in train.urls],
                 "train_samples": train.total, "loader_workers": max(1, d.num_workers)}
     return DataSources(train, val, None, identity)
@@ -151,14 +162,17 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     shards_arg = data_arg is not None and data_arg.lower().endswith(".tar")
     if shards_arg or (data_arg is None and split is None and d.format == "webdataset"):
         spec = data_arg if shards_arg else d.val_shards
-        return EvalSource(shard_index(spec, classes, None, "shards", d.max_bad_fraction), str(spec), "shards", str(spec))
+        return EvalSource(shard_index(spec, classes, None, "shards", d.max_bad_fraction, d.task == "multilabel"),
+                          str(spec), "shards", str(spec))
     if data_arg is not None and data_arg.lower().endswith(".csv"):
         index = load_csv_list(d, data_arg, read_list(d, data_arg), classes, known_as, "evaluation")
         return EvalSource(index, data_arg, "csv", data_arg)
     saved_split = (data_source or {}).get("split")
     if split is None and saved_split is not None:
         base = csv_base(d, d.train_csv) if d.format == "csv" else Path(d.root).expanduser()
-        return EvalSource(index_from_record(saved_split, "val", base, classes), str(base), "held_out",
+        held_out = (tag_index_from_record(saved_split, "val", base, classes, d.label_delimiter)
+                    if d.task == "multilabel" else index_from_record(saved_split, "val", base, classes))
+        return EvalSource(held_out, str(base), "held_out",
                           f"{base} (the files held out by data.val_fraction={saved_split['val_fraction']}, "
                           f"data.split_seed={saved_split['split_seed']})")
     if split is None and d.format == "csv":

@@ -90,16 +90,18 @@ def index_from_record(record: dict, side: str, base: Path, classes: list[str]) -
                             list(record[f"{side}_labels"]))
 
 
-def write_split_lists(run_dir: Path, record: SplitRecord, classes: list[str]) -> list[Path]:
+def write_split_lists(run_dir: Path, record: SplitRecord, classes: list[str], label_name=None) -> list[Path]:
     """split_train.csv and split_val.csv (columns path,label; paths relative to data.root) in the run
-    directory: the split readable by people, and usable again as `data.format: csv` lists."""
+    directory: the split readable by people, and usable again as `data.format: csv` lists. `label_name`:
+    a label as written (default its class name; a multi-label index joins the tags)."""
+    label_name = label_name or (lambda label: classes[label])
     written = []
     for side in ("train", "val"):
         path = Path(run_dir) / f"split_{side}.csv"
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "label"])
-            writer.writerows((key, classes[label]) for key, label in
+            writer.writerows((key, label_name(label)) for key, label in
                              zip(getattr(record, side), getattr(record, f"{side}_labels")))
         written.append(path)
     return written

@@ -14,22 +14,27 @@ import torch
 from core.errors import ModelOutputError, StopRequested
 from engine.runtime.device import DeviceInput
 from engine.evaluation.metrics import MetricSums
+from engine.evaluation.multilabel import MultiLabelSums
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int,
              tta_flip: bool = False, on_batch: Optional[Callable[[], None]] = None,
              should_stop: Optional[Callable[[int], bool]] = None,
-             on_outputs: Optional[Callable] = None) -> tuple[MetricSums, list[int]]:
+             on_outputs: Optional[Callable] = None,
+             classes: Optional[list[str]] = None) -> tuple[MetricSums | MultiLabelSums, list[int]]:
     """Sums over this rank's shard (call `sums.all_reduce()` under DDP). Returns the sums and the indices
     of files that could not be read (excluded, never substituted). A limit on the samples evaluated
     belongs to the loader's sampler (`build_eval_loader(limit_samples=...)`). `on_batch` runs after each
     batch (a progress bar); `should_stop(batches done)`, asked before each batch, ends the pass with
     StopRequested. `on_outputs(logits, targets, valid, indices)` receives every batch's outputs (eval.py's
-    calibration figures; it copies them to the host)."""
+    calibration figures; it copies them to the host).
+    `classes` given: a multi-label split (float multi-hot targets), recorded in
+    `MultiLabelSums` (engine/evaluation/multilabel.py) under those names."""
     was_training = model.training
     model.eval()
-    sums = MetricSums(num_classes, device_input.device)
+    multilabel = classes is not None
+    sums = MultiLabelSums(num_classes, device_input.device, classes) if multilabel else MetricSums(num_classes, device_input.device)
     unreadable: list[int] = []
     try:
         for done, (images, targets, valid, indices) in enumerate(loader):
@@ -40,7 +45,9 @@ def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, num_clas
             images = device_input.prepare(images)
             with device_input.autocast():
                 logits = model(images).float()
-                if tta_flip:
+                if tta_flip and multilabel:
+                    logits = torch.logit((logits.sigmoid() + model(images.flip(3)).float().sigmoid()) / 2)
+                elif tta_flip:
                     # log of the mean of the two probabilities, in log space so it never underflows to -inf
                     flipped = model(images.flip(3)).float()
                     logits = torch.logsumexp(torch.stack([logits.log_softmax(1), flipped.log_softmax(1)]), 0) - math.log(2)
@@ -103,3 +110,34 @@ def check_finite_outputs(nonfinite: int, total: int, model_path) -> None:
     if nonfinite:
         raise ModelOutputError(f"{model_path}: the model's outputs are not finite (NaN or infinity) for {nonfinite} "
                                f"of {total} image(s): its weights are damaged or diverged; no results written")
+
+
+@dataclass
+class TagPredictions:
+    probs: torch.Tensor        # [N, classes] float32 sigmoid probabilities, by input order
+    valid: torch.Tensor        # [N] bool
+    errors: dict               # input index -> reason the file could not be read
+    nonfinite: int = 0         # readable inputs whose logits hold a NaN or an infinity
+
+
+def predict_tags(model: torch.nn.Module, loader, device_input: DeviceInput, num_classes: int) -> TagPredictions:
+    """A multi-label model over a loader of padded batches (as `predict`): every class's sigmoid probability,
+    the padding rows dropped."""
+    probs_out, valid_out = [], []
+    errors: dict = {}
+    nonfinite = torch.zeros((), dtype=torch.int64, device=device_input.device)
+    with torch.inference_mode():
+        for images, valid, indices, reasons in loader:
+            batch = device_input.prepare(images)
+            with device_input.autocast():
+                logits = model(batch)
+            bad = ~torch.isfinite(logits[:len(indices)]).all(dim=1)
+            nonfinite += (bad & valid.to(bad.device, non_blocking=True)).sum()
+            probs_out.append(logits[:len(indices)].float().sigmoid())
+            valid_out.append(valid)
+            for i, reason in zip(indices.tolist(), reasons):
+                if reason:
+                    errors[i] = reason
+    if not probs_out:
+        return TagPredictions(torch.zeros(0, num_classes), torch.zeros(0, dtype=torch.bool), errors)
+    return TagPredictions(torch.cat(probs_out).cpu(), torch.cat(valid_out), errors, int(nonfinite))

@@ -45,8 +45,19 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> ModelFile:
                        lambda device, channels_last: build_eval_model(opened, device, channels_last),
                        saved_val_limit=saved_val_limit, threads=recorded_threads(ckpt),
                        data_source=ckpt.get("data_source"), state_dict=ckpt["model"],
-                       calibration=ckpt.get("calibration") if isinstance(ckpt.get("calibration"), dict) else None)
+                       calibration=ckpt.get("calibration") if isinstance(ckpt.get("calibration"), dict) else None,
+                       thresholds=check_thresholds(ckpt.get("thresholds"), len(classes), f"checkpoint {path}"))
     return opened
+
+
+def check_thresholds(thresholds, count: int, where: str) -> Optional[list]:
+    """A multi-label model's per-class thresholds: None, or `count` numbers in [0, 1] (CheckpointError)."""
+    if thresholds is None:
+        return None
+    if (not isinstance(thresholds, list) or len(thresholds) != count
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= 1 for t in thresholds)):
+        raise CheckpointError(f"{where}: 'thresholds' must be {count} numbers in [0, 1], one per class")
+    return [float(t) for t in thresholds]
 
 
 def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:

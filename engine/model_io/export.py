@@ -133,7 +133,7 @@ def write_timm_folder(loaded: ModelFile, folder: Path, metadata: dict) -> None:
     p = preprocessing_record(loaded.cfg)
     data_config = {"input_size": (3, p["img_size"], p["img_size"]), "interpolation": p["interpolation"],
                    "mean": tuple(p["mean"]), "std": tuple(p["std"]), "crop_pct": p["crop_pct"], "crop_mode": "center"}
-    ours = {key: metadata[key] for key in ("format_version", "config", "epoch", "calibration")}
+    ours = {key: metadata[key] for key in ("format_version", "config", "epoch", "calibration", "thresholds")}
     save_for_hf(model, str(folder), model_config={"label_names": list(loaded.classes), TIMM_METADATA_KEY: ours},
                 safe_serialization=True, data_config=data_config)
 
@@ -170,12 +170,14 @@ def check_export(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]
     x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
     reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
     exported = load_model_file(output).build_model(torch.device("cpu"), channels_last=False)
+    # the probabilities infer.py reports: one sigmoid per class for a multi-label model
+    probs = torch.sigmoid if loaded.cfg.data.task == "multilabel" else (lambda logits: logits.softmax(1))
     with torch.inference_mode():
-        want = reference(x).float().softmax(1)
-        got = exported(x).float().softmax(1)
+        want = probs(reference(x).float())
+        got = probs(exported(x).float())
         diff = (got - want).abs().max().item()
         if batch is None:
-            singles = torch.cat([exported(x[i:i + 1]) for i in range(len(x))]).float().softmax(1)
+            singles = probs(torch.cat([exported(x[i:i + 1]) for i in range(len(x))]).float())
             diff = max(diff, (singles - want).abs().max().item())
     agree = int((got.argmax(1) == want.argmax(1)).sum())
     report = ExportReport(output, fmt, batch, diff, agree, len(x), source)

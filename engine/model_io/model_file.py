@@ -34,6 +34,11 @@ class ModelFile:
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
+    thresholds: Optional[list] = None   # data.task=multilabel: per-class thresholds tuned in training
+
+    @property
+    def multilabel(self) -> bool:
+        return self.cfg.data.task == "multilabel"
 
     @property
     def fp32_only(self) -> bool:

@@ -20,7 +20,8 @@ import torch
 from core.config import Config
 from core.errors import CheckpointError, ConfigError
 from core.paths import not_a_regular_file
-from engine.model_io.checkpoint_files import check_class_names, eval_config, preprocessing_record, read_checkpoint
+from engine.model_io.checkpoint_files import (check_class_names, check_thresholds, eval_config,
+                                             preprocessing_record, read_checkpoint)
 from engine.model_io.model_file import FunctionModel, ModelFile
 from engine.evaluation.trust import export_record
 from engine.model_io.pt2_archive import check_pt2_archive
@@ -87,7 +88,7 @@ def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
     config["data"]["limit_val_batches"] = loaded.saved_val_limit
     return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
             "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
-            "batch": batch, "calibration": export_record(loaded.calibration)}
+            "batch": batch, "calibration": export_record(loaded.calibration), "thresholds": loaded.thresholds}
 
 
 def onnx_metadata_props(metadata: dict) -> dict[str, str]:
@@ -102,6 +103,11 @@ def _metadata_from_onnx_props(props: dict[str, str], path: Path) -> Optional[dic
         return {key: json.loads(value) for key, value in ours.items()}
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
+
+
+def metadata_thresholds(metadata: Optional[dict], classes: list[str], path: Path) -> Optional[list]:
+    """The per-class thresholds an export of a multi-label model carries (None: none recorded)."""
+    return check_thresholds((metadata or {}).get("thresholds"), len(classes), str(path))
 
 
 def _from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Config, list[str], Optional[int]]:
@@ -174,7 +180,8 @@ def _open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
     return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
-                     saved_val_limit, calibration=metadata.get("calibration") if metadata else None)
+                     saved_val_limit, calibration=metadata.get("calibration") if metadata else None,
+                     thresholds=metadata_thresholds(metadata, classes, path))
 
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
@@ -227,7 +234,8 @@ def _open_pt2(path: Path, overrides: list[str]) -> ModelFile:
             on_device = move_to_device_pass(program, device)
         return FunctionModel(on_device.module().__call__, fixed_batch)
     return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
-                     calibration=metadata.get("calibration"))
+                     calibration=metadata.get("calibration"),
+                     thresholds=metadata_thresholds(metadata, classes, path))
 
 
 def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
@@ -268,4 +276,5 @@ def _open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
             raise CheckpointError(f"{path}: timm cannot load this folder: {reason}") from err
         return model.to(device, memory_format=memory_format(channels_last)).eval()
     return ModelFile("timm", path, cfg, classes, ours.get("epoch"), build, saved_val_limit=saved_val_limit,
-                     calibration=ours.get("calibration"))
+                     calibration=ours.get("calibration"),
+                     thresholds=metadata_thresholds(ours, classes, config_path))

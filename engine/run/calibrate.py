@@ -39,7 +39,10 @@ def bank_index(train_index, seed: int) -> Optional[ImageIndex]:
 def best_is_calibrated(run_dir: Path) -> bool:
     """Whether the run's best.pt holds its calibration record (True when there is no best.pt to calibrate)."""
     path = run_dir / "best.pt"
-    return not path.exists() or "calibration" in load_checkpoint(path)
+    if not path.exists():
+        return True
+    best = load_checkpoint(path)
+    return "calibration" in best or "thresholds" in best  # a multi-label model's: its tuned thresholds
 
 
 def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_loader, train_index,
@@ -47,6 +50,10 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     """Load best.pt's weights into `eval_model` (training is over), gather its outputs, and on rank 0 add
     the `calibration` record to best.pt. Call on every rank. Returns the record (rank 0) or None."""
     best_path = run_dir / "best.pt"
+    if cfg.data.task == "multilabel":
+        log.info("calibration: single-label models only; a multi-label model calls each tag at the threshold "
+                 "tuned on validation (best.pt 'thresholds')")
+        return None
     dist_utils.barrier()
     if not best_path.exists():
         log.info("calibration: no best.pt (no validation ran); nothing to calibrate")

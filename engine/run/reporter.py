@@ -51,6 +51,10 @@ class RunReporter:
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
                  plan.warmup_steps, plan.peak_lr, cfg.optim.lr_scaling, cfg.optim.lr, cfg.optim.base_batch_size)
+        if cfg.data.task == "multilabel":
+            log.info("task: multilabel, one sigmoid per class (tags split by %r); validation mAP, F1 at per-class "
+                     "thresholds tuned for F1 on the validation split (stored in best.pt); best.pt by %s",
+                     cfg.data.label_delimiter, cfg.early_stop.metric)
         for line in recipe_lines(cfg, plan):
             log.info("%s", line)
         for warning in schedule_warnings(cfg, plan):
@@ -125,10 +129,16 @@ class RunReporter:
         epoch without validation)."""
         cfg, es = self.cfg, self.cfg.early_stop
         train_loss = counters.mean_loss()
+        multilabel = cfg.data.task == "multilabel"
+        scalar_keys = MULTILABEL_SCALARS if multilabel else ("top1", "top5", "loss", "mean_class_acc")
+        progress = "best" if improved else f"no improvement for {state.bad_epochs} validation(s)"
         if metrics is None:
             log.info("epoch %d/%d  train loss %.4f  %.0f img/s  (no validation: train.val_interval=%d)", epoch + 1,
                      cfg.train.epochs, train_loss, samples_per_s, cfg.train.val_interval)
-            metrics = dict.fromkeys(("top1", "top5", "loss", "mean_class_acc", "num_samples"))
+            metrics = dict.fromkeys((*scalar_keys, "num_samples"))
+        elif multilabel:
+            log.info("epoch %d/%d  train loss %.4f  %s  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss,
+                     multilabel_summary(metrics), samples_per_s, progress)
         else:
             log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  %s %.2f  loss %.4f  mean class acc %.2f  "
                      "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
@@ -139,14 +149,15 @@ class RunReporter:
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)
-        self.runlog.scalars({f"val/{k}": metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc")} |
+        self.runlog.scalars({f"val/{k}": metrics[k] for k in scalar_keys} |
                             {"train/epoch_loss": train_loss, "train/epoch_samples_per_s": samples_per_s}, state.step)
         self.runlog.epoch_row({
             "epoch": epoch + 1, "step": state.step, "lr": lr, "train_loss": train_loss,
             "train_samples_per_s": samples_per_s, "data_wait_frac": wait_frac, "epoch_time_s": seconds,
-            "val_top1": metrics["top1"], "val_top5": metrics["top5"], "val_loss": metrics["loss"],
-            "val_mean_class_acc": metrics["mean_class_acc"], "val_num_samples": metrics["num_samples"],
-            "skipped_files": len(state.skipped_files)})
+            "val_top1": metrics.get("top1"), "val_top5": metrics.get("top5"), "val_loss": metrics["loss"],
+            "val_mean_class_acc": metrics.get("mean_class_acc"), "val_num_samples": metrics["num_samples"],
+            "skipped_files": len(state.skipped_files), "val_mAP": metrics.get("mAP"),
+            "val_micro_f1": metrics.get("micro_f1"), "val_macro_f1": metrics.get("macro_f1")})
         self.runlog.flush()
 
     def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
@@ -216,6 +227,18 @@ class RunReporter:
                  "output.dir (a new run)", run_dir, done, self._best_text(state, run_dir), Path(run_dir) / "best.pt")
 
 
+# the validation numbers of a multi-label run that go to TensorBoard (val/<name>)
+MULTILABEL_SCALARS = ("mAP", "micro_f1", "macro_f1", "precision", "recall", "micro_f1_at_0.5", "macro_f1_at_0.5",
+                      "loss")
+
+
+def multilabel_summary(metrics: dict) -> str:
+    """A multi-label validation in one line: mAP, and F1 at the tuned thresholds and at 0.5."""
+    return (f"val mAP {metrics['mAP']:.2f}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
+            f"{metrics['micro_f1_at_0.5']:.2f})  macro F1 {metrics['macro_f1']:.2f} (at 0.5: "
+            f"{metrics['macro_f1_at_0.5']:.2f})  loss {metrics['loss']:.4f}  ({metrics['num_samples']} samples)")
+
+
 def format_duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -246,6 +269,8 @@ def recipe_lines(cfg, plan) -> list[str]:
                                       + (f", first {t.mix_off_epoch} epochs" if t.mix_off_epoch else ""))
     loss = ("cross-entropy" if t.loss == "ce" else "binary cross-entropy" +
             (f", targets thresholded at {t.bce_target_thresh:g}" if t.bce_target_thresh is not None else ""))
+    if t.loss == "asl":
+        loss = f"asymmetric loss (gamma_neg {t.asl_gamma_neg:g}, gamma_pos {t.asl_gamma_pos:g}, clip {t.asl_clip:g})"
     options = ", ".join(f"{k} {getattr(o, k)}" for k in OPTIMIZER_OPTIONS[o.name])
     ema = ("off" if m.ema_decay is None else f"decay {m.ema_decay:g} every {m.ema_every_steps} step(s)"
            + (", warmup" if m.ema_warmup else ""))

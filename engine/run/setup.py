@@ -71,5 +71,5 @@ def write_run_files(run_dir: Path, cfg, data, runlog: RunLog, resumed_epoch: Opt
     without the rows a resumed run will write again (a new run starts it afresh)."""
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     if data.sources.split is not None:
-        write_split_lists(run_dir, data.sources.split, data.classes)
+        write_split_lists(run_dir, data.sources.split, data.classes, data.train_index.label_name)
     runlog.drop_epochs_from(1 if resumed_epoch is None else resumed_epoch + 1)

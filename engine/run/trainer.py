@@ -320,7 +320,8 @@ class Trainer:
         self.val_batches = None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
             sums, unreadable = evaluate(self.eval_model, batches, self.step.input, len(self.classes),
-                                        on_batch=on_batch, should_stop=should_stop)
+                                        on_batch=on_batch, should_stop=should_stop,
+                                        classes=self.classes if self.cfg.data.task == "multilabel" else None)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]

@@ -80,7 +80,10 @@ class Checkpointer:
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:
-        return self._common(self.parts.eval_model, state, metrics)
+        ckpt = self._common(self.parts.eval_model, state, metrics)
+        if "thresholds" in metrics:  # data.task=multilabel: per-class thresholds tuned on this validation
+            ckpt["thresholds"] = [float(t) for t in metrics["thresholds"]]
+        return ckpt
 
     def save_last(self, state: TrainState) -> None:
         """Call on every rank at the same point: all agree on refusing non-finite weights, and all stop when

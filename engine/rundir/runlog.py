@@ -16,7 +16,8 @@ from core.outputs import write_json
 log = logging.getLogger(__name__)
 
 METRICS_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s",
-                   "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files"]
+                   "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files",
+                   "val_mAP", "val_micro_f1", "val_macro_f1"]  # the last three: data.task=multilabel
 
 
 def setup_logging(run_dir: Path | None, is_main: bool) -> None:

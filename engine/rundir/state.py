@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 # the validation metrics summary.json and best.pt keep as `best`
 BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
+# and those of a multi-label run (data.task: multilabel); the per-class thresholds go into best.pt
+MULTILABEL_BEST_KEYS = ("mAP", "micro_f1", "macro_f1", "precision", "recall", "micro_f1_at_0.5", "macro_f1_at_0.5",
+                        "loss", "num_samples")
 
 
 @dataclass
@@ -101,7 +104,8 @@ class TrainState:
                                                                      min_delta)
         if improved:
             self.best_value, self.best_epoch, self.bad_epochs = metrics[metric], epoch + 1, 0
-            self.best_metrics = {k: metrics[k] for k in BEST_KEYS}
+            keys = MULTILABEL_BEST_KEYS if "mAP" in metrics else BEST_KEYS
+            self.best_metrics = {k: metrics[k] for k in keys}
         else:
             self.bad_epochs += 1
             if patience is not None and self.bad_epochs >= patience:

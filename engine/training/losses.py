@@ -33,9 +33,42 @@ class BinaryCrossEntropy(torch.nn.Module):
         return F.binary_cross_entropy_with_logits(logits.float(), targets)
 
 
+class AsymmetricLoss(torch.nn.Module):
+    """The asymmetric loss of Ridnik et al. (ICCV 2021) for multi-label targets in [0, 1] (multi-hot, or mixed
+    by mixup / CutMix): positives weighted by (1 - p)^gamma_pos, negatives by p_m^gamma_neg with the shifted
+    probability p_m = max(p - clip, 0), so the many easy negatives of a multi-label set fade out and those
+    below `clip` count not at all. Averaged over batch and classes, as `BinaryCrossEntropy` is, so the same
+    LR suits both (the paper's code sums, which scales the gradient with batch and class count)."""
+
+    EPS = 1e-8  # the paper's clamp of the probabilities inside the logs
+
+    def __init__(self, gamma_neg: float = 4.0, gamma_pos: float = 0.0, clip: float = 0.05):
+        super().__init__()
+        self.gamma_neg = gamma_neg
+        self.gamma_pos = gamma_pos
+        self.clip = clip
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not targets.is_floating_point():  # int labels (the batch-size finder's synthetic batches)
+            targets = F.one_hot(targets, logits.shape[-1])
+        targets = targets.float()
+        p = torch.sigmoid(logits.float())
+        p_neg = (p - self.clip).clamp(min=0) if self.clip > 0 else p
+        pos = targets * torch.log(p.clamp(min=self.EPS))
+        neg = (1 - targets) * torch.log((1 - p_neg).clamp(min=self.EPS))
+        if self.gamma_pos > 0:
+            pos = pos * (1 - p).pow(self.gamma_pos)
+        if self.gamma_neg > 0:
+            neg = neg * p_neg.pow(self.gamma_neg)
+        return -(pos + neg).mean()
+
+
 def build_criterion(train_cfg) -> torch.nn.Module:
     """`ce`: torch's cross-entropy, which takes int labels or soft (probability) targets and applies the
-    label smoothing to both; `bce`: `BinaryCrossEntropy`."""
+    label smoothing to both; `bce`: `BinaryCrossEntropy` (multi-hot targets of data.task=multilabel pass
+    through as they are); `asl`: `AsymmetricLoss`."""
+    if train_cfg.loss == "asl":
+        return AsymmetricLoss(train_cfg.asl_gamma_neg, train_cfg.asl_gamma_pos, train_cfg.asl_clip)
     if train_cfg.loss == "bce":
         return BinaryCrossEntropy(train_cfg.label_smoothing, train_cfg.bce_target_thresh)
     return torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)

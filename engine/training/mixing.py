@@ -73,7 +73,8 @@ def apply_mix(images: torch.Tensor, labels: torch.Tensor, draw: MixDraw, num_cla
     else:
         top, bottom, left, right = draw.box
         images[:, :, top:bottom, left:right] = partner[:, :, top:bottom, left:right]
-    own = torch.nn.functional.one_hot(labels, num_classes).float()
+    # multi-label targets arrive as float multi-hot vectors: mixing mixes the vectors
+    own = labels if labels.is_floating_point() else torch.nn.functional.one_hot(labels, num_classes).float()
     return images, torch.lerp(own.roll(1, 0), own, draw.lam)
 
 
