@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)  # config mistakes exit 2 before torch is imported
     if not cfg.data.builtin:
         check_data_root(cfg)
+    from commands.audit_args import check_arguments
+
+    check_arguments(cfg, args.checkpoint, args.write_clean_csv)
 
     from commands.audit import run_audit
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core.errors import ConfigError
+from commands.audit_args import check_arguments
 from engine.audit import stats as stats_mod
 from engine.audit.findings import by_split, clean_training_names, find_duplicates, find_leaks
 from engine.audit.folds import (align_classes, cross_validated_probs, open_model, predict_probs,
@@ -23,26 +23,6 @@ from engine.audit.sources import read_audit_data
 
 log = logging.getLogger("audit")
 LABELLED_SPLITS = ("train", "val")
-
-
-def check_arguments(cfg, checkpoint: Optional[str], clean_csv: Optional[str]) -> None:
-    """Usage mistakes, before any work (exit 2)."""
-    a, d = cfg.audit, cfg.data
-    if clean_csv and d.format == "webdataset":
-        raise ConfigError("--write-clean-csv: shard samples are not files a CSV list can name; write the shards "
-                          "out as files first, or audit without --write-clean-csv")
-    if a.drop_label_issues and not clean_csv:
-        raise ConfigError("--drop-label-issues (audit.drop_label_issues) only shapes --write-clean-csv FILE; "
-                          "pass both")
-    if a.drop_label_issues and a.folds == 0 and not checkpoint:
-        raise ConfigError("--drop-label-issues needs a label-issue search: --folds K (K >= 2) or --checkpoint CKPT")
-    if checkpoint and not Path(checkpoint).exists():
-        raise ConfigError(f"--checkpoint {checkpoint}: no such file or folder")
-    if clean_csv:
-        lists = {os.path.realpath(p) for p in (d.train_csv, d.val_csv) if p}
-        if os.path.realpath(clean_csv) in lists:
-            raise ConfigError(f"--write-clean-csv {clean_csv} is one of the data's own lists; the audit never "
-                              f"changes the data: name a new file")
 
 
 class Progress:
@@ -159,10 +139,12 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
 
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
               html_path: Optional[str] = None, clean_csv: Optional[str] = None) -> int:
-    check_arguments(cfg, checkpoint, clean_csv)
+    check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
     from data.build import prepare_root
 
     prepare_root(cfg)
+    bad_limit = cfg.data.max_bad_fraction
+    cfg.data.max_bad_fraction = 1.0  # the audit lists every unreadable file where training would stop at the limit
     with tempfile.TemporaryDirectory(prefix="imgcls-audit-") as scratch:
         work = Path(scratch)
         data = read_audit_data(cfg, work / "samples")
@@ -181,6 +163,10 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
         report = build_report(cfg, data, facts, failed, issues, source, note, timings)
+        if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
+            report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
+                                       f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "
+                                       f"or fix them (or use --write-clean-csv)")
         if json_path:
             import json
 
