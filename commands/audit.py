@@ -153,7 +153,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         facts = compute_facts([item.file for item in data.items], cfg.data.num_workers, bar)
         bar.close()
         hashing_s = time.perf_counter() - started
-        failed = [{"path": item.name, "split": item.split, "reason": f.error}
+        failed = [{"path": item.name, "split": item.split, "reason": f.error.replace(item.file, item.name)}
                   for item, f in zip(data.items, facts) if f.error is not None]
         readable = len(data.items) - len(failed)
         issues, source, note, label_s = [], None, "", 0.0
