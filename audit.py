@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
+from core.outputs import check_output_file
 from core.config import available_configs
 
 # flag -> the config key it sets (configs/base.yaml documents each)
@@ -19,7 +20,7 @@ FLAG_KEYS = {"folds": "audit.folds", "fold_epochs": "audit.fold_epochs", "near_t
              "drop_label_issues": "audit.drop_label_issues"}
 
 
-def main(argv=None) -> int:
+def main(argv=None, host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done (at least one image could be read), 1 none could "
                                             "be read or a fold's training failed, 2 usage or config error.")
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
 
     from commands.audit import run_audit
 
-    return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)
+    return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv, host=host)
 
 
 if __name__ == "__main__":

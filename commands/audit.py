@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from commands.audit_args import check_arguments
+from core.outputs import write_json
 from engine.audit import stats as stats_mod
 from engine.audit.findings import by_split, clean_training_names, find_duplicates, find_leaks
 from engine.audit.folds import (align_classes, cross_validated_probs, open_model, predict_probs,
@@ -43,12 +44,13 @@ class Progress:
         self.bar.close()
 
 
-def label_search(cfg, data, facts, checkpoint: Optional[str], work: Path) -> tuple[list[dict], Optional[str], str, float]:
+def label_search(cfg, data, facts, checkpoint: Optional[str], work: Path, host=None
+                 ) -> tuple[list[dict], Optional[str], str, float]:
     """(label issues named, their source, a note for the reader, seconds)."""
     started = time.perf_counter()
     pool = [i for i, (item, f) in enumerate(zip(data.items, facts)) if f.error is None and item.split in LABELLED_SPLITS]
     if checkpoint:
-        loaded, model, device, amp = open_model(Path(checkpoint), cfg.train.device)
+        loaded, model, device, amp = open_model(Path(checkpoint), cfg.train.device, host=host)
         unseen = unseen_by_checkpoint([data.items[i].name for i in pool], [data.items[i].split for i in pool],
                                       loaded.data_source)
         pool = [i for i, keep in zip(pool, unseen) if keep]
@@ -64,7 +66,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], work: Path) -> tup
         bar = Progress(cfg, folds, "folds")
         probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
                                       [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
-                                      on_fold=lambda _: bar())
+                                      on_fold=lambda _: bar(), host=host)
         bar.close()
         source = f"{folds}-fold cross-validation, {epochs} epoch(s) per fold"
         note = (f"out-of-sample predictions for the {len(pool)} training and validation images: each from a "
@@ -138,7 +140,7 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
 
 
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
-              html_path: Optional[str] = None, clean_csv: Optional[str] = None) -> int:
+              html_path: Optional[str] = None, clean_csv: Optional[str] = None, host=None) -> int:
     check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
     from data.build import prepare_root
 
@@ -158,7 +160,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         readable = len(data.items) - len(failed)
         issues, source, note, label_s = [], None, "", 0.0
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, work)
+            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, work, host)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
@@ -167,12 +169,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
                                        f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "
                                        f"or fix them (or use --write-clean-csv)")
-        if json_path:
-            import json
-
-            from engine.rundir.runlog import finite_or_null
-
-            write_text_atomic(json_path, json.dumps(finite_or_null(report), indent=2, allow_nan=False) + "\n")
+        write_json(report, json_path)
         if html_path:
             files = {item.name: item.file for item in data.items}
             write_text_atomic(html_path, render(report, files, f"Data audit: {len(data.items)} images, "

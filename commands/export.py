@@ -5,9 +5,10 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import CheckpointError
-from engine.rundir.checkpointer import read_checkpoint
+from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
-from engine.model_io.model_files import KIND_NAMES, model_file_kind
+from engine.model_io.model_file import KIND_NAMES
+from engine.model_io.model_files import model_file_kind
 
 
 def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int]) -> int:

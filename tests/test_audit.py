@@ -57,33 +57,39 @@ def folder_audit(tmp_path_factory):
     base = tmp_path_factory.mktemp("audit_folder")
     data = make_tree(base / "data", COUNTS)
     faults = inject_faults(data)
+    make_tree(data, {"a": 2, "b": 2, "c": 2}, splits=("test",), seed=7)  # a test split, with one val image
+    shutil.copy(data / "val" / "c" / "c_0000.png", data / "test" / "c" / "from_val.png")
     before = tree_digest(data)
     out = base / "out"
     done = audit(*tiny_overrides(data, base / "unused", **{"train.batch_size": 4, "optim.lr": 0.1}), "--folds", "2",
                  "--fold-epochs", "4",
                  "--json", str(out / "audit.json"), "--html", str(out / "audit.html"),
-                 "--write-clean-csv", str(out / "clean.csv"))
+                 "--write-clean-csv", str(out / "clean.csv"), "--drop-label-issues", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     return {"data": data, "faults": faults, "before": before, "after": tree_digest(data), "out": out,
             "report": json.loads((out / "audit.json").read_text()), "stderr": done.stderr}
 
 
 def pairs_of(report: dict) -> set[tuple[str, str]]:
-    return {(leak["train"], leak["val"]) for leak in report["leaks"]}
+    return {(leak["train"], leak["val"]) for leak in report["leaks"] if leak["splits"] == ["train", "val"]}
 
 
 def test_folder_audit_names_leaks_first_duplicates_and_unreadable_files(folder_audit):
     r, f = folder_audit["report"], folder_audit["faults"]
     assert pairs_of(r) == {f["leak"], f["near_leak"]}
+    assert [(x["val"], x["test"], x["distance"]) for x in r["leaks"] if x["splits"] == ["val", "test"]] == [
+        ("val/c/c_0000.png", "test/c/from_val.png", 0)]
+    assert len(r["leaks"]) == 3
     assert r["leaks"][0]["train"] == f["leak"][0] and r["leaks"][0]["distance"] == 0 and r["leaks"][0]["exact"]
-    assert 0 < r["leaks"][1]["distance"] <= r["near_threshold"]
+    near = next(x for x in r["leaks"] if x.get("val") == f["near_leak"][1])
+    assert 0 < near["distance"] <= r["near_threshold"] and not near["exact"] and r["leaks"][-1] is near  # exact first
     groups = {tuple(g["paths"]): g for g in r["duplicates"]}
     assert groups[f["copy"]]["kind"] == "exact" and groups[f["copy"]]["split"] == "train"
     assert groups[f["near"]]["kind"] == "near"
     assert len(r["duplicates"]) == 2  # no distinct images grouped
     assert r["unreadable"] == [f["broken"]]
     stderr = folder_audit["stderr"]
-    assert stderr.index("2 leak(s)") < stderr.index("duplicate group(s)")  # the most serious finding first
+    assert stderr.index("3 leak(s)") < stderr.index("duplicate group(s)")  # the most serious finding first
 
 
 def test_folder_audit_ranks_the_wrong_label_first_with_its_suggested_class(folder_audit):
@@ -99,10 +105,11 @@ def test_audit_reports_balance_and_shape(folder_audit):
     r = folder_audit["report"]
     assert r["class_counts"]["train"] == {"a": 12, "b": 11, "c": 11}  # broken.png is listed as training lists it
     assert r["class_counts"]["val"] == {"a": 5, "b": 5, "c": 4}
+    assert r["class_counts"]["test"] == {"a": 2, "b": 2, "c": 3}
     assert r["balance"]["small_classes"] == ["a", "b", "c"]  # under audit.min_class_images=20
     stats = r["image_stats"]
-    assert stats["count"] == 47 and stats["width"] == {"min": 24.0, "median": 24.0, "max": 32.0}
-    assert stats["formats"] == {"PNG": 45, "JPEG": 2} and stats["modes"] == {"RGB": 47}
+    assert stats["count"] == 54 and stats["width"] == {"min": 24.0, "median": 24.0, "max": 32.0}
+    assert stats["formats"] == {"PNG": 52, "JPEG": 2} and stats["modes"] == {"RGB": 54}
     assert any("fewer than 20" in line for line in r["advice"])
 
 
@@ -121,8 +128,8 @@ def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder
     assert f["leak"][0] not in names and f["near_leak"][0] not in names
     assert f["copy"][0] in names and f["copy"][1] not in names
     assert f["near"][0] in names and f["near"][1] not in names
-    assert f["broken"] not in names and f["wrong"] in names  # label issues stay unless asked
-    assert len(rows) == 34 - 5  # 34 training files less the broken one, two leaked and two duplicate copies
+    assert f["broken"] not in names and f["wrong"] not in names  # --drop-label-issues 1: the first issue
+    assert len(rows) == 34 - 6  # 34 training files less the broken one, 2 leaked and 2 duplicate copies, 1 issue
     cfg = load_config("base", [f"data.root={folder_audit['data']}", "data.format=csv",
                                f"data.train_csv={out / 'clean.csv'}", "data.val_fraction=0.2"])
     assert len(scan_sources(cfg).train_index) + len(scan_sources(cfg).val_index) == len(rows)

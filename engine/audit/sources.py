@@ -15,7 +15,7 @@ from pathlib import Path
 
 from core.errors import DataTreeError
 from data.csv_list import csv_index
-from data.folder import ImageFolderIndex, scan_split
+from data.folder import ImageIndex, scan_split
 from data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
 from data.sources import csv_base, read_list, scan_sources
 from data.split import relative_key
@@ -44,7 +44,7 @@ class AuditData:
         return list(dict.fromkeys(item.split for item in self.items))
 
 
-def _file_items(index: ImageFolderIndex, base: Path, split: str) -> list[AuditItem]:
+def _file_items(index: ImageIndex, base: Path, split: str) -> list[AuditItem]:
     return [AuditItem(relative_key(p, base), p, label, split) for p, label in zip(index.paths, index.labels)]
 
 
