@@ -48,7 +48,8 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], work: Path, host=N
                  ) -> tuple[list[dict], Optional[str], str, float]:
     """(label issues named, their source, a note for the reader, seconds)."""
     started = time.perf_counter()
-    pool = [i for i, (item, f) in enumerate(zip(data.items, facts)) if f.error is None and item.split in LABELLED_SPLITS]
+    pool = [i for i, (item, f) in enumerate(zip(data.items, facts))
+            if f.error is None and item.split in LABELLED_SPLITS]
     if checkpoint:
         loaded, model, device, amp = open_model(Path(checkpoint), cfg.train.device, host=host)
         unseen = unseen_by_checkpoint([data.items[i].name for i in pool], [data.items[i].split for i in pool],

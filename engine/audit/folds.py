@@ -59,7 +59,8 @@ def fold_config(cfg, work: Path, fold: int, epochs: int):
     c = copy.deepcopy(cfg)
     d = c.data
     d.format, d.root, d.builtin, d.val_fraction = "csv", None, None, None
-    d.train_csv, d.val_csv, d.classes = str(work / f"fold{fold}_train.csv"), str(work / f"fold{fold}_val.csv"), str(work / "classes.txt")
+    d.train_csv, d.val_csv = str(work / f"fold{fold}_train.csv"), str(work / f"fold{fold}_val.csv")
+    d.classes = str(work / "classes.txt")
     d.csv_path_column, d.csv_label_column = "path", "label"
     d.train_shards = d.val_shards = None
     d.train_samples = None

@@ -48,7 +48,8 @@ def _section(title: str, rows: list[str], total: int, empty: str, note: str = ""
         head += f'<p class="note">{html.escape(note)}</p>'
     if not total:
         return head + f'<p class="note">{html.escape(empty)}</p>'
-    more = f'<p class="note">the first {MAX_SHOWN} of {total} shown; the JSON lists all</p>' if total > MAX_SHOWN else ""
+    more = (f'<p class="note">the first {MAX_SHOWN} of {total} shown; the JSON lists all</p>'
+            if total > MAX_SHOWN else "")
     return head + more + "".join(rows[:MAX_SHOWN])
 
 
@@ -61,9 +62,9 @@ def render(report: dict, files: dict[str, str], title: str) -> str:
     leak_rows = []
     for leak in leaks:
         a, b = leak["splits"]
+        identical = " (identical bytes)" if leak["exact"] else ""
         leak_rows.append(f'<div class="row leak">{fig(leak[a], a)}{fig(leak[b], b)}'
-                         f'<span class="note">distance {leak["distance"]}{" (identical bytes)" if leak["exact"] else ""}'
-                         f'</span></div>')
+                         f'<span class="note">distance {leak["distance"]}{identical}</span></div>')
     dup_rows = [f'<div class="row dup"><span class="note">{html.escape(g["split"])}, {g["kind"]}, '
                 f'distance up to {g["distance"]}</span>{"".join(fig(p) for p in g["paths"][:12])}</div>'
                 for g in report["duplicates"][:MAX_SHOWN]]
