@@ -1,36 +1,12 @@
 """Config: loading, overrides, validation errors (exit 2 naming the key), base.yaml in step with the defaults."""
-import logging
 import re
-import sys
 
 import pytest
 import yaml
 
-import train
-from conftest import run_script, tiny_overrides
-from commands.cli import run_main
+from conftest import run_script, run_train_in_process, tiny_overrides
 from core.config import (CONFIG_DIR, Config, ConfigError, all_keys, load_config, read_yaml,
                            resolve_config_path)
-
-
-def run_train_in_process(monkeypatch, capsys, *argv) -> tuple[int, str]:
-    """train.py's main through the same exit-code mapping, without a subprocess."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            run_main(train.main)
-    finally:  # the run may have set up its own log handlers (onto captured streams): put pytest's back
-        for handler in root.handlers:
-            if handler not in handlers:
-                root.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
-    return exit_info.value.code, capsys.readouterr().err
 
 
 def test_unknown_key_exits_2_naming_it_and_the_close_match(tmp_path):

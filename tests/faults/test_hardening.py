@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, HalfWriter, class_image, make_tree, run_script, tiny_overrides, wait_for
-from test_faults import SETTINGS, exit_code, make_cfg
+from conftest import IN_PROCESS, REPO, HalfWriter, exit_code, make_cfg, class_image, make_tree, run_script, tiny_overrides, wait_for
 from commands.infer import format_predictions_table
 from core.config import ConfigError, load_config, read_yaml
 from core.safe_load import load_checkpoint
@@ -31,20 +30,6 @@ from engine.rundir.resume import resolve_resume
 from engine.rundir.run_lock import open_run_dir
 from engine.training.schedule import plan_run
 from engine.run.trainer import Trainer, run
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Path:
-    # 36 training images, batch 8: 4 optimizer steps per epoch.
-    return make_tree(tmp_path_factory.mktemp("hardening") / "data", {"a": (12, 3), "b": (12, 3), "c": (12, 3)})
-
-
-@pytest.fixture(scope="module")
-def finished_run(data_root, tmp_path_factory) -> Path:
-    """A 2-epoch run: last.pt (step 8), last.prev.pt (step 4), best.pt."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert run(make_cfg(data_root, out)) == 0
-    return out
-
 
 def copy_run(finished_run: Path, tmp_path: Path) -> Path:
     run_dir = tmp_path / "run"
@@ -107,14 +92,14 @@ def test_a_fifo_named_jpg_is_skipped_and_listed_in_scans_and_infer_inputs(tmp_pa
     assert item[1] is False and "not a regular file (a FIFO)" in item[3]
 
 
-def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(data_root, tmp_path):
+def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(faults_tree, tmp_path):
     """The FIFO used to block validation for ever (and infer.py too)."""
     root = tmp_path / "data"
-    shutil.copytree(data_root, root)
+    shutil.copytree(faults_tree, root)
     fifo = root / "val" / "a" / "pipe.jpg"
     os.mkfifo(fifo)
     out = tmp_path / "run"
-    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(SETTINGS | {
+    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(IN_PROCESS | {
         "train.epochs": 1, "data.num_workers": 2})), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{fifo} (a FIFO)" in (out / "train.log").read_text()
@@ -127,10 +112,10 @@ def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(data_ro
 
 # ---------------------------------------------------------------- resume on other data
 
-def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_what_changed(data_root, finished_run,
+def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_what_changed(faults_tree, finished_run,
                                                                                          tmp_path, capsys):
     smaller = make_tree(tmp_path / "smaller", {"a": 8, "b": 8, "c": 8}, splits=("train",))
-    shutil.copytree(data_root / "val", smaller / "val")
+    shutil.copytree(faults_tree / "val", smaller / "val")
     cfg = make_cfg(smaller, copy_run(finished_run, tmp_path))
     assert exit_code(lambda: run(cfg, resume="auto")) == 2
     err = capsys.readouterr().err
@@ -138,10 +123,10 @@ def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_wha
     assert "validation split" not in err and "Traceback" not in err
 
 
-def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another_root(data_root, finished_run,
+def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another_root(faults_tree, finished_run,
                                                                                      tmp_path, capsys):
     moved = tmp_path / "moved"
-    shutil.copytree(data_root, moved)
+    shutil.copytree(faults_tree, moved)
     run_dir = copy_run(finished_run, tmp_path)
     # Back to the end of epoch 1, so that the resumed run has an epoch to train.
     checkpoint.save_atomic(load_checkpoint(run_dir / "last.prev.pt"), run_dir / "last.pt")
@@ -149,26 +134,26 @@ def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another
     cfg = make_cfg(moved, run_dir)
     assert exit_code(lambda: run(cfg, resume="auto")) == 2
     assert "data (validation split): the same number of files (9), but other names or sizes" in capsys.readouterr().err
-    shutil.copy(data_root / "val" / "a" / "a_0000.png", moved / "val" / "a" / "a_0000.png")
+    shutil.copy(faults_tree / "val" / "a" / "a_0000.png", moved / "val" / "a" / "a_0000.png")
     assert run(make_cfg(moved, run_dir), resume="auto") == 0  # the same files under another data.root
     assert load_checkpoint(run_dir / "last.pt")["step"] == 8
 
 
 # ---------------------------------------------------------------- one run per run directory
 
-def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(data_root, tmp_path, capsys):
+def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(faults_tree, tmp_path, capsys):
     """Two runs 2 s apart into one directory: the second's temp-file clean-up deleted the first's checkpoint
     mid-save and both wrote train.log. Now the second exits 2 before touching anything."""
     out, marker = tmp_path / "run", tmp_path / "paused"
     first = subprocess.Popen([sys.executable, str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:1",
-                              "--", "--config", "base", *tiny_overrides(data_root, out, **SETTINGS)],
+                              "--", "--config", "base", *tiny_overrides(faults_tree, out, **IN_PROCESS)],
                              env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(first, marker.exists, "the first run's first save")
         log_before = (out / "train.log").read_text()
         files_before = sorted(p.name for p in out.iterdir())
-        cfg = make_cfg(data_root, out)
+        cfg = make_cfg(faults_tree, out)
         assert exit_code(lambda: run(cfg)) == 2
         err = capsys.readouterr().err
         assert f"is in use by another run (pid {first.pid} on " in err and "Traceback" not in err
@@ -183,7 +168,7 @@ def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(data
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
-def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(data_root, tmp_path, capsys,
+def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(faults_tree, tmp_path, capsys,
                                                                              monkeypatch, kind):
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")
@@ -195,7 +180,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(d
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
         monkeypatch.setattr(run_lock.tempfile, "mkstemp", read_only)
-    cfg = make_cfg(data_root, out)
+    cfg = make_cfg(faults_tree, out)
     assert exit_code(lambda: run(cfg)) == 2
     err = capsys.readouterr().err
     reason = {"a file": "a file of that name is in the way", "under a file": "a part of the path is a file",
@@ -212,7 +197,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(d
     ("unknown train_state key", "'train_state' has unknown keys ['surprise']"),
     ("rng without numpy", "'rng' lacks numpy"),
 ])
-def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(data_root, finished_run, tmp_path,
+def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(faults_tree, finished_run, tmp_path,
                                                                             capsys, damage, expected):
     run_dir = copy_run(finished_run, tmp_path)
     ckpt = load_checkpoint(run_dir / "last.pt")
@@ -225,7 +210,7 @@ def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(dat
     else:
         del ckpt["rng"]["numpy"]
     checkpoint.save_atomic(ckpt, run_dir / "last.pt")
-    cfg = make_cfg(data_root, run_dir)
+    cfg = make_cfg(faults_tree, run_dir)
     assert exit_code(lambda: run(cfg, resume="auto")) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
@@ -241,8 +226,8 @@ def test_resume_auto_from_last_prev_pt_warns_naming_the_file_and_its_step(finish
     assert any("last.pt" in m and "missing" in m and "last.prev.pt (epoch 1, step 4)" in m for m in warning), warning
 
 
-def test_resume_of_a_folder_says_it_is_a_folder(data_root, finished_run, tmp_path, capsys):
-    cfg = make_cfg(data_root, tmp_path / "run")
+def test_resume_of_a_folder_says_it_is_a_folder(faults_tree, finished_run, tmp_path, capsys):
+    cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume=str(finished_run))) == 2
     err = capsys.readouterr().err
     assert "is a folder, not a checkpoint file" in err and "does not exist" not in err
@@ -250,14 +235,14 @@ def test_resume_of_a_folder_says_it_is_a_folder(data_root, finished_run, tmp_pat
 
 # ---------------------------------------------------------------- --finetune from another architecture
 
-def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_the_share(data_root, finished_run,
+def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_the_share(faults_tree, finished_run,
                                                                                           tmp_path, capsys):
     source = str(finished_run / "best.pt")  # a test_resnet
-    cfg = make_cfg(data_root, tmp_path / "run", **{"model.name": "resnet10t"})
+    cfg = make_cfg(faults_tree, tmp_path / "run", **{"model.name": "resnet10t"})
     assert exit_code(lambda: run(cfg, finetune=source)) == 2
     err = capsys.readouterr().err
     assert f"--finetune {source}: only " in err and "model.name=test_resnet" in err and "--finetune-partial" in err
-    trainer = Trainer(make_cfg(data_root, tmp_path / "run2", **{"model.name": "resnet10t"}), finetune=source,
+    trainer = Trainer(make_cfg(faults_tree, tmp_path / "run2", **{"model.name": "resnet10t"}), finetune=source,
                       finetune_partial=True)
     try:
         trainer.setup()
@@ -266,8 +251,8 @@ def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_
     assert "WARNING --finetune: 0.0% of the model's parameters loaded from" in (tmp_path / "run2" / "train.log").read_text()
 
 
-def test_resume_and_finetune_together_are_a_usage_error(data_root, finished_run, tmp_path, capsys):
-    cfg = make_cfg(data_root, tmp_path / "run")
+def test_resume_and_finetune_together_are_a_usage_error(faults_tree, finished_run, tmp_path, capsys):
+    cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume="auto", finetune=str(finished_run / "best.pt"))) == 2
     assert "exclude each other" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
@@ -276,9 +261,9 @@ def test_resume_and_finetune_together_are_a_usage_error(data_root, finished_run,
 # ---------------------------------------------------------------- a full disk, a failing run's workers
 
 def test_a_full_disk_during_a_save_says_so_and_keeps_metrics_and_summary_with_the_last_checkpoint(
-        data_root, tmp_path, monkeypatch):
+        faults_tree, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(data_root, out))
+    trainer = Trainer(make_cfg(faults_tree, out))
     trainer.setup()
     real_fdopen, saves = os.fdopen, []
 
@@ -309,7 +294,7 @@ def test_a_failing_run_with_loader_workers_exits_at_once_without_a_worker_traceb
     for path in (root / "train" / "b").iterdir():
         path.write_bytes(b"junk")
     out = tmp_path / "run"
-    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(SETTINGS | {
+    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(IN_PROCESS | {
         "data.num_workers": 2, "data.max_bad_fraction": 1.0})), timeout=240)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "20 files of class 'b' in a row could not be read" in done.stderr

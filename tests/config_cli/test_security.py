@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, make_tree, tiny_overrides
+from conftest import exit_code, REPO, make_tree, tiny_overrides
 from core.errors import CheckpointError
 from core.safe_load import load_checkpoint
-from commands.cli import run_main
 from core.config import ConfigError, load_config, parse_override
 from engine.run.trainer import run
 
@@ -70,12 +69,6 @@ def test_load_checkpoint_refuses_a_pickle_that_would_run_code(tmp_path, marker, 
     assert "weights_only` set to `False`" not in message and "weights_only=False" not in message
 
 
-def exit_code(fn) -> int:
-    with pytest.raises(SystemExit) as info:
-        run_main(fn)
-    return info.value.code
-
-
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     return make_tree(tmp_path_factory.mktemp("sec") / "data", {"a": (8, 2), "b": (8, 2)})
@@ -121,7 +114,7 @@ YAML_PAYLOAD = "train:\n  epochs: !!python/object/apply:os.system ['touch {marke
 
 
 def test_a_yaml_config_with_python_tags_exits_2_and_runs_nothing(data_root, tmp_path, marker, monkeypatch, capsys):
-    """In-process through train.py's main (tests/test_config.py runs the same through a subprocess)."""
+    """In-process through train.py's main (tests/config_cli/test_config.py runs the same through a subprocess)."""
     import train
 
     config = tmp_path / "hostile.yaml"

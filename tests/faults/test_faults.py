@@ -14,44 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HalfWriter, make_tree, tiny_overrides
+from conftest import HalfWriter, exit_code, make_cfg, make_tree
 from engine.rundir import atomic_files as checkpoint
 from core.safe_load import load_checkpoint
 from engine.rundir.atomic_files import save_atomic
-from commands.cli import run_main
-from core.config import ConfigError, load_config
+from core.config import ConfigError
 from engine.rundir.resume import resolve_resume
 from engine.run.trainer import Trainer, run
 
-SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
-
-
-def make_cfg(data_root: Path, out: Path, **extra):
-    return load_config("base", tiny_overrides(data_root, out, **(SETTINGS | extra)))
-
-
-def exit_code(fn) -> int:
-    with pytest.raises(SystemExit) as info:
-        run_main(fn)
-    return info.value.code
-
-
 def finite(state_dict: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Path:
-    # 36 training images, batch 8: 4 optimizer steps per epoch.
-    return make_tree(tmp_path_factory.mktemp("faults") / "data", {"a": (12, 3), "b": (12, 3), "c": (12, 3)})
-
-
-@pytest.fixture(scope="module")
-def finished_run(data_root, tmp_path_factory) -> Path:
-    """A 2-epoch run: last.pt (step 8), last.prev.pt (step 4), best.pt."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert run(make_cfg(data_root, out)) == 0
-    return out
 
 
 # ---------------------------------------------------------------- save_atomic
@@ -183,11 +155,11 @@ def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_ru
         resolve_resume("auto", run_dir)
 
 
-def test_resume_auto_with_a_damaged_last_pt_continues_the_run(data_root, finished_run, tmp_path):
+def test_resume_auto_with_a_damaged_last_pt_continues_the_run(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     damage(run_dir / "last.pt", "truncated")
-    assert run(make_cfg(data_root, run_dir), resume="auto") == 0
+    assert run(make_cfg(faults_tree, run_dir), resume="auto") == 0
     log = (run_dir / "train.log").read_text()
     assert "trying the previous state" in log and "resuming from" in log and "last.prev.pt" in log
     # Epoch 2 was trained again from the end of epoch 1, and gives the same weights as the first time.
@@ -197,12 +169,12 @@ def test_resume_auto_with_a_damaged_last_pt_continues_the_run(data_root, finishe
 
 
 @pytest.mark.parametrize("how", ["missing", "truncated", "garbage"])
-def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(data_root, finished_run, tmp_path, how, capsys):
+def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(faults_tree, finished_run, tmp_path, how, capsys):
     target = tmp_path / "last.pt"
     if how != "missing":
         shutil.copy(finished_run / "last.pt", target)
         damage(target, how)
-    cfg = make_cfg(data_root, tmp_path / "run")
+    cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume=str(target))) == 2
     err = capsys.readouterr().err
     assert f"--resume {target}" in err
@@ -218,11 +190,11 @@ def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(data_root, finishe
     ({"data.scale": "[0.5,1.0]"}, "data.scale"),
     ({"optim.lr": 0.1, "train.seed": 3}, "optim.lr"),
 ])
-def test_resume_with_a_config_that_changes_the_math_exits_2_listing_the_keys(data_root, finished_run, tmp_path,
+def test_resume_with_a_config_that_changes_the_math_exits_2_listing_the_keys(faults_tree, finished_run, tmp_path,
                                                                                change, key, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
-    cfg = make_cfg(data_root, run_dir, **change)
+    cfg = make_cfg(faults_tree, run_dir, **change)
     assert exit_code(lambda: run(cfg, resume="auto")) == 2
     err = capsys.readouterr().err
     assert "--resume: the run would not continue the same training" in err and "--finetune" in err
@@ -241,13 +213,13 @@ def test_resume_with_different_classes_exits_2(finished_run, tmp_path, capsys):
     assert "classes: ['a', 'b', 'c'] -> ['a', 'b', 'c', 'd']" in err
 
 
-def test_resume_free_keys_may_change(data_root, finished_run, tmp_path):
+def test_resume_free_keys_may_change(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     ckpt = load_checkpoint(run_dir / "last.prev.pt")
     save_atomic(ckpt, run_dir / "last.pt")  # back to the end of epoch 1
     # batch_size=auto on resume keeps the batch of the run instead of searching again.
-    cfg = make_cfg(data_root, run_dir, **{"output.log_interval": 1, "checkpoint.every_steps": 3,
+    cfg = make_cfg(faults_tree, run_dir, **{"output.log_interval": 1, "checkpoint.every_steps": 3,
                                           "train.nonfinite": "skip", "train.batch_size": "auto",
                                           "output.overwrite": "true"})  # a resume deletes nothing
     assert run(cfg, resume="auto") == 0
@@ -257,9 +229,9 @@ def test_resume_free_keys_may_change(data_root, finished_run, tmp_path):
     assert all(torch.equal(redone["model"][k], original["model"][k]) for k in original["model"])
 
 
-def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(data_root, tmp_path):
+def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(data_root, out))
+    trainer = Trainer(make_cfg(faults_tree, out))
     trainer.setup()
     criterion, calls = trainer.step.criterion, [0]
 
@@ -278,9 +250,9 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(data_root
     assert "received SIGINT" in (out / "train.log").read_text()
 
 
-def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(data_root, finished_run, tmp_path):
+def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(faults_tree, finished_run, tmp_path):
     out = tmp_path / "tuned"
-    cfg = make_cfg(data_root, out, **{"train.batch_size": 4, "train.epochs": 1, "optim.lr": 0.01})
+    cfg = make_cfg(faults_tree, out, **{"train.batch_size": 4, "train.epochs": 1, "optim.lr": 0.01})
     trainer = Trainer(cfg, finetune=str(finished_run / "best.pt"))
     trainer.setup()
     source = load_checkpoint(finished_run / "best.pt")["model"]
@@ -294,8 +266,8 @@ def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(data_root, finis
     assert "--finetune: " in (out / "train.log").read_text()
 
 
-def test_resume_of_a_best_pt_is_refused_and_points_to_finetune(data_root, finished_run, tmp_path, capsys):
-    cfg = make_cfg(data_root, tmp_path / "run")
+def test_resume_of_a_best_pt_is_refused_and_points_to_finetune(faults_tree, finished_run, tmp_path, capsys):
+    cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume=str(finished_run / "best.pt"))) == 2
     assert "no training state" in capsys.readouterr().err
 
@@ -341,8 +313,8 @@ class NaNAt:
         return loss * float("nan") if self.calls in self.steps else loss
 
 
-def nan_trainer(data_root, out, steps, snapshot_before=(), **extra):
-    trainer = Trainer(make_cfg(data_root, out, **extra))
+def nan_trainer(faults_tree, out, steps, snapshot_before=(), **extra):
+    trainer = Trainer(make_cfg(faults_tree, out, **extra))
     trainer.setup()
     trainer.step.criterion = NaNAt(trainer.step.criterion, steps)
     snapshots, calls = {}, [0]
@@ -357,9 +329,9 @@ def nan_trainer(data_root, out, steps, snapshot_before=(), **extra):
     return trainer, snapshots
 
 
-def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(data_root, tmp_path):
+def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, before = nan_trainer(data_root, out, steps=[3], snapshot_before=[3], **{"checkpoint.every_steps": 2})
+    trainer, before = nan_trainer(faults_tree, out, steps=[3], snapshot_before=[3], **{"checkpoint.every_steps": 2})
     assert trainer.fit() == 1
     log = (out / "train.log").read_text()
     assert "non-finite loss or gradients at optimizer step 3" in log
@@ -370,9 +342,9 @@ def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(da
     assert not (out / "best.pt").exists()
 
 
-def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(data_root, tmp_path):
+def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, _ = nan_trainer(data_root, out, steps=[6])
+    trainer, _ = nan_trainer(faults_tree, out, steps=[6])
     assert trainer.fit() == 1
     assert "non-finite loss or gradients at optimizer step 6" in (out / "train.log").read_text()
     last, best = load_checkpoint(out / "last.pt"), load_checkpoint(out / "best.pt")
@@ -380,7 +352,7 @@ def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(data_r
     assert finite(last["model"]) and finite(best["model"])
 
 
-def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(data_root, tmp_path, monkeypatch):
+def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(faults_tree, tmp_path, monkeypatch):
     """Under `stop` the gradients are not checked on every step (their norm is a pass over all of them): step
     3's finite loss with inf gradients makes the weights, so step 4's loss, non-finite; the run stops there
     and last.pt keeps step 2. The norm runs only at the log lines (every 2nd step here)."""
@@ -388,7 +360,7 @@ def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(da
     real_norm = torch.nn.utils.get_total_norm
     monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *a, **k: norms.append(1) or real_norm(*a, **k))
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(data_root, out, **{"checkpoint.every_steps": 2, "output.log_interval": 2}))
+    trainer = Trainer(make_cfg(faults_tree, out, **{"checkpoint.every_steps": 2, "output.log_interval": 2}))
     trainer.setup()
     backward = [0]
 
@@ -404,9 +376,9 @@ def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(da
     assert len(norms) == 2  # the log lines of steps 2 and 4 only
 
 
-def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(data_root, tmp_path):
+def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, before = nan_trainer(data_root, out, steps=[3], snapshot_before=[3, 4],
+    trainer, before = nan_trainer(faults_tree, out, steps=[3], snapshot_before=[3, 4],
                                   **{"train.nonfinite": "skip"})
     assert trainer.fit() == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -419,9 +391,9 @@ def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(data_root, tmp_p
     assert finite(last["model"]) and last["step"] == 8
 
 
-def test_nonfinite_skip_stops_after_n_in_a_row_and_counts_every_skipped_step(data_root, tmp_path):
+def test_nonfinite_skip_stops_after_n_in_a_row_and_counts_every_skipped_step(faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, _ = nan_trainer(data_root, out, steps=[2, 3], **{"train.nonfinite": "skip",
+    trainer, _ = nan_trainer(faults_tree, out, steps=[2, 3], **{"train.nonfinite": "skip",
                                                                "train.max_nonfinite_in_row": 2,
                                                                "output.log_interval": 1})
     assert trainer.fit() == 1
@@ -442,7 +414,7 @@ def file_bytes(run_dir: Path) -> dict:
 
 @pytest.mark.parametrize("keep", ["all", "best_only"])
 def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_changes_nothing(
-        data_root, finished_run, tmp_path, capsys, keep):
+        faults_tree, finished_run, tmp_path, capsys, keep):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     if keep == "best_only":
@@ -450,7 +422,7 @@ def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_ch
         (run_dir / "last.prev.pt").unlink()
     before = file_bytes(run_dir)
     # a dry run, the way a newcomer replaced a good best.pt; --resume auto without a last.pt is a new run too
-    cfg = make_cfg(data_root, run_dir, **{"data.limit_train_batches": 1, "train.epochs": 1})
+    cfg = make_cfg(faults_tree, run_dir, **{"data.limit_train_batches": 1, "train.epochs": 1})
     assert exit_code(lambda: run(cfg, resume="auto" if keep == "best_only" else None)) == 2
     err = capsys.readouterr().err
     assert f"output.dir {run_dir} holds checkpoints of another run" in err
@@ -462,13 +434,13 @@ def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_ch
     assert file_bytes(run_dir) == before  # refused before any work
 
 
-def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(data_root, finished_run, tmp_path):
+def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     (run_dir / "notes.txt").write_text("the user's own file")
     (run_dir / "tensorboard").mkdir()
     (run_dir / "tensorboard" / "events.out.tfevents.1.old.0").write_bytes(b"old events")
-    assert run(make_cfg(data_root, run_dir, **{"train.epochs": 1, "output.overwrite": "true"})) == 0
+    assert run(make_cfg(faults_tree, run_dir, **{"train.epochs": 1, "output.overwrite": "true"})) == 0
     log = (run_dir / "train.log").read_text()
     assert log.index("output.overwrite=true: deleted the previous run's last.pt, last.prev.pt, best.pt, "
                      "summary.json, metrics.csv, config.yaml and 1 TensorBoard event file(s)") < log.index("data: ")
@@ -481,12 +453,12 @@ def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(data_root, f
     assert not (run_dir / "tensorboard" / "events.out.tfevents.1.old.0").exists()
 
 
-def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_further(data_root, finished_run,
+def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_further(faults_tree, finished_run,
                                                                                      tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     before = file_bytes(run_dir)
-    assert run(make_cfg(data_root, run_dir), resume="auto") == 0
+    assert run(make_cfg(faults_tree, run_dir), resume="auto") == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     line = (run_dir / "train.log").read_text().splitlines()[-1]
     assert f"the run in {run_dir} is complete (all 2 epochs done)" in line

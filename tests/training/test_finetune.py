@@ -18,7 +18,7 @@ from engine.training.optim import base_lr, build_optimizer, param_groups
 from engine.training.schedule import build_scheduler
 from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
                             pretrained_preprocessing)
-from test_config import run_train_in_process
+from conftest import run_train_in_process
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import class_image, make_tree, run_script, tiny_overrides
+from conftest import exit_code, class_image, make_tree, run_script, tiny_overrides
 from data.datasets import EvalDataset, TrainDataset
 from data.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.transforms import EvalTransform, TrainTransform
-from commands.cli import run_main
 from core.config import load_config
 from engine.run.trainer import run
 
@@ -275,12 +274,6 @@ def test_a_salted_tree_trains_keeps_the_classes_and_names_the_broken_files(tmp_p
     assert "32 training images" in log
     ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["classes"] == ["a", "b", "c"]
-
-
-def exit_code(fn) -> int:
-    with pytest.raises(SystemExit) as info:
-        run_main(fn)
-    return info.value.code
 
 
 @pytest.mark.parametrize("every_steps", [0, 1])

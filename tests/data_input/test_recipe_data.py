@@ -20,9 +20,9 @@ from data.samplers import TrainSampler
 from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
 from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
 from engine.run.trainer import run
-from test_config import run_train_in_process
-from test_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
-                         train_cmd)
+from conftest import run_train_in_process
+from kill_and_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
+                             train_cmd)
 
 POLICIES = ["randaugment", "trivialaugment", "autoaugment", "augmix"]
 
@@ -224,7 +224,7 @@ def test_a_checkpoint_from_before_the_recipe_keys_resumes_with_their_defaults():
 
 
 def test_sigkill_and_resume_with_randaugment_and_repeats_is_bitwise_equal(tmp_path):
-    """tests/test_resume.py's kill-and-resume, with RandAugment and repeated augmentation on: killed in epoch 2
+    """tests/faults/test_resume.py's kill-and-resume, with RandAugment and repeated augmentation on: killed in epoch 2
     with two loader workers, resumed with none, bitwise equal to the uninterrupted run."""
     data = make_tree(tmp_path / "data", {"a": (12, 4), "b": (12, 4), "c": (12, 4)})
     recipe = ["data.auto_augment=randaugment", "data.repeated_augment=2", "data.auto_augment_magnitude=12"]
