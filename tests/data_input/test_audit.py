@@ -74,6 +74,7 @@ def pairs_of(report: dict) -> set[tuple[str, str]]:
     return {(leak["train"], leak["val"]) for leak in report["leaks"] if leak["splits"] == ["train", "val"]}
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_folder_audit_names_leaks_first_duplicates_and_unreadable_files(folder_audit):
     r, f = folder_audit["report"], folder_audit["faults"]
     assert pairs_of(r) == {f["leak"], f["near_leak"]}
@@ -92,6 +93,7 @@ def test_folder_audit_names_leaks_first_duplicates_and_unreadable_files(folder_a
     assert stderr.index("3 leak(s)") < stderr.index("duplicate group(s)")  # the most serious finding first
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_folder_audit_ranks_the_wrong_label_first_with_its_suggested_class(folder_audit):
     r = folder_audit["report"]
     first = r["label_issues"][0]
@@ -101,6 +103,7 @@ def test_folder_audit_ranks_the_wrong_label_first_with_its_suggested_class(folde
     assert "2-fold" in r["label_issues_source"]
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_audit_reports_balance_and_shape(folder_audit):
     r = folder_audit["report"]
     assert r["class_counts"]["train"] == {"a": 12, "b": 11, "c": 11}  # broken.png is listed as training lists it
@@ -113,10 +116,12 @@ def test_audit_reports_balance_and_shape(folder_audit):
     assert any("fewer than 20" in line for line in r["advice"])
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_audit_never_changes_the_data(folder_audit):
     assert folder_audit["after"] == folder_audit["before"]
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
     from core.config import load_config
     from data.sources import scan_sources
@@ -135,6 +140,7 @@ def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder
     assert len(scan_sources(cfg).train_index) + len(scan_sources(cfg).val_index) == len(rows)
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_html_report_renders_offline_in_headless_chromium(folder_audit, tmp_path):
     page = (folder_audit["out"] / "audit.html").read_text()
     assert "http://" not in page and "https://" not in page and "<script" not in page
@@ -156,6 +162,7 @@ def test_html_report_renders_offline_in_headless_chromium(folder_audit, tmp_path
 # ---------------------------------------------------------------- other data formats (no label search)
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_val_fraction_audit_with_loader_workers_finds_copies_across_the_split(tmp_path):
     data = make_tree(tmp_path / "data", {"a": 12, "b": 12, "c": 12}, splits=("all",))
     data = data / "all"
@@ -172,6 +179,7 @@ def test_val_fraction_audit_with_loader_workers_finds_copies_across_the_split(tm
     assert r["timings"]["loader_workers"] == 2 and r["timings"]["images"] == 40
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_csv_audit_names_files_relative_to_the_root_and_lists_missing_rows(tmp_path):
     data = make_tree(tmp_path / "data", COUNTS)
     faults = inject_faults(data)
@@ -192,6 +200,7 @@ def test_csv_audit_names_files_relative_to_the_root_and_lists_missing_rows(tmp_p
     assert sorted(r["unreadable"]) == sorted([faults["broken"], "train/a/gone.png"])
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
     data = make_tree(tmp_path / "data", COUNTS)
     faults = inject_faults(data)
@@ -227,6 +236,7 @@ def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
 # ---------------------------------------------------------------- --checkpoint
 
 
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_checkpoint_label_search_uses_only_images_it_did_not_train_on(tmp_path):
     import torch
 
@@ -253,6 +263,7 @@ def test_checkpoint_label_search_uses_only_images_it_did_not_train_on(tmp_path):
     (["--checkpoint", "nothing.pt"], "--checkpoint nothing.pt: no such file"),
     (["audit.fold=2"], "audit.folds"),
 ])
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_bad_arguments_exit_2_before_any_work_naming_the_fix(tmp_path, args, words):
     data = make_tree(tmp_path / "data", {"a": 2, "b": 2})
     done = audit(f"data.root={data}", *args, "--json", str(tmp_path / "a.json"), timeout=120)
