@@ -9,6 +9,7 @@ from core.config import (CONFIG_DIR, Config, ConfigError, all_keys, load_config,
                            resolve_config_path)
 
 
+@pytest.mark.slow
 def test_unknown_key_exits_2_naming_it_and_the_close_match(tmp_path):
     result = run_script("train.py", "--config", "quickstart", "train.epochz=3", f"output.dir={tmp_path / 'run'}")
     assert result.returncode == 2
@@ -73,6 +74,7 @@ def test_out_of_range_is_refused_naming_the_key(override, key):
     assert f"'{key}'" in str(err.value)
 
 
+@pytest.mark.slow
 def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "quickstart", "train.epochs=0",
                                      f"output.dir={tmp_path / 'run'}")
@@ -83,6 +85,7 @@ def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_missing_data_root_exits_2_naming_the_path(monkeypatch, capsys, tmp_path):
     missing = tmp_path / "no" / "such" / "images"
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet18", f"data.root={missing}",
@@ -91,6 +94,7 @@ def test_missing_data_root_exits_2_naming_the_path(monkeypatch, capsys, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_data_root_without_val_split_exits_2_naming_the_split(monkeypatch, capsys, tmp_path):
     (tmp_path / "data" / "train" / "a").mkdir(parents=True)
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet18", f"data.root={tmp_path / 'data'}",
@@ -98,11 +102,13 @@ def test_data_root_without_val_split_exits_2_naming_the_split(monkeypatch, capsy
     assert code == 2 and "val/" in err
 
 
+@pytest.mark.slow
 def test_unset_data_root_exits_2_saying_how_to_set_it(monkeypatch, capsys, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet50", f"output.dir={tmp_path / 'run'}")
     assert code == 2 and "data.root" in err
 
 
+@pytest.mark.slow
 def test_yaml_with_python_tag_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.yaml"
@@ -194,6 +200,7 @@ def test_resolved_config_round_trips(tmp_path):
     assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
 
 
+@pytest.mark.slow
 def test_min_lr_above_the_scaled_peak_exits_2(monkeypatch, capsys, tiny_tree, tmp_path):
     # peak = 0.05 x 8 / 256 = 0.0015625 after linear scaling; a min_lr above it would make the cosine rise
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
@@ -221,6 +228,7 @@ def test_bad_recipe_combinations_are_refused_naming_the_keys(overrides, names):
     assert all(name in str(err.value) for name in names), str(err.value)
 
 
+@pytest.mark.slow
 def test_a_bad_recipe_combination_exits_2_through_train_py(monkeypatch, capsys, tiny_tree, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
                                      *tiny_overrides(tiny_tree, tmp_path / "run"), "schedule.name=multistep",

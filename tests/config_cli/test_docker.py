@@ -3,6 +3,7 @@ non-root user, `python` is the entrypoint in /app, the base image carries the pi
 reinstalled over the base's, and .dockerignore keeps data, runs and environments out of the image."""
 from __future__ import annotations
 
+import pytest
 import json
 import re
 import shlex
@@ -40,12 +41,14 @@ def hadolint_binary() -> str:
     return found
 
 
+@pytest.mark.slow
 def test_dockerfile_passes_hadolint():
     result = subprocess.run([hadolint_binary(), "--no-color", "Dockerfile"], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_hadolint_fails_a_bad_dockerfile(tmp_path):
     # the lint really runs: a root image with an unpinned apt-get install is reported
     bad = tmp_path / "Dockerfile"
@@ -77,6 +80,7 @@ def test_base_image_carries_the_pinned_torch():
     assert tag.startswith(f"{pinned}-cuda") and tag.endswith("-runtime"), tag
 
 
+@pytest.mark.slow
 def test_requirements_install_keeps_the_base_torch():
     # run the Dockerfile's own filter on requirements.txt: everything but torch / torchvision remains
     run = next(rest for word, rest in instructions() if word == "RUN" and "grep" in rest)

@@ -49,6 +49,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_help_and_usage_errors_do_not_import_torch(case, tmp_path):
     script, args, want = CASES[case]
@@ -64,6 +65,7 @@ def test_help_and_usage_errors_do_not_import_torch(case, tmp_path):
         assert "error" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_train_help_lists_the_configs_and_points_to_base_yaml(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)

@@ -248,6 +248,7 @@ def salted_tree(root: Path) -> tuple[Path, list[str], list[str]]:
     return root, sorted(bad_train), [str(bad_val)]
 
 
+@pytest.mark.slow
 def test_a_salted_tree_trains_keeps_the_classes_and_names_the_broken_files(tmp_path):
     root, bad_train, bad_val = salted_tree(tmp_path / "data")
     out = tmp_path / "run"
@@ -276,6 +277,7 @@ def test_a_salted_tree_trains_keeps_the_classes_and_names_the_broken_files(tmp_p
     assert ckpt["classes"] == ["a", "b", "c"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every_steps", [0, 1])
 def test_more_broken_files_than_max_bad_fraction_exits_1_listing_them(tmp_path, capsys, every_steps):
     """Checked at the epoch end, and at each mid-epoch checkpoint (which stops the run sooner)."""
@@ -303,6 +305,7 @@ def test_more_broken_files_than_max_bad_fraction_exits_1_listing_them(tmp_path, 
     assert not (out / "last.pt").exists() or torch.load(out / "last.pt", weights_only=True)["step"] < 4
 
 
+@pytest.mark.slow
 def test_broken_validation_files_above_the_limit_exit_1(tmp_path, capsys):
     root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
     (root / "val" / "a" / "a_0000.png").write_bytes(b"")
@@ -313,6 +316,7 @@ def test_broken_validation_files_above_the_limit_exit_1(tmp_path, capsys):
     assert "1 of 4 validation files could not be read" in err and "a_0000.png" in err
 
 
+@pytest.mark.slow
 def test_an_empty_class_folder_exits_2_naming_it(tmp_path, capsys):
     root = make_tree(tmp_path / "data", {"a": 4, "b": 4})
     (root / "train" / "empty_cls").mkdir()
@@ -325,6 +329,7 @@ def test_an_empty_class_folder_exits_2_naming_it(tmp_path, capsys):
     assert "class folder(s) with no image files: empty_cls" in err
 
 
+@pytest.mark.slow
 def test_train_and_val_class_sets_that_differ_exit_2_listing_the_difference(tmp_path, capsys):
     root = make_tree(tmp_path / "data", {"a": 4, "b": 4, "c": (4, 0)}, splits=("train", "val"))
     (root / "val" / "c").rmdir()

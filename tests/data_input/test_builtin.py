@@ -23,6 +23,7 @@ def test_digits_written_once_into_an_empty_folder(tmp_path):
     assert marker.stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_a_folder_holding_other_files_is_never_overwritten(tmp_path):
     mine = tmp_path / "my_data"
     (mine / "train" / "cat").mkdir(parents=True)

@@ -72,6 +72,7 @@ def read_list(path: Path) -> list[tuple[str, str]]:
         return [(row["path"], row["label"]) for row in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 def test_split_is_written_recorded_and_eval_reproduces_best_on_the_held_out_files(split_run, tmp_path):
     data, run_dir = split_run
     val, train = read_list(run_dir / "split_val.csv"), read_list(run_dir / "split_train.csv")
@@ -96,6 +97,7 @@ def test_split_is_written_recorded_and_eval_reproduces_best_on_the_held_out_file
     assert doc["split"] == "held_out" and "held out by data.val_fraction=0.25" in result.stdout
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_split(split_run, tmp_path):
     data, run_dir = split_run
     run_copy = tmp_path / "run"
@@ -186,6 +188,7 @@ def test_csv_config_mistakes_exit_2(csv_data):
         load_config("base", ["data.val_fraction=1.0"])
 
 
+@pytest.mark.slow
 def test_missing_files_are_counted_and_above_the_limit_stop_before_training(csv_data, tmp_path):
     rows = read_list(csv_data / "train.csv") + [(f"images/gone_{i}.png", "cat") for i in range(2)]
     listed = write_csv(tmp_path / "train.csv", rows)
@@ -206,6 +209,7 @@ def test_missing_files_are_counted_and_above_the_limit_stop_before_training(csv_
     assert result.returncode == 2 and "line 3: label 'yak'" in result.stderr
 
 
+@pytest.mark.slow
 def test_training_from_csv_lists_and_eval_on_best_and_on_a_csv(csv_data, tmp_path):
     run_dir = tmp_path / "run"
     result = run_script("train.py", "--config", "base", *tiny_overrides(csv_data, run_dir, **{

@@ -38,6 +38,7 @@ class FakeClock:
         return self.now
 
 
+@pytest.mark.slow
 def test_slow_data_is_reported_once_with_advice(tmp_path, tiny_tree, monkeypatch):
     clock = FakeClock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)

@@ -146,6 +146,7 @@ def test_repeated_augment_through_the_loader(photos):
         assert len({bytes(im.numpy()) for im in images}) == 4
 
 
+@pytest.mark.slow
 def test_weighted_or_sequential_sampler_with_repeated_augment_exits_2_naming_both_keys(monkeypatch, capsys,
                                                                                       tmp_path):
     for sampler in ("weighted", "sequential"):
@@ -171,6 +172,7 @@ def test_eval_img_size_sets_the_eval_transform_and_the_start_up_lines(photos):
     assert eval_transform(load_config(None, tiny_overrides(photos, photos / "x")).data).img_size == 16
 
 
+@pytest.mark.slow
 def test_validation_checkpoint_and_eval_use_eval_img_size(photos, tmp_path):
     """A resnet10t trained at 16 px, validated at 24 (its global pooling takes any size): best.pt records the
     eval size, eval.py reproduces validation exactly from it (an override still changes the size), and
@@ -223,6 +225,7 @@ def test_a_checkpoint_from_before_the_recipe_keys_resumes_with_their_defaults():
                                                   "data.repeated_augment: 1 -> 2"]
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_with_randaugment_and_repeats_is_bitwise_equal(tmp_path):
     """tests/faults/test_resume.py's kill-and-resume, with RandAugment and repeated augmentation on: killed in epoch 2
     with two loader workers, resumed with none, bitwise equal to the uninterrupted run."""

@@ -56,6 +56,7 @@ def shard_overrides(base: Path, out: Path, **extra) -> list[str]:
         "data.max_bad_fraction": 0.05, **extra})
 
 
+@pytest.mark.slow
 def test_writer_shards_hold_every_sample_with_its_label(shard_data):
     urls = expand_shards(str(shard_data / "val" / "shard-{000000..000002}.tar"))
     assert shards.count_samples(urls) == [5, 5, 5]
@@ -91,6 +92,7 @@ def same_batches(a: list, b: list) -> bool:
                                     for x, y in zip(p, q))
 
 
+@pytest.mark.slow
 def test_training_stream_is_a_function_of_seed_epoch_and_batch_and_resumes_at_any_batch(shard_data, monkeypatch):
     stream = train_stream(shard_data, workers=2)
     stream.set_epoch(3)
@@ -105,6 +107,7 @@ def test_training_stream_is_a_function_of_seed_epoch_and_batch_and_resumes_at_an
     assert not same_batches(loader_order(stream, monkeypatch, 2), full)
 
 
+@pytest.mark.slow
 def test_ranks_read_disjoint_shards_each_epoch_and_workers_split_them(shard_data):
     for epoch in (0, 1):
         owned = []
@@ -120,6 +123,7 @@ def test_ranks_read_disjoint_shards_each_epoch_and_workers_split_them(shard_data
         train_stream(shard_data, 0, 2, workers=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, workers, limit", [(1, 1, None), (2, 1, None), (2, 2, None), (3, 2, 7)])
 def test_validation_stream_counts_every_sample_once_at_any_world_size(shard_data, monkeypatch, world, workers, limit):
     index = shard_index(str(shard_data / "val" / "shard-{000000..000002}.tar"), ["a", "b", "c"], None, "val")
@@ -149,6 +153,7 @@ def shard_run(shard_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_training_on_shards_skips_broken_samples_and_eval_reproduces_best(shard_data, shard_run, tmp_path):
     summary = json.loads((shard_run / "summary.json").read_text())
     assert summary["best"]["num_samples"] == 15 and summary["steps_completed"] == 2 * (42 // 8)
@@ -163,6 +168,7 @@ def test_training_on_shards_skips_broken_samples_and_eval_reproduces_best(shard_
     assert {k: json.loads(report.read_text())[k] for k in METRIC_KEYS} == summary["best"]
 
 
+@pytest.mark.slow
 def test_benchmark_times_the_shard_loader(shard_data, tmp_path):
     result = run_script("benchmark.py", "--config", "base", "--mode", "loader", "--steps", "3", "--rounds", "1",
                         *shard_overrides(shard_data, tmp_path / "bench"))
@@ -172,6 +178,7 @@ def test_benchmark_times_the_shard_loader(shard_data, tmp_path):
     assert report["img_per_s"] > 0 and report["cpu_ms_per_img"] > 0
 
 
+@pytest.mark.slow
 def test_two_process_ddp_on_shards_validates_each_sample_once_and_matches_eval(shard_data, shard_run, tmp_path):
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -189,6 +196,7 @@ def test_two_process_ddp_on_shards_validates_each_sample_once_and_matches_eval(s
     assert doc["loss"] == pytest.approx(summary["best"]["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_on_shards_then_resume_is_bitwise_equal(shard_data, shard_run, tmp_path):
     run, marker = tmp_path / "run", tmp_path / "paused"
     args = shard_overrides(shard_data, run, **{"checkpoint.every_steps": 1})

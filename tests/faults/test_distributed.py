@@ -103,6 +103,7 @@ def ddp_run(data_root, tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_torchrun_run_completes_with_world_size_in_batch_and_lr(ddp_run):
     out, result = ddp_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -116,6 +117,7 @@ def test_torchrun_run_completes_with_world_size_in_batch_and_lr(ddp_run):
     assert "2 process(es)" in (out / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_validation_counts_each_sample_once_and_equals_single_process_eval(ddp_run, data_root):
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -135,6 +137,7 @@ def test_validation_counts_each_sample_once_and_equals_single_process_eval(ddp_r
     assert_same_metrics(summary["best"], json.loads(report.read_text()))
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes(ddp_run):
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -149,6 +152,7 @@ def test_only_rank_zero_writes(ddp_run):
         assert [r["epoch"] for r in csv.DictReader(f)] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_weighted_sampler_unreadable_files_and_limited_validation_under_ddp(tmp_path):
     # class c has 2 training images, one unreadable: the balanced sampler draws it on some rank, and it
     # is replaced there; the 2nd validation image (rank 1's shard) is unreadable and left out.
@@ -169,6 +173,7 @@ def test_weighted_sampler_unreadable_files_and_limited_validation_under_ddp(tmp_
                         evaluate_checkpoint(out / "best.pt", data, limit_samples=BATCH, unreadable=[1]))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_all_ranks_at_one_point_and_the_resumed_run_equals_the_uninterrupted_one(
         ddp_run, data_root, tmp_path):
     reference, _ = ddp_run
@@ -213,6 +218,7 @@ def test_sigterm_stops_all_ranks_at_one_point_and_the_resumed_run_equals_the_uni
     assert got["best"] == want["best"] and got["best_epoch"] == want["best_epoch"]
 
 
+@pytest.mark.slow
 def test_sigterm_during_validation_stops_all_ranks_at_one_validation_batch(data_root, tmp_path):
     """The signal arrives while both ranks validate epoch 1: they agree at the next check, save one last.pt
     at the end of that epoch's training and stop, instead of finishing the pass (torchrun waits 30 s)."""
@@ -233,6 +239,7 @@ def test_sigterm_during_validation_stops_all_ranks_at_one_validation_batch(data_
     assert not (out / "best.pt").exists()
 
 
+@pytest.mark.slow
 def test_failed_process_group_start_is_one_clear_line(data_root, tmp_path):
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": "not-a-port"}
     result = run_script("train.py", "--config", "resnet18", *ddp_overrides(data_root, tmp_path / "run"), env=env)
@@ -244,6 +251,7 @@ def test_failed_process_group_start_is_one_clear_line(data_root, tmp_path):
 
 # ---------------------------------------------------------------- in-process: the loop, samplers, SyncBN
 
+@pytest.mark.slow
 def test_a_step_nonfinite_on_one_rank_is_skipped_on_all_ranks(tmp_path):
     # the worker lives in a small module so that the spawned processes import little
     torch.multiprocessing.spawn(nonfinite_on_one_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
@@ -253,6 +261,7 @@ def test_a_step_nonfinite_on_one_rank_is_skipped_on_all_ranks(tmp_path):
         assert torch.equal(a, b)   # the replicas stayed identical
 
 
+@pytest.mark.slow
 def test_every_rank_computes_with_the_fewest_threads_any_rank_chose(tmp_path):
     # each rank reads its own machine's load; the checkpoint records one count, so all ranks use it
     torch.multiprocessing.spawn(thread_counts_agreed, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
@@ -306,6 +315,7 @@ def test_shard_sampler_is_unpadded_and_limits_the_same_samples(n, limit):
     assert list(UnpaddedEvalSampler(n, 0, 1, limit)) == expected
 
 
+@pytest.mark.slow
 def test_sync_bn_on_cpu_processes_is_refused_before_any_work(data_root, tmp_path):
     # PyTorch's SyncBatchNorm runs only on GPUs: under DDP on CPU the run stops with exit 2 before the
     # process group starts (so no torchrun is needed to see it).

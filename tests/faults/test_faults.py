@@ -82,6 +82,7 @@ def test_a_second_signal_during_a_save_waits_until_the_file_is_whole(tmp_path, m
     assert load_checkpoint(path)["step"] == 3
 
 
+@pytest.mark.slow
 def test_a_save_removes_temp_files_left_by_a_killed_save_and_only_those(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a writer that is gone, as a SIGKILLed run is
@@ -140,6 +141,7 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(b"")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbage", "empty"])
 def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_run, tmp_path, how, caplog):
     run_dir = tmp_path / "run"
@@ -155,6 +157,7 @@ def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_ru
         resolve_resume("auto", run_dir)
 
 
+@pytest.mark.slow
 def test_resume_auto_with_a_damaged_last_pt_continues_the_run(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
@@ -168,6 +171,7 @@ def test_resume_auto_with_a_damaged_last_pt_continues_the_run(faults_tree, finis
     assert all(torch.equal(redone["model"][k], original["model"][k]) for k in original["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["missing", "truncated", "garbage"])
 def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(faults_tree, finished_run, tmp_path, how, capsys):
     target = tmp_path / "last.pt"
@@ -183,6 +187,7 @@ def test_explicit_resume_of_a_missing_or_damaged_file_exits_2(faults_tree, finis
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, key", [
     ({"model.name": "resnet10t"}, "model.name"),
     ({"train.batch_size": 4}, "train.batch_size"),
@@ -203,6 +208,7 @@ def test_resume_with_a_config_that_changes_the_math_exits_2_listing_the_keys(fau
     assert key in err
 
 
+@pytest.mark.slow
 def test_resume_with_different_classes_exits_2(finished_run, tmp_path, capsys):
     other = make_tree(tmp_path / "other", {"a": (12, 3), "b": (12, 3), "c": (12, 3), "d": (12, 3)})
     run_dir = tmp_path / "run"
@@ -213,6 +219,7 @@ def test_resume_with_different_classes_exits_2(finished_run, tmp_path, capsys):
     assert "classes: ['a', 'b', 'c'] -> ['a', 'b', 'c', 'd']" in err
 
 
+@pytest.mark.slow
 def test_resume_free_keys_may_change(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
@@ -229,6 +236,7 @@ def test_resume_free_keys_may_change(faults_tree, finished_run, tmp_path):
     assert all(torch.equal(redone["model"][k], original["model"][k]) for k in original["model"])
 
 
+@pytest.mark.slow
 def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tree, tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(make_cfg(faults_tree, out))
@@ -250,6 +258,7 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tr
     assert "received SIGINT" in (out / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(faults_tree, finished_run, tmp_path):
     out = tmp_path / "tuned"
     cfg = make_cfg(faults_tree, out, **{"train.batch_size": 4, "train.epochs": 1, "optim.lr": 0.01})
@@ -266,6 +275,7 @@ def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(faults_tree, fin
     assert "--finetune: " in (out / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_resume_of_a_best_pt_is_refused_and_points_to_finetune(faults_tree, finished_run, tmp_path, capsys):
     cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume=str(finished_run / "best.pt"))) == 2
@@ -287,6 +297,7 @@ def non_plain(obj, where="") -> list:
     return [] if isinstance(obj, PLAIN) else [f"{where}: {type(obj).__name__}"]
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_only_tensors_numbers_strings_lists_and_dicts(finished_run):
     for name in ("last.pt", "best.pt"):
         ckpt = torch.load(finished_run / name, map_location="cpu", weights_only=True)
@@ -352,6 +363,7 @@ def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(faults
     assert finite(last["model"]) and finite(best["model"])
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(faults_tree, tmp_path, monkeypatch):
     """Under `stop` the gradients are not checked on every step (their norm is a pass over all of them): step
     3's finite loss with inf gradients makes the weights, so step 4's loss, non-finite; the run stops there
@@ -412,6 +424,7 @@ def file_bytes(run_dir: Path) -> dict:
     return {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", ["all", "best_only"])
 def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_changes_nothing(
         faults_tree, finished_run, tmp_path, capsys, keep):
@@ -434,6 +447,7 @@ def test_a_new_run_in_a_directory_with_checkpoints_of_another_run_exits_2_and_ch
     assert file_bytes(run_dir) == before  # refused before any work
 
 
+@pytest.mark.slow
 def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(faults_tree, finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
@@ -453,6 +467,7 @@ def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(faults_tree,
     assert not (run_dir / "tensorboard" / "events.out.tfevents.1.old.0").exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_further(faults_tree, finished_run,
                                                                                      tmp_path):
     run_dir = tmp_path / "run"

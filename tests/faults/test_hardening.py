@@ -49,6 +49,7 @@ print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("links", [("self",), ("up",), ("self", "up"), ("outside",)])
 def test_links_in_a_class_folder_neither_repeat_nor_relabel_images(tmp_path, links):
     """`ln -s . a/self` counted class a 40 times over, `ln -s .. a/up` labelled b's files as a, and both
@@ -92,6 +93,7 @@ def test_a_fifo_named_jpg_is_skipped_and_listed_in_scans_and_infer_inputs(tmp_pa
     assert item[1] is False and "not a regular file (a FIFO)" in item[3]
 
 
+@pytest.mark.slow
 def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(faults_tree, tmp_path):
     """The FIFO used to block validation for ever (and infer.py too)."""
     root = tmp_path / "data"
@@ -112,6 +114,7 @@ def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(faults_
 
 # ---------------------------------------------------------------- resume on other data
 
+@pytest.mark.slow
 def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_what_changed(faults_tree, finished_run,
                                                                                          tmp_path, capsys):
     smaller = make_tree(tmp_path / "smaller", {"a": 8, "b": 8, "c": 8}, splits=("train",))
@@ -123,6 +126,7 @@ def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_wha
     assert "validation split" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another_root(faults_tree, finished_run,
                                                                                      tmp_path, capsys):
     moved = tmp_path / "moved"
@@ -141,6 +145,7 @@ def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another
 
 # ---------------------------------------------------------------- one run per run directory
 
+@pytest.mark.slow
 def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(faults_tree, tmp_path, capsys):
     """Two runs 2 s apart into one directory: the second's temp-file clean-up deleted the first's checkpoint
     mid-save and both wrote train.log. Now the second exits 2 before touching anything."""
@@ -167,6 +172,7 @@ def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(faul
     lock.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
 def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(faults_tree, tmp_path, capsys,
                                                                              monkeypatch, kind):
@@ -191,6 +197,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(f
 
 # ---------------------------------------------------------------- damaged but loadable checkpoints
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, expected", [
     ("no rng", "'rng' is missing"),
     ("missing weights", "the checkpoint's 'model' does not load"),
@@ -217,6 +224,7 @@ def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(fau
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.slow
 def test_resume_auto_from_last_prev_pt_warns_naming_the_file_and_its_step(finished_run, tmp_path, caplog):
     run_dir = copy_run(finished_run, tmp_path)
     (run_dir / "last.pt").unlink()
@@ -226,6 +234,7 @@ def test_resume_auto_from_last_prev_pt_warns_naming_the_file_and_its_step(finish
     assert any("last.pt" in m and "missing" in m and "last.prev.pt (epoch 1, step 4)" in m for m in warning), warning
 
 
+@pytest.mark.slow
 def test_resume_of_a_folder_says_it_is_a_folder(faults_tree, finished_run, tmp_path, capsys):
     cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume=str(finished_run))) == 2
@@ -235,6 +244,7 @@ def test_resume_of_a_folder_says_it_is_a_folder(faults_tree, finished_run, tmp_p
 
 # ---------------------------------------------------------------- --finetune from another architecture
 
+@pytest.mark.slow
 def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_the_share(faults_tree, finished_run,
                                                                                           tmp_path, capsys):
     source = str(finished_run / "best.pt")  # a test_resnet
@@ -251,6 +261,7 @@ def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_
     assert "WARNING --finetune: 0.0% of the model's parameters loaded from" in (tmp_path / "run2" / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_resume_and_finetune_together_are_a_usage_error(faults_tree, finished_run, tmp_path, capsys):
     cfg = make_cfg(faults_tree, tmp_path / "run")
     assert exit_code(lambda: run(cfg, resume="auto", finetune=str(finished_run / "best.pt"))) == 2
@@ -260,6 +271,7 @@ def test_resume_and_finetune_together_are_a_usage_error(faults_tree, finished_ru
 
 # ---------------------------------------------------------------- a full disk, a failing run's workers
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_says_so_and_keeps_metrics_and_summary_with_the_last_checkpoint(
         faults_tree, tmp_path, monkeypatch):
     out = tmp_path / "run"
@@ -287,6 +299,7 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_metrics_and_summary_with_th
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_failing_run_with_loader_workers_exits_at_once_without_a_worker_traceback(tmp_path):
     """Every file of a class junk (re-draws give up): the workers were left to interpreter exit, which
     waited out their 60 s SIGTERM grace and printed 'DataLoader worker ... killed by signal: Alarm clock'."""
@@ -302,6 +315,7 @@ def test_a_failing_run_with_loader_workers_exits_at_once_without_a_worker_traceb
     assert "Traceback" not in done.stderr  # the worker's traceback is not the message
 
 
+@pytest.mark.slow
 def test_a_validation_of_zero_samples_is_an_error_not_a_best(tmp_path, capsys):
     root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
     for path in (root / "val").rglob("*.png"):
@@ -328,6 +342,7 @@ def test_nan_inf_and_extreme_config_values_are_refused_naming_the_key(override):
     assert f"'{override.split('=')[0]}'" in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_nan_value_exits_2_through_train_py_before_any_work(tmp_path):
     done = run_script("train.py", "--config", "quickstart", "optim.lr=.nan", f"output.dir={tmp_path / 'run'}")
     assert done.returncode == 2 and "'optim.lr' = nan" in done.stderr and "finite" in done.stderr
@@ -361,6 +376,7 @@ def test_accum_steps_larger_than_the_epoch_is_clamped_and_the_true_effective_bat
     assert "train.accum_steps=11 is more than the 4 batches of an epoch" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_split_with_one_class_exits_2(tmp_path, capsys):
     root = make_tree(tmp_path / "data", {"only": (8, 2)})
     cfg = make_cfg(root, tmp_path / "run")
@@ -370,6 +386,7 @@ def test_a_split_with_one_class_exits_2(tmp_path, capsys):
 
 # ---------------------------------------------------------------- eval.py / infer.py outputs
 
+@pytest.mark.slow
 def test_output_files_that_are_folders_are_refused_before_any_work(tmp_path, capsys):
     import eval as eval_script
     import infer as infer_script

@@ -37,6 +37,7 @@ def reference(data_root, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(data_root, reference, tmp_path):
     run, marker = tmp_path / "run", tmp_path / "paused"
     # Killed in epoch 2 after its first step (step 5 of 8), loader workers mid-prefetch. Epoch 1 wrote
@@ -52,6 +53,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(data_root, reference, tm
     assert_same_result(run, reference)
 
 
+@pytest.mark.slow
 def test_sigkill_early_during_a_save_and_during_validation(data_root, reference, tmp_path):
     """One run killed twice: halfway through writing its 2nd last.pt, then inside a validation pass."""
     run, marker = tmp_path / "run", tmp_path / "paused"
@@ -76,6 +78,7 @@ def test_sigkill_early_during_a_save_and_during_validation(data_root, reference,
     assert_same_result(run, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code, to_group", [
     (signal.SIGTERM, 143, True),   # a batch scheduler (Slurm) signals every process: loader workers too
     (signal.SIGINT, 130, True),    # Ctrl-C in a terminal reaches the whole foreground process group
@@ -115,6 +118,7 @@ RECIPE = ["train.mixup_alpha=0.4", "train.cutmix_alpha=1.0", "train.mix_prob=0.8
           "model.ema_warmup=true", "train.accum_steps=2", "data.num_workers=0"]
 
 
+@pytest.mark.slow
 def test_sigkill_with_erasing_mixup_and_cutmix_on_resumes_bitwise_equal(data_root, tmp_path):
     reference, run, marker = tmp_path / "reference", tmp_path / "run", tmp_path / "paused"
     done = run_to_end(train_cmd(data_root, reference, *RECIPE))
@@ -133,6 +137,7 @@ def test_sigkill_with_erasing_mixup_and_cutmix_on_resumes_bitwise_equal(data_roo
     assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
     with (run / "metrics.csv").open() as f, (reference / "metrics.csv").open() as g:
         assert [r["train_loss"] for r in csv.DictReader(f)] == [r["train_loss"] for r in csv.DictReader(g)]
+@pytest.mark.slow
 def test_sigkill_before_and_after_the_unfreeze_then_resume_is_bitwise_equal(data_root, tmp_path_factory, tmp_path):
     """Fine-tuning a pretrained folder with the backbone frozen in epoch 1 (classifier LR x5): killed in epoch 1
     (frozen), resumed and killed again in epoch 2 (unfrozen, backbone momentum started), resumed to the end:
@@ -159,6 +164,7 @@ def test_sigkill_before_and_after_the_unfreeze_then_resume_is_bitwise_equal(data
     assert "backbone unfrozen" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_stop_signal_during_a_validation_pass_blocked_in_a_read_saves_and_resumes(data_root, reference, tmp_path):
     """Every validation read blocks (loader workers stuck on a FIFO): SIGTERM still ends the run at once, with
     last.pt at the end of epoch 1's training; the resumed run validates that epoch again and ends equal."""

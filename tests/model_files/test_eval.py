@@ -38,6 +38,7 @@ def _edited_checkpoint(src, dst, edit):
     return dst
 
 
+@pytest.mark.slow
 def test_eval_reproduces_training_best_metrics_exactly(trained, tmp_path):
     data, run_dir = trained
     out = tmp_path / "report" / "eval.json"
@@ -57,6 +58,7 @@ def test_eval_reproduces_training_best_metrics_exactly(trained, tmp_path):
     assert "mean class acc" in result.stdout and "recall%" in result.stdout
 
 
+@pytest.mark.slow
 def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     """fc weights zeroed: every image gets logits = bias, so every prediction is 'b'."""
     data, run_dir = trained
@@ -90,6 +92,7 @@ def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     assert (255, 0, 0) in colours  # a -> b and c -> b: the whole row, full red
 
 
+@pytest.mark.slow
 def test_classes_in_another_order_are_remapped_by_name(trained, tmp_path):
     data, run_dir = trained
     order = [2, 0, 1]  # checkpoint classes c, a, b with the classifier rows to match
@@ -111,6 +114,7 @@ def test_classes_in_another_order_are_remapped_by_name(trained, tmp_path):
     assert permuted.confusion.tolist() == reference.confusion[order][:, order].tolist()
 
 
+@pytest.mark.slow
 def test_class_mismatch_exits_2_listing_the_difference(trained, tmp_path):
     _, run_dir = trained
     other = make_tree(tmp_path / "other", {"a": (0, 2), "b": (0, 2), "d": (0, 2)})
@@ -119,6 +123,7 @@ def test_class_mismatch_exits_2_listing_the_difference(trained, tmp_path):
     assert "missing here: ['c']" in result.stderr and "not in the checkpoint: ['d']" in result.stderr
 
 
+@pytest.mark.slow
 def test_unreadable_files_are_left_out_and_reported(trained, tmp_path):
     data, run_dir = trained
     copy = tmp_path / "data"
@@ -133,6 +138,7 @@ def test_unreadable_files_are_left_out_and_reported(trained, tmp_path):
     assert result.per_class["a"]["count"] == 6
 
 
+@pytest.mark.slow
 def test_batch_size_and_overrides(trained):
     data, run_dir = trained
     reference = evaluate_checkpoint(run_dir / "best.pt")
@@ -148,6 +154,7 @@ def test_batch_size_and_overrides(trained):
         evaluate_checkpoint(run_dir / "best.pt", split="nosuchsplit")
 
 
+@pytest.mark.slow
 def test_tta_averages_the_mirror_image(trained, tmp_path):
     """On left-right symmetric images the mirror adds nothing: TTA must give the plain numbers."""
     data, run_dir = trained
@@ -168,6 +175,7 @@ def test_tta_averages_the_mirror_image(trained, tmp_path):
     assert not math.isclose(asym_tta.metrics["loss"], asym_plain.metrics["loss"], rel_tol=1e-6)
 
 
+@pytest.mark.slow
 def test_infer_agrees_with_eval(trained, tmp_path):
     """infer.py over the validation folder predicts what eval.py counted in its confusion matrix."""
     import infer

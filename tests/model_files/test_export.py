@@ -55,6 +55,7 @@ def _checkpoint_probs(checkpoint, data):
         return build_eval_model(loaded, torch.device("cpu"), channels_last=False)(x).softmax(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(EXPORTS))
 def test_each_export_round_trips_with_its_metadata(trained, fmt):
     data, checkpoint, exports = trained
@@ -73,6 +74,7 @@ def test_each_export_round_trips_with_its_metadata(trained, fmt):
     assert opened.fixed_batch == (4 if fmt == "onnx" else None)
 
 
+@pytest.mark.slow
 def test_onnx_metadata_props_hold_classes_and_preprocessing(trained):
     _, checkpoint, exports = trained
     props = {p.key: p.value for p in onnx.load(str(exports["onnx"])).metadata_props}
@@ -82,6 +84,7 @@ def test_onnx_metadata_props_hold_classes_and_preprocessing(trained):
     assert set(preprocessing) >= {"img_size", "resize", "mean", "std", "interpolation"}
 
 
+@pytest.mark.slow
 def test_timm_create_model_reproduces_the_model_from_the_folder(trained):
     """timm's own loader and its own preprocessing, nothing of ours, on the exported folder."""
     import timm
@@ -104,6 +107,7 @@ def test_timm_create_model_reproduces_the_model_from_the_folder(trained):
     assert model.pretrained_cfg["label_names"] == CLASSES
 
 
+@pytest.mark.slow
 def test_plain_onnxruntime_with_the_metadata_preprocessing_agrees_with_infer(trained, tmp_path):
     """A deployer's client: onnxruntime, PIL and numpy only, preprocessing read from the model's metadata."""
     import numpy as np
@@ -134,6 +138,7 @@ def test_plain_onnxruntime_with_the_metadata_preprocessing_agrees_with_infer(tra
     assert [classes[i] for i in logits.argmax(1)] == [r["label"] for r in json.loads(out.read_text())]
 
 
+@pytest.mark.slow
 def test_eval_and_infer_give_the_same_metrics_and_labels_from_every_export(trained, tmp_path):
     data, checkpoint, exports = trained
     results = {}
@@ -154,6 +159,7 @@ def test_eval_and_infer_give_the_same_metrics_and_labels_from_every_export(train
         assert [r["prob"] for r in rows] == pytest.approx([r["prob"] for r in want_rows], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_fixed_batch_onnx_model_sets_infer_batch(trained, caplog):
     data, _, exports = trained
     assert infer.main([str(data / "val" / "a"), "--checkpoint", str(exports["onnx"]), "--batch-size", "3",
@@ -161,6 +167,7 @@ def test_a_fixed_batch_onnx_model_sets_infer_batch(trained, caplog):
     assert "fixed batch of 4: using --batch-size 4, not 3" in caplog.text
 
 
+@pytest.mark.slow
 def test_onnx_without_our_metadata_gets_numbered_or_named_classes(trained, tmp_path, caplog, capsys):
     data, _, exports = trained
     model = onnx.load(str(exports["onnx"]))
@@ -190,6 +197,7 @@ def _exit(main, args, capsys) -> tuple[int, str]:
     return exited.value.code, err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_bad_model_files_exit_2_with_one_line(trained, tmp_path, capsys):
     data, checkpoint, exports = trained
     model = onnx.load(str(exports["onnx"]))
@@ -218,6 +226,7 @@ def test_bad_model_files_exit_2_with_one_line(trained, tmp_path, capsys):
     assert code == 2 and "must end in .onnx" in line
 
 
+@pytest.mark.slow
 def test_a_torchvision_model_cannot_be_a_timm_folder(trained, tmp_path, capsys):
     _, checkpoint, _ = trained
     ckpt = torch.load(checkpoint, weights_only=True)
@@ -246,6 +255,7 @@ class GatedNet(torch.nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
+@pytest.mark.slow
 def test_an_unexportable_model_exits_1_naming_the_layer(trained, tmp_path, capsys, monkeypatch):
     _, checkpoint, _ = trained
     monkeypatch.setattr(engine_export, "build_eval_model", lambda *a, **k: GatedNet().eval())
@@ -255,6 +265,7 @@ def test_an_unexportable_model_exits_1_naming_the_layer(trained, tmp_path, capsy
     assert "in layer 'features.1' (DataDependentGate)" in line and "if x.mean() > 0" in line
 
 
+@pytest.mark.slow
 def test_an_export_that_disagrees_fails(trained, monkeypatch):
     _, checkpoint, exports = trained
     monkeypatch.setattr(engine_export, "MAX_PROB_DIFF", -1.0)
@@ -262,6 +273,7 @@ def test_an_export_that_disagrees_fails(trained, monkeypatch):
         engine_export.check_export(read_checkpoint(checkpoint), "onnx", exports["onnx"], 4)
 
 
+@pytest.mark.slow
 def test_training_and_checkpoint_inference_never_import_onnx():
     code = ("import sys, train, engine.run.trainer, commands.infer, commands.evaluate, engine.model_io.model_files; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'onnxruntime', 'onnxscript', 'onnx_ir'}))")
@@ -270,6 +282,7 @@ def test_training_and_checkpoint_inference_never_import_onnx():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_export_help_is_instant_and_imports_nothing_heavy():
     code = "import sys, export; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

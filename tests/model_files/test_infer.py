@@ -52,6 +52,7 @@ def _by_name(rows):
     return {os.path.basename(r["path"]): r for r in rows}
 
 
+@pytest.mark.slow
 def test_padded_batches_give_the_same_results_for_any_batch_size(checkpoint, images, tmp_path):
     results = {}
     for batch_size, workers in ((1, 0), (3, 2), (8, 0)):
@@ -69,6 +70,7 @@ def test_padded_batches_give_the_same_results_for_any_batch_size(checkpoint, ima
         assert sum(r["top1_prob"] + r["top2_prob"] + r["top3_prob"] for r in rows) == pytest.approx(7.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_every_forward_pass_sees_the_full_batch_and_padding_is_dropped(checkpoint, images):
     loaded = read_checkpoint(checkpoint)
     model = build_eval_model(loaded, torch.device("cpu"), channels_last=True)
@@ -130,6 +132,7 @@ def _save_modes(folder):
     return {name: f"plain_{name}" for name in pairs}
 
 
+@pytest.mark.slow
 def test_every_image_mode_is_classified(checkpoint, tmp_path):
     folder = tmp_path / "modes"
     folder.mkdir()
@@ -158,6 +161,7 @@ def _broken_files(folder):
     (folder / "notes.jpg").write_text("this is text, not an image\n")
 
 
+@pytest.mark.slow
 def test_broken_files_get_error_rows_and_the_run_goes_on(checkpoint, images, tmp_path):
     _broken_files(images)
     out = tmp_path / "out.csv"
@@ -191,6 +195,7 @@ def test_broken_files_get_error_rows_and_the_run_goes_on(checkpoint, images, tmp
     assert table[str(images / "empty.png")][:3] == ["-", "-", "error:"]
 
 
+@pytest.mark.slow
 def test_all_broken_input_exits_1(checkpoint, tmp_path, capsys):
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -199,6 +204,7 @@ def test_all_broken_input_exits_1(checkpoint, tmp_path, capsys):
     assert "classified 0 of 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_default_checkpoint_is_the_newest_best_pt_under_runs(checkpoint, images, tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
     old, new = work / "runs" / "old" / "best.pt", work / "runs" / "exp" / "new" / "best.pt"
@@ -230,6 +236,7 @@ def test_default_checkpoint_is_the_newest_best_pt_under_runs(checkpoint, images,
         infer.main([str(images)])
 
 
+@pytest.mark.slow
 def test_json_rows_and_inputs_as_files_folders_and_globs(checkpoint, images, tmp_path):
     (images / "sub").mkdir()
     class_image(2, size=(16, 16)).save(images / "sub" / "deep.png")
@@ -249,6 +256,7 @@ def test_json_rows_and_inputs_as_files_folders_and_globs(checkpoint, images, tmp
         assert row["label"] == row["top1_label"] and row["prob"] == row["top1_prob"] and row["error"] is None
 
 
+@pytest.mark.slow
 def test_usage_errors(checkpoint, images, tmp_path):
     with pytest.raises(DataTreeError, match="nosuch"):
         infer.main([str(tmp_path / "nosuch"), "--checkpoint", str(checkpoint)])
@@ -266,6 +274,7 @@ def test_usage_errors(checkpoint, images, tmp_path):
     assert result.returncode == 2 and "missing.pt" in result.stderr
 
 
+@pytest.mark.slow
 def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, images, tmp_path, caplog):
     import logging
 

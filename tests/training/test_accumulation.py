@@ -124,6 +124,7 @@ def test_clipping_happens_once_per_update_on_the_whole_window(monkeypatch):
     assert [step for step, _ in logged_small] == [1, 2]
 
 
+@pytest.mark.slow
 def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
     from engine.training.mixing import BatchMixing
 

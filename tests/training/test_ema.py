@@ -43,6 +43,7 @@ def ema_args(data_root: Path, out: Path) -> list[str]:
                                                                    "data.num_workers": 0})]
 
 
+@pytest.mark.slow
 def test_validation_and_best_pt_use_the_average(data_root, tmp_path):
     out = tmp_path / "run"
     result = run_script("train.py", *ema_args(data_root, out))
@@ -71,6 +72,7 @@ def test_validation_and_best_pt_use_the_average(data_root, tmp_path):
         assert metrics[key] == summary["best"][key], key
 
 
+@pytest.mark.slow
 def test_resume_with_ema_is_bitwise_equal(data_root, tmp_path):
     reference = tmp_path / "reference"
     assert run_script("train.py", *ema_args(data_root, reference)).returncode == 0

@@ -41,6 +41,7 @@ def test_hub_and_local_dir_names_are_checked(pretrained, tmp_path):
         check_model_name(f"local-dir:{tmp_path / 'odd'}")
 
 
+@pytest.mark.slow
 def test_freeze_then_unfreeze_with_pretrained_folder(pretrained, tmp_path, monkeypatch, capsys):
     """One run: the folder's tensors are loaded before the first step (new 3-class classifier), the preprocessing
     follows its config except the key set on the command line, epoch 1 trains the classifier alone (every other
@@ -115,6 +116,7 @@ def test_layer_decay_and_head_lr_scale_give_per_group_lrs():
         param_groups(create_model("tv:resnet18", 3), 1e-4, layer_decay=0.7)
 
 
+@pytest.mark.slow
 def test_offline_hub_model_exits_2_with_one_line(tmp_path):
     data = make_tree(tmp_path / "data", {"a": 2, "b": 2})
     name = "hf-hub:timm/resnet10t.c3_in1k"

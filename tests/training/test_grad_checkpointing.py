@@ -84,6 +84,7 @@ def test_models_without_checkpointing_are_refused(name):
         check_grad_checkpointing(cfg.model)
 
 
+@pytest.mark.slow
 def test_train_refuses_before_any_work(tmp_path, tiny_tree):
     out = tmp_path / "run"
     result = run_script("train.py", "--config", "base",

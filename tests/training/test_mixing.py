@@ -83,6 +83,7 @@ def test_cutmix_boxes_lie_within_the_image_and_lambda_is_corrected_by_their_area
     assert 0.5 < statistics.fmean(d.lam for d in draws) < 0.75
 
 
+@pytest.mark.slow
 def test_draws_are_a_function_of_seed_step_and_micro_batch():
     mixing = BatchMixing(num_classes=5, seed=3, erase_prob=0.5, mixup_alpha=0.2, cutmix_alpha=1.0)
 

@@ -40,11 +40,13 @@ def step_lines(run_dir) -> list[str]:
     return re.findall(r"INFO (step \d+/\d+) ", (run_dir / "train.log").read_text())
 
 
+@pytest.mark.slow
 def test_short_epochs_log_their_last_step_in_train_log_with_the_bar_on(bar_run):
     out, _ = bar_run
     assert step_lines(out) == ["step 6/12", "step 12/12"]
 
 
+@pytest.mark.slow
 def test_short_epochs_get_step_scalars_in_tensorboard(bar_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -55,6 +57,7 @@ def test_short_epochs_get_step_scalars_in_tensorboard(bar_run):
         assert [e.step for e in events.Scalars(tag)] == [6, 12], tag
 
 
+@pytest.mark.slow
 def test_the_bar_carries_the_epoch_count_and_data_wait_and_log_lines_stand_alone(bar_run):
     out, stderr = bar_run
     assert "epoch 1/2:" in stderr and "epoch 2/2:" in stderr
@@ -71,6 +74,7 @@ def test_the_bar_carries_the_epoch_count_and_data_wait_and_log_lines_stand_alone
     assert "INFO done: " in records[-1]
 
 
+@pytest.mark.slow
 def test_on_a_real_terminal_auto_shows_the_bar_and_train_log_keeps_the_step_lines(tmp_path):
     """`output.progress_bar: auto` with stderr on a pseudo-terminal, as a user's shell gives it."""
     data = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})

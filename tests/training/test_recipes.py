@@ -32,6 +32,7 @@ def test_recipe_config_holds_its_published_components(name):
         assert value(cfg, key) == pytest.approx(expected) if isinstance(expected, float) else value(cfg, key) == expected, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_trains_a_dry_run(name, tmp_path):
     data = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})

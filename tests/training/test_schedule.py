@@ -251,6 +251,7 @@ def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
     import logging
 
     from engine.run.reporter import RunReporter
+    from engine.runtime.runtime import Runtime
 
     cfg = load_config("base", ["schedule.warmup_epochs=5", "train.epochs=4", "train.mixup_alpha=0.2",
                                "schedule.name=multistep", "optim.name=lamb", "train.loss=bce"])
@@ -258,13 +259,14 @@ def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
     reporter = RunReporter(cfg, None, True, 1, plan.total_steps, plan.batches_per_epoch)
     data = SimpleNamespace(classes=["a", "b"], train_index=[0] * 80, val_index=[0] * 8)
     with caplog.at_level(logging.INFO):
-        reporter.log_startup(data, torch.device("cpu"), None, plan)
+        reporter.log_startup(data, Runtime(torch.device("cpu"), None), plan)
     for text in ("mixing: mixup alpha 0.2", "loss: binary cross-entropy", "optimizer: lamb (betas",
                  "then multistep: x 0.1 at epochs 30, 60, 80", "as long as the whole run (train.epochs=4, 40 steps)"):
         assert text in caplog.text, text
     assert any(r.levelno == logging.WARNING and "never decays" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_plateau_through_train_py_decays_when_validation_stops_improving(tiny_tree, tmp_path):
     import csv
 

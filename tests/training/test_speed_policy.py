@@ -33,6 +33,7 @@ def test_thread_choice(setting, cpus, env, busy, saved, expected):
     assert threads == expected and source
 
 
+@pytest.mark.slow
 def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
@@ -74,6 +75,7 @@ def test_validation_due_every_interval_and_after_the_last_epoch():
     assert [e for e in range(1, 4) if validation_due(e, 3, 1)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_val_interval_validates_every_nth_epoch_and_early_stopping_counts_validations(tmp_path):
     data = make_tree(tmp_path / "data", {"a": (8, 3), "b": (8, 3)})
     out = tmp_path / "run"
@@ -130,6 +132,8 @@ def test_cpu_ticks_are_summed_over_the_usable_cores_only():
     assert cpu_jiffies(stat, {2}) is None                   # a short line is not read
 
 
+@pytest.mark.env_sensitive
+@pytest.mark.slow
 def test_a_busy_process_beside_us_is_seen():
     import subprocess
     import sys
@@ -144,6 +148,7 @@ def test_a_busy_process_beside_us_is_seen():
         spinner.wait()
 
 
+@pytest.mark.slow
 def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     import subprocess
     import sys
@@ -161,6 +166,7 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     assert "chosen True True False" in out
 
 
+@pytest.mark.slow
 def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_count(tmp_path, tiny_tree,
                                                                                      monkeypatch):
     """`idle_cores`: a fresh run beside one busy process (of 2 cores) takes one thread; `auto` takes both
@@ -210,6 +216,7 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_two_fresh_runs_one_beside_a_busy_process_give_bitwise_equal_weights(tmp_path):
     """Reproducible by default: `train.threads=auto` is the usable cores whatever else runs, so the same seed
     and config give the same model on an idle machine and beside a busy process."""
@@ -242,6 +249,8 @@ def test_two_fresh_runs_one_beside_a_busy_process_give_bitwise_equal_weights(tmp
     assert all(torch.equal(weights["idle"][k], weights["busy"][k]) for k in weights["idle"])
 
 
+@pytest.mark.env_sensitive
+@pytest.mark.slow
 def test_freed_host_memory_is_reused_without_page_faults():
     import subprocess
     import sys
@@ -276,6 +285,7 @@ def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
 
 # ---------------------------------------------------------------- per-epoch and per-sample overheads
 
+@pytest.mark.slow
 def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weights(tmp_path):
     """The workers start on epoch e+1 before epoch e validates and saves: the sampler is already at e+1 in
     every validation but the last. Persistent validation workers are forked once, before the first

@@ -33,6 +33,7 @@ def read_metrics_csv(run_dir):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_run_writes_every_artifact(finished_run):
     run_dir, _ = finished_run
     for name in ("config.yaml", "last.pt", "best.pt", "summary.json", "metrics.csv", "train.log"):
@@ -44,6 +45,7 @@ def test_run_writes_every_artifact(finished_run):
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_summary_holds_the_interface_keys(finished_run):
     run_dir, _ = finished_run
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -60,6 +62,7 @@ def test_summary_holds_the_interface_keys(finished_run):
     assert float(best_row["val_top1"]) == pytest.approx(summary["best"]["top1"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_metrics_csv_has_one_row_per_epoch(finished_run):
     run_dir, _ = finished_run
     rows = read_metrics_csv(run_dir)
@@ -69,11 +72,13 @@ def test_metrics_csv_has_one_row_per_epoch(finished_run):
     assert all(float(r["train_loss"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_metrics_csv_has_unix_line_endings(finished_run):
     run_dir, _ = finished_run
     assert b"\r" not in (run_dir / "metrics.csv").read_bytes()
 
 
+@pytest.mark.slow
 def test_without_a_terminal_the_log_has_step_and_validation_lines_and_ends_with_a_summary_line(finished_run):
     run_dir, result = finished_run
     log = (run_dir / "train.log").read_text().splitlines()
@@ -88,6 +93,7 @@ def test_without_a_terminal_the_log_has_step_and_validation_lines_and_ends_with_
     assert wall and int(wall.group(3)) == round(summary["train_samples_per_s"])
 
 
+@pytest.mark.slow
 def test_resolved_config_is_saved_and_reloads(finished_run, data_root):
     run_dir, _ = finished_run
     saved = load_config(str(run_dir / "config.yaml"))
@@ -96,6 +102,7 @@ def test_resolved_config_is_saved_and_reloads(finished_run, data_root):
     assert saved.optim.momentum == Config().optim.momentum   # defaults are written out too
 
 
+@pytest.mark.slow
 def test_tensorboard_events_read_by_tensorboard(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -113,6 +120,7 @@ def test_tensorboard_events_read_by_tensorboard(finished_run):
     assert [v for _, v in logged] == pytest.approx([peak * lr_factor(s - 1, 3, 12) for s, _ in logged], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_startup_line_states_batch_steps_warmup_and_lr(finished_run):
     run_dir, result = finished_run
     # batch 8 x accum 1; 48 images -> 6 steps/epoch, 12 in all; 0.5 warmup epochs -> 3 steps;
@@ -127,6 +135,7 @@ def test_startup_line_states_batch_steps_warmup_and_lr(finished_run):
     assert "effective batch" in result.stderr
 
 
+@pytest.mark.slow
 def test_checkpoints_load_safely_and_into_fresh_models(finished_run):
     run_dir, _ = finished_run
     best = torch.load(run_dir / "best.pt", weights_only=True, map_location="cpu")
@@ -151,6 +160,7 @@ def test_checkpoints_load_safely_and_into_fresh_models(finished_run):
     timm.create_model(TEST_MODEL, num_classes=3).load_state_dict(last["model"], strict=True)
 
 
+@pytest.mark.slow
 def test_early_stopping_and_a_limited_dry_run(data_root, tmp_path):
     run_dir = tmp_path / "run"
     # top1 can never beat the first epoch by 1000 points: epoch 2 does not improve and patience is 1.

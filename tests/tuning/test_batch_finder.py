@@ -113,6 +113,7 @@ def test_accumulation_is_exact_when_the_target_divides():
     assert accumulation_for(512, 100, 1) == (100, 1)
 
 
+@pytest.mark.slow
 def test_train_with_auto_batch(tmp_path, tiny_tree):
     """End to end on the CPU: the finder runs real steps, saves its table, and the run keeps the target
     effective batch by accumulation, with the LR scaled by optim.lr_scaling from it. A target beyond the
@@ -142,6 +143,7 @@ def test_train_with_auto_batch(tmp_path, tiny_tree):
     assert "batch-size finder" in result.stderr and "effective batch 48" in result.stderr
 
 
+@pytest.mark.slow
 def test_out_of_memory_message_names_the_batch_size_and_the_options(capsys):
     from commands.cli import run_main
 

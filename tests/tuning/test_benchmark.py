@@ -77,6 +77,7 @@ def test_find_batch_keeps_the_effective_batch():
     assert out["batch_size"] * out["accum_steps"] == out["effective_batch"] == 32
 
 
+@pytest.mark.slow
 def test_usage_errors_exit_2():
     result = run_script("benchmark.py", "--config", "base", "--mode", "train", "--baseline", "torchvision")
     assert result.returncode == 2 and "--baseline" in result.stderr
@@ -84,6 +85,7 @@ def test_usage_errors_exit_2():
     assert result.returncode == 2 and "data.root" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["generated", "samples"])
 def test_make_photos_writes_a_class_tree_of_jpegs(tmp_path, source):
     result = run_script("benchmark.py", "--make-photos", str(tmp_path / "p"), "--photos", "8",

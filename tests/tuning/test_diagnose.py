@@ -2,6 +2,7 @@
 and the measured numbers reaching the same pure function end to end."""
 from __future__ import annotations
 
+import pytest
 import json
 
 from benchmarking.diagnose import bottleneck_verdict, worker_counts
@@ -43,6 +44,7 @@ def test_fast_alone_slow_together_is_the_copy():
     assert verdict["overrides"] == ["data.pin_memory=true", "data.prefetch_factor=8"]
 
 
+@pytest.mark.slow
 def test_diagnose_end_to_end(tmp_path, tiny_tree):
     result = run_script("benchmark.py", "--config", "base", "--mode", "diagnose", "--steps", "2", "--warmup", "1",
                         f"data.root={tiny_tree}", "model.name=resnet10t", "data.img_size=16", "train.batch_size=8",

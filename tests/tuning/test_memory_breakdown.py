@@ -34,6 +34,7 @@ print(json.dumps({{"predicted": breakdown.total(48), "measured": probe(48).peak_
 """
 
 
+@pytest.mark.slow
 def test_breakdown_adds_up_to_the_measured_peak_on_cpu():
     """Measured at batches 8 and 32 (a spread the allocator's reuse cannot hide), checked at 48 (a fresh
     process: memory freed by earlier tests and kept by the allocator would hide what the step adds)."""
@@ -103,6 +104,7 @@ def test_finder_reports_the_largest_batch_with_and_without_checkpointing(monkeyp
     assert "largest batch with model.grad_checkpointing" in table
 
 
+@pytest.mark.slow
 def test_out_of_memory_names_what_fills_the_memory_and_the_options_in_order(capsys):
     from commands.cli import run_main
 

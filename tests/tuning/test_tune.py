@@ -79,6 +79,7 @@ def test_lr_suggestion_lands_in_the_steep_part():
     assert found["steepest_index"] < found["divergence_index"]
 
 
+@pytest.mark.slow
 def test_lr_range_identical_on_both_ranks(tmp_path):
     from tune_workers import lr_range_on_rank
 
@@ -134,6 +135,7 @@ def test_tune_computes_with_the_thread_count_train_py_would_take(tmp_path, tiny_
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_tune_py_end_to_end(tmp_path, tiny_tree):
     result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"),
                         "--batch-sizes", "4,8", "--steps", "4", "--json", str(tmp_path / "t.json"),
@@ -148,6 +150,7 @@ def test_tune_py_end_to_end(tmp_path, tiny_tree):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--batch-sizes", "64,-8"], "'-8' is not a positive integer"),
     (["--batch-sizes", "64,abc"], "'abc' is not a positive integer"),
@@ -162,6 +165,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_tree, args, words):
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_refuses_to_write_into_a_run_directory(tmp_path, tiny_tree):
     run_dir = tmp_path / "old_run"
     run_dir.mkdir()
