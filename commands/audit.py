@@ -15,8 +15,8 @@ from commands.audit_args import check_arguments
 from core.outputs import write_json
 from engine.audit import stats as stats_mod
 from engine.audit.findings import by_split, clean_training_names, find_duplicates, find_leaks
-from engine.audit.folds import (align_classes, cross_validated_probs, open_model, predict_probs,
-                                unseen_by_checkpoint)
+from engine.audit.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
+                                predict_probs, unseen_by_checkpoint)
 from engine.audit.hashing import compute_facts
 from engine.audit.html_report import render
 from engine.audit.label_issues import find_label_issues
@@ -44,14 +44,14 @@ class Progress:
         self.bar.close()
 
 
-def label_search(cfg, data, facts, checkpoint: Optional[str], work: Path, host=None
+def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path, host=None
                  ) -> tuple[list[dict], Optional[str], str, float]:
     """(label issues named, their source, a note for the reader, seconds)."""
     started = time.perf_counter()
     pool = [i for i, (item, f) in enumerate(zip(data.items, facts))
             if f.error is None and item.split in LABELLED_SPLITS]
     if checkpoint:
-        loaded, model, device, amp = open_model(Path(checkpoint), cfg.train.device, host=host)
+        loaded, model, device, amp = opened
         unseen = unseen_by_checkpoint([data.items[i].name for i in pool], [data.items[i].split for i in pool],
                                       loaded.data_source)
         pool = [i for i, keep in zip(pool, unseen) if keep]
@@ -151,6 +151,10 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
     with tempfile.TemporaryDirectory(prefix="imgcls-audit-") as scratch:
         work = Path(scratch)
         data = read_audit_data(cfg, work / "samples")
+        opened = None
+        if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
+            opened = open_model(Path(checkpoint), cfg.train.device, host=host)
+            check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()
         facts = compute_facts([item.file for item in data.items], cfg.data.num_workers, bar)
@@ -161,7 +165,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         readable = len(data.items) - len(failed)
         issues, source, note, label_s = [], None, "", 0.0
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, work, host)
+            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, opened, work, host)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}

@@ -136,8 +136,8 @@ def unseen_by_checkpoint(names: list[str], splits: list[str], data_source: Optio
     return [s != "train" for s in splits]
 
 
-def align_classes(probs: torch.Tensor, model_classes: list[str], data_classes: list[str]) -> torch.Tensor:
-    """Columns reordered from the model's class order to the data's (the same names, any order)."""
+def check_same_classes(model_classes: list[str], data_classes: list[str]) -> None:
+    """ConfigError (exit 2) unless the model knows exactly the data's classes (in any order)."""
     from core.errors import ConfigError
 
     if set(model_classes) != set(data_classes):
@@ -145,5 +145,10 @@ def align_classes(probs: torch.Tensor, model_classes: list[str], data_classes: l
         extra = sorted(set(model_classes) - set(data_classes))
         raise ConfigError(f"--checkpoint: its classes differ from the data's; not in the model: {missing or 'none'}; "
                           f"not in the data: {extra or 'none'}")
+
+
+def align_classes(probs: torch.Tensor, model_classes: list[str], data_classes: list[str]) -> torch.Tensor:
+    """Columns reordered from the model's class order to the data's (the same names, any order)."""
+    check_same_classes(model_classes, data_classes)
     at = [model_classes.index(name) for name in data_classes]
     return probs[:, at]

@@ -303,6 +303,18 @@ def test_folds_are_stratified_seeded_and_keep_copies_together():
     assert unseen_by_checkpoint(["x", "y"], ["train", "val"], {"format": "folder"}) == [False, True]
 
 
+def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_error():
+    import torch
+
+    from core.errors import ConfigError
+    from engine.audit.folds import align_classes, check_same_classes
+
+    probs = torch.tensor([[0.7, 0.2, 0.1]])
+    assert align_classes(probs, ["b", "c", "a"], ["a", "b", "c"])[0].tolist() == pytest.approx([0.1, 0.7, 0.2])
+    with pytest.raises(ConfigError, match=r"not in the model: \['d'\]; not in the data: \['c'\]"):
+        check_same_classes(["a", "b", "c"], ["a", "b", "d"])
+
+
 def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
     from engine.audit.label_issues import find_label_issues
 
