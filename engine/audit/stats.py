@@ -9,6 +9,7 @@ import numpy as np
 IMBALANCE_ADVICE_RATIO = 3.0   # max/min training class size from which the weighted sampler is advised
 EXTREME_ASPECT = 4.0           # width/height beyond 4:1 (or 1:4): a random crop sees mostly one strip
 SMALL_FACTOR = 0.5             # shorter side below half of data.img_size: upscaled more than 2x
+PHASH_SIDE = 32                # pHash reads a 32x32 grayscale: smaller images hash too coarsely for near matches
 
 
 def class_counts(splits: dict[str, list[int]], classes: list[str]) -> dict[str, dict[str, int]]:
@@ -64,6 +65,11 @@ def advice(bal: dict, stats: dict, img_size: int) -> list[str]:
     if small:
         out.append(f"{len(small)} image(s) have a shorter side below {int(SMALL_FACTOR * img_size)} px and are "
                    f"upscaled more than 2x to data.img_size={img_size}")
+    median_side = min(stats["width"].get("median", PHASH_SIDE), stats["height"].get("median", PHASH_SIDE))
+    if median_side < PHASH_SIDE:
+        out.append(f"the median image is {median_side:g} px on its shorter side, below the {PHASH_SIDE} px a "
+                   f"perceptual hash reads: near-duplicate and near-leak findings are unreliable here (distinct "
+                   f"images match); trust the exact ones, or rerun with --near-threshold 0")
     extreme = stats["outliers"]["extreme_aspect"]
     if extreme:
         out.append(f"{len(extreme)} image(s) are wider or taller than {EXTREME_ASPECT:g}:1; a random crop sees "

@@ -114,6 +114,7 @@ def test_audit_reports_balance_and_shape(folder_audit):
     assert stats["count"] == 54 and stats["width"] == {"min": 24.0, "median": 24.0, "max": 32.0}
     assert stats["formats"] == {"PNG": 52, "JPEG": 2} and stats["modes"] == {"RGB": 54}
     assert any("fewer than 20" in line for line in r["advice"])
+    assert any("below the 32 px a perceptual hash reads" in line for line in r["advice"])  # 24 px images
 
 
 @pytest.mark.slow  # runs audit.py (and training) in a subprocess
@@ -337,5 +338,6 @@ def test_balance_advice_names_the_weighted_sampler_and_small_classes():
     s = image_stats([(640, 480), (50, 40), (1000, 200)], ["RGB", "L", "RGB"], ["JPEG"] * 3, ["p", "q", "r"], 224)
     assert s["outliers"] == {"small": ["q"], "extreme_aspect": ["r"]} and s["modes"] == {"RGB": 2, "L": 1}
     lines = advice(b, s, 224)
+    assert not any("perceptual hash" in line for line in lines)  # median 640 x 200 px
     assert any("data.sampler=weighted" in line and "mean_class_acc" in line for line in lines)
     assert any("fewer than 20" in line and "dog" in line for line in lines)
