@@ -199,6 +199,17 @@ class CalibrationConfig:
 
 
 @dataclass
+class AuditConfig:
+    """audit.py's knobs (never read by training; free to change on --resume)."""
+    folds: int = field(default=4, metadata=_range(0, 100, resume_free=True))
+    fold_epochs: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
+    near_threshold: int = field(default=6, metadata=_range(0, 64, resume_free=True))
+    min_class_images: int = field(default=20, metadata=_range(0, resume_free=True))
+    drop_label_issues: int = field(default=0, metadata=_range(0, resume_free=True))
+    seed: int = field(default=0, metadata=_range(0, SEED_LIMIT, resume_free=True))
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -209,6 +220,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self):
         # Dotted keys that a config file or an override set (not base.yaml, which only restates the
@@ -515,6 +527,9 @@ def validate(cfg: Config) -> None:
                           "(model.pretrained=false with model.weights=FILE, or model.weights=null)")
     if cfg.model.norm == "group" and cfg.model.sync_bn:
         raise ConfigError("'model.sync_bn' = true has no effect with 'model.norm' = group; set one of them")
+    if cfg.audit.folds == 1:
+        raise ConfigError("'audit.folds' = 1: cross-validation needs at least 2 folds (each image is predicted by a "
+                          "model trained on the others); use 2 or more, or 0 to skip the label-issue search")
     _check_optimizer_options(cfg.optim)
     _check_task(cfg)
     _check_recipe(cfg)

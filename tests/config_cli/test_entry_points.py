@@ -43,6 +43,10 @@ CASES = {
     "benchmark with a bad --mode": ("benchmark.py", ["--mode", "fast"], 2),
     "benchmark without --config": ("benchmark.py", ["--mode", "train"], 2),
     "benchmark with a config mistake": ("benchmark.py", ["--config", "quickstart", "--mode", "train", "x.y=3"], 2),
+    "audit --help": ("audit.py", ["--help"], 0),
+    "audit with one fold": ("audit.py", ["--config", "quickstart", "--folds", "1"], 2),
+    "audit with a missing checkpoint": ("audit.py", ["--config", "quickstart", "data.builtin=null", "data.root=.", "data.val_fraction=0.2",
+                                                     "--checkpoint", "nothing.pt"], 2),
 }
 
 

@@ -1,0 +1,216 @@
+"""audit.py's work: list the data as training reads it, hash every image in loader workers, find the
+duplicates, leaks and likely label errors, summarise balance and shape, and write the JSON, the HTML page
+and the clean training list. Nothing under the data root is written."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from commands.audit_args import check_arguments
+from core.outputs import write_json
+from engine.audit import stats as stats_mod
+from engine.audit.findings import by_split, clean_training_names, find_duplicates, find_leaks
+from engine.audit.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
+                                predict_probs, unseen_by_checkpoint)
+from engine.audit.hashing import compute_facts
+from engine.audit.html_report import render
+from engine.audit.label_issues import find_label_issues
+from engine.audit.sources import read_audit_data
+
+log = logging.getLogger("audit")
+LABELLED_SPLITS = ("train", "val")
+
+
+class Progress:
+    """A tqdm bar on stderr for a long phase (output.progress_bar: auto shows it on a terminal)."""
+
+    def __init__(self, cfg, total: int, what: str):
+        from tqdm import tqdm
+
+        setting = cfg.output.progress_bar
+        show = sys.stderr.isatty() if setting == "auto" else bool(setting)
+        self.bar = tqdm(total=total, desc=what, unit="img" if what == "hashing" else "fold", disable=not show,
+                        file=sys.stderr, leave=False)
+
+    def __call__(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path, host=None
+                 ) -> tuple[list[dict], Optional[str], str, float]:
+    """(label issues named, their source, a note for the reader, seconds)."""
+    started = time.perf_counter()
+    pool = [i for i, (item, f) in enumerate(zip(data.items, facts))
+            if f.error is None and item.split in LABELLED_SPLITS]
+    if checkpoint:
+        loaded, model, device, amp = opened
+        unseen = unseen_by_checkpoint([data.items[i].name for i in pool], [data.items[i].split for i in pool],
+                                      loaded.data_source)
+        pool = [i for i, keep in zip(pool, unseen) if keep]
+        bs = loaded.cfg.train.batch_size if isinstance(loaded.cfg.train.batch_size, int) else 64
+        probs, _ = predict_probs(model, loaded.cfg, [data.items[i].file for i in pool], bs, cfg.data.num_workers,
+                                 device, amp, len(loaded.classes))
+        probs = align_classes(probs, loaded.classes, data.classes)
+        source = f"checkpoint {checkpoint}"
+        note = (f"predictions of {checkpoint} on the {len(pool)} images it did not train on; a model's predictions "
+                f"on its own training images hide their label errors, so those are not searched")
+    else:
+        folds, epochs = cfg.audit.folds, cfg.audit.fold_epochs or cfg.train.epochs
+        bar = Progress(cfg, folds, "folds")
+        probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
+                                      [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
+                                      on_fold=lambda _: bar(), host=host)
+        bar.close()
+        source = f"{folds}-fold cross-validation, {epochs} epoch(s) per fold"
+        note = (f"out-of-sample predictions for the {len(pool)} training and validation images: each from a "
+                f"{cfg.model.name} trained {epochs} epoch(s) on the other {folds - 1} fold(s)")
+    issues = find_label_issues([data.items[i].label for i in pool], probs.numpy())
+    named = [{"path": data.items[pool[x["position"]]].name, "split": data.items[pool[x["position"]]].split,
+              "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"]}
+             for x in issues]
+    return named, source, note, time.perf_counter() - started
+
+
+def summary_lines(report: dict) -> list[str]:
+    leaks, dups, issues = report["leaks"], report["duplicates"], report["label_issues"]
+    lines = [f"{len(leaks)} leak(s) across splits"
+             + (": the same image in training and validation makes the validation accuracy a lie; remove one "
+                "copy (--write-clean-csv drops the training side)" if leaks else ""),
+             f"{len(dups)} duplicate group(s) inside splits ({sum(len(g['paths']) - 1 for g in dups)} extra copies)",
+             f"{len(issues)} likely label error(s)" + (f" ({report['label_issues_source']}); check the first ones "
+                                                       f"and fix their labels" if issues else
+                                                       "" if report["label_issues_source"] else
+                                                       " (not searched: --folds 0 and no --checkpoint)"),
+             f"{len(report['unreadable'])} unreadable file(s)"]
+    return lines
+
+
+def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timings) -> dict:
+    splits = by_split(data.items, facts)
+    threshold = cfg.audit.near_threshold
+    duplicates = find_duplicates(data.items, facts, splits, threshold)
+    leaks = find_leaks(data.items, facts, splits, threshold)
+    unreadable = data.unreadable + extra_unreadable
+    labels_by_split: dict[str, list[int]] = {}
+    for item in data.items:
+        labels_by_split.setdefault(item.split, []).append(item.label)
+    counts = stats_mod.class_counts(labels_by_split, data.classes)
+    balance = stats_mod.balance(counts["train"], cfg.audit.min_class_images)
+    readable = [i for positions in splits.values() for i in positions]
+    image_stats = stats_mod.image_stats([(facts[i].width, facts[i].height) for i in readable],
+                                        [facts[i].mode for i in readable], [facts[i].format for i in readable],
+                                        [data.items[i].name for i in readable], cfg.data.img_size)
+    report = {"unreadable": [u["path"] for u in unreadable], "unreadable_details": unreadable,
+              "duplicates": duplicates, "leaks": leaks, "label_issues": issues, "label_issues_source": source,
+              "label_issues_note": note, "class_counts": counts, "balance": balance, "image_stats": image_stats,
+              "near_threshold": threshold, "classes": data.classes, "timings": timings}
+    report["advice"] = stats_mod.advice(balance, image_stats, cfg.data.img_size)
+    report["summary"] = summary_lines(report)
+    return report
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
+    import csv
+    import io
+
+    dropped = [i["path"] for i in report["label_issues"] if i["split"] == "train"][:cfg.audit.drop_label_issues]
+    kept = clean_training_names(data.items, facts, report["duplicates"], report["leaks"], dropped)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["path", "label"])
+    # relative to data.root when there is one (use the list with the same data.root), else absolute paths
+    writer.writerows((item.name if cfg.data.root else os.path.abspath(item.file), data.classes[item.label])
+                     for item in kept)
+    return buf.getvalue(), len(kept)
+
+
+def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
+              html_path: Optional[str] = None, clean_csv: Optional[str] = None, host=None) -> int:
+    check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
+    from data.build import prepare_root
+
+    prepare_root(cfg)
+    bad_limit = cfg.data.max_bad_fraction
+    cfg.data.max_bad_fraction = 1.0  # the audit lists every unreadable file where training would stop at the limit
+    with tempfile.TemporaryDirectory(prefix="imgcls-audit-") as scratch:
+        work = Path(scratch)
+        data = read_audit_data(cfg, work / "samples")
+        opened = None
+        if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
+            opened = open_model(Path(checkpoint), cfg.train.device, host=host)
+            check_same_classes(opened[0].classes, data.classes)
+        bar = Progress(cfg, len(data.items), "hashing")
+        started = time.perf_counter()
+        facts = compute_facts([item.file for item in data.items], cfg.data.num_workers, bar)
+        bar.close()
+        hashing_s = time.perf_counter() - started
+        failed = [{"path": item.name, "split": item.split, "reason": f.error.replace(item.file, item.name)}
+                  for item, f in zip(data.items, facts) if f.error is not None]
+        readable = len(data.items) - len(failed)
+        issues, source, note, label_s = [], None, "", 0.0
+        if readable and (checkpoint or cfg.audit.folds >= 2):
+            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, opened, work, host)
+        timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
+                   "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
+                   "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
+        report = build_report(cfg, data, facts, failed, issues, source, note, timings)
+        if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
+            report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
+                                       f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "
+                                       f"or fix them (or use --write-clean-csv)")
+        write_json(report, json_path)
+        if html_path:
+            files = {item.name: item.file for item in data.items}
+            write_text_atomic(html_path, render(report, files, f"Data audit: {len(data.items)} images, "
+                                                              f"{len(data.classes)} classes"))
+        kept = None
+        if clean_csv:
+            text, kept = clean_csv_text(cfg, data, facts, report)
+            write_text_atomic(clean_csv, text)
+    print_summary(report, json_path, html_path, clean_csv, kept, cfg)
+    if not readable:
+        print("error: no image could be read", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_summary(report: dict, json_path, html_path, clean_csv, kept: Optional[int], cfg) -> None:
+    out = sys.stderr
+    print("audit:", file=out)
+    for line in report["summary"]:
+        print(f"  {line}", file=out)
+    for leak in report["leaks"][:5]:
+        a, b = leak["splits"]
+        print(f"    leak: {leak[a]}  ==  {leak[b]}  (distance {leak['distance']})", file=out)
+    for issue in report["label_issues"][:5]:
+        print(f"    label: {issue['path']}  given {issue['given']}, suggested {issue['suggested']} "
+              f"(p={issue['score']:.3f})", file=out)
+    b = report["balance"]
+    ratio = "n/a" if b["imbalance_ratio"] is None else f"{b['imbalance_ratio']:.1f}"
+    print(f"  training images per class: {min(report['class_counts']['train'].values())}.."
+          f"{max(report['class_counts']['train'].values())} (imbalance ratio {ratio})", file=out)
+    for line in report["advice"]:
+        print(f"  advice: {line}", file=out)
+    written = [p for p in (json_path, html_path) if p]
+    if written:
+        print(f"  wrote {', '.join(written)}", file=out)
+    if clean_csv:
+        root = f" data.root={cfg.data.root}" if cfg.data.root else ""
+        print(f"  wrote {clean_csv}: {kept} training images without the copies; train on it with "
+              f"data.format=csv{root} data.train_csv={clean_csv} and the same validation data", file=out)

@@ -1,0 +1,343 @@
+"""audit.py on generated trees with injected faults (copies, re-encoded near copies, leaks, an unreadable
+file, a wrong label), in every data format; the data is unchanged after a run; the HTML page renders in a
+headless Chromium; bad arguments exit 2. The pure parts (hash comparisons, folds, balance) are unit-tested."""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import make_tree, run_script, tiny_overrides, train_tiny
+
+COUNTS = {"a": (10, 4), "b": (10, 4), "c": (10, 4)}
+
+
+def tree_digest(root: Path) -> str:
+    """SHA-256 over every path, size, mode and content under `root`."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        h.update(f"{path.relative_to(root)}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def inject_faults(root: Path, train: str = "train", val: str | None = "val") -> dict:
+    """Faults in a make_tree tree; returns their names relative to `root` (train/val folders, or one tree)."""
+    t = root / train if train else root
+    shutil.copy(t / "b" / "b_0001.png", t / "b" / "copy.png")                       # exact duplicate
+    Image.open(t / "c" / "c_0002.png").resize((32, 32)).save(t / "c" / "near.jpg", quality=90)  # near copy
+    (t / "a" / "broken.png").write_bytes(b"\x89PNG not really")                      # unreadable
+    Image.new("RGB", (24, 24), (0, 0, 200)).save(t / "a" / "wrong.png")  # an unmistakable 'c' (blue) filed under a
+    prefix = f"{train}/" if train else ""
+    faults = {"copy": (f"{prefix}b/b_0001.png", f"{prefix}b/copy.png"), "near": (f"{prefix}c/c_0002.png", f"{prefix}c/near.jpg"),
+              "broken": f"{prefix}a/broken.png", "wrong": f"{prefix}a/wrong.png"}
+    if val:
+        shutil.copy(t / "a" / "a_0000.png", root / val / "a" / "leak.png")                          # exact leak
+        Image.open(t / "b" / "b_0003.png").save(root / val / "b" / "leak_reencoded.jpg", quality=90)  # near leak
+        faults["leak"] = (f"{train}/a/a_0000.png", f"{val}/a/leak.png")
+        faults["near_leak"] = (f"{train}/b/b_0003.png", f"{val}/b/leak_reencoded.jpg")
+    return faults
+
+
+def audit(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return run_script("audit.py", "--config", "base", *args, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def folder_audit(tmp_path_factory):
+    base = tmp_path_factory.mktemp("audit_folder")
+    data = make_tree(base / "data", COUNTS)
+    faults = inject_faults(data)
+    make_tree(data, {"a": 2, "b": 2, "c": 2}, splits=("test",), seed=7)  # a test split, with one val image
+    shutil.copy(data / "val" / "c" / "c_0000.png", data / "test" / "c" / "from_val.png")
+    before = tree_digest(data)
+    out = base / "out"
+    done = audit(*tiny_overrides(data, base / "unused", **{"train.batch_size": 4, "optim.lr": 0.1}), "--folds", "2",
+                 "--fold-epochs", "4",
+                 "--json", str(out / "audit.json"), "--html", str(out / "audit.html"),
+                 "--write-clean-csv", str(out / "clean.csv"), "--drop-label-issues", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"data": data, "faults": faults, "before": before, "after": tree_digest(data), "out": out,
+            "report": json.loads((out / "audit.json").read_text()), "stderr": done.stderr}
+
+
+def pairs_of(report: dict) -> set[tuple[str, str]]:
+    return {(leak["train"], leak["val"]) for leak in report["leaks"] if leak["splits"] == ["train", "val"]}
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_folder_audit_names_leaks_first_duplicates_and_unreadable_files(folder_audit):
+    r, f = folder_audit["report"], folder_audit["faults"]
+    assert pairs_of(r) == {f["leak"], f["near_leak"]}
+    assert [(x["val"], x["test"], x["distance"]) for x in r["leaks"] if x["splits"] == ["val", "test"]] == [
+        ("val/c/c_0000.png", "test/c/from_val.png", 0)]
+    assert len(r["leaks"]) == 3
+    assert r["leaks"][0]["train"] == f["leak"][0] and r["leaks"][0]["distance"] == 0 and r["leaks"][0]["exact"]
+    near = next(x for x in r["leaks"] if x.get("val") == f["near_leak"][1])
+    assert 0 < near["distance"] <= r["near_threshold"] and not near["exact"] and r["leaks"][-1] is near  # exact first
+    groups = {tuple(g["paths"]): g for g in r["duplicates"]}
+    assert groups[f["copy"]]["kind"] == "exact" and groups[f["copy"]]["split"] == "train"
+    assert groups[f["near"]]["kind"] == "near"
+    assert len(r["duplicates"]) == 2  # no distinct images grouped
+    assert r["unreadable"] == [f["broken"]]
+    stderr = folder_audit["stderr"]
+    assert stderr.index("3 leak(s)") < stderr.index("duplicate group(s)")  # the most serious finding first
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_folder_audit_ranks_the_wrong_label_first_with_its_suggested_class(folder_audit):
+    r = folder_audit["report"]
+    first = r["label_issues"][0]
+    assert first["path"] == folder_audit["faults"]["wrong"]
+    assert (first["given"], first["suggested"]) == ("a", "c") and first["score"] < 0.5
+    assert [i["score"] for i in r["label_issues"]] == sorted(i["score"] for i in r["label_issues"])
+    assert "2-fold" in r["label_issues_source"]
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_audit_reports_balance_and_shape(folder_audit):
+    r = folder_audit["report"]
+    assert r["class_counts"]["train"] == {"a": 12, "b": 11, "c": 11}  # broken.png is listed as training lists it
+    assert r["class_counts"]["val"] == {"a": 5, "b": 5, "c": 4}
+    assert r["class_counts"]["test"] == {"a": 2, "b": 2, "c": 3}
+    assert r["balance"]["small_classes"] == ["a", "b", "c"]  # under audit.min_class_images=20
+    stats = r["image_stats"]
+    assert stats["count"] == 54 and stats["width"] == {"min": 24.0, "median": 24.0, "max": 32.0}
+    assert stats["formats"] == {"PNG": 52, "JPEG": 2} and stats["modes"] == {"RGB": 54}
+    assert any("fewer than 20" in line for line in r["advice"])
+    assert any("below the 32 px a perceptual hash reads" in line for line in r["advice"])  # 24 px images
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_audit_never_changes_the_data(folder_audit):
+    assert folder_audit["after"] == folder_audit["before"]
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
+    from core.config import load_config
+    from data.sources import scan_sources
+
+    f, out = folder_audit["faults"], folder_audit["out"]
+    with open(out / "clean.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    names = {row["path"] for row in rows}
+    assert f["leak"][0] not in names and f["near_leak"][0] not in names
+    assert f["copy"][0] in names and f["copy"][1] not in names
+    assert f["near"][0] in names and f["near"][1] not in names
+    assert f["broken"] not in names and f["wrong"] not in names  # --drop-label-issues 1: the first issue
+    assert len(rows) == 34 - 6  # 34 training files less the broken one, 2 leaked and 2 duplicate copies, 1 issue
+    cfg = load_config("base", [f"data.root={folder_audit['data']}", "data.format=csv",
+                               f"data.train_csv={out / 'clean.csv'}", "data.val_fraction=0.2"])
+    assert len(scan_sources(cfg).train_index) + len(scan_sources(cfg).val_index) == len(rows)
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_html_report_renders_offline_in_headless_chromium(folder_audit, tmp_path):
+    page = (folder_audit["out"] / "audit.html").read_text()
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert page.count('src="data:image/jpeg;base64,') >= 2 * 2 + 2 + 2 + 1  # leaks, groups, label issue
+    shot = tmp_path / "shot.png"
+    done = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           f"--screenshot={shot}", "--window-size=900,1200",
+                           (folder_audit["out"] / "audit.html").as_uri()], capture_output=True, text=True,
+                          timeout=120)
+    assert shot.is_file(), done.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    assert pixels.shape == (1200, 900, 3)
+    # the thumbnails' class colours (a red, b green, c blue on a white page) are on screen
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    for mask in (r - np.maximum(g, b) > 100, g - np.maximum(r, b) > 100, b - np.maximum(r, g) > 100):
+        assert mask.sum() > 2000
+
+
+# ---------------------------------------------------------------- other data formats (no label search)
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_val_fraction_audit_with_loader_workers_finds_copies_across_the_split(tmp_path):
+    data = make_tree(tmp_path / "data", {"a": 12, "b": 12, "c": 12}, splits=("all",))
+    data = data / "all"
+    faults = inject_faults(data, train="", val=None)
+    done = audit(*tiny_overrides(data, tmp_path / "unused", **{"data.val_fraction": 0.25, "data.num_workers": 2}),
+                 "--folds", "0", "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "a.json").read_text())
+    found = {tuple(g["paths"]) for g in r["duplicates"]} | {(leak["train"], leak["val"]) for leak in r["leaks"]}
+    for pair in (faults["copy"], faults["near"]):  # whichever side of the split each copy fell on
+        assert pair in found or pair[::-1] in found
+    assert r["unreadable"] == [faults["broken"]] and r["label_issues"] == [] and r["label_issues_source"] is None
+    assert sum(r["class_counts"]["val"].values()) == 10
+    assert r["timings"]["loader_workers"] == 2 and r["timings"]["images"] == 40
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_csv_audit_names_files_relative_to_the_root_and_lists_missing_rows(tmp_path):
+    data = make_tree(tmp_path / "data", COUNTS)
+    faults = inject_faults(data)
+    for split in ("train", "val"):
+        files = sorted(p for p in (data / split).rglob("*") if p.is_file())
+        with open(tmp_path / f"{split}.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["path", "label"])
+            w.writerows((p.relative_to(data).as_posix(), p.parent.name) for p in files)
+            if split == "train":
+                w.writerow(["train/a/gone.png", "a"])
+    done = audit(*tiny_overrides(data, tmp_path / "unused", **{"data.format": "csv", "data.train_csv": tmp_path / "train.csv",
+                                                               "data.val_csv": tmp_path / "val.csv"}),
+                 "--folds", "0", "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert pairs_of(r) == {faults["leak"], faults["near_leak"]}
+    assert sorted(r["unreadable"]) == sorted([faults["broken"], "train/a/gone.png"])
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
+    data = make_tree(tmp_path / "data", COUNTS)
+    faults = inject_faults(data)
+    (data / "train" / "a" / "broken.png").unlink()  # shards hold what decodes; a broken sample is injected below
+    import webdataset as wds
+
+    from data.folder import scan_split
+    from data.shards import write_shards
+
+    for split in ("train", "val"):
+        index = scan_split(data / split)
+        write_shards(index.paths, index.labels, index.classes, tmp_path / split, shard_size=20)
+
+    with wds.TarWriter(str(tmp_path / "train" / "shard-000009.tar")) as w:
+        w.write({"__key__": "broken", "png": b"not a png", "cls": "0"})
+    extra = f"::{tmp_path / 'train'}/shard-000009.tar"
+    before = tree_digest(tmp_path / "train")
+    done = audit(*tiny_overrides(data, tmp_path / "unused", **{
+        "data.format": "webdataset", "data.root": "null", "data.classes": tmp_path / "train" / "classes.txt",
+        "data.train_shards": f"{tmp_path}/train/shard-{{000000..000001}}.tar{extra}",
+        "data.val_shards": f"{tmp_path}/val/shard-000000.tar"}),
+        "--folds", "0", "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert len(r["leaks"]) == 2 and all(" (sample " in leak["train"] and leak["train"].endswith(")") for leak in r["leaks"])
+    assert {leak["distance"] == 0 for leak in r["leaks"]} == {True, False}
+    assert {g["kind"] for g in r["duplicates"]} == {"exact", "near"}
+    assert r["unreadable"] == [f"{tmp_path / 'train'}/shard-000009.tar (sample 0)"]
+    assert tree_digest(tmp_path / "train") == before
+    assert faults  # the faults were written into the shards
+
+
+# ---------------------------------------------------------------- --checkpoint
+
+
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_checkpoint_label_search_uses_only_images_it_did_not_train_on(tmp_path):
+    import torch
+
+    root = tmp_path / "data" / "train"  # one class-folder tree, split by data.val_fraction
+    _, best = train_tiny(tmp_path, {"a": 12, "b": 12, "c": 12}, **{"data.val_fraction": 0.34, "data.root": root})
+    split = torch.load(best, weights_only=True)["data_source"]["split"]
+    assert split["val"] and split["train"]
+    done = audit(*tiny_overrides(root, tmp_path / "unused", **{"data.val_fraction": 0.34}), "--checkpoint", str(best),
+                 "--json", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert r["label_issues_source"] == f"checkpoint {best}"
+    assert "did not train on" in r["label_issues_note"] and f"the {len(split['val'])} images" in r["label_issues_note"]
+    assert {i["path"] for i in r["label_issues"]} <= set(split["val"])
+
+
+# ---------------------------------------------------------------- usage errors
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--folds", "1"], "'audit.folds' = 1"),
+    (["--near-threshold", "65"], "'audit.near_threshold' = 65"),
+    (["--drop-label-issues", "3"], "only shapes --write-clean-csv"),
+    (["--checkpoint", "nothing.pt"], "--checkpoint nothing.pt: no such file"),
+    (["audit.fold=2"], "audit.folds"),
+])
+@pytest.mark.slow  # runs audit.py (and training) in a subprocess
+def test_bad_arguments_exit_2_before_any_work_naming_the_fix(tmp_path, args, words):
+    data = make_tree(tmp_path / "data", {"a": 2, "b": 2})
+    done = audit(f"data.root={data}", *args, "--json", str(tmp_path / "a.json"), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr
+    assert not (tmp_path / "a.json").exists()
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_hash_comparisons_groups_and_leaks():
+    from engine.audit.duplicates import connected_groups, duplicate_groups, hash_array, leak_pairs, near_pairs
+
+    h = hash_array([0b0, 0b111, 0xFFFF_0000_0000_0000, 0b1])
+    assert near_pairs(h, h, 3, same=True) == [(0, 1, 3), (0, 3, 1), (1, 3, 2)]
+    assert connected_groups(5, [(0, 1, 0), (3, 4, 2)]) == [[0, 1], [3, 4]]
+    groups = duplicate_groups(["x", "y", "x", "z"], hash_array([0, (1 << 40) - 1, 0xFF, 0xFFFF_FFFF << 32]), threshold=1)
+    assert groups == [{"members": [0, 2], "kind": "exact", "distance": 0}]  # equal bytes group whatever the pHash
+    leaks = leak_pairs(["p", "q"], hash_array([0, 0b11]), ["q", "r"], hash_array([0b1, 0xFFFF_FFFF << 32]), threshold=1)
+    assert leaks == [{"a": 1, "b": 0, "distance": 0, "exact": True}, {"a": 0, "b": 0, "distance": 1, "exact": False}]
+
+
+def test_folds_are_stratified_seeded_and_keep_copies_together():
+    from engine.audit.folds import assign_folds, unseen_by_checkpoint
+
+    digests = [f"d{i}" for i in range(40)] + ["d0", "d1"]
+    labels = [i % 2 for i in range(40)] + [0, 1]
+    folds = assign_folds(digests, labels, 4, seed=0)
+    assert folds == assign_folds(digests, labels, 4, seed=0) and folds != assign_folds(digests, labels, 4, seed=1)
+    assert folds[40] == folds[0] and folds[41] == folds[1]
+    for label in (0, 1):
+        per_fold = np.bincount([f for f, l, d in zip(folds, labels, digests) if l == label and d not in ("d0", "d1")]
+                               + [folds[label]], minlength=4)
+        assert per_fold.max() - per_fold.min() <= 1
+    assert unseen_by_checkpoint(["x", "y"], ["train", "val"], {"split": {"train": ["x"]}}) == [False, True]
+    assert unseen_by_checkpoint(["x", "y"], ["train", "val"], {"format": "folder"}) == [False, True]
+
+
+def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_error():
+    import torch
+
+    from core.errors import ConfigError
+    from engine.audit.folds import align_classes, check_same_classes
+
+    probs = torch.tensor([[0.7, 0.2, 0.1]])
+    assert align_classes(probs, ["b", "c", "a"], ["a", "b", "c"])[0].tolist() == pytest.approx([0.1, 0.7, 0.2])
+    with pytest.raises(ConfigError, match=r"not in the model: \['d'\]; not in the data: \['c'\]"):
+        check_same_classes(["a", "b", "c"], ["a", "b", "d"])
+
+
+def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
+    from engine.audit.label_issues import find_label_issues
+
+    labels = [i % 3 for i in range(60)]
+    probs = np.full((60, 3), 0.05)
+    probs[np.arange(60), labels] = 0.9
+    probs[4] = [0.02, 0.08, 0.9]   # given 1 (4 % 3), as sure of 2 as the 2s are: p(given) 0.08
+    probs[7] = [0.01, 0.04, 0.95]  # given 1: p(given) 0.04
+    probs[5] = [0.1, 0.3, 0.6]     # given 2 and less sure of it than the other 2s: not an issue
+    issues = find_label_issues(labels, probs)
+    assert [(i["position"], i["suggested"]) for i in issues][:2] == [(7, 2), (4, 2)]
+    assert issues[0]["score"] == pytest.approx(0.04)
+
+
+def test_balance_advice_names_the_weighted_sampler_and_small_classes():
+    from engine.audit.stats import advice, balance, image_stats
+
+    b = balance({"cat": 300, "dog": 10, "eel": 50}, min_images=20)
+    assert b["imbalance_ratio"] == 30 and b["small_classes"] == ["dog"]
+    s = image_stats([(640, 480), (50, 40), (1000, 200)], ["RGB", "L", "RGB"], ["JPEG"] * 3, ["p", "q", "r"], 224)
+    assert s["outliers"] == {"small": ["q"], "extreme_aspect": ["r"]} and s["modes"] == {"RGB": 2, "L": 1}
+    lines = advice(b, s, 224)
+    assert not any("perceptual hash" in line for line in lines)  # median 640 x 200 px
+    assert any("data.sampler=weighted" in line and "mean_class_acc" in line for line in lines)
+    assert any("fewer than 20" in line and "dog" in line for line in lines)
