@@ -94,6 +94,25 @@ def tiny_tree(tmp_path) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def root_logging_restored():
+    """In-process runs set up their own log handlers (train.log, and stderr as captured for that test): each
+    test ends with the root logger as it found it, so a later test never logs into a closed capture."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
 def fresh_cpu_policy():
     """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
     would read as the user's): each test starts without it."""
