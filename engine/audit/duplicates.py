@@ -7,6 +7,7 @@ arrays): exact and fast up to some 10^5 images per split.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 
 import numpy as np
 
@@ -17,8 +18,10 @@ def hash_array(hashes: list[int]) -> np.ndarray:
     return np.array(hashes, dtype=np.uint64)
 
 
-def near_pairs(a: np.ndarray, b: np.ndarray, threshold: int, same: bool) -> list[tuple[int, int, int]]:
-    """(i, j, distance) for every a[i], b[j] within `threshold` bits; with `same` (a is b), only i < j."""
+def near_pairs(a: np.ndarray, b: np.ndarray, threshold: int, same: bool, ok_a: Optional[list[bool]] = None,
+               ok_b: Optional[list[bool]] = None) -> list[tuple[int, int, int]]:
+    """(i, j, distance) for every a[i], b[j] within `threshold` bits; with `same` (a is b), only i < j. `ok_a`,
+    `ok_b`: which hashes may near-match at all (an image too small for pHash matches by content only)."""
     pairs = []
     for start in range(0, len(a), BLOCK):
         block = a[start:start + BLOCK]
@@ -26,7 +29,7 @@ def near_pairs(a: np.ndarray, b: np.ndarray, threshold: int, same: bool) -> list
         rows, cols = np.nonzero(dist <= threshold)
         for r, c in zip(rows.tolist(), cols.tolist()):
             i = start + r
-            if not same or i < c:
+            if (not same or i < c) and (ok_a is None or ok_a[i]) and (ok_b is None or ok_b[c]):
                 pairs.append((i, c, int(dist[r, c])))
     return pairs
 
@@ -59,10 +62,11 @@ def connected_groups(n: int, pairs: list[tuple[int, int, int]]) -> list[list[int
     return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: g[0])
 
 
-def duplicate_groups(digests: list[str], hashes: np.ndarray, threshold: int) -> list[dict]:
+def duplicate_groups(digests: list[str], hashes: np.ndarray, threshold: int,
+                     near_ok: Optional[list[bool]] = None) -> list[dict]:
     """Groups of copies inside one split: {"members": positions, "kind": "exact" | "near", "distance": the
     largest pairwise pHash distance that joined them}. A group is exact when all its members share one SHA-256."""
-    pairs = near_pairs(hashes, hashes, threshold, same=True)
+    pairs = near_pairs(hashes, hashes, threshold, same=True, ok_a=near_ok, ok_b=near_ok)
     for group in exact_groups(digests):  # byte-identical files always group, whatever the threshold
         pairs += [(group[0], other, 0) for other in group[1:]]
     largest: dict[int, int] = defaultdict(int)
@@ -75,10 +79,12 @@ def duplicate_groups(digests: list[str], hashes: np.ndarray, threshold: int) -> 
 
 
 def leak_pairs(digests_a: list[str], hashes_a: np.ndarray, digests_b: list[str], hashes_b: np.ndarray,
-               threshold: int) -> list[dict]:
+               threshold: int, near_ok_a: Optional[list[bool]] = None,
+               near_ok_b: Optional[list[bool]] = None) -> list[dict]:
     """Every pair (a in one split, b in another) that is a copy: {"a", "b", "distance", "exact"}, exact
     first, then by distance."""
-    found = {(i, j): d for i, j, d in near_pairs(hashes_a, hashes_b, threshold, same=False)}
+    found = {(i, j): d for i, j, d in near_pairs(hashes_a, hashes_b, threshold, same=False, ok_a=near_ok_a,
+                                                ok_b=near_ok_b)}
     by_digest: dict[str, list[int]] = defaultdict(list)
     for j, digest in enumerate(digests_b):
         by_digest[digest].append(j)

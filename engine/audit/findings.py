@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.audit.duplicates import duplicate_groups, hash_array, leak_pairs
 from engine.audit.hashing import ImageFacts
+from engine.audit.stats import PHASH_SIDE
 from engine.audit.sources import AuditItem
 
 SPLIT_ORDER = ("train", "val", "test")
@@ -18,13 +19,19 @@ def by_split(items: list[AuditItem], facts: list[ImageFacts]) -> dict[str, list[
     return {s: out[s] for s in sorted(out, key=lambda s: SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 99)}
 
 
+def near_matchable(fact: ImageFacts) -> bool:
+    """pHash reads a 32x32 grayscale: an image smaller than that hashes too coarsely for its near matches to
+    mean anything (distinct 8x8 digits fall within a few bits), so it matches by content (SHA-256) only."""
+    return min(fact.width, fact.height) >= PHASH_SIDE
+
+
 def find_duplicates(items, facts, splits: dict[str, list[int]], threshold: int) -> list[dict]:
     """[{"split", "paths", "kind", "distance"}]: copies inside each split, exact groups first."""
     found = []
     for split, positions in splits.items():
         digests = [facts[i].sha256 for i in positions]
         hashes = hash_array([facts[i].phash for i in positions])
-        for group in duplicate_groups(digests, hashes, threshold):
+        for group in duplicate_groups(digests, hashes, threshold, [near_matchable(facts[i]) for i in positions]):
             found.append({"split": split, "paths": [items[positions[m]].name for m in group["members"]],
                           "kind": group["kind"], "distance": group["distance"]})
     return sorted(found, key=lambda g: (g["kind"] != "exact", SPLIT_ORDER.index(g["split"])
@@ -40,7 +47,8 @@ def find_leaks(items, facts, splits: dict[str, list[int]], threshold: int) -> li
         for b in names[a_at + 1:]:
             pa, pb = splits[a], splits[b]
             pairs = leak_pairs([facts[i].sha256 for i in pa], hash_array([facts[i].phash for i in pa]),
-                               [facts[i].sha256 for i in pb], hash_array([facts[i].phash for i in pb]), threshold)
+                               [facts[i].sha256 for i in pb], hash_array([facts[i].phash for i in pb]), threshold,
+                               [near_matchable(facts[i]) for i in pa], [near_matchable(facts[i]) for i in pb])
             found += [{a: items[pa[p["a"]]].name, b: items[pb[p["b"]]].name, "distance": p["distance"],
                        "exact": p["exact"], "splits": [a, b]} for p in pairs]
     return sorted(found, key=lambda x: (not x["exact"], x["distance"]))

@@ -288,6 +288,26 @@ def test_hash_comparisons_groups_and_leaks():
     assert leaks == [{"a": 1, "b": 0, "distance": 0, "exact": True}, {"a": 0, "b": 0, "distance": 1, "exact": False}]
 
 
+
+def test_images_too_small_for_phash_match_by_content_only():
+    from engine.audit.findings import find_duplicates, find_leaks
+    from engine.audit.hashing import ImageFacts
+    from engine.audit.sources import AuditItem
+
+    def item(name, split):
+        return AuditItem(name=name, file=name, label=0, split=split)
+
+    # near hashes (1 bit apart) of distinct files: a pair when both are 32 px or larger, never when one is 8 px
+    facts = [ImageFacts("s0", 0b0, 64, 48), ImageFacts("s1", 0b1, 40, 40), ImageFacts("s2", 0b0, 8, 8),
+             ImageFacts("s3", 0b1, 8, 8), ImageFacts("s2", 0b0, 8, 8)]
+    items = [item("a.png", "train"), item("b.png", "train"), item("c.png", "train"), item("d.png", "val"),
+             item("e.png", "val")]
+    groups = find_duplicates(items, facts, {"train": [0, 1, 2]}, threshold=6)
+    assert [g["paths"] for g in groups] == [["a.png", "b.png"]]
+    leaks = find_leaks(items, facts, {"train": [0, 1, 2], "val": [3, 4]}, threshold=6)
+    assert [(x["train"], x["val"], x["exact"]) for x in leaks] == [("c.png", "e.png", True)]
+
+
 def test_folds_are_stratified_seeded_and_keep_copies_together():
     from engine.audit.folds import assign_folds, unseen_by_checkpoint
 
