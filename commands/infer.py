@@ -110,14 +110,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     # as eval.py
     apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
 
-    model = loaded.build_model(device, channels_last=True)
-    model, folded = fold_batchnorm(model)
-    if folded:
-        model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
-        log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
-    enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
-    if compile_model:
-        model = torch.compile(model, dynamic=False)
+    model = inference_model(loaded, device, compile_model)
     transform = loaded.eval_transform()
     dataset = FileListDataset(paths, transform, transform.img_size)
     loader = build_inference_loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda")
@@ -136,6 +129,19 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     return 0 if classified else 1
 
 
+def inference_model(loaded, device: torch.device, compile_model: bool = False) -> torch.nn.Module:
+    """The model infer.py (and serve.py) runs: channels_last, BatchNorm folded, optionally compiled."""
+    model = loaded.build_model(device, channels_last=True)
+    model, folded = fold_batchnorm(model)
+    if folded:
+        model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
+        log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
+    enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
+    if compile_model:
+        model = torch.compile(model, dynamic=False)
+    return model
+
+
 def _device_and_precision(loaded, device_setting: str, amp: Optional[str]):
     """The device and autocast dtype: `--amp`, else the checkpoint's train.amp resolved for this device;
     an ONNX model always runs in fp32."""
@@ -151,6 +157,9 @@ def _device_and_precision(loaded, device_setting: str, amp: Optional[str]):
         return device, resolve_amp(setting, device)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
+
+
+device_and_precision = _device_and_precision  # serve.py chooses as infer.py does
 
 
 def _batch_size(loaded, asked: Optional[int]) -> int:

@@ -1,0 +1,132 @@
+"""The model behind serve.py: opened, prepared and run exactly as infer.py runs it (the same decode and
+eval preprocessing, BatchNorm folded, channels_last, normalisation, precision), one request's image
+decoded on its own (`decode`) and many classified together (`classify`) in a batch padded to a fixed
+shape, with infer.py's result rows.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from PIL import Image
+
+from commands.infer import device_and_precision, inference_model, result_rows
+from core.errors import ImageDecodeError
+from data.transforms import EvalTransform, read_source
+from engine.evaluation.evaluate import predict
+from engine.model_io.model_files import ModelFile, load_model_file
+from engine.rundir.checkpointer import preprocessing_record
+from engine.runtime.device import DeviceInput, apply_cpu_policy, precision_name
+
+log = logging.getLogger("serve")
+
+
+class BadImage(Exception):
+    """A request body that is no usable image: `kind` names the problem for the JSON error."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def classify_decode_error(message: str) -> str:
+    """The kind of problem PIL or the decoder reported (an ImageDecodeError's message)."""
+    if "DecompressionBomb" in message:
+        return "decompression_bomb"
+    if "truncated" in message or "broken data stream" in message or "premature end" in message.lower():
+        return "truncated_image"
+    if "cannot identify image file" in message or "UnidentifiedImageError" in message:
+        return "not_an_image"
+    return "unreadable_image"
+
+
+def batch_shapes(max_batch: int) -> list[int]:
+    """The padded batch sizes the model sees: powers of two below `max_batch`, and `max_batch` itself. A few
+    fixed shapes (cudnn tunes each once), and one waiting request is not padded to the largest."""
+    shapes, size = [], 1
+    while size < max_batch:
+        shapes.append(size)
+        size *= 2
+    return shapes + [max_batch]
+
+
+def padded_size(n: int, shapes: list[int]) -> int:
+    return next(size for size in shapes if size >= n)
+
+
+def decode_image(body: bytes, transform: EvalTransform, max_pixels: Optional[int]) -> torch.Tensor:
+    """infer.py's decode and eval preprocessing of one image's bytes: uint8 [3, S, S]. BadImage when the
+    bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit, also
+    for the JPEGs that torchvision decodes without PIL)."""
+    if not body:
+        raise BadImage("empty_body", "the request carried no image bytes")
+    try:
+        width, height = read_source(body).size
+        if max_pixels is not None and width * height > max_pixels:
+            raise BadImage("decompression_bomb", f"{width}x{height} = {width * height} pixels, above the limit of "
+                                                 f"{max_pixels} (PIL.Image.MAX_IMAGE_PIXELS)")
+        return transform(body)
+    except (ImageDecodeError, OSError) as err:
+        message = str(err).removeprefix("<image bytes>: ")
+        raise BadImage(classify_decode_error(message), message) from err
+
+
+@dataclass
+class ServedModel:
+    model_file: ModelFile
+    model: torch.nn.Module
+    device_input: DeviceInput
+    transform: EvalTransform
+    topk: int
+    max_batch: int
+    shapes: list[int]
+
+    @classmethod
+    def load(cls, checkpoint: str, topk: int, max_batch: int, device_setting: str = "auto") -> "ServedModel":
+        loaded = load_model_file(checkpoint)
+        device, amp_dtype = device_and_precision(loaded, device_setting, None)
+        apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
+        model = inference_model(loaded, device)
+        if loaded.fixed_batch is not None and max_batch != loaded.fixed_batch:
+            log.warning("%s was exported for a fixed batch of %d: batches of %d, not --max-batch %d", loaded.path,
+                        loaded.fixed_batch, loaded.fixed_batch, max_batch)
+            max_batch = loaded.fixed_batch
+        shapes = [max_batch] if loaded.fixed_batch is not None else batch_shapes(max_batch)
+        device_input = DeviceInput.from_config(loaded.cfg, device, amp_dtype, channels_last=True)
+        return cls(loaded, model, device_input, loaded.eval_transform(), min(topk, len(loaded.classes)), max_batch,
+                   shapes)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.model_file.classes
+
+    def decode(self, body: bytes) -> torch.Tensor:
+        return decode_image(body, self.transform, Image.MAX_IMAGE_PIXELS)
+
+    def classify(self, images: list[torch.Tensor], names: list[Optional[str]]) -> list[dict]:
+        """infer.py's rows for decoded images, run as one batch padded with zero images to a fixed shape."""
+        n = len(images)
+        batch = torch.stack(images)
+        pad = padded_size(n, self.shapes) - n
+        if pad:
+            batch = torch.cat([batch, batch.new_zeros((pad, *batch.shape[1:]))])
+        item = (batch, torch.ones(n, dtype=torch.bool), torch.arange(n), [""] * n)
+        preds = predict(self.model, [item], self.device_input, self.topk)
+        return result_rows(names, preds, self.classes)
+
+    def warm_up(self) -> None:
+        """One pass per batch shape before the first request (allocator, oneDNN/cudnn choices)."""
+        size = self.transform.img_size
+        for shape in self.shapes:
+            self.classify([torch.zeros(3, size, size, dtype=torch.uint8)] * shape, [None] * shape)
+
+    def health(self) -> dict:
+        cfg = self.model_file.cfg
+        return {"status": "ok", "model": cfg.model.name, "model_format": self.model_file.kind,
+                "checkpoint": str(self.model_file.path), "epoch": self.model_file.epoch,
+                "num_classes": len(self.classes), "classes": list(self.classes), "topk": self.topk,
+                "preprocessing": preprocessing_record(cfg), "device": str(self.device_input.device),
+                "precision": precision_name(self.device_input.amp_dtype), "batch_shapes": self.shapes}
