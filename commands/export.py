@@ -56,7 +56,7 @@ def run_int8_export(loaded: LoadedCheckpoint, path: Path, batch: Optional[int], 
                     min_agreement: float) -> int:
     """fp32 ONNX export (checked as always) to a temporary file, static int8 quantization to `path`, then the
     comparison: exit 1 (ExportError) when top-1 agreement is below `min_agreement`."""
-    from engine.model_io.quantize import CHECK_LIMIT, compare_int8, quantize_int8, spread
+    from engine.model_io.quantize import CHECK_LIMIT, check_agreement, compare_int8, quantize_int8, spread
 
     paths, labels, described = validation_files(loaded)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +76,5 @@ def run_int8_export(loaded: LoadedCheckpoint, path: Path, batch: Optional[int], 
     print(f"check: fp32 export vs checkpoint max |probability difference| {fp32.max_prob_diff:.2e}; int8 top-1 "
           f"agreement with fp32 {report.agreement:.4f} ({report.agree}/{n}), accuracy fp32 "
           f"{report.fp32_correct / n:.4f} int8 {report.int8_correct / n:.4f} on {n} images from {described}")
-    if report.agreement < min_agreement:
-        raise ExportError(f"the int8 model at {path} agrees with the fp32 model on {report.agreement:.4f} of {n} "
-                          f"images, below --min-agreement {min_agreement:g} (more --calibration-images may help); "
-                          f"the file is kept for inspection")
+    check_agreement(report, min_agreement)
     return 0

@@ -20,7 +20,9 @@ import pytest
 import requests
 from PIL import Image
 
+import serve
 from conftest import REPO, class_image, run_script, train_tiny, wait_for
+from core.errors import CheckpointError, ConfigError
 from serving.batcher import DynamicBatcher
 from serving.model import batch_shapes, classify_decode_error, padded_size
 
@@ -41,17 +43,17 @@ def served(tmp_path_factory):
         jpeg = png.with_suffix(".jpg")
         class_image(i % 3, (40, 30)).save(jpeg, quality=90)
         images.append(jpeg)
-    rows_file = base / "rows.json"
-    result = run_script("infer.py", *map(str, images), "--checkpoint", str(checkpoint), "--output", str(rows_file),
-                        "--num-workers", "0")
-    assert result.returncode == 0, result.stderr[-2000:]
-    expected = {row["path"]: row for row in json.loads(rows_file.read_text())}
     log_path = base / "serve.log"
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", IMGCLS_API_KEY=API_KEY)
     proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", "0",
                              "--max-batch", "8", "--max-wait-ms", "100", "--max-bytes", str(MAX_BYTES)],
                             cwd=REPO, stdout=log, stderr=log, env=env, start_new_session=True)
+    rows_file = base / "rows.json"  # while the server starts
+    result = run_script("infer.py", *map(str, images), "--checkpoint", str(checkpoint), "--output", str(rows_file),
+                        "--num-workers", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = {row["path"]: row for row in json.loads(rows_file.read_text())}
     wait_for(proc, lambda: "listening on" in log_path.read_text(), "the server listening", timeout=180)
     port = int(re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_path.read_text()).group(1))
     server = {"url": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "log": log_path, "images": images,
@@ -182,11 +184,12 @@ def test_the_api_key_is_required_on_predict(served):
     assert post(served["url"], body).status_code == 200
 
 
-def test_usage_errors_exit_2_before_loading(tmp_path):
-    result = run_script("serve.py", "--checkpoint", str(tmp_path / "missing.pt"), "--port", "0")
-    assert result.returncode == 2 and "missing.pt" in result.stderr
-    result = run_script("serve.py", "--checkpoint", "x.pt", "--max-batch", "0")
-    assert result.returncode == 2 and "--max-batch" in result.stderr
+def test_usage_errors_are_found_before_the_port_opens(tmp_path):
+    with pytest.raises(CheckpointError, match="missing.pt"):
+        serve.main(["--checkpoint", str(tmp_path / "missing.pt"), "--port", "0"])
+    for flag, value in (("--max-batch", "0"), ("--max-bytes", "0"), ("--port", "70000"), ("--max-wait-ms", "-1")):
+        with pytest.raises(ConfigError, match=flag):
+            serve.main(["--checkpoint", "x.pt", flag, value])
 
 
 def test_sigterm_answers_the_request_in_flight_stops_accepting_and_exits_0(served):

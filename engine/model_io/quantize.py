@@ -149,6 +149,14 @@ def compare_int8(fp32_path: Path, int8_path: Path, paths: list[str], labels: lis
                           int((int8_top == target).sum()), source)
 
 
+def check_agreement(report: QuantizeReport, min_agreement: float) -> None:
+    """ExportError (exit 1) when int8 and fp32 agree on less than `min_agreement` of the compared images."""
+    if report.agreement < min_agreement:
+        raise ExportError(f"the int8 model at {report.path} agrees with the fp32 model on {report.agreement:.4f} of "
+                          f"{report.num_images} images, below --min-agreement {min_agreement:g} (more "
+                          f"--calibration-images may help); the file is kept for inspection")
+
+
 def check_quantize_options(calibration_images: int, min_agreement: float) -> None:
     if calibration_images < 1:
         raise ConfigError(f"--calibration-images {calibration_images}: must be >= 1")
