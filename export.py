@@ -47,10 +47,10 @@ def main(argv=None) -> int:
 
     if args.quantize and args.format != "onnx":
         raise ConfigError(f"--quantize {args.quantize}: only an ONNX export is quantized; use --format onnx")
-    if args.quantize:
-        from engine.model_io.quantize import check_quantize_options
-
-        check_quantize_options(args.calibration_images, args.min_agreement)
+    if args.quantize and args.calibration_images < 1:
+        raise ConfigError(f"--calibration-images {args.calibration_images}: must be >= 1")
+    if args.quantize and not 0.0 <= args.min_agreement <= 1.0:
+        raise ConfigError(f"--min-agreement {args.min_agreement}: must be between 0 and 1 (a fraction of images)")
 
     from commands.export import run_export
 

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+from pathlib import Path
 
 import onnx
 import pytest
@@ -17,6 +18,7 @@ from conftest import train_tiny
 from core.errors import ConfigError, ExportError
 from engine.model_io import quantize
 from engine.model_io.model_files import load_model_file
+from serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]
 
@@ -61,6 +63,13 @@ def test_int8_model_keeps_metadata_and_infer_runs_it(quantized, tmp_path):
                        "--num-workers", "0"]) == 0
     rows = json.loads(rows_file.read_text())
     assert len(rows) == 18 and all(r["label"] in CLASSES and r["error"] is None for r in rows)
+    # serve.py runs the int8 export as infer.py does: the same rows
+    served = ServedModel.load(str(out), topk=5, max_batch=4)
+    paths = [Path(r["path"]) for r in rows[:3]]
+    got = served.classify([served.decode(p.read_bytes()) for p in paths], [str(p) for p in paths])
+    for row, want in zip(got, rows[:3]):
+        assert row["label"] == want["label"] and row["top2_label"] == want["top2_label"]
+        assert row["prob"] == pytest.approx(want["prob"], abs=1e-5)
 
 
 def test_agreement_below_the_floor_is_an_export_error(tmp_path):

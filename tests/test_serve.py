@@ -23,6 +23,7 @@ from PIL import Image
 import serve
 from conftest import REPO, class_image, run_script, train_tiny, wait_for
 from core.errors import CheckpointError, ConfigError
+from benchmarking.serve_load import percentile, run_load
 from serving.batcher import DynamicBatcher
 from serving.model import batch_shapes, classify_decode_error, padded_size
 
@@ -192,6 +193,15 @@ def test_usage_errors_are_found_before_the_port_opens(tmp_path):
             serve.main(["--checkpoint", "x.pt", flag, value])
 
 
+def test_load_generator_measures_every_answer(served):
+    bodies = [path.read_bytes() for path in served["images"]]
+    result = run_load(served["url"], bodies, clients=4, total=12, api_key=API_KEY)
+    assert result["requests"] == 12 and result["img_per_s"] > 0
+    assert 0 < result["p50_ms"] <= result["p95_ms"]
+    with pytest.raises(SystemExit, match="12 of 12 requests failed, first: 401"):
+        run_load(served["url"], bodies, clients=2, total=12, api_key="wrong")
+
+
 def test_sigterm_answers_the_request_in_flight_stops_accepting_and_exits_0(served):
     """Last in the module: it stops the shared server. A request whose headers are in but whose body is
     not is in flight when SIGTERM arrives; it is answered, new connections are refused, exit 0."""
@@ -236,6 +246,11 @@ def test_batch_shapes_are_powers_of_two_up_to_the_max():
     assert batch_shapes(32) == [1, 2, 4, 8, 16, 32]
     assert batch_shapes(12) == [1, 2, 4, 8, 12]
     assert [padded_size(n, batch_shapes(12)) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
 
 
 def test_decode_errors_are_named():

@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from core.errors import ConfigError, ExportError
+from core.errors import ExportError
 from data.file_list import FileListDataset, build_inference_loader
 from data.transforms import normalize_batch
 from engine.evaluation.evaluate import predict
@@ -155,11 +155,3 @@ def check_agreement(report: QuantizeReport, min_agreement: float) -> None:
         raise ExportError(f"the int8 model at {report.path} agrees with the fp32 model on {report.agreement:.4f} of "
                           f"{report.num_images} images, below --min-agreement {min_agreement:g} (more "
                           f"--calibration-images may help); the file is kept for inspection")
-
-
-def check_quantize_options(calibration_images: int, min_agreement: float) -> None:
-    if calibration_images < 1:
-        raise ConfigError(f"--calibration-images {calibration_images}: must be >= 1")
-    if not 0.0 <= min_agreement <= 1.0:
-        raise ConfigError(f"--min-agreement {min_agreement}: must be between 0 and 1 (a fraction of images)")
-
