@@ -17,7 +17,7 @@ from commands.cli import run_main
 from core.errors import ConfigError
 
 
-def main() -> int:
+def main(host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML path or a name in configs/ (resnet18, resnet50, quickstart)")
     parser.add_argument("--mode", choices=["loader", "train", "infer", "find-batch", "diagnose"])
@@ -59,23 +59,21 @@ def main() -> int:
     if args.mode == "infer" and not args.synthetic and cfg.data.format == "webdataset":
         raise ConfigError("--mode infer times infer.py, which reads files: use a folder or CSV source (or --synthetic)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    print(json.dumps(run_benchmark(cfg, args)))
+    print(json.dumps(run_benchmark(cfg, args, host)))
     return 0
 
 
-def run_benchmark(cfg, args) -> dict:
+def run_benchmark(cfg, args, host=None) -> dict:
     import torch
 
     from benchmarking.loader import bench_loader
     from benchmarking.modes import bench_infer, bench_train, settings
     from core.config import check_data_root
-    from data.build import prepare_root, scan_tree
-    from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
+    from data.build import prepare_root, scan_splits
+    from engine.runtime.runtime import build_runtime
 
-    device = select_device(cfg.train.device)
-    amp_dtype = resolve_amp(cfg.train.amp, device)
-    enable_cudnn_autotune(device)
-    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)
+    runtime = build_runtime(cfg, host)
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:
         check_data_root(cfg)
@@ -86,11 +84,11 @@ def run_benchmark(cfg, args) -> dict:
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:
             prepare_root(cfg)
-            train_index, _ = scan_tree(cfg)
+            train_index, _ = scan_splits(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
         report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
-        out["settings"] = settings(cfg, device, amp_dtype, report["batch_size"], True)
+        out["settings"] = settings(cfg, runtime, report["batch_size"], True)
         return out
     batch = cfg.train.batch_size
     if batch == "auto":
@@ -108,7 +106,7 @@ def run_benchmark(cfg, args) -> dict:
         out = bench_train(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
     else:
         out = bench_infer(cfg, device, amp_dtype, batch, args.steps, args.warmup, args.synthetic)
-    out["settings"] = settings(cfg, device, amp_dtype, batch, args.synthetic)
+    out["settings"] = settings(cfg, runtime, batch, args.synthetic)
     return out
 
 

@@ -11,10 +11,11 @@ import argparse
 import logging
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
+from core.outputs import check_output_file
 
 
-def main(argv=None) -> int:
+def main(argv=None, host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
                                                             "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
@@ -34,10 +35,11 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
 
     from commands.evaluate import evaluate_checkpoint
-    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table, write_json
+    from commands.report import confusion_png_path, draw_confusion, eval_document, format_eval_table
+    from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes)
+                                 args.classes, host)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}, "

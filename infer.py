@@ -15,7 +15,8 @@ import logging
 import os
 import sys
 
-from commands.cli import check_output_file, run_main
+from commands.cli import run_main
+from core.outputs import check_output_file
 from core.errors import ConfigError
 from core.host import usable_cpus
 
@@ -27,7 +28,7 @@ def default_workers() -> int:
     return min(8, usable_cpus())
 
 
-def main(argv=None) -> int:
+def main(argv=None, host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
     parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, a timm folder "
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     from commands.infer import run_inference
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device, args.classes)
+                         args.compile, args.num_workers, args.device, args.classes, host)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from commands.cli import run_main
 from core.config import available_configs
 
 
-def main() -> int:
+def main(host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, epilog="Every key, its default and what it does: "
                                      "configs/base.yaml. Exit status: 0 done, 1 failed, 2 usage or config "
                                      "error, 143/130 stopped by SIGTERM/SIGINT after saving last.pt.")
@@ -25,7 +25,7 @@ def main() -> int:
 
     from engine.run.trainer import run
 
-    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
+    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial, host=host)
 
 
 if __name__ == "__main__":

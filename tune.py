@@ -13,7 +13,7 @@ import argparse
 from commands.cli import run_main
 
 
-def main() -> int:
+def main(host=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done, 1 failed, 2 usage or config error, 130 after "
                                             "Ctrl-C (the table so far is printed). Writes no run directory.")
@@ -34,7 +34,7 @@ def main() -> int:
 
     from commands.tune import main as tune
 
-    return tune(args)
+    return tune(args, host)
 
 
 if __name__ == "__main__":

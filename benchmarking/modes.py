@@ -29,12 +29,13 @@ def loader_batches(loader, sampler=None, start_epoch: int = 0) -> Iterator:
         epoch += 1
 
 
-def settings(cfg, device: torch.device, amp_dtype, batch_size: int, synthetic: bool) -> dict:
+def settings(cfg, runtime, batch_size: int, synthetic: bool) -> dict:
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     return {"model": cfg.model.name, "img_size": cfg.data.img_size, "batch": batch_size,
             "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "compile": cfg.train.compile,
             "workers": 0 if synthetic else cfg.data.num_workers, "device": str(device), "synthetic": synthetic,
-            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(),
+            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(runtime.host),
             "reuse_host_memory": cfg.train.reuse_host_memory}
 
 
@@ -74,11 +75,11 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
         batch = (images, torch.ones(batch_size, dtype=torch.bool), torch.arange(batch_size), [""] * batch_size)
         loader, warm_loader = [batch] * steps, [batch] * max(1, warmup)
     else:
-        from data.build import eval_transform, scan_tree
+        from data.build import eval_transform, scan_splits
         from data.file_list import FileListDataset, build_inference_loader
 
         pin = pin_memory_for(cfg.data.pin_memory, device)
-        _, val_index = scan_tree(cfg)
+        _, val_index = scan_splits(cfg)
         num_classes = len(val_index.classes)
         paths = list(val_index.paths) * max(1, ceil_div(steps * batch_size, len(val_index.paths)))
         transform = eval_transform(cfg.data)

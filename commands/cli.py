@@ -6,6 +6,7 @@ answer before the heavy imports.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Callable
 
@@ -52,10 +53,12 @@ def _reserved_much_larger(message: str) -> bool:
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
     First, before any command imports torch, how OpenMP's waiting threads behave is chosen by the cores'
-    load (`core.host.choose_omp_wait`)."""
-    core.host.chosen_omp_wait = core.host.choose_omp_wait()
+    load (`core.host.choose_omp_wait`); a `main` that takes `host=` gets that choice to set up its runtime
+    with."""
+    host = core.host.choose_omp_wait()
+    takes_host = "host" in inspect.signature(main).parameters
     try:
-        code = main()
+        code = main(host=host) if takes_host else main()
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2
@@ -75,25 +78,6 @@ def run_main(main: Callable[[], int]) -> None:
             print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         code = 1
     sys.exit(code)
-
-
-def check_output_file(flag: str, path: str | None) -> None:
-    """ConfigError (exit 2) before any work when an output file cannot be written where asked: the name is
-    a folder, or a part of the path above it is a file."""
-    if not path:
-        return
-    from pathlib import Path
-
-    from core.errors import ConfigError
-
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"{flag} {path}: is a folder; pass a file name (for example {target / 'out'}{target.suffix or '.json'})")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
-            break
 
 
 def _is_out_of_memory(err: Exception) -> bool:

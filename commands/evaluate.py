@@ -10,13 +10,13 @@ import torch
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.sources import eval_source
-from engine.runtime.device import (DeviceInput, amp_setting, apply_cpu_policy, enable_cudnn_autotune,
-                           pin_memory_for, resolve_amp, select_device)
+from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
+from engine.runtime.runtime import build_runtime
 from engine.evaluation.evaluate import evaluate
 from engine.evaluation.metrics import per_class_report
 from engine.model_io.model_files import load_model_file
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class EvalResult:
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None) -> EvalResult:
+                        classes_file: str | None = None, host=None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -58,10 +58,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
 
-    device = select_device(cfg.train.device)
-    amp_dtype = None if loaded.fp32_only else resolve_amp(cfg.train.amp, device)
-    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, saved_threads=loaded.threads)
-    enable_cudnn_autotune(device)
+    runtime = build_runtime(cfg, host, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()
     pin = pin_memory_for(cfg.data.pin_memory, device)

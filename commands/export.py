@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import CheckpointError, ConfigError, DataTreeError, ExportError
-from engine.rundir.checkpointer import LoadedCheckpoint, read_checkpoint
+from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
-from engine.model_io.model_files import KIND_NAMES, model_file_kind
+from engine.model_io.model_file import KIND_NAMES, ModelFile
+from engine.model_io.model_files import model_file_kind
 
 
 def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], quantize: Optional[str] = None,
@@ -35,7 +36,7 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     return 0
 
 
-def validation_files(loaded: LoadedCheckpoint) -> tuple[list[str], list[int], str]:
+def validation_files(loaded: ModelFile) -> tuple[list[str], list[int], str]:
     """The checkpoint's recorded validation split as (paths, labels, description), as eval.py finds it.
     ConfigError (exit 2) when it is not on disk as image files."""
     from data.sources import eval_source
@@ -52,7 +53,7 @@ def validation_files(loaded: LoadedCheckpoint) -> tuple[list[str], list[int], st
     return list(paths), list(source.index.labels), source.described
 
 
-def run_int8_export(loaded: LoadedCheckpoint, path: Path, batch: Optional[int], calibration_images: int,
+def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibration_images: int,
                     min_agreement: float) -> int:
     """fp32 ONNX export (checked as always) to a temporary file, static int8 quantization to `path`, then the
     comparison: exit 1 (ExportError) when top-1 agreement is below `min_agreement`."""

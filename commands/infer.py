@@ -13,14 +13,15 @@ import torch
 
 from core.errors import ConfigError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from engine.rundir.checkpointer import find_newest_checkpoint
-from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, resolve_amp,
-                           select_device)
+from engine.model_io.checkpoint_files import find_newest_checkpoint
+from engine.runtime.device import DeviceInput, select_device
+from engine.runtime.runtime import Runtime, build_runtime
 from engine.evaluation.evaluate import Predictions, predict
-from engine.model_io.model_files import KIND_NAMES, load_model_file
+from engine.model_io.model_file import KIND_NAMES
+from engine.model_io.model_files import load_model_file
 from models.factory import fold_batchnorm
 
-log = logging.getLogger("infer")
+log = logging.getLogger(__name__)
 
 
 def result_columns(k: int) -> list[str]:
@@ -88,7 +89,7 @@ DEFAULT_BATCH_SIZE = 32
 
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
-                  device_setting: str = "auto", classes_file: Optional[str] = None) -> int:
+                  device_setting: str = "auto", classes_file: Optional[str] = None, host=None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
@@ -104,11 +105,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     cfg = loaded.cfg
-    device, amp_dtype = _device_and_precision(loaded, device_setting, amp)
+    runtime = _runtime(loaded, device_setting, amp, host)
+    device, amp_dtype = runtime.device, runtime.amp_dtype
     batch_size = _batch_size(loaded, batch_size)
     k = min(topk, len(loaded.classes))
-    # as eval.py
-    apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
 
     model = inference_model(loaded, device, compile_model)
     transform = loaded.eval_transform()
@@ -136,30 +136,28 @@ def inference_model(loaded, device: torch.device, compile_model: bool = False) -
     if folded:
         model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
         log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
-    enable_cudnn_autotune(device)  # padded batches: one input shape, tuned once
     if compile_model:
         model = torch.compile(model, dynamic=False)
     return model
 
 
-def _device_and_precision(loaded, device_setting: str, amp: Optional[str]):
-    """The device and autocast dtype: `--amp`, else the checkpoint's train.amp resolved for this device;
-    an ONNX model always runs in fp32."""
+def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
+    """The runtime eval.py would set up, on `--device`, at `--amp` (else the checkpoint's train.amp resolved
+    for this device; an ONNX model always runs in fp32), with the checkpoint's thread count. cudnn
+    autotuning pays here: padded batches have one input shape, tuned once."""
     try:
-        device = select_device(device_setting)
-        if loaded.fp32_only:
-            if amp not in (None, "none", "auto"):
-                log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
-            return device, None
+        if loaded.fp32_only and amp not in (None, "none", "auto"):
+            log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
         setting = amp or loaded.cfg.train.amp
-        if amp is None and setting == "fp16" and device.type != "cuda":
+        if amp is None and setting == "fp16" and select_device(device_setting).type != "cuda":
             setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        return device, resolve_amp(setting, device)
+        return build_runtime(loaded.cfg, host, saved_threads=loaded.threads, device_setting=device_setting,
+                             amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
 
 
-device_and_precision = _device_and_precision  # serve.py chooses as infer.py does
+inference_runtime = _runtime  # serve.py sets up as infer.py does
 
 
 def _batch_size(loaded, asked: Optional[int]) -> int:

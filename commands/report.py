@@ -1,13 +1,11 @@
 """Human- and machine-readable evaluation reports: a text table, the JSON document, a confusion PNG."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.rundir.runlog import finite_or_null
 
 
 def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:
@@ -18,12 +16,6 @@ def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, class
     doc["classes"] = list(classes)
     doc.update(extra)
     return doc
-
-
-def write_json(doc, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite_or_null(doc), indent=2, allow_nan=False) + "\n")
 
 
 def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:

@@ -2,17 +2,14 @@
 and report: the table on stdout, the verdict, the memory breakdown, JSON and a PNG plot."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
-from pathlib import Path
-from typing import Optional
 
 from core.errors import ConfigError
+from core.outputs import check_output_file
 
-log = logging.getLogger("train")
-RUN_DIR_MARKERS = ("config.yaml", "last.pt", "best.pt", "summary.json")
+log = logging.getLogger(__name__)
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -44,20 +41,6 @@ def parse_lr_range(text: str) -> tuple[float, float]:
     return low, high
 
 
-def check_output_file(path: Optional[str], option: str, suffix: Optional[str] = None) -> None:
-    """An output file's folder must exist and not be a training run's directory (tune.py changes no run)."""
-    if path is None:
-        return
-    target = Path(path)
-    if suffix and target.suffix.lower() != suffix:
-        raise ConfigError(f"{option} {path}: must end in {suffix}")
-    if not target.parent.is_dir() and str(target.parent) not in ("", "."):
-        raise ConfigError(f"{option} {path}: folder {target.parent} does not exist")
-    if any((target.parent / marker).exists() for marker in RUN_DIR_MARKERS):
-        raise ConfigError(f"{option} {path}: {target.parent} is a run directory; tune.py writes nothing into "
-                          f"runs, choose another folder")
-
-
 def check_arguments(args) -> None:
     """Every usage error before any work (exit 2)."""
     if args.steps is not None and args.steps < 2:
@@ -69,11 +52,11 @@ def check_arguments(args) -> None:
     if args.lr_range is not None and (args.batch_sizes or args.target_loss is not None or args.checkpointing):
         raise ConfigError("--lr-range runs the LR range test at train.batch_size; it does not take --batch-sizes, "
                           "--target-loss or --try-checkpointing")
-    check_output_file(args.json, "--json", ".json")
-    check_output_file(args.plot, "--plot", ".png")
+    check_output_file("--json", args.json, ".json", outside_runs=True)
+    check_output_file("--plot", args.plot, ".png", outside_runs=True)
 
 
-def main(args) -> int:
+def main(args, host=None) -> int:
     from core.config import load_config
 
     check_arguments(args)
@@ -84,10 +67,5 @@ def main(args) -> int:
     from commands.tune_run import run_lr_test, run_sweep
 
     if lr_range is not None:
-        return run_lr_test(cfg, args, lr_range)
-    return run_sweep(cfg, args, sizes)
-
-
-def write_json(doc: dict, path: Optional[str]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+        return run_lr_test(cfg, args, lr_range, host)
+    return run_sweep(cfg, args, sizes, host)

@@ -6,39 +6,36 @@ import logging
 import sys
 from typing import Optional
 
-from commands.tune import write_json
 from core.config import check_data_root
 from core.errors import ConfigError
-from data.build import prepare_root, scan_tree
+from core.outputs import write_json
+from data.build import prepare_root, scan_splits
 from engine.runtime import distributed as dist_utils
 from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
-from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, precision_name, resolve_amp, select_device
+from engine.runtime.device import precision_name
 from engine.runtime.memory import mib
 from engine.training.schedule import scaled_lr
-from engine.tuning.sweep import MemoryCheck, RunContext, run_lr_range, sweep_batch_sizes
+from engine.runtime.runtime import Runtime, build_runtime
+from engine.tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
 from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 DEFAULT_STEPS = 100
 
 
-def prepare(cfg) -> tuple[RunContext, int, int]:
-    """(context, training images, classes); config errors before any work."""
+def prepare(cfg, host=None) -> tuple[Runtime, int, int]:
+    """(runtime, training images, classes); config errors before any work. The runtime is set up as
+    train.py's would be here (the same device, precision and thread count)."""
     check_data_root(cfg)
     check_model_name(cfg.model.name)
     check_grad_checkpointing(cfg.model)
-    world = dist_utils.env_world_size()
-    device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
-    amp_dtype = resolve_amp(cfg.train.amp, device)
-    dist = dist_utils.init_distributed(device.type)
-    apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory)  # the count train.py would take here
-    if dist.is_main:
+    runtime = build_runtime(cfg, host, distributed=True)
+    if runtime.dist.is_main:
         prepare_root(cfg)
     dist_utils.barrier()
-    enable_cudnn_autotune(device)
-    train_index, _ = scan_tree(cfg)
-    return RunContext(device, amp_dtype, dist), len(train_index), len(train_index.classes)
+    train_index, _ = scan_splits(cfg)
+    return runtime, len(train_index), len(train_index.classes)
 
 
 def default_sizes(cfg, images: int, world: int) -> list[int]:
@@ -56,8 +53,8 @@ def check_sizes(sizes: list[int], images: int, world: int) -> None:
                               f"{f' over {world} processes' if world > 1 else ''})")
 
 
-def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
-    ctx, images, classes = prepare(cfg)
+def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
+    ctx, images, classes = prepare(cfg, host)
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
     check_sizes(sizes, images, world)
@@ -129,7 +126,7 @@ class EstimateOnce:
     """After the first size's first two logged points: how long the whole sweep will take (per-sample time
     of the first size, for all sizes' samples: an upper bound, larger batches run faster per sample)."""
 
-    def __init__(self, ctx: RunContext, sizes: list[int], steps: int):
+    def __init__(self, ctx: Runtime, sizes: list[int], steps: int):
         self.ctx, self.total_samples, self.done = ctx, sum(sizes) * steps, False
 
     def __call__(self, size: int, curve) -> None:
@@ -141,16 +138,16 @@ class EstimateOnce:
                       f"at batch {size}); Ctrl-C prints the table so far")
 
 
-def say(ctx: RunContext, text: str) -> None:
+def say(ctx: Runtime, text: str) -> None:
     if ctx.dist.is_main:
         print(text, file=sys.stderr, flush=True)
 
 
-def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
+def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
     if cfg.train.batch_size == "auto":
         raise ConfigError("--lr-range runs at train.batch_size: give it a number (tune.py's sweep or "
                           "benchmark.py --mode find-batch pick one)")
-    ctx, images, _ = prepare(cfg)
+    ctx, images, _ = prepare(cfg, host)
     check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size)
     steps = args.steps or DEFAULT_STEPS
     low, high = lr_range

@@ -122,7 +122,7 @@ class TrainConfig:
     max_nonfinite_in_row: int = field(default=10, metadata=_range(1, resume_free=True))
     memory_budget_gb: Optional[float] = field(default=None, metadata=_range(0.0, lo_open=True, resume_free=True))
     target_effective_batch: Optional[int] = field(default=None, metadata=_range(1))
-    threads: Union[int, Literal["auto"]] = field(default="auto", metadata=_range(1, resume_free=True))
+    threads: Union[int, Literal["auto", "idle_cores"]] = field(default="auto", metadata=_range(1, resume_free=True))
     reuse_host_memory: bool = field(default=True, metadata=FREE)
     val_interval: int = field(default=1, metadata=_range(1, resume_free=True))
     mixup_alpha: float = field(default=0.0, metadata=_range(0.0))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -10,11 +11,33 @@ from typing import Callable, Optional
 
 
 def usable_cpus() -> int:
-    """Cores this process may run on (its affinity mask; the whole machine where that is unknown)."""
+    """Cores this process may run on: its affinity mask, capped by a cgroup CPU quota (a container held to
+    2 CPUs on a 64-core host sees 64 cores in its mask); the whole machine where neither is known."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
+    """CPUs' worth of time the cgroup may use (quota / period), or None without a quota: cgroup v2's
+    `cpu.max` ("200000 100000", or "max 100000"), else v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us`."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+THREAD_SETTINGS = ("auto", "idle_cores")
 
 
 def choose_threads(setting, cpus: int, env: dict, busy_cores: Optional[float] = None,
@@ -24,23 +47,26 @@ def choose_threads(setting, cpus: int, env: dict, busy_cores: Optional[float] = 
     An explicit `train.threads` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per process), then
     `saved`, the count a checkpoint's run computed with (a resume, eval.py, infer.py: sums over another
     thread count round differently in the last digits; never more than `cpus`). Else `auto`: the usable
-    cores less those other processes kept busy at start (`busy_cores`, rounded; at least one). On a
-    2-core machine beside one busy process, one thread has a core to itself, where two would share the
-    other core with that process and wait for each other at every parallel region (docs/performance.md).
-    So a fresh run's numbers depend on the load it started beside; a pinned `train.threads` makes them
-    not."""
-    if setting != "auto":
+    cores, whatever else runs, so two fresh runs with the same seed compute the same numbers. `idle_cores`
+    follows the load instead: the usable cores less those other processes kept busy at start
+    (`busy_cores`, rounded; at least one). On a 2-core machine beside one busy process, one thread has a
+    core to itself, where two share the other core with that process and wait for each other at every
+    parallel region (docs/performance.md); the price is that the numbers depend on the load."""
+    if setting not in THREAD_SETTINGS:
         return int(setting), "train.threads"
     from_env = env.get("OMP_NUM_THREADS", "").strip()
     if from_env.isdigit() and int(from_env) > 0:
         return int(from_env), "OMP_NUM_THREADS"
     if isinstance(saved, int) and saved > 0:
         capped = f", capped at {cpus} usable core(s)" if saved > cpus else ""
-        return min(saved, cpus), f"auto: the checkpoint's run used {saved}{capped}"
-    if busy_cores is None or busy_cores < BUSY_CORES:
+        return min(saved, cpus), f"{setting}: the checkpoint's run used {saved}{capped}"
+    if setting == "auto":
         return cpus, f"auto: {cpus} usable core(s)"
+    if busy_cores is None or busy_cores < BUSY_CORES:
+        load = "load unknown" if busy_cores is None else "idle at start"
+        return cpus, f"idle_cores: {cpus} usable core(s), {load}"
     free = max(1, min(cpus, int(cpus - busy_cores + 0.5)))
-    return free, f"auto: {cpus} usable core(s), {busy_cores:.1f} kept busy by other processes at start"
+    return free, f"idle_cores: {cpus} usable core(s), {busy_cores:.1f} kept busy by other processes at start"
 
 
 # libgomp's spin count (torch's Linux wheels use GNU OpenMP): about 100 spins per microsecond
@@ -57,10 +83,6 @@ class OmpWaitChoice:
     env: dict                     # the variables it set (empty: none)
     reason: str
     busy_cores: Optional[float] = None  # other processes' load at start (None: not probed, or unknown)
-
-
-# the choice made for this process by the entry script (commands.cli.run_main), before torch loaded
-chosen_omp_wait: Optional[OmpWaitChoice] = None
 
 
 def cpu_jiffies(stat_text: str, cpus: set[int]) -> Optional[tuple[int, int]]:
@@ -116,7 +138,7 @@ def omp_wait_for(busy_cores: Optional[float]) -> OmpWaitChoice:
 
 def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_of_others) -> OmpWaitChoice:
     """Probe the cores' load and set how waiting OpenMP threads behave (`omp_wait_for` that load), unless
-    the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set: the load is still probed, for `auto` threads).
+    the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set: the load is still probed, for `idle_cores` threads).
     OMP_NUM_THREADS=1 needs neither: one thread has nobody to wait for, and its count is fixed.
     OpenMP reads this once, when torch loads it, so this runs before torch is imported."""
     env = os.environ if env is None else env
@@ -131,16 +153,13 @@ def choose_omp_wait(env=None, probe: Callable[[], Optional[float]] = busy_cores_
     return choice
 
 
-def start_busy_cores() -> Optional[float]:
-    """The cores other processes kept busy when this command started (None: not probed, or unknown)."""
-    return chosen_omp_wait.busy_cores if chosen_omp_wait is not None else None
-
-
-def omp_wait_description() -> str:
-    """How waiting OpenMP threads behave in this process, for the start-up line."""
-    if chosen_omp_wait is not None:
-        return chosen_omp_wait.reason
-    return users_wait(os.environ) or "OpenMP's default wait"
+def omp_wait_description(choice: Optional[OmpWaitChoice], env=None) -> str:
+    """How waiting OpenMP threads behave in this process, for the start-up line: what the entry script
+    chose (`choice`, None when the command was not started through `commands.cli.run_main`), or what the
+    environment says."""
+    if choice is not None:
+        return choice.reason
+    return users_wait(os.environ if env is None else env) or "OpenMP's default wait"
 
 
 def users_wait(env) -> str:

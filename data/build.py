@@ -9,14 +9,14 @@ from core.config import eval_size
 from core.errors import ConfigError
 from data.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
 from data.sources import DataSources, scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,8 +25,8 @@ class RunData:
     with its loader."""
 
     classes: list[str]
-    train_index: ImageFolderIndex
-    val_index: ImageFolderIndex
+    train_index: ImageIndex
+    val_index: ImageIndex
     sampler: TrainSampler
     train_loader: object
     val_loader: object
@@ -42,7 +42,7 @@ def prepare_root(cfg) -> Path | None:
     return root
 
 
-def scan_tree(cfg) -> tuple[ImageFolderIndex, ImageFolderIndex]:
+def scan_splits(cfg) -> tuple[ImageIndex, ImageIndex]:
     """The training and validation indexes of whatever `data.format` names."""
     sources = scan_sources(cfg)
     return sources.train_index, sources.val_index

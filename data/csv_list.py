@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import DataTreeError
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 
 
 @dataclass
@@ -80,7 +80,7 @@ def read_csv_rows(csv_path: str | Path, path_column: str, label_column: str | No
 
 
 def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: list[str], known_as: str
-              ) -> tuple[ImageFolderIndex, list[str]]:
+              ) -> tuple[ImageIndex, list[str]]:
     """(the index of the rows whose file exists, the resolved paths of those that do not). A label outside
     `classes` is a DataTreeError naming the row; `known_as` says what the classes are ('training classes')."""
     position = {name: i for i, name in enumerate(classes)}
@@ -96,7 +96,7 @@ def csv_index(csv_path: str | Path, base: Path, rows: list[CsvRow], classes: lis
             continue
         paths.append(path)
         labels.append(position[row.label])
-    return ImageFolderIndex(Path(base), list(classes), paths, labels), missing
+    return ImageIndex(Path(base), list(classes), paths, labels), missing
 
 
 def csv_paths(csv_path: str | Path, path_column: str = "path") -> list[str]:

@@ -12,14 +12,14 @@ import torch
 from torch.utils.data import Dataset
 
 from data.file_list import describe_failure
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 from data.images import ImageDecodeError
 
 MAX_REDRAWS = 20
 
 
 class TrainDataset(Dataset):
-    def __init__(self, index: ImageFolderIndex, transform):
+    def __init__(self, index: ImageIndex, transform):
         self.index = index
         self.transform = transform
         self.by_class: list[list[int]] = [[] for _ in index.classes]
@@ -34,7 +34,7 @@ class TrainDataset(Dataset):
         index, seed = key if isinstance(key, tuple) else (key, key)
         label = self.index.labels[index]
         redraw = random.Random(seed)
-        bad = -1
+        first_unreadable = -1
         for _ in range(MAX_REDRAWS):
             try:
                 with torch.random.fork_rng(devices=[]):
@@ -42,13 +42,13 @@ class TrainDataset(Dataset):
                     # costs ~1 ms per sample in a worker (a stack trace per lazy call); transforms run on the CPU.
                     torch.default_generator.manual_seed(seed)
                     image = self.transform(self.index.paths[index], seed)
-                return image, label, bad
+                return image, label, first_unreadable
             except ImageDecodeError:
-                if bad < 0:
-                    bad = index
+                if first_unreadable < 0:
+                    first_unreadable = index
                 index = redraw.choice(self.by_class[label])
         raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.classes[label]}' in a row could "
-                               f"not be read, starting with {self.index.paths[bad]}")
+                               f"not be read, starting with {self.index.paths[first_unreadable]}")
 
     def failure_reason(self, index: int) -> str:
         """Why file `index` could not be read, in infer.py's words ("empty file", "truncated", ...): read
@@ -63,7 +63,7 @@ class TrainDataset(Dataset):
 
 
 class EvalDataset(Dataset):
-    def __init__(self, index: ImageFolderIndex, transform, img_size: int):
+    def __init__(self, index: ImageIndex, transform, img_size: int):
         self.index = index
         self.transform = transform
         self.img_size = img_size

@@ -10,7 +10,7 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 
 # stat() releases the GIL: a few threads hide a network file system's latency on large splits.
 _STAT_THREADS = 8
@@ -32,7 +32,7 @@ def _sizes(paths: list[str]) -> list[int]:
         return [size for part in pool.map(lambda chunk: [_size(p) for p in chunk], chunks) for size in part]
 
 
-def split_fingerprint(index: ImageFolderIndex) -> dict:
+def split_fingerprint(index: ImageIndex) -> dict:
     root = str(index.root).rstrip(os.sep) + os.sep
     relative = [p[len(root):] if p.startswith(root) else os.path.relpath(p, index.root) for p in index.paths]
     digest = hashlib.sha256()
@@ -45,7 +45,7 @@ def split_fingerprint(index: ImageFolderIndex) -> dict:
 def data_fingerprint(train_index, val_index) -> dict | None:
     """The fingerprints of a run's two splits, as last.pt records them; None for shard streams, which the
     checkpoint's `data_source` record identifies (shard names, sample count) without reading every file."""
-    if not (isinstance(train_index, ImageFolderIndex) and isinstance(val_index, ImageFolderIndex)):
+    if not (isinstance(train_index, ImageIndex) and isinstance(val_index, ImageIndex)):
         return None
     return {"train": split_fingerprint(train_index), "val": split_fingerprint(val_index)}
 

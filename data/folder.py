@@ -18,11 +18,11 @@ import logging
 from core.errors import DataTreeError
 from data.images import is_image_file
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class ImageFolderIndex:
+class ImageIndex:
     root: Path
     classes: list[str]
     paths: list[str]
@@ -109,7 +109,7 @@ def report_skipped(where, skipped: list[str]) -> None:
                     "; ".join(skipped[:10]), "; ..." if len(skipped) > 10 else "")
 
 
-def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolderIndex:
+def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageIndex:
     split_dir = Path(split_dir)
     if not split_dir.is_dir():
         raise DataTreeError(f"split folder {split_dir} does not exist")
@@ -128,7 +128,7 @@ def scan_split(split_dir: Path, classes: list[str] | None = None) -> ImageFolder
     report_skipped(split_dir, skipped)
     if empty:
         raise DataTreeError(f"{split_dir}: class folder(s) with no image files: {', '.join(empty)}")
-    return ImageFolderIndex(split_dir, found, paths, labels, skipped)
+    return ImageIndex(split_dir, found, paths, labels, skipped)
 
 
 def class_difference(where, found: list[str], wanted: list[str], wanted_name: str, wanted_short: str) -> str:
@@ -139,8 +139,8 @@ def class_difference(where, found: list[str], wanted: list[str], wanted_name: st
             f"not in {wanted_short}: {extra or 'none'}")
 
 
-def match_classes(index: ImageFolderIndex, classes: list[str], wanted_name: str = "the checkpoint's classes",
-                  wanted_short: str = "the checkpoint") -> ImageFolderIndex:
+def match_classes(index: ImageIndex, classes: list[str], wanted_name: str = "the checkpoint's classes",
+                  wanted_short: str = "the checkpoint") -> ImageIndex:
     """Relabel a scanned split so that label i means `classes[i]` (a model's order).
 
     The folder must hold exactly those class names; the same names in another order are remapped, any
@@ -152,5 +152,5 @@ def match_classes(index: ImageFolderIndex, classes: list[str], wanted_name: str 
     position = {name: i for i, name in enumerate(classes)}
     remap = [position[name] for name in index.classes]
     log.info("class folders are in another order than %s; labels remapped by name", wanted_name)
-    return ImageFolderIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels],
+    return ImageIndex(index.root, list(classes), list(index.paths), [remap[label] for label in index.labels],
                             list(index.skipped))

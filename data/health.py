@@ -6,7 +6,7 @@ import logging
 
 from core.errors import BadDataError
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 # Above this share of a logging interval spent waiting for batches, the run says once what to change.
 DATA_WAIT_WARN_FRAC = 0.2

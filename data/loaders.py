@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import _utils as loader_utils
 
-from data.samplers import ShardSampler, TrainSampler
+from data.samplers import UnpaddedEvalSampler, TrainSampler
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 # A worker that got a SIGTERM keeps serving this long, then exits on its own.
 WORKER_SIGTERM_GRACE_S = 60
@@ -133,7 +133,7 @@ def build_train_loader(dataset, sampler: TrainSampler, batch_size: int, num_work
 def build_eval_loader(dataset, batch_size: int, num_workers: int, pin_memory: bool, rank: int = 0,
                       world_size: int = 1, persistent_workers: bool = False, prefetch_factor: int = 2,
                       limit_samples: int | None = None) -> DataLoader:
-    sampler = ShardSampler(len(dataset), rank, world_size, limit_samples)
+    sampler = UnpaddedEvalSampler(len(dataset), rank, world_size, limit_samples)
     return Loader(dataset, batch_size=batch_size, sampler=sampler,
                   num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
                   generator=torch.Generator().manual_seed(0),

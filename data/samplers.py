@@ -102,7 +102,7 @@ class TrainSampler(Sampler):
         return max(0, len(self.shuffler) - self.start_batch * self.batch_size)
 
 
-class ShardSampler(Sampler):
+class UnpaddedEvalSampler(Sampler):
     """Evaluation: rank r gets indices r, r + world, ... with no padding, so every sample counts once.
 
     `limit`: only the first `limit` samples of the split (a dry run's `limit_val_batches x batch`), sharded

@@ -37,7 +37,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from core.errors import DataTreeError, ImageDecodeError
 from data.samplers import mix_seed
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 POSITION_BITS = 32  # a sample's id: shard number << 32 | position in the shard
@@ -185,23 +185,23 @@ class ShardTrainStream(IterableDataset):
     def decode_slot(self, item, stream, ahead: collections.deque, seed: int):
         """(uint8 image, label, id of the unreadable sample it replaced or -1); an unreadable sample is replaced
         by the next readable one of the stream (looked ahead, so it keeps its own slot too)."""
-        bad, lookahead = -1, 0
+        first_unreadable, lookahead = -1, 0
         for _ in range(MAX_REDRAWS):
             sample_id, sample = item
             try:
                 image_bytes, label = sample_image_and_label(sample, self.position)
                 with torch.random.fork_rng(devices=[]):
                     torch.default_generator.manual_seed(seed)
-                    return self.transform(image_bytes, seed), label, bad
+                    return self.transform(image_bytes, seed), label, first_unreadable
             except (ImageDecodeError, ValueError, OSError):
-                if bad < 0:
-                    bad = sample_id
+                if first_unreadable < 0:
+                    first_unreadable = sample_id
                 if lookahead >= len(ahead):
                     ahead.append(next(stream))
                 item = ahead[lookahead]
                 lookahead += 1
         raise ImageDecodeError(f"{MAX_REDRAWS} samples in a row could not be read, starting with "
-                               f"{self.index.paths[bad]}")
+                               f"{self.index.paths[first_unreadable]}")
 
 
 class ShardEvalStream(IterableDataset):

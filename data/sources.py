@@ -16,18 +16,18 @@ from typing import Optional
 
 from core.errors import DataTreeError
 from data.csv_list import CsvRow, csv_index, read_class_list, read_csv_rows
-from data.folder import ImageFolderIndex, match_classes, scan_split
+from data.folder import ImageIndex, match_classes, scan_split
 from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
 from data.split import SplitRecord, index_from_record, relative_key, split_index
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class DataSources:
-    train_index: ImageFolderIndex | ShardIndex
-    val_index: ImageFolderIndex | ShardIndex
+    train_index: ImageIndex | ShardIndex
+    val_index: ImageIndex | ShardIndex
     split: Optional[SplitRecord] = None
     identity: dict = field(default_factory=dict)  # what last.pt / best.pt record as `data_source`
 
@@ -41,7 +41,7 @@ def csv_base(d, csv_path: str) -> Path:
     return Path(d.root).expanduser() if d.root else Path(csv_path).expanduser().parent
 
 
-def index_digest(index: ImageFolderIndex, base: Path) -> str:
+def index_digest(index: ImageIndex, base: Path) -> str:
     """SHA-256 of a list's (relative path, label name) rows: the same list of files on any machine."""
     h = hashlib.sha256()
     for path, label in zip(index.paths, index.labels):
@@ -54,7 +54,7 @@ def read_list(d, csv_path: str) -> list[CsvRow]:
 
 
 def load_csv_list(d, csv_path: str, rows: list[CsvRow], classes: list[str], known_as: str,
-                  split: str) -> ImageFolderIndex:
+                  split: str) -> ImageIndex:
     """One CSV list as an index; rows naming missing files are listed, counted and left out, and above
     `data.max_bad_fraction` of the list they stop the run (BadDataError, exit 1) before any training."""
     index, missing = csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as)
@@ -132,7 +132,7 @@ def scan_sources(cfg) -> DataSources:
 
 @dataclass
 class EvalSource:
-    index: ImageFolderIndex | ShardIndex
+    index: ImageIndex | ShardIndex
     data: str        # the data root or list evaluated
     split: str       # the split's name: a folder name, 'held_out' (a data.val_fraction split), 'csv', 'shards'
     described: str   # for people

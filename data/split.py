@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def relative_key(path: str, base: Path) -> str:
@@ -62,8 +62,8 @@ class SplitRecord:
         return dict(self.__dict__)
 
 
-def split_index(index: ImageFolderIndex, base: Path, fraction: float, seed: int
-                ) -> tuple[ImageFolderIndex, ImageFolderIndex, SplitRecord]:
+def split_index(index: ImageIndex, base: Path, fraction: float, seed: int
+                ) -> tuple[ImageIndex, ImageIndex, SplitRecord]:
     """Split `index` (paths under `base`) into training and validation indexes and their record. A class with
     a single file stays in training, named in a warning."""
     keys = [relative_key(p, base) for p in index.paths]
@@ -74,7 +74,7 @@ def split_index(index: ImageFolderIndex, base: Path, fraction: float, seed: int
                     "validation: %s", len(singles), ", ".join(singles))
 
     def side(positions):
-        return ImageFolderIndex(index.root, list(index.classes), [index.paths[p] for p in positions],
+        return ImageIndex(index.root, list(index.classes), [index.paths[p] for p in positions],
                                 [index.labels[p] for p in positions])
 
     record = SplitRecord(fraction, seed, [keys[p] for p in train], [index.labels[p] for p in train],
@@ -82,11 +82,11 @@ def split_index(index: ImageFolderIndex, base: Path, fraction: float, seed: int
     return side(train), side(val), record
 
 
-def index_from_record(record: dict, side: str, base: Path, classes: list[str]) -> ImageFolderIndex:
+def index_from_record(record: dict, side: str, base: Path, classes: list[str]) -> ImageIndex:
     """The `side` ('train' or 'val') of a saved split, its paths resolved under `base` (which may be another
     machine's copy of the data)."""
     base = Path(base)
-    return ImageFolderIndex(base, list(classes), [str(base / key) for key in record[side]],
+    return ImageIndex(base, list(classes), [str(base / key) for key in record[side]],
                             list(record[f"{side}_labels"]))
 
 

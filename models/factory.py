@@ -28,7 +28,7 @@ from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
 from core.safe_load import load_checkpoint
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 TORCHVISION_PREFIX = "tv:"
 HF_HUB_PREFIX = "hf-hub:"
 LOCAL_DIR_PREFIX = "local-dir:"

@@ -12,13 +12,14 @@ from typing import Optional
 import torch
 from PIL import Image
 
-from commands.infer import device_and_precision, inference_model, result_rows
+from commands.infer import inference_model, inference_runtime, result_rows
 from core.errors import ImageDecodeError
 from data.transforms import EvalTransform, read_source
 from engine.evaluation.evaluate import predict
-from engine.model_io.model_files import ModelFile, load_model_file
-from engine.rundir.checkpointer import preprocessing_record
-from engine.runtime.device import DeviceInput, apply_cpu_policy, precision_name
+from engine.model_io.checkpoint_files import preprocessing_record
+from engine.model_io.model_file import ModelFile
+from engine.model_io.model_files import load_model_file
+from engine.runtime.device import DeviceInput, precision_name
 
 log = logging.getLogger("serve")
 
@@ -85,10 +86,12 @@ class ServedModel:
     shapes: list[int]
 
     @classmethod
-    def load(cls, checkpoint: str, topk: int, max_batch: int, device_setting: str = "auto") -> "ServedModel":
+    def load(cls, checkpoint: str, topk: int, max_batch: int, device_setting: str = "auto",
+             host=None) -> "ServedModel":
+        """Open `checkpoint` and set up as infer.py does (device, precision, threads, the folded model)."""
         loaded = load_model_file(checkpoint)
-        device, amp_dtype = device_and_precision(loaded, device_setting, None)
-        apply_cpu_policy(loaded.cfg.train.threads, loaded.cfg.train.reuse_host_memory, saved_threads=loaded.threads)
+        runtime = inference_runtime(loaded, device_setting, None, host)
+        device, amp_dtype = runtime.device, runtime.amp_dtype
         model = inference_model(loaded, device)
         if loaded.fixed_batch is not None and max_batch != loaded.fixed_batch:
             log.warning("%s was exported for a fixed batch of %d: batches of %d, not --max-batch %d", loaded.path,

@@ -35,8 +35,9 @@ class GracefulServer(uvicorn.Server):
                 print(f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
 
 
-def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str) -> int:
-    served = ServedModel.load(checkpoint, topk, settings.max_batch, device)
+def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str,
+          omp_choice=None) -> int:
+    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, omp_choice)
     settings.max_batch = served.max_batch
     served.warm_up()
     log.info("%s (%s, %d classes) on %s, batches of up to %d (shapes %s), waiting up to %g ms for a batch, "

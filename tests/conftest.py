@@ -95,15 +95,10 @@ def tiny_tree(tmp_path) -> Path:
 
 @pytest.fixture(autouse=True)
 def fresh_cpu_policy():
-    """Tests that call run_main in-process leave the load it probed in core.host and may leave OpenMP's
-    wait in os.environ (which later subprocesses would read as the user's). Each test starts without
-    them: in-process runs take every core, whatever ran before."""
-    import core.host
-
+    """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
+    would read as the user's): each test starts without it."""
     saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    core.host.chosen_omp_wait = None
     yield
-    core.host.chosen_omp_wait = None
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -50,10 +50,13 @@ def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) ->
     import os
 
     from core.config import load_config
-    from engine.run.trainer import settle_threads
+    from engine.runtime.runtime import Runtime
 
     os.environ["OMP_NUM_THREADS"] = str(rank + 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    threads, source = settle_threads(load_config("base", []), None, torch.device("cpu"))
+    runtime = Runtime(torch.device("cpu"), None)
+    cfg = load_config("base", [])
+    runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, agree_over_ranks=True)
+    threads, source = runtime.threads, runtime.threads_source
     torch.save({"threads": threads, "torch": torch.get_num_threads(), "source": source}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -70,7 +70,7 @@ def wait_for_signal_after_save(marker: str, n: int) -> None:
 
 def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
     import engine.rundir.atomic_files as checkpoint
-    import engine.rundir.checkpointer as checkpointer
+    import engine.rundir.checkpoints as checkpointer
 
     real_save = checkpoint.save_atomic
     calls = {"n": 0}
@@ -103,7 +103,7 @@ def pause_in_save(marker: str, n: int) -> None:
         return real_save(obj, path, keep_previous)
 
     checkpoint.save_atomic = save_atomic
-    import engine.rundir.checkpointer as checkpointer
+    import engine.rundir.checkpoints as checkpointer
 
     checkpointer.save_atomic = save_atomic
 

@@ -10,7 +10,7 @@ import torch
 from engine.tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
                                  pick_fastest_small, search_max_batch)
 from engine.training.schedule import scaled_lr
-from tests.conftest import run_script, tiny_overrides
+from conftest import run_script, tiny_overrides
 
 
 class FakeStep:

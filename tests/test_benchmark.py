@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from benchmarking.photos import photo
-from tests.conftest import run_script
+from conftest import run_script
 
 SETTINGS_KEYS = {"model", "img_size", "batch", "amp", "channels_last", "workers", "device"}
 TINY = ["model.name=resnet10t", "data.img_size=16", "train.batch_size=4", "train.device=cpu", "train.amp=none"]

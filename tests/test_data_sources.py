@@ -15,21 +15,21 @@ from conftest import class_image, make_tree, run_script, tiny_overrides
 from core.config import ConfigError, load_config, resume_free_keys
 from core.errors import BadDataError, DataTreeError
 from data.file_list import expand_inputs
-from data.folder import ImageFolderIndex
+from data.folder import ImageIndex
 from data.sources import scan_sources
 from data.split import held_out_count, split_index
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 
 
-def fake_index(root: Path, counts: dict) -> ImageFolderIndex:
+def fake_index(root: Path, counts: dict) -> ImageIndex:
     """An index of paths that need not exist (the split reads names only)."""
     classes = sorted(counts)
     paths, labels = [], []
     for label, name in enumerate(classes):
         paths += [str(root / name / f"{name}_{i:03d}.jpg") for i in range(counts[name])]
         labels += [label] * counts[name]
-    return ImageFolderIndex(root, classes, paths, labels)
+    return ImageIndex(root, classes, paths, labels)
 
 
 @pytest.mark.parametrize("n, fraction, held", [(1, 0.5, 0), (2, 0.01, 1), (2, 0.99, 1), (10, 0.25, 3),

@@ -17,7 +17,7 @@ from data.transforms import TrainTransform
 from core.config import load_config
 from engine.training.step import TrainStep
 from engine.run.trainer import run
-from tests.conftest import tiny_overrides
+from conftest import tiny_overrides
 
 DECODE_S, STEP_S = 0.09, 0.08
 

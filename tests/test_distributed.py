@@ -19,7 +19,7 @@ from ddp_workers import nonfinite_on_one_rank, thread_counts_agreed
 from data.datasets import EvalDataset
 from data.folder import scan_split
 from data.loaders import build_eval_loader
-from data.samplers import ShardSampler, TrainSampler
+from data.samplers import UnpaddedEvalSampler, TrainSampler
 from data.transforms import EvalTransform
 from core.config import ConfigError
 from engine.runtime.distributed import check_sync_bn, convert_sync_bn
@@ -300,10 +300,10 @@ def test_random_sampler_shards_cover_the_split_once():
 
 @pytest.mark.parametrize("n, limit", [(17, None), (17, 8), (17, 100), (3, None)])
 def test_shard_sampler_is_unpadded_and_limits_the_same_samples(n, limit):
-    shards = [list(ShardSampler(n, rank, 2, limit)) for rank in (0, 1)]
+    shards = [list(UnpaddedEvalSampler(n, rank, 2, limit)) for rank in (0, 1)]
     expected = list(range(min(n, limit or n)))
     assert sorted(shards[0] + shards[1]) == expected
-    assert list(ShardSampler(n, 0, 1, limit)) == expected
+    assert list(UnpaddedEvalSampler(n, 0, 1, limit)) == expected
 
 
 def test_sync_bn_on_cpu_processes_is_refused_before_any_work(data_root, tmp_path):

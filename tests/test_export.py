@@ -19,7 +19,7 @@ from core.errors import CheckpointError, ConfigError, ExportError
 from data.folder import list_images
 from data.transforms import normalize_batch
 from engine.model_io import export as engine_export
-from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
 from engine.model_io.model_files import load_model_file
 
 CLASSES = ["a", "b", "c"]

@@ -20,7 +20,7 @@ from core.safe_load import load_checkpoint
 from engine.rundir.atomic_files import save_atomic
 from commands.cli import run_main
 from core.config import ConfigError, load_config
-from engine.rundir.checkpointer import resolve_resume
+from engine.rundir.resume import resolve_resume
 from engine.run.trainer import Trainer, run
 
 SETTINGS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
@@ -173,7 +173,7 @@ def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_ru
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     damage(run_dir / "last.pt", how)
-    with caplog.at_level("WARNING", logger="train"):
+    with caplog.at_level("WARNING"):
         ckpt = resolve_resume("auto", run_dir)
     assert ckpt["step"] == 4  # last.prev.pt: the end of epoch 1
     assert any("damaged or truncated" in r.message and "trying the previous state" in r.message

@@ -13,7 +13,7 @@ import engine.run.trainer as trainer_module
 from conftest import PRETRAINED_PREPROCESSING, make_tree, run_script, tiny_overrides, write_pretrained_folder
 from core.config import ConfigError, OptimConfig, load_config
 from core.errors import ModelError
-from engine.rundir.checkpointer import read_checkpoint
+from engine.model_io.checkpoint_files import read_checkpoint
 from engine.training.optim import base_lr, build_optimizer, param_groups
 from engine.training.schedule import build_scheduler
 from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
@@ -157,7 +157,7 @@ def test_the_pretrained_classifier_is_kept_only_for_our_classes(tmp_path, caplog
     torch.manual_seed(5)
     model = build_model(cfg.model, 3)
     fresh = model.fc.weight.detach().clone()
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO):
         load_pretrained_weights(model, load_pretrained(cfg.model), cfg.model.name, ["a", "b", "c"])
     assert torch.equal(model.fc.weight, source["fc.weight"] if kept else fresh)
     assert torch.equal(model.conv1[0].weight, source["conv1.0.weight"])

@@ -11,7 +11,7 @@ import torch
 from core.config import load_config
 from core.errors import ModelError
 from models.factory import build_model, check_grad_checkpointing, create_model
-from tests.conftest import REPO, run_script, tiny_overrides
+from conftest import REPO, run_script, tiny_overrides
 
 # deep enough (11 checkpointed blocks) that recomputing them frees most of the activations
 MODEL = "mobilenetv3_small_050"

@@ -27,7 +27,7 @@ from data.file_list import FileListDataset, build_inference_loader, expand_input
 from data.folder import scan_split
 from data.transforms import EvalTransform
 from engine.rundir import atomic_files as checkpoint
-from engine.rundir.checkpointer import resolve_resume
+from engine.rundir.resume import resolve_resume
 from engine.rundir.run_lock import open_run_dir
 from engine.training.schedule import plan_run
 from engine.run.trainer import Trainer, run
@@ -96,7 +96,7 @@ def test_a_fifo_named_jpg_is_skipped_and_listed_in_scans_and_infer_inputs(tmp_pa
     root = make_tree(tmp_path / "data", {"a": 2, "b": 2}, splits=("val",))
     fifo = root / "val" / "a" / "pipe.jpg"
     os.mkfifo(fifo)
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         index = scan_split(root / "val")
         inputs = expand_inputs([str(root / "val")])
     assert str(fifo) not in index.paths and str(fifo) not in inputs and len(inputs) == 4
@@ -235,7 +235,7 @@ def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(dat
 def test_resume_auto_from_last_prev_pt_warns_naming_the_file_and_its_step(finished_run, tmp_path, caplog):
     run_dir = copy_run(finished_run, tmp_path)
     (run_dir / "last.pt").unlink()
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         assert resolve_resume("auto", run_dir)["step"] == 4
     warning = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert any("last.pt" in m and "missing" in m and "last.prev.pt (epoch 1, step 4)" in m for m in warning), warning
@@ -370,7 +370,7 @@ def test_a_yaml_typo_is_not_called_a_tag(tmp_path):
 
 def test_accum_steps_larger_than_the_epoch_is_clamped_and_the_true_effective_batch_planned(caplog):
     cfg = load_config("quickstart", ["train.accum_steps=11", "train.batch_size=2", "optim.base_batch_size=2"])
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING):
         plan = plan_run(cfg, 2, batches_in_split=4, world_size=1)
     assert (plan.accum_steps, plan.effective_batch, plan.steps_per_epoch) == (4, 8, 1)
     assert "train.accum_steps=11 is more than the 4 batches of an epoch" in caplog.text

@@ -18,7 +18,7 @@ from data.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
 from core.config import ConfigError
-from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
 from engine.runtime.device import DeviceInput
 from engine.evaluation.evaluate import predict
 
@@ -269,7 +269,7 @@ def test_usage_errors(checkpoint, images, tmp_path):
 def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, images, tmp_path, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="infer")
+    caplog.set_level(logging.INFO)
     code, rows = _infer_json(tmp_path, images, "--checkpoint", checkpoint, "--num-workers", 0, "--topk", 3)
     assert code == 0 and "folded" in caplog.text
     loaded = read_checkpoint(checkpoint)

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from core.config import load_config
-from engine.tuning.arithmetic import batch_finder
+from engine.tuning import batch_finder
 from engine.tuning.batch_finder import StepResult, format_finder_table, run_finder
 from engine.runtime.device import DeviceInput
 from engine.runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
 from engine.training.step import build_train_step
 from models.factory import create_model
-from tests.conftest import REPO
+from conftest import REPO
 
 MiB = 2**20
 

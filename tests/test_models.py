@@ -71,7 +71,7 @@ def test_local_weights_load_all_but_a_mismatched_classifier(tmp_path, caplog, fo
     torch.manual_seed(2)
     model = create_model(TEST_MODEL, 3)
     fc_before = model.fc.weight.detach().clone()
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO):
         load_local_weights(model, str(path))
     _check_loaded_all_but_classifier(model, source, caplog)
     assert torch.equal(model.fc.weight, fc_before)   # the new classifier keeps its fresh initialisation

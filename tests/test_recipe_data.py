@@ -18,7 +18,7 @@ from data.datasets import TrainDataset
 from data.folder import scan_split
 from data.samplers import TrainSampler
 from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
-from engine.rundir.checkpointer import build_eval_model, read_checkpoint
+from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
 from engine.run.trainer import run
 from test_config import run_train_in_process
 from test_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,

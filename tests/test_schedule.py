@@ -257,7 +257,7 @@ def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
     plan = plan_run(cfg, 8, 10, 1)
     reporter = RunReporter(cfg, None, True, 1, plan.total_steps, plan.batches_per_epoch)
     data = SimpleNamespace(classes=["a", "b"], train_index=[0] * 80, val_index=[0] * 8)
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO):
         reporter.log_startup(data, torch.device("cpu"), None, plan)
     for text in ("mixing: mixup alpha 0.2", "loss: binary cross-entropy", "optimizer: lamb (betas",
                  "then multistep: x 0.1 at epochs 30, 60, 80", "as long as the whole run (train.epochs=4, 40 steps)"):

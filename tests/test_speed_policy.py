@@ -13,14 +13,17 @@ from engine.run.trainer import Trainer, run
 
 
 @pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
-    ("auto", 2, {}, None, None, 2),                       # load unknown (not probed): every usable core
-    ("auto", 2, {}, 0.3, None, 2),                        # idle enough: every usable core
-    ("auto", 2, {}, 1.0, None, 1),                        # one core busy: the free one
-    ("auto", 16, {}, 3.6, None, 12),                      # rounded
-    ("auto", 2, {}, 2.0, None, 1),                        # every core busy: still one thread
+    ("auto", 2, {}, None, None, 2),                       # every usable core
+    ("auto", 2, {}, 1.0, None, 2),                        # whatever the load: the same numbers beside it
+    ("auto", 16, {}, 3.6, None, 16),
+    ("idle_cores", 2, {}, None, None, 2),                 # load unknown (not probed): every usable core
+    ("idle_cores", 2, {}, 0.3, None, 2),                  # idle enough: every usable core
+    ("idle_cores", 2, {}, 1.0, None, 1),                  # one core busy: the free one
+    ("idle_cores", 16, {}, 3.6, None, 12),                # rounded
+    ("idle_cores", 2, {}, 2.0, None, 1),                  # every core busy: still one thread
     ("auto", 8, {"OMP_NUM_THREADS": "3"}, 6.0, 4, 3),     # torchrun (or the user) set it: kept
     ("auto", 8, {"OMP_NUM_THREADS": ""}, None, None, 8),  # empty: ignored
-    ("auto", 4, {}, 3.0, 2, 2),                           # a checkpoint's count wins over the load
+    ("idle_cores", 4, {}, 3.0, 2, 2),                     # a checkpoint's count wins over the load
     ("auto", 4, {}, None, 10_000, 4),                     # but never more than the machine has
     ("auto", 4, {}, None, "2", 4),                        # and only a positive int counts
     (5, 2, {"OMP_NUM_THREADS": "1"}, 1.0, 2, 5),          # an explicit train.threads wins over everything
@@ -47,6 +50,23 @@ def test_threads_must_be_positive_or_auto():
         load_config("base", ["train.threads=0"])
     with pytest.raises(Exception, match="train.threads"):
         load_config("base", ["train.threads=many"])
+    assert load_config("base", ["train.threads=idle_cores"]).train.threads == "idle_cores"
+
+
+def test_usable_cores_are_capped_by_a_cgroup_quota(tmp_path):
+    from core.host import cgroup_cpu_quota
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 2.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(tmp_path) is None
 
 
 def test_validation_due_every_interval_and_after_the_last_epoch():
@@ -131,48 +151,54 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     from conftest import REPO
 
     probe = ("import os, sys; sys.argv = ['train.py', '--help']; from commands.cli import run_main; import core.host; "
-             "import atexit; atexit.register(lambda: print('chosen', core.host.chosen_omp_wait is not None, "
+             "import train; real = train.main; seen = []; "
+             "train.main = lambda host=None: seen.append(host) or real(host=host); "
+             "import atexit; atexit.register(lambda: print('chosen', seen[0] is not None, "
              "os.environ.get('GOMP_SPINCOUNT') in (None, core.host.SHORT_OMP_SPIN), 'torch' in sys.modules)); "
-             "import train; run_main(train.main)")
+             "run_main(train.main)")
     env = {k: v for k, v in __import__('os').environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, env=env).stdout
     assert "chosen True True False" in out
 
 
-def test_auto_threads_follow_the_start_load_and_a_resume_keeps_its_count(tmp_path, tiny_tree, monkeypatch):
-    """A fresh run beside one busy process (of 2 cores) takes one thread; a run that started on idle cores
-    takes both, and its resume keeps both though the load changed (sums over another thread count round
-    differently: no bitwise resume otherwise); eval.py and infer.py take the checkpoint's count too."""
-    import core.host
+def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_count(tmp_path, tiny_tree,
+                                                                                     monkeypatch):
+    """`idle_cores`: a fresh run beside one busy process (of 2 cores) takes one thread; `auto` takes both
+    whatever the load. A run that started with two keeps both on resume though the load changed (sums over
+    another thread count round differently: no bitwise resume otherwise); eval.py and infer.py take the
+    checkpoint's count too."""
     import engine.runtime.device
     from core.host import OmpWaitChoice
     from engine.runtime.device import apply_cpu_policy
 
     def start_load(busy):
-        monkeypatch.setattr(core.host, "chosen_omp_wait", OmpWaitChoice({}, "test", busy))
+        return OmpWaitChoice({}, "test", busy)
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(engine.runtime.device, "usable_cpus", lambda: 2)
     before = torch.get_num_threads()
     try:
-        start_load(1.0)
         busy_run = tmp_path / "busy"
-        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run))).setup()
+        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run, **{"train.threads": "idle_cores"})),
+                host=start_load(1.0)).setup()
         assert torch.get_num_threads() == 1
-        assert "1 CPU thread(s) (auto: 2 usable core(s), 1.0 kept busy" in (busy_run / "train.log").read_text()
+        assert "1 CPU thread(s) (idle_cores: 2 usable core(s), 1.0 kept busy" in (busy_run / "train.log").read_text()
+        auto_run = tmp_path / "auto"
+        Trainer(load_config("base", tiny_overrides(tiny_tree, auto_run)), host=start_load(1.0)).setup()
+        assert torch.get_num_threads() == 2
+        assert "2 CPU thread(s) (auto: 2 usable core(s); test;" in (auto_run / "train.log").read_text()
 
-        start_load(0.0)
         out = tmp_path / "run"
-        assert run(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1}))) == 0
+        assert run(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
+                   host=start_load(0.0)) == 0
         assert torch.load(out / "last.pt", weights_only=True)["threads"] == 2
 
-        start_load(1.0)
-        Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
-                resume=str(out / "last.pt")).setup()
+        resumed = load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1, "train.threads": "idle_cores"}))
+        Trainer(resumed, resume=str(out / "last.pt"), host=start_load(1.0)).setup()
         assert torch.get_num_threads() == 2
-        assert "2 CPU thread(s) (auto: the checkpoint's run used 2" in (out / "train.log").read_text()
-        assert apply_cpu_policy("auto", saved_threads=2)[0] == 2 == torch.get_num_threads()
-        assert apply_cpu_policy("auto", saved_threads=None)[0] == 1
+        assert "2 CPU thread(s) (idle_cores: the checkpoint's run used 2" in (out / "train.log").read_text()
+        assert apply_cpu_policy("idle_cores", host=start_load(1.0), saved_threads=2)[0] == 2 == torch.get_num_threads()
+        assert apply_cpu_policy("idle_cores", host=start_load(1.0), saved_threads=None)[0] == 1
         assert "not bitwise" not in (out / "train.log").read_text()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the environment wins: the resume says what it costs
         Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
@@ -182,6 +208,38 @@ def test_auto_threads_follow_the_start_load_and_a_resume_keeps_its_count(tmp_pat
                 "on, but not bitwise equal") in (out / "train.log").read_text()
     finally:
         torch.set_num_threads(before)
+
+
+def test_two_fresh_runs_one_beside_a_busy_process_give_bitwise_equal_weights(tmp_path):
+    """Reproducible by default: `train.threads=auto` is the usable cores whatever else runs, so the same seed
+    and config give the same model on an idle machine and beside a busy process."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import run_script
+
+    data = make_tree(tmp_path / "data", {"a": (8, 3), "b": (8, 3)})
+    env = {"OMP_NUM_THREADS": ""}  # run_script pins one thread; the default policy decides here
+    weights = {}
+    for name in ("idle", "busy"):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if name == "busy" else None
+        try:
+            if spinner is not None:
+                time.sleep(0.3)
+            out = tmp_path / name
+            result = run_script("train.py", "--config", "base",
+                                *tiny_overrides(data, out, **{"train.epochs": 1, "output.log_interval": 100}), env=env)
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+        assert result.returncode == 0, result.stderr[-2000:]
+        log = (out / "train.log").read_text()
+        assert "CPU thread(s) (auto: " in log
+        weights[name] = torch.load(out / "last.pt", weights_only=True)["model"]
+    assert weights["idle"].keys() == weights["busy"].keys()
+    assert all(torch.equal(weights["idle"][k], weights["busy"][k]) for k in weights["idle"])
 
 
 def test_freed_host_memory_is_reused_without_page_faults():
@@ -262,7 +320,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
-    from engine.rundir.checkpointer import all_finite
+    from engine.rundir.checkpoints import all_finite
 
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert all_finite(ok)

@@ -13,10 +13,11 @@ import torch
 from core.config import load_config
 from core.errors import ConfigError
 from engine.runtime.distributed import DistInfo
-from engine.tuning.sweep import MemoryCheck, RunContext, attempts_for, sweep_batch_sizes
+from engine.runtime.runtime import Runtime
+from engine.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee)
-from tests.conftest import make_tree, run_script, tiny_overrides
+from conftest import make_tree, run_script, tiny_overrides
 
 
 def curve(batch, losses, seconds_per_step):
@@ -79,7 +80,7 @@ def test_lr_suggestion_lands_in_the_steep_part():
 
 
 def test_lr_range_identical_on_both_ranks(tmp_path):
-    from tests.tune_workers import lr_range_on_rank
+    from tune_workers import lr_range_on_rank
 
     root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1)}, size=(16, 16))
     overrides = tiny_overrides(root, tmp_path / "run", **{"train.batch_size": 4})
@@ -93,7 +94,7 @@ def test_lr_range_identical_on_both_ranks(tmp_path):
 
 
 def sweep_losses(cfg):
-    ctx = RunContext(torch.device("cpu"), None, DistInfo())
+    ctx = Runtime(torch.device("cpu"), None, DistInfo())
     memory = MemoryCheck(cfg, ctx, 3, None, 4)
     entries = sweep_batch_sizes(cfg, ctx, [4, 8], steps=4, warmup=1, log_every=1, memory=memory,
                                 try_checkpointing=False)

@@ -11,13 +11,14 @@ def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out
     from core.config import load_config
     from engine.runtime.device import select_device
     from engine.runtime.distributed import DistInfo
-    from engine.tuning.sweep import RunContext, run_lr_range
+    from engine.runtime.runtime import Runtime
+    from engine.tuning.sweep import run_lr_range
     from engine.tuning.arithmetic import lr_suggestion
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cfg = load_config("base", overrides)
-    ctx = RunContext(select_device("cpu"), None, DistInfo(rank=rank, local_rank=rank, world_size=world))
+    ctx = Runtime(select_device("cpu"), None, DistInfo(rank=rank, local_rank=rank, world_size=world))
     result = run_lr_range(cfg, ctx, 1e-3, 10.0, 6)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"lrs": result.lrs, "losses": result.losses, **lr_suggestion(result.lrs, result.smoothed)}, f)

@@ -22,12 +22,12 @@ import torch
 from core.errors import ConfigError, ExportError, ImageDecodeError
 from data.folder import list_images
 from data.transforms import normalize_batch
-from engine.rundir.checkpointer import LoadedCheckpoint, build_eval_model, preprocessing_record
-from engine.model_io.model_files import (PT2_METADATA_FILE, TIMM_METADATA_KEY, export_metadata, load_model_file,
-                                onnx_metadata_props)
+from engine.model_io.model_file import ModelFile
+from engine.model_io.checkpoint_files import build_eval_model, preprocessing_record
+from engine.model_io.model_files import PT2_METADATA_FILE, TIMM_METADATA_KEY, export_metadata, load_model_file, onnx_metadata_props
 from models.factory import TORCHVISION_PREFIX, fold_batchnorm
 
-log = logging.getLogger("export")
+log = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "pt2", "timm")
 SUFFIXES = {"onnx": ".onnx", "pt2": ".pt2"}
@@ -64,7 +64,7 @@ def check_output_path(fmt: str, output: str | Path) -> Path:
     return output
 
 
-def export_checkpoint(loaded: LoadedCheckpoint, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
+def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
     """Write `loaded` as `fmt` to `output` (batch None: any batch size), read it back and compare it with
     the checkpoint's model. ExportError (exit 1) when the exporter fails or the outputs disagree."""
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def write_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path, dynamic
     torch.export.save(program, str(path), extra_files={PT2_METADATA_FILE: json.dumps(metadata)})
 
 
-def write_timm_folder(loaded: LoadedCheckpoint, folder: Path, metadata: dict) -> None:
+def write_timm_folder(loaded: ModelFile, folder: Path, metadata: dict) -> None:
     """timm's own `save_for_hf`: model.safetensors and config.json with `architecture`, `num_classes`,
     `label_names` and `pretrained_cfg` (our input_size, interpolation, mean, std, crop_pct); our
     training config sits beside them under `imgcls`, which timm ignores."""
@@ -139,7 +139,7 @@ def write_timm_folder(loaded: LoadedCheckpoint, folder: Path, metadata: dict) ->
 # ---------------------------------------------------------------- the check after export
 
 
-def check_images(loaded: LoadedCheckpoint) -> tuple[torch.Tensor, str]:
+def check_images(loaded: ModelFile) -> tuple[torch.Tensor, str]:
     """Up to CHECK_IMAGES uint8 images: spread over the checkpoint's validation split where it is still
     on disk, else seeded random pixels at the model's input size."""
     d = loaded.cfg.data
@@ -161,7 +161,7 @@ def check_images(loaded: LoadedCheckpoint) -> tuple[torch.Tensor, str]:
     return pixels, "generated random images"
 
 
-def check_export(loaded: LoadedCheckpoint, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
+def check_export(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
     """Read the export back the way eval.py and infer.py do and compare its probabilities with the
     checkpoint's unfolded PyTorch model in fp32; a dynamic-batch export is also run one image at a time."""
     images, source = check_images(loaded)

@@ -2,7 +2,8 @@
 train.py (`best.pt`, `last.pt`), an ONNX model (`.onnx`, run by onnxruntime), a torch.export program
 (`.pt2`), and a timm model folder (`config.json` + `model.safetensors`). Each gives the class names,
 the config to run with (the eval preprocessing in `cfg.data`) and a module that maps a normalised
-float batch to logits. Also the metadata that export.py writes beside an exported model, and reads back.
+float batch to logits. Also the metadata that export.py writes beside an exported model, and reads back. (`ModelFile` itself:
+`engine.model_io.model_file`; a checkpoint's reading: `engine.model_io.checkpoint_files`.)
 
 onnxruntime and timm's folder loading are imported only when such a file is opened.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,70 +19,16 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ConfigError
-from data.build import eval_transform
-from data.transforms import EvalTransform
-from engine.rundir.checkpointer import (LoadedCheckpoint, build_eval_model, check_class_names, eval_config,
-                                 preprocessing_record, read_checkpoint)
+from engine.model_io.checkpoint_files import check_class_names, eval_config, preprocessing_record, read_checkpoint
+from engine.model_io.model_file import FunctionModel, ModelFile
 from engine.runtime.device import memory_format
 
-log = logging.getLogger("infer")
+log = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
 ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
 PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
 TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
-KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
-              "timm": "a timm model folder"}
-
-
-@dataclass
-class ModelFile:
-    """A model file opened for evaluation or prediction."""
-
-    kind: str                       # checkpoint | onnx | pt2 | timm
-    path: Path
-    cfg: Config
-    classes: list[str]
-    epoch: Optional[int]
-    build: Callable                 # (device, channels_last) -> eval-mode module: normalised batch -> logits
-    fixed_batch: Optional[int] = None   # the batch an exported model was traced for (None: any)
-    saved_val_limit: Optional[int] = None
-    threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
-    data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
-
-    @property
-    def fp32_only(self) -> bool:
-        """onnxruntime runs the exported fp32 graph; autocast does not reach it."""
-        return self.kind == "onnx"
-
-    def eval_transform(self) -> EvalTransform:
-        return eval_transform(self.cfg.data)
-
-    def build_model(self, device: torch.device, channels_last: bool) -> torch.nn.Module:
-        return self.build(device, channels_last)
-
-
-class FunctionModel(torch.nn.Module):
-    """A batch -> logits function (an onnxruntime session, an exported program) as a module in eval mode.
-    With a fixed batch, every call is cut into batches of exactly that size, the last one padded with
-    zeros whose outputs are dropped."""
-
-    def __init__(self, function: Callable, fixed_batch: Optional[int] = None):
-        super().__init__()
-        self.function = function  # a plain callable, not a submodule: exported programs refuse .eval()
-        self.fixed_batch = fixed_batch
-        self.eval()
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self.fixed_batch is None:
-            return self.function(images)
-        outputs = []
-        for chunk in images.split(self.fixed_batch):
-            n = len(chunk)
-            if n < self.fixed_batch:
-                chunk = torch.cat([chunk, chunk.new_zeros((self.fixed_batch - n, *chunk.shape[1:]))])
-            outputs.append(self.function(chunk)[:n])
-        return torch.cat(outputs)
 
 
 def model_file_kind(path: str | Path) -> str:
@@ -99,7 +45,7 @@ def load_model_file(path: str | Path, overrides: list[str] = (), classes_file: O
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     kind = model_file_kind(path)
-    opener = {"checkpoint": _open_checkpoint, "onnx": _open_onnx, "pt2": _open_pt2, "timm": _open_timm_folder}[kind]
+    opener = {"checkpoint": read_checkpoint, "onnx": _open_onnx, "pt2": _open_pt2, "timm": _open_timm_folder}[kind]
     opened = opener(path, list(overrides))
     if classes_file is not None:
         opened.classes = read_classes_file(classes_file, len(opened.classes))
@@ -127,7 +73,7 @@ def numbered_classes(count: int, path: Path) -> list[str]:
 # ---------------------------------------------------------------- the metadata export.py writes
 
 
-def export_metadata(loaded: LoadedCheckpoint, batch: Optional[int]) -> dict:
+def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
     """What an exported model carries: the class names, the eval preprocessing, the training config (so
     eval.py finds the data and batch size as for the checkpoint), the epoch and the traced batch."""
     config = loaded.cfg.to_dict()
@@ -160,14 +106,6 @@ def _from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Co
 
 
 # ---------------------------------------------------------------- the four kinds
-
-
-def _open_checkpoint(path: Path, overrides: list[str]) -> ModelFile:
-    loaded = read_checkpoint(path, overrides)
-    return ModelFile("checkpoint", path, loaded.cfg, loaded.classes, loaded.epoch,
-                     lambda device, channels_last: build_eval_model(loaded, device, channels_last),
-                     saved_val_limit=loaded.saved_val_limit, threads=loaded.threads,
-                     data_source=loaded.data_source)
 
 
 def onnx_session(path: Path, device: torch.device = torch.device("cpu")):

@@ -17,7 +17,7 @@ from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class RunReporter:
@@ -35,15 +35,15 @@ class RunReporter:
         self.step_lines = 0
         self.wait_warned = False
 
-    def log_startup(self, data, device, amp_dtype, plan, threads: tuple[int, str] = (0, "not set")) -> None:
+    def log_startup(self, data, runtime, plan) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
         from), the batch and step arithmetic, the recipe."""
         cfg, classes = self.cfg, data.classes
         log.info("data: %d training images, %d validation images, %d classes (%s)", len(data.train_index),
                  len(data.val_index), len(classes), ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))
         log.info("model %s on %s, precision %s, channels_last %s, %d process(es), %d CPU thread(s) (%s)",
-                 cfg.model.name, device, precision_name(amp_dtype), cfg.train.channels_last, self.world_size,
-                 *threads)
+                 cfg.model.name, runtime.device, precision_name(runtime.amp_dtype), cfg.train.channels_last,
+                 self.world_size, runtime.threads, runtime.threads_source)
         log.info("effective batch %d (batch %d x accum %d x %d process(es)) | steps/epoch %d | total steps %d | "
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,

@@ -13,12 +13,12 @@ from core.config import dump_yaml
 from data.build import prepare_root
 from data.split import write_split_lists
 from engine.runtime import distributed as dist_utils
-from engine.rundir.checkpointer import apply_finetune
+from engine.rundir.resume import apply_finetune
 from engine.runtime.device import memory_format
 from engine.rundir.runlog import RunLog
 from models.factory import build_model, load_local_weights, load_pretrained_weights
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def prepare_data_once(cfg, dist) -> None:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from core.config import Config, check_data_root
+from core.host import OmpWaitChoice
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data
 from data.datasets import failure_reason
@@ -24,11 +25,12 @@ from data.fingerprint import data_fingerprint
 from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
 from engine.runtime import distributed as dist_utils
-from engine.rundir.checkpointer import (Checkpointer, TrainingParts, check_resume_compatible, claim_run_dir, load_finetune_source,
-                                 recorded_threads, resolve_resume)
+from engine.rundir.checkpoints import Checkpointer, TrainingParts
+from engine.rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from engine.model_io.checkpoint_files import recorded_threads
 from engine.tuning.batch_finder import resolve_batch_size
-from engine.runtime.device import (DeviceInput, apply_cpu_policy, enable_cudnn_autotune, pin_memory_for, resolve_amp,
-                           select_device)
+from engine.runtime.device import DeviceInput, pin_memory_for
+from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
@@ -43,12 +45,12 @@ from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-                 finetune_partial: bool = False):
+                 finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None):
         if resume and finetune:
             raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
                               f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
@@ -59,11 +61,9 @@ class Trainer:
         self.finetune_partial = finetune_partial
         self.stop_signal = StopSignal()
         self.state = TrainState()
-        # runtime
-        self.device: Optional[torch.device] = None
-        self.amp_dtype: Optional[torch.dtype] = None
-        self.threads: tuple[int, str] = (0, "")  # intra-op threads and where the number came from
-        self.dist = dist_utils.DistInfo()
+        # runtime: device, precision, processes, CPU threads (engine.runtime.runtime)
+        self.host = host
+        self.runtime = Runtime(torch.device("cpu"), None)
         self.run_dir = Path(cfg.output.dir)
         self.run_lock: Optional[RunDirLock] = None  # rank 0's lock on the run directory, held for the run
         # data
@@ -95,53 +95,49 @@ class Trainer:
         resume_ckpt, finetune_ckpt = self._setup_runtime()
         self._setup_data(resume_ckpt)
         self._setup_model(resume_ckpt, finetune_ckpt)
-        self.train_model = wrap_for_training(self.model, self.cfg, self.dist, self.device)
+        self.train_model = wrap_for_training(self.model, self.cfg, self.runtime.dist, self.runtime.device)
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
-        self.reporter.log_startup(self.data, self.device, self.amp_dtype, self.plan, self.threads)
+        self.reporter.log_startup(self.data, self.runtime, self.plan)
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
         check_data_root(cfg)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
-        world = dist_utils.env_world_size()
-        self.device = select_device(cfg.train.device, dist_utils.env_local_rank(), world)
-        self.amp_dtype = resolve_amp(cfg.train.amp, self.device)
-        dist_utils.check_sync_bn(cfg.model.sync_bn, self.device.type, world)
-        self.dist = dist_utils.init_distributed(self.device.type)
-        self.run_lock = dist_utils.run_on_main(self.dist.is_main, lambda: open_run_dir(self.run_dir))
+        self.runtime = start_runtime(cfg, self.host, distributed=True)
+        self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
-        setup_logging(self.run_dir, self.dist.is_main)
-        claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.dist.is_main)
+        setup_logging(self.run_dir, self.runtime.dist.is_main)
+        claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
-        self.threads = settle_threads(cfg, recorded_threads(resume_ckpt), self.device)
+        self.runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, recorded_threads(resume_ckpt),
+                                      agree_over_ranks=True)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
         if cfg.model.pretrained:  # before the data: no weights (offline) is a usage error, exit 2
             self.pretrained, lines = prepare_pretrained(cfg, resume_ckpt.get("config") if resume_ckpt else None)
             for line in lines:
                 log.info("%s", line)
         torch.manual_seed(cfg.train.seed)
-        enable_cudnn_autotune(self.device)
-        prepare_data_once(cfg, self.dist)
+        prepare_data_once(cfg, self.runtime.dist)
         return resume_ckpt, finetune_ckpt
 
     def _setup_data(self, resume_ckpt: Optional[dict]) -> None:
         cfg = self.cfg
-        cfg.train.batch_size, cfg.train.accum_steps = resolve_batch_size(cfg, resume_ckpt, self.device, self.amp_dtype,
-                                                                         self.run_dir, self.dist)
-        pin = pin_memory_for(cfg.data.pin_memory, self.device)
-        self.data = build_run_data(cfg, cfg.train.batch_size, self.dist.rank, self.dist.world_size, pin)
+        cfg.train.batch_size, cfg.train.accum_steps = resolve_batch_size(cfg, resume_ckpt, self.runtime.device, self.runtime.amp_dtype,
+                                                                         self.run_dir, self.runtime.dist)
+        pin = pin_memory_for(cfg.data.pin_memory, self.runtime.device)
+        self.data = build_run_data(cfg, cfg.train.batch_size, self.runtime.dist.rank, self.runtime.dist.world_size, pin)
         self.classes = self.data.classes
         # rank 0 reads the file sizes, the others take its answer (one stat per file on a shared file system)
         self.fingerprint = dist_utils.run_on_main(
-            self.dist.is_main, lambda: data_fingerprint(self.data.train_index, self.data.val_index), share_result=True)
+            self.runtime.dist.is_main, lambda: data_fingerprint(self.data.train_index, self.data.val_index), share_result=True)
         if resume_ckpt is not None:
-            check_resume_compatible(resume_ckpt, cfg, self.classes, self.dist.world_size,
+            check_resume_compatible(resume_ckpt, cfg, self.classes, self.runtime.dist.world_size,
                                     self.data.sources.identity, self.fingerprint)
 
     def _setup_model(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
-        self.model = build_starting_model(self.cfg, self.classes, self.device, self.dist, resume_ckpt is not None,
+        self.model = build_starting_model(self.cfg, self.classes, self.runtime.device, self.runtime.dist, resume_ckpt is not None,
                                           self.pretrained, finetune_ckpt, self.finetune, self.finetune_partial)
         self.pretrained = None
         m = self.cfg.model
@@ -150,12 +146,12 @@ class Trainer:
 
     def _setup_optimisation(self) -> None:
         cfg = self.cfg
-        self.plan = plan_run(cfg, cfg.train.batch_size, self.data.sampler.num_batches(), self.dist.world_size)
-        self.step = build_train_step(cfg, self.model, DeviceInput.from_config(cfg, self.device, self.amp_dtype),
+        self.plan = plan_run(cfg, cfg.train.batch_size, self.data.sampler.num_batches(), self.runtime.dist.world_size)
+        self.step = build_train_step(cfg, self.model, DeviceInput.from_config(cfg, self.runtime.device, self.runtime.amp_dtype),
                                      self.plan.peak_lr, self.plan.warmup_steps, self.plan.total_steps,
-                                     train_model=self.train_model, ema=self.ema, distributed=self.dist.enabled,
+                                     train_model=self.train_model, ema=self.ema, distributed=self.runtime.dist.enabled,
                                      num_classes=len(self.classes), steps_per_epoch=self.plan.steps_per_epoch,
-                                     rank=self.dist.rank, accum_steps=self.plan.accum_steps)
+                                     rank=self.runtime.dist.rank, accum_steps=self.plan.accum_steps)
         if cfg.optim.layer_decay is not None or cfg.optim.head_lr_scale != 1.0:
             log.info("optim: %s (layer_decay %s, head_lr_scale %g)", describe_groups(self.step.optimizer),
                      cfg.optim.layer_decay, cfg.optim.head_lr_scale)
@@ -165,14 +161,14 @@ class Trainer:
     def _start_or_restore(self, resume_ckpt: Optional[dict]) -> None:
         cfg, step = self.cfg, self.step
         parts = TrainingParts(self.model, self.eval_model, step.optimizer, step.scheduler, step.scaler, self.ema)
-        self.checkpointer = Checkpointer(self.run_dir, self.dist.is_main, cfg, self.classes, self.dist.world_size,
+        self.checkpointer = Checkpointer(self.run_dir, self.runtime.dist.is_main, cfg, self.classes, self.runtime.dist.world_size,
                                          parts, self.data.sources.identity, self.fingerprint)
         if resume_ckpt is not None:
             self.state = self.checkpointer.restore(resume_ckpt)
-        self.runlog = RunLog(self.run_dir, self.dist.is_main, cfg.output.tensorboard)
-        self.reporter = RunReporter(cfg, self.runlog, self.dist.is_main, self.dist.world_size,
+        self.runlog = RunLog(self.run_dir, self.runtime.dist.is_main, cfg.output.tensorboard)
+        self.reporter = RunReporter(cfg, self.runlog, self.runtime.dist.is_main, self.runtime.dist.world_size,
                                      self.plan.total_steps, self.plan.batches_per_epoch)
-        if self.dist.is_main:
+        if self.runtime.dist.is_main:
             write_run_files(self.run_dir, cfg, self.data, self.runlog,
                             self.state.epoch if resume_ckpt is not None else None)
 
@@ -216,7 +212,7 @@ class Trainer:
     def _fit(self) -> int:
         every = self.cfg.checkpoint.every_steps
         hooks = StepHooks(checkpoint_due=lambda step: every > 0 and step % every == 0,
-                          stop_requested=lambda step: self.stop_signal.agreed(step, self.dist, self.device), save=self._save_mid_epoch,
+                          stop_requested=lambda step: self.stop_signal.agreed(step, self.runtime.dist, self.runtime.device), save=self._save_mid_epoch,
                           log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
@@ -237,12 +233,12 @@ class Trainer:
                 # run validates this epoch again and goes on.
                 self._save_mid_epoch(counters.snapshot())
                 raise
-            self.state.epoch, self.state.batch_in_epoch, self.state.progress = epoch + 1, 0, {}
+            self.state.epoch, self.state.batch_in_epoch, self.state.epoch_snapshot = epoch + 1, 0, {}
             # the whole job's rate, over the samples this process ran since it (re)started the epoch
-            samples_per_s = (counters.samples - resumed.samples) * self.dist.world_size / max(seconds, 1e-9)
+            samples_per_s = (counters.samples - resumed.samples) * self.runtime.dist.world_size / max(seconds, 1e-9)
             self.epoch_wait_frac = (counters.data_time - resumed.data_time) / max(seconds, 1e-9)
             self._end_epoch(epoch, metrics, counters, samples_per_s, seconds)
-            if dist_utils.any_rank(self.stop_signal.received, self.device):
+            if dist_utils.any_rank(self.stop_signal.received, self.runtime.device):
                 raise StopRequested()
             if self.state.stopped_early:
                 break
@@ -285,7 +281,7 @@ class Trainer:
         # saves, and a split with too many of them stops the run now rather than at the epoch end.
         self._record_unreadable(snapshot["unreadable"])
         self.state.batch_in_epoch = snapshot["batches_done"]
-        self.state.progress = snapshot
+        self.state.epoch_snapshot = snapshot
         self.save_last()
 
     def _record_unreadable(self, indices) -> None:
@@ -294,7 +290,7 @@ class Trainer:
 
     def _sync_buffers(self) -> None:
         """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""
-        if self.dist.enabled and not self.cfg.model.sync_bn:
+        if self.runtime.dist.enabled and not self.cfg.model.sync_bn:
             dist_utils.broadcast_buffers(self.model, *([self.ema.module] if self.ema is not None else []))
 
     def save_last(self) -> None:
@@ -309,8 +305,8 @@ class Trainer:
         self._sync_buffers()
         # data.limit_val_batches is applied by the loader's sampler (the first limit x batch samples of the
         # split, sharded across ranks), so the samples counted do not depend on the world size.
-        stopping, should_stop = self.stop_signal.validation_guard(self.dist, loader_length(self.data.val_loader),
-                                                                  self.device)
+        stopping, should_stop = self.stop_signal.validation_guard(self.runtime.dist, loader_length(self.data.val_loader),
+                                                                  self.runtime.device)
         batches = self.val_batches if self.val_batches is not None else self.data.val_loader
         self.val_batches = None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
@@ -345,23 +341,6 @@ class Trainer:
 
     def write_summary(self) -> None:
         self.reporter.write_summary(self.state, self.classes, self.plan, self.val_skipped_files)
-
-
-def settle_threads(cfg: Config, saved: Optional[int], device: torch.device) -> tuple[int, str]:
-    """Apply the CPU thread policy (`engine.runtime.device.apply_cpu_policy`): a resume computes with the count
-    its checkpoint recorded (`saved`), whatever the load now, and every rank with the fewest any rank
-    chose (each probed its own machine's load; the checkpoint records one count). Warns when a resume
-    cannot keep the recorded count, since sums over another count round differently."""
-    threads, source = apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, saved_threads=saved)
-    agreed = dist_utils.min_over_ranks(threads, device)
-    if agreed != threads:
-        torch.set_num_threads(agreed)
-        threads, source = agreed, f"{source}; the fewest of any rank"
-    if saved is not None and threads != saved:
-        log.warning("resuming with %d CPU thread(s) where the checkpoint's run used %d (%s): the run goes on, "
-                    "but not bitwise equal to an uninterrupted one (train.threads=%d keeps the count)",
-                    threads, saved, source.split(";")[0], saved)
-    return threads, source
 
 
 def start_batches(data: RunData, epoch: int, start_batch: int = 0):
@@ -404,8 +383,8 @@ def record_unreadable(state: TrainState, data: RunData, indices: list[int], max_
 
 
 def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-        finetune_partial: bool = False) -> int:
-    trainer = Trainer(cfg, resume, finetune, finetune_partial)
+        finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None) -> int:
+    trainer = Trainer(cfg, resume, finetune, finetune_partial, host)
     try:
         trainer.setup()
         return trainer.fit()

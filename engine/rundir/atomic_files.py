@@ -1,5 +1,5 @@
 """Crash-safe checkpoint files, plain-data RNG state and bare state_dicts (the file level; what goes into
-last.pt and best.pt is `engine.rundir.checkpointer`'s).
+last.pt and best.pt is `engine.rundir.checkpoints`'s).
 
 Writes go to a temp file in the same folder (named after its host and process, so that a later save
 removes only the temp files of writers that are gone), are flushed and fsynced, then `os.replace`d over

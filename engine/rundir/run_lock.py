@@ -19,7 +19,7 @@ from typing import Optional
 
 from core.errors import ConfigError
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

@@ -5,14 +5,15 @@ Only rank 0 writes; other ranks get a `RunLog` whose writers are off.
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import os
 import sys
 from pathlib import Path
 
-log = logging.getLogger("train")
+from core.outputs import write_json
+
+log = logging.getLogger(__name__)
 
 METRICS_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s",
                    "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files"]
@@ -31,23 +32,6 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
         file_handler = logging.FileHandler(run_dir / "train.log")
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(finite_or_null(payload), indent=2, allow_nan=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def finite_or_null(value):
-    """Strict JSON for dashboards: a non-finite float (a NaN loss, the loss of an empty split) becomes null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
 
 
 class RunLog:
@@ -94,7 +78,7 @@ class RunLog:
 
     def summary(self, payload: dict) -> None:
         if self.enabled:
-            write_json_atomic(self.run_dir / "summary.json", payload)
+            write_json(payload, self.run_dir / "summary.json")
 
     def flush(self) -> None:
         if self.writer is not None:

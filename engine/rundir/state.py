@@ -12,7 +12,7 @@ import torch
 from core.errors import NonFiniteError
 from engine.evaluation.metrics import is_improvement
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 # the validation metrics summary.json and best.pt keep as `best`
 BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -36,15 +36,19 @@ class EpochCounters:
         if (replaced >= 0).any():
             self.unreadable.update(int(i) for i in replaced[replaced >= 0])
 
-    def count_update(self, skipped: bool, step: int, max_in_row: int) -> None:
-        """After optimizer step `step` (already in the run's state, skipped or not): a skipped update is counted
-        and logged; too many in a row stop the run."""
+    def count_update(self, skipped: bool, step: int, run: "TrainState") -> None:
+        """After optimizer step `step` (already in the run's state, skipped or not): the one place a skipped
+        update is counted, in the epoch's totals and the run's, and logged."""
         if not skipped:
             self.nonfinite_in_row = 0
             return
         self.skipped_steps += 1
+        run.skipped_steps += 1
         self.nonfinite_in_row += 1
         log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.nonfinite_in_row)
+
+    def stop_if_too_many_in_row(self, step: int, max_in_row: int) -> None:
+        """NonFiniteError when `max_in_row` updates in a row were skipped (train.max_nonfinite_in_row)."""
         if self.nonfinite_in_row >= max_in_row:
             raise NonFiniteError(f"{self.nonfinite_in_row} optimizer steps in a row had non-finite loss or "
                                  f"gradients (last at step {step}); stopping (train.max_nonfinite_in_row)")
@@ -86,7 +90,7 @@ class TrainState:
     skipped_steps: int = 0       # optimizer steps skipped (non-finite), counted as they happen
     train_samples: int = 0
     train_time_s: float = 0.0
-    progress: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
+    epoch_snapshot: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
 
     def record_validation(self, epoch: int, metrics: dict, metric: str, min_delta: float,
                           patience: Optional[int]) -> bool:
@@ -102,6 +106,14 @@ class TrainState:
                 self.stopped_early = True
         return improved
 
+    @classmethod
+    def from_saved(cls, saved: dict) -> "TrainState":
+        """The state last.pt recorded (checkpoints written before the rename call the snapshot `progress`)."""
+        values = dict(saved)
+        if "progress" in values:
+            values["epoch_snapshot"] = values.pop("progress")
+        return cls(**values)
+
     def epoch_counters(self) -> EpochCounters:
         """The counters to continue the current epoch with (fresh at an epoch start)."""
-        return EpochCounters.restore(self.progress) if self.batch_in_epoch else EpochCounters()
+        return EpochCounters.restore(self.epoch_snapshot) if self.batch_in_epoch else EpochCounters()

@@ -12,7 +12,7 @@ from typing import Optional
 from core.errors import StopRequested
 from engine.runtime import distributed as dist_utils
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 STEP_STOP_EVERY = 10  # under DDP, optimizer steps between the ranks' agreements on a stop signal
 VAL_STOP_EVERY = 10   # under DDP, validation batches between them

@@ -1,6 +1,6 @@
 """One training epoch, read top to bottom like torchvision's `train_one_epoch`: fetch, prepare on the
-device, forward and backward, and on the last micro-batch of each accumulation window one call that
-finishes the update (`TrainStep.finish_window`).
+device, forward and backward (`TrainStep.accumulate`, which knows the accumulation window), and on the
+last micro-batch of each window one call that finishes the update (`TrainStep.finish_window`).
 
 The running sums stay on the device; the host reads them only at log lines, checkpoints and the epoch
 end (and once per step where fp16 or `train.nonfinite: skip` must decide on the host whether to skip).
@@ -14,7 +14,6 @@ from typing import Callable, Optional
 import torch
 
 from core.errors import NonFiniteError, StopRequested
-from engine.training.schedule import window_length
 from engine.rundir.state import EpochCounters
 from engine.training.step import TrainStep, WindowUpdate
 
@@ -78,12 +77,13 @@ class EpochSums:
 class IntervalMeter:
     """Samples, data wait and loss since the last log line (the `MetricLogger.log_every` idea)."""
 
-    def __init__(self, sums: EpochSums):
+    def __init__(self, sums: EpochSums, counters: EpochCounters):
+        self.counters = counters  # the epoch's skipped steps are counted there, once
         self.restart(sums)
 
     def restart(self, sums: EpochSums, now: Optional[float] = None) -> None:
         self.samples = 0
-        self.skipped_steps = 0
+        self.skipped_at_start = self.counters.skipped_steps
         self.data_time = 0.0
         self.start = time.perf_counter() if now is None else now
         self.at_start = torch.stack([sums.loss, sums.nonfinite.double()])
@@ -97,7 +97,7 @@ class IntervalMeter:
         finite = self.samples - int(nonfinite)
         values = {
             "train/loss": loss / finite if finite > 0 else float("nan"),
-            "train/skipped_steps": self.skipped_steps,
+            "train/skipped_steps": self.counters.skipped_steps - self.skipped_at_start,
             "train/lr": update.lr_used,
             "train/grad_norm": float(update.grad_norm) if update.grad_norm is not None else None,
             "train/samples_per_s": self.samples / elapsed,
@@ -107,19 +107,14 @@ class IntervalMeter:
         return values
 
 
-def is_update_batch(batch_index: int, num_batches: int, accum_steps: int) -> bool:
-    """The micro-batch that ends an accumulation window (the epoch's last batch ends a short one)."""
-    return (batch_index + 1) % accum_steps == 0 or batch_index + 1 == num_batches
-
-
 def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCounters, state,
                     hooks: StepHooks) -> None:
     """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps (applied
     or skipped), `state.skipped_steps` the skipped ones, and `state.epoch` is the epoch (0-based) being trained."""
     step.model.train()
+    step.window_ok = None  # a window never spans epochs
     sums = EpochSums(step.input.device)
-    meter = IntervalMeter(sums)
-    window_ok = torch.ones((), dtype=torch.bool, device=step.input.device)
+    meter = IntervalMeter(sums, counters)
     batch_index = counters.batches_done
     data_start = time.perf_counter()
     for images, targets, replaced in loader:
@@ -130,14 +125,12 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
         counters.data_time += waited
         counters.note_unreadable(replaced)
         images, targets = step.input.prepare(images), step.input.labels(targets)
-        window = window_length(batch_index, num_batches, step.accum_steps)
-        is_update = is_update_batch(batch_index, num_batches, step.accum_steps)
-        images, targets = step.mix(images, targets, state.epoch, state.step + 1, batch_index % step.accum_steps)
+        is_update = step.window_ends_at(batch_index, num_batches)
 
-        loss = step.forward_backward(images, targets, window, sync_gradients=is_update)
+        loss = step.accumulate(images, targets, batch_index, num_batches, state.epoch, state.step + 1)
 
         batch = images.shape[0]
-        window_ok &= sums.add_loss(loss, batch)
+        sums.add_loss(loss, batch)
         counters.samples += batch
         meter.samples += batch
         batch_index += 1
@@ -147,22 +140,19 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
         if is_update:
             number = state.step + 1  # steps are numbered from 1, as in the log lines ("step k/N")
             log_now = hooks.logs_at(number, epoch_end=batch_index == num_batches)
-            update = step.finish_window(window_ok, number, want_norm=log_now)
+            update = step.finish_window(number, want_norm=log_now)
             if step.watches_nonfinite:
                 sums.note_window(update.window_ok, number)
-            window_ok = torch.ones((), dtype=torch.bool, device=step.input.device)
             # The step is done (applied or skipped) before the skip policy may stop the run, so the summary
             # counts it: "last at step k" is then steps_completed k.
             state.step = number
             counters.batches_done = batch_index
-            if update.skipped:
-                state.skipped_steps += 1
-                meter.skipped_steps += 1
+            counters.count_update(update.skipped, number, state)
 
             if log_now:
                 sums.raise_if_nonfinite()
                 hooks.log_step(state.step, meter.read(sums, update))
-            counters.count_update(update.skipped, number, step.max_nonfinite_in_row)
+            counters.stop_if_too_many_in_row(number, step.max_nonfinite_in_row)
             stop = hooks.stop_requested(state.step)
             if stop or hooks.checkpoint_due(state.step):
                 sums.raise_if_nonfinite()

@@ -13,7 +13,7 @@ import torch
 from core.errors import ConfigError
 from engine.evaluation.metrics import is_improvement
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def ceil_div(a: int, b: int) -> int:

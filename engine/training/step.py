@@ -19,7 +19,7 @@ from engine.runtime.distributed import all_ranks_true
 from engine.training.losses import build_criterion
 from engine.training.mixing import BatchMixing
 from engine.training.optim import base_lr, build_optimizer
-from engine.training.schedule import build_scheduler, observe_epoch, schedule_from_config
+from engine.training.schedule import build_scheduler, observe_epoch, schedule_from_config, window_length
 from engine.runtime.memory import explain_out_of_memory
 
 
@@ -54,6 +54,7 @@ class TrainStep:
     ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after applied steps
     mixing: Optional[BatchMixing] = None   # data.random_erasing, mixup / CutMix (None: all off)
     nonfinite_reaches_weights: bool = True  # a non-finite gradient makes the optimizer's update non-finite
+    window_ok: Optional[torch.Tensor] = None  # device bool: the open window's losses were finite (None: none yet)
 
     @property
     def fp16(self) -> bool:
@@ -76,6 +77,23 @@ class TrainStep:
             return False
         return self.nonfinite == "skip" or not self.nonfinite_reaches_weights
 
+    def window_ends_at(self, batch_index: int, num_batches: int) -> bool:
+        """Whether micro-batch `batch_index` ends an accumulation window (the epoch's last batch ends a short one)."""
+        return (batch_index + 1) % self.accum_steps == 0 or batch_index + 1 == num_batches
+
+    def accumulate(self, images: torch.Tensor, targets: torch.Tensor, batch_index: int, num_batches: int,
+                   epoch: int, step_number: int) -> torch.Tensor:
+        """Micro-batch `batch_index` (of the epoch's `num_batches`) of optimizer step `step_number`: erased and
+        mixed, forward and backward, its gradient divided by its window's length (the epoch's last window
+        may be short) and added; whether its loss was finite joins the window's. Returns the loss
+        (detached, on the device)."""
+        images, targets = self.mix(images, targets, epoch, step_number, batch_index % self.accum_steps)
+        loss = self.forward_backward(images, targets, window_length(batch_index, num_batches, self.accum_steps),
+                                     sync_gradients=self.window_ends_at(batch_index, num_batches))
+        finite = torch.isfinite(loss)
+        self.window_ok = finite if self.window_ok is None else self.window_ok & finite
+        return loss
+
     def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
         """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
         the seed, the step and `micro`); (images, labels) unchanged when both are off."""
@@ -96,9 +114,12 @@ class TrainStep:
             self.scaler.scale(loss / window).backward()
         return loss.detach()
 
-    def finish_window(self, window_ok: torch.Tensor, step_number: int, want_norm: bool) -> WindowUpdate:
-        """End an accumulation window as optimizer step `step_number` (from 1). No host sync except where
+    def finish_window(self, step_number: int, want_norm: bool) -> WindowUpdate:
+        """End the accumulation window as optimizer step `step_number` (from 1). No host sync except where
         a skip must be decided on the host (fp16, or train.nonfinite=skip)."""
+        window_ok = self.window_ok if self.window_ok is not None else torch.ones((), dtype=torch.bool,
+                                                                                 device=self.input.device)
+        self.window_ok = None
         grad_norm = None
         if self.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)

@@ -37,7 +37,7 @@ from engine.tuning.arithmetic import throughput_knee
 from core.errors import ModelError
 from models.factory import build_model, check_grad_checkpointing
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 FIT_TOLERANCE = 0.05
 SPEED_TOLERANCE = 0.05
@@ -372,10 +372,10 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     Every process measures its own device; all take the smallest batch any of them chose, so the
     effective batch is the same everywhere.
     """
-    from data.build import scan_tree
-    from engine.rundir.runlog import write_json_atomic
+    from data.build import scan_splits
+    from core.outputs import write_json
 
-    train_index, _ = scan_tree(cfg)
+    train_index, _ = scan_splits(cfg)
     log.info("train.batch_size=auto: searching the largest batch that fits on %s (model %s, %d px)...", device,
              cfg.model.name, cfg.data.img_size)
     report = run_finder(cfg, device, amp_dtype, len(train_index.classes), len(train_index), dist.world_size)
@@ -393,7 +393,7 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
              "(target %d, train.target_effective_batch)", report["batch_size"], report["accum_steps"],
              dist.world_size, report["effective_batch"], report["target_effective_batch"])
     if dist.is_main:
-        write_json_atomic(Path(run_dir) / "batch_finder.json", report)
+        write_json(report, Path(run_dir) / "batch_finder.json")
     return report["batch_size"], report["accum_steps"]
 
 

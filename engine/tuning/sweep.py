@@ -17,6 +17,7 @@ import torch
 from core.errors import NonFiniteError, StopRequested
 from engine.runtime import distributed as dist_utils
 from engine.runtime.device import DeviceInput, memory_format, pin_memory_for
+from engine.runtime.runtime import Runtime
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.runtime.memory import peak_memory_bytes, reset_peak_memory
 from engine.training.schedule import scaled_lr
@@ -25,7 +26,7 @@ from engine.training.step import build_train_step
 from engine.tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def epochs_of(loader, sampler) -> Iterator:
@@ -44,19 +45,12 @@ def settings_for(cfg, batch: int, accum: int, grad_checkpointing: bool):
         model=dataclasses.replace(cfg.model, grad_checkpointing=grad_checkpointing))
 
 
-@dataclass
-class RunContext:
-    """Where the runs happen: device, precision, process group."""
-
-    device: torch.device
-    amp_dtype: Optional[torch.dtype]
-    dist: dist_utils.DistInfo
-
-    def mean_over_ranks(self, value: float) -> float:
-        if not self.dist.enabled:
-            return value
-        total = dist_utils.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))
-        return float(total) / self.dist.world_size
+def mean_over_ranks(runtime: Runtime, value: float) -> float:
+    """`value` averaged over the processes (itself in one process)."""
+    if not runtime.dist.enabled:
+        return value
+    total = dist_utils.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=runtime.device))
+    return float(total) / runtime.dist.world_size
 
 
 @dataclass
@@ -73,7 +67,7 @@ class SizeRun:
     diverged: bool = False        # a non-finite loss ended it
 
 
-def build_run(cfg, ctx: RunContext, peak_lr: float, warmup: int, steps: int):
+def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
     """(TrainStep, data) for `cfg`: a fresh model from the seed, wrapped in DDP under torchrun."""
     from data.build import build_run_data
 
@@ -92,7 +86,7 @@ def build_run(cfg, ctx: RunContext, peak_lr: float, warmup: int, steps: int):
     return step, data
 
 
-def run_batch_size(cfg, ctx: RunContext, steps: int, warmup: int, log_every: int,
+def run_batch_size(cfg, ctx: Runtime, steps: int, warmup: int, log_every: int,
                    on_point: Optional[Callable[[Curve], None]] = None) -> SizeRun:
     """`steps` optimizer steps at `cfg`'s batch and accumulation: LR scaled by optim.lr_scaling from the
     effective batch, linear warmup over `warmup` optimizer steps, then that LR held (schedule.min_lr is set
@@ -107,7 +101,7 @@ def run_batch_size(cfg, ctx: RunContext, steps: int, warmup: int, log_every: int
     start = time.perf_counter()
 
     def record(number: int, values: dict) -> None:
-        raw.append(ctx.mean_over_ranks(values["train/loss"]))
+        raw.append(mean_over_ranks(ctx, values["train/loss"]))
         curve.steps.append(number)
         curve.samples.append(number * effective)
         curve.seconds.append(time.perf_counter() - start)
@@ -150,7 +144,7 @@ class RangeTest:
     effective_batch: int
 
 
-def run_lr_range(cfg, ctx: RunContext, low: float, high: float, steps: int) -> RangeTest:
+def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int) -> RangeTest:
     """The LR range test at `cfg`'s batch: LR from `low` to `high` exponentially over `steps` optimizer
     steps (the same on every rank), the loss averaged over ranks at every step; it stops early once the
     smoothed loss exceeds DIVERGENCE_FACTOR x its minimum (every rank sees the same averages, so all stop
@@ -162,7 +156,7 @@ def run_lr_range(cfg, ctx: RunContext, low: float, high: float, steps: int) -> R
 
     def record(number: int, values: dict) -> None:
         result.lrs.append(values["train/lr"])
-        result.losses.append(ctx.mean_over_ranks(values["train/loss"]))
+        result.losses.append(mean_over_ranks(ctx, values["train/loss"]))
         result.smoothed = smooth(result.losses)
 
     def diverged(number: int) -> bool:
@@ -204,7 +198,7 @@ class MemoryCheck:
     """Whether a setting fits. CUDA: None (the run itself answers, out-of-memory is caught). CPU: the
     breakdown measured at two small batches predicts the peak, within `train.memory_budget_gb`."""
 
-    def __init__(self, cfg, ctx: RunContext, num_classes: int, budget: Optional[int], small: int):
+    def __init__(self, cfg, ctx: Runtime, num_classes: int, budget: Optional[int], small: int):
         self.cfg, self.ctx, self.num_classes, self.budget, self.small = cfg, ctx, num_classes, budget, small
         self.breakdowns: dict = {}
 
@@ -227,7 +221,7 @@ class MemoryCheck:
         return self.breakdown(grad_checkpointing).total(batch) <= self.budget
 
 
-def sweep_batch_sizes(cfg, ctx: RunContext, sizes: list[int], steps: int, warmup: int, log_every: int,
+def sweep_batch_sizes(cfg, ctx: Runtime, sizes: list[int], steps: int, warmup: int, log_every: int,
                       memory: MemoryCheck, try_checkpointing: bool,
                       on_point: Optional[Callable[[int, Curve], None]] = None,
                       on_entry: Optional[Callable[[SweepEntry], None]] = None) -> list[SweepEntry]:

@@ -1,0 +1,60 @@
+"""Files a command writes for the user: strict JSON written atomically, and the check that an output path
+can be written, made before any work."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+from core.errors import ConfigError
+
+# files that mark a training run's directory, which only train.py writes into
+RUN_DIR_MARKERS = ("config.yaml", "last.pt", "best.pt", "summary.json")
+
+
+def finite_or_null(value):
+    """Strict JSON for dashboards: a non-finite float (a NaN loss, the loss of an empty split) becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def write_json(doc, path: Optional[str | os.PathLike]) -> None:
+    """`doc` as strict, indented JSON at `path` (nothing when `path` is None): written to a temp file beside
+    it and renamed over it, so a reader never sees half a file; its folder is created."""
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(finite_or_null(doc), indent=2, allow_nan=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def check_output_file(flag: str, path: Optional[str], suffix: Optional[str] = None,
+                      outside_runs: bool = False) -> None:
+    """ConfigError (exit 2) before any work when an output file cannot be written where asked: the name is a
+    folder, a part of the path above it is a file, it lacks `suffix`, or (`outside_runs`) its folder is a
+    training run's directory."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; pass a file name (for example "
+                          f"{target / 'out'}{target.suffix or suffix or '.json'})")
+    if suffix and target.suffix.lower() != suffix:
+        raise ConfigError(f"{flag} {path}: must end in {suffix}")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
+            break
+    if outside_runs and any((target.parent / marker).exists() for marker in RUN_DIR_MARKERS):
+        raise ConfigError(f"{flag} {path}: {target.parent} is a run directory; this command writes nothing "
+                          f"into runs, choose another folder")
