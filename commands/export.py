@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from core.errors import CheckpointError, ConfigError, DataTreeError, ExportError
+from core.errors import CheckpointError, ConfigError, DataTreeError
 from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
 from engine.model_io.model_file import KIND_NAMES, ModelFile
