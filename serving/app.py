@@ -99,6 +99,7 @@ def create_app(served: ServedModel, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="imgcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher = batcher
+    app.state.in_flight = 0  # requests whose headers are in and whose answer is not yet sent
 
     @app.middleware("http")
     async def access_and_auth(request: Request, call_next):
@@ -107,15 +108,20 @@ def create_app(served: ServedModel, settings: ServeSettings) -> FastAPI:
             response = error(401, "unauthorized", "send the API key as 'Authorization: Bearer KEY'")
             response.headers["WWW-Authenticate"] = "Bearer"
         else:
-            response = await call_next(request)
+            app.state.in_flight += 1
+            try:
+                response = await call_next(request)
+            finally:
+                app.state.in_flight -= 1
         client = request.client.host if request.client else "-"
-        access_log.info("access %s \"%s %s\" %d %.1f ms", client, request.method, request.url.path, response.status_code,
-                        (time.perf_counter() - start) * 1000.0)
+        access_log.info("access %s \"%s %s\" %d %.1f ms", client, request.method, request.url.path,
+                        response.status_code, (time.perf_counter() - start) * 1000.0)
         return response
 
     @app.get("/health")
     async def health():
-        return {**served.health(), "served": {"images": batcher.items_run, "batches": batcher.batches_run}}
+        return {**served.health(), "served": {"images": batcher.items_run, "batches": batcher.batches_run},
+                "in_flight": app.state.in_flight - 1}  # less this request
 
     @app.post("/predict")
     async def predict(request: Request):

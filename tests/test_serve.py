@@ -209,7 +209,10 @@ def test_sigterm_answers_the_request_in_flight_stops_accepting_and_exits_0(serve
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     sock.sendall(f"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: "
                  f"{len(good)}\r\nContent-Type: application/octet-stream\r\n\r\n".encode() + good[:10])
-    time.sleep(0.5)  # the server has read the headers: the request is in flight
+    deadline = time.monotonic() + 30
+    while health(served["url"])["in_flight"] < 1:  # the server has read the headers: the request is in flight
+        assert time.monotonic() < deadline, "the partial request never reached the server"
+        time.sleep(0.02)
     os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the listening socket closes
