@@ -13,6 +13,8 @@ import onnx
 import pytest
 
 import export
+from commands.export import validation_files
+from engine.model_io.checkpoint_files import read_checkpoint
 import infer
 from conftest import train_tiny
 from core.errors import ConfigError, ExportError
@@ -78,6 +80,14 @@ def test_agreement_below_the_floor_is_an_export_error(tmp_path):
     quantize.check_agreement(report, 0.965)  # 0.965 of 200 agree
     with pytest.raises(ExportError, match=r"0\.9650 of 200 images, below --min-agreement 0\.97"):
         quantize.check_agreement(report, 0.97)
+
+
+def test_calibration_without_the_validation_images_is_a_usage_error(quantized, tmp_path):
+    _, checkpoint, _, _ = quantized
+    loaded = read_checkpoint(checkpoint)
+    loaded.cfg.data.root = str(tmp_path / "moved")
+    with pytest.raises(ConfigError, match="calibrates on the checkpoint's validation images"):
+        validation_files(loaded)
 
 
 def test_spread_takes_evenly_spaced_items():
