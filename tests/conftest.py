@@ -150,3 +150,68 @@ def train_tiny(base: Path, counts: dict, **extra) -> tuple[Path, Path]:
     result = run_script("train.py", "--config", "base", *tiny_overrides(data, run_dir, **{"train.epochs": 1, **extra}))
     assert result.returncode == 0, result.stderr[-2000:]
     return data, run_dir / "best.pt"
+
+
+# ---------------------------------------------------------------- in-process runs and exit codes
+
+# Training runs in-process (no loader workers), so faults can be injected with monkeypatch
+IN_PROCESS = {"model.name": "test_resnet", "output.tensorboard": "false", "output.log_interval": 100}
+
+
+def make_cfg(data_root: Path, out: Path, **extra):
+    from core.config import load_config
+
+    return load_config("base", tiny_overrides(data_root, out, **(IN_PROCESS | extra)))
+
+
+def exit_code(fn) -> int:
+    """The exit status of `fn` run as an entry script's main (commands.cli.run_main's mapping)."""
+    from commands.cli import run_main
+
+    with pytest.raises(SystemExit) as info:
+        run_main(fn)
+    return info.value.code
+
+
+def run_train_in_process(monkeypatch, capsys, *argv) -> tuple[int, str]:
+    """train.py's main through the same exit-code mapping, without a subprocess."""
+    import logging
+
+    import train
+    from commands.cli import run_main
+
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(train.main)
+    finally:  # the run may have set up its own log handlers (onto captured streams): put pytest's back
+        for handler in root.handlers:
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+
+
+@pytest.fixture(scope="session")
+def faults_tree(tmp_path_factory) -> Path:
+    """36 training images, batch 8: 4 optimizer steps per epoch."""
+    return make_tree(tmp_path_factory.mktemp("faults") / "data", {"a": (12, 3), "b": (12, 3), "c": (12, 3)})
+
+
+@pytest.fixture(scope="session")
+def finished_run(faults_tree, tmp_path_factory) -> Path:
+    """A 2-epoch in-process run on `faults_tree`: last.pt (step 8), last.prev.pt (step 4), best.pt. Tests
+    read it or copy it; none changes it."""
+    from engine.run.trainer import run
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert run(make_cfg(faults_tree, out)) == 0
+    return out

@@ -1,0 +1,75 @@
+"""Every command answers `--help` and a usage error without importing torch or timm (what made `--help`
+take ~20 s): checked on the modules the script loaded, never with a timer."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+HEAVY = ("torch", "torchvision", "timm")
+
+# Runs an entry script as `python SCRIPT ARGS` would, then reports its exit status and which heavy modules
+# it imported, as one JSON line on stdout (after whatever the script printed).
+PROBE = """
+import json, runpy, sys
+script, args = sys.argv[1], sys.argv[2:]
+sys.argv = [script, *args]
+sys.path.insert(0, {repo!r})
+try:
+    runpy.run_path(script, run_name="__main__")
+    code = 0
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps({{"code": code, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+"""
+
+CASES = {
+    "train --help": ("train.py", ["--help"], 0),
+    "train without --config": ("train.py", [], 2),
+    "train with a config mistake": ("train.py", ["--config", "quickstart", "train.epochz=3"], 2),
+    "train with an unknown config": ("train.py", ["--config", "nosuch"], 2),
+    "eval --help": ("eval.py", ["--help"], 0),
+    "eval without --checkpoint": ("eval.py", [], 2),
+    "infer --help": ("infer.py", ["--help"], 0),
+    "infer without inputs": ("infer.py", [], 2),
+    "infer with a bad --batch-size": ("infer.py", ["x.png", "--batch-size", "0"], 2),
+    "infer with a bad --output": ("infer.py", ["x.png", "--output", "out.txt"], 2),
+    "benchmark --help": ("benchmark.py", ["--help"], 0),
+    "serve --help": ("serve.py", ["--help"], 0),
+    "serve with a bad --max-batch": ("serve.py", ["--checkpoint", "x.pt", "--max-batch", "0"], 2),
+    "export --quantize with pt2": ("export.py", ["--checkpoint", "x.pt", "--format", "pt2", "--output", "m.pt2",
+                                                 "--quantize", "int8"], 2),
+    "benchmark with a bad --mode": ("benchmark.py", ["--mode", "fast"], 2),
+    "benchmark without --config": ("benchmark.py", ["--mode", "train"], 2),
+    "benchmark with a config mistake": ("benchmark.py", ["--config", "quickstart", "--mode", "train", "x.y=3"], 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_help_and_usage_errors_do_not_import_torch(case, tmp_path):
+    script, args, want = CASES[case]
+    probe = PROBE.format(repo=str(REPO), heavy=HEAVY)
+    done = subprocess.run([sys.executable, "-c", probe, str(REPO / script), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["code"] == want, done.stderr[-2000:]
+    assert report["heavy"] == [], f"{case} imported {report['heavy']}"
+    if want == 0:
+        assert "usage:" in done.stdout
+    else:
+        assert "error" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_train_help_lists_the_configs_and_points_to_base_yaml(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    names = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert f"({', '.join(names)})" in text and "configs/base.yaml" in text

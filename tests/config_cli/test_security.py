@@ -1,0 +1,185 @@
+"""Hostile files: a checkpoint whose unpickling would run code, a YAML config with Python tags.
+
+Both are refused with a clear message (exit 2 from the entry scripts) and nothing in them runs: the
+payload would create a marker file, which must never appear.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import exit_code, REPO, make_tree, tiny_overrides
+from core.errors import CheckpointError
+from core.safe_load import load_checkpoint
+from core.config import ConfigError, load_config, parse_override
+from engine.run.trainer import run
+
+
+class Payload:
+    """Unpickling this calls os.system, which creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def write_hostile(path: Path, marker: Path, form: str) -> Path:
+    obj = {"model": {"w": torch.zeros(2)}, "config": Payload(marker), "classes": ["a", "b"]}
+    if form == "zip":
+        torch.save(obj, path)
+    elif form == "legacy":
+        torch.save(obj, path, _use_new_zipfile_serialization=False)
+    else:
+        path.write_bytes(pickle.dumps(obj))
+    return path
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    path = tmp_path / "PWNED"
+    yield path
+    assert not path.exists(), "the hostile payload ran"
+
+
+def test_the_payload_is_real(tmp_path):
+    """Guard against a harmless fixture: loaded the unsafe way, it does create the marker."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("form", ["zip", "legacy", "raw_pickle"])
+def test_load_checkpoint_refuses_a_pickle_that_would_run_code(tmp_path, marker, form):
+    path = write_hostile(tmp_path / "hostile.pt", marker, form)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message
+    if form != "raw_pickle":  # a bare pickle is not a torch file at all
+        assert "was refused" in message and "system" in message and "could run code" in message
+    assert "weights_only` set to `False`" not in message and "weights_only=False" not in message
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("sec") / "data", {"a": (8, 2), "b": (8, 2)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["resume", "resume_auto", "finetune", "model_weights"])
+def test_training_refuses_a_hostile_checkpoint_in_every_place_it_reads_one(data_root, tmp_path, marker, how, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    hostile = write_hostile(out / "last.pt" if how == "resume_auto" else tmp_path / "hostile.pt", marker, "zip")
+    extra = {"model.weights": str(hostile)} if how == "model_weights" else {}
+    cfg = load_config("base", tiny_overrides(data_root, out, **{"model.name": "test_resnet", **extra}))
+    kwargs = {"resume": {"resume": str(hostile)}, "resume_auto": {"resume": "auto"},
+              "finetune": {"finetune": str(hostile)}, "model_weights": {}}[how]
+    assert exit_code(lambda: run(cfg, **kwargs)) == 2
+    err = capsys.readouterr().err
+    assert "refused" in err and "Traceback" not in err
+    assert not (out / "best.pt").exists()
+
+
+@pytest.mark.slow
+def test_entry_scripts_refuse_a_hostile_checkpoint(data_root, tmp_path, marker):
+    hostile = write_hostile(tmp_path / "hostile.pt", marker, "zip")
+    image = next((data_root / "val" / "a").iterdir())
+    commands = {
+        "train.py": ["--config", "base", *tiny_overrides(data_root, tmp_path / "run", **{"model.name": "test_resnet"}),
+                     "--resume", str(hostile)],
+        "eval.py": ["--checkpoint", str(hostile), "--data", str(data_root)],
+        "infer.py": [str(image), "--checkpoint", str(hostile)],
+    }
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = {name: subprocess.Popen([sys.executable, str(REPO / name), *args], cwd=tmp_path, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in commands.items() if (REPO / name).exists()}
+    assert "train.py" in procs
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (name, err[-2000:])
+        assert "was refused" in err and "could run code" in err, (name, err[-2000:])
+        assert "Traceback" not in err, name
+
+
+YAML_PAYLOAD = "train:\n  epochs: !!python/object/apply:os.system ['touch {marker}']\n"
+
+
+@pytest.mark.slow
+def test_a_yaml_config_with_python_tags_exits_2_and_runs_nothing(data_root, tmp_path, marker, monkeypatch, capsys):
+    """In-process through train.py's main (tests/config_cli/test_config.py runs the same through a subprocess)."""
+    import train
+
+    config = tmp_path / "hostile.yaml"
+    config.write_text(YAML_PAYLOAD.format(marker=marker))
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(config), f"data.root={data_root}",
+                                      f"output.dir={tmp_path / 'run'}"])
+    assert exit_code(train.main) == 2
+    err = capsys.readouterr().err
+    assert str(config) in err and "not plain YAML" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_override_with_python_tags_is_refused(marker):
+    with pytest.raises(ConfigError):
+        parse_override(f"train.epochs=!!python/object/apply:os.system ['touch {marker}']")
+
+
+# ---------------------------------------------------------------- the code itself
+
+
+def python_files() -> list[Path]:
+    skip = {"venv", ".venv", ".git", "node_modules", "runs", "datasets"}
+    return [p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts)]
+
+
+def calls(tree: ast.AST, module: str, name: str):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == module:
+            yield node
+
+
+def test_every_torch_load_is_weights_only_and_yaml_is_safe_load_only():
+    files = python_files()
+    assert any(p.name == "atomic_files.py" for p in files)
+    offenders = []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in calls(tree, "torch", "load"):
+            kw = {k.arg: k.value for k in node.keywords}
+            value = kw.get("weights_only")
+            if not (isinstance(value, ast.Constant) and value.value is True):
+                offenders.append(f"{path}:{node.lineno} torch.load without weights_only=True")
+        for name in ("load", "unsafe_load", "full_load", "load_all"):
+            for node in calls(tree, "yaml", name):
+                offenders.append(f"{path}:{node.lineno} yaml.{name}")
+        if "tests" not in path.relative_to(REPO).parts:
+            for name in ("load", "loads"):
+                for node in calls(tree, "pickle", name):
+                    offenders.append(f"{path}:{node.lineno} pickle.{name}")
+        if "weights_only=False" in path.read_text() and path.name != Path(__file__).name:
+            offenders.append(f"{path}: weights_only=False")
+    assert offenders == []
+
+
+def test_torch_is_at_a_release_without_the_weights_only_bypasses():
+    """CVE-2025-32434 / CVE-2026-24747: weights_only=True could be bypassed before torch 2.10."""
+    def version(text: str) -> tuple:
+        return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+    assert version(torch.__version__) >= (2, 10)
+    pins = [line for line in (REPO / "requirements.txt").read_text().splitlines() if line.startswith("torch")]
+    torch_pin = [p for p in pins if p.split("=")[0].split(">")[0].strip() == "torch"]
+    assert torch_pin, "requirements.txt must name torch"
+    assert version(torch_pin[0].split("=")[-1].split(">")[-1].strip()) >= (2, 10), torch_pin

@@ -1,0 +1,176 @@
+"""tune.py: the sweep's arithmetic on synthetic curves (smoothing, the loss after the same samples, time
+to target, knee, verdict), its losses reproducible per seed on real steps, the LR range test's suggestion on
+a synthetic curve and identical on both ranks of a 2-process gloo group, and bad input exiting 2."""
+from __future__ import annotations
+
+import json
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+
+from core.config import load_config
+from core.errors import ConfigError
+from engine.runtime.distributed import DistInfo
+from engine.runtime.runtime import Runtime
+from engine.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
+from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
+                           sweep_verdict, throughput_knee)
+from conftest import make_tree, run_script, tiny_overrides
+
+
+def curve(batch, losses, seconds_per_step):
+    steps = list(range(1, len(losses) + 1))
+    return Curve(batch, 1, batch, steps, [s * batch for s in steps], [s * seconds_per_step for s in steps], losses)
+
+
+def test_smoothing_is_debiased():
+    assert smooth([2.0] * 5) == pytest.approx([2.0] * 5)
+    assert smooth([1.0, 3.0], beta=0.5) == pytest.approx([1.0, (0.25 + 0.75 * 1 + 0.5 * 3 - 0.75) / 0.75])
+
+
+def test_time_to_target_on_known_step_times():
+    """Batch 64 at 0.1 s/step reaches 0.5 at step 30 (3.0 s); batch 256 at 0.25 s/step at step 10 (2.5 s);
+    batch 1024 at 0.8 s/step at step 4 (3.2 s): 256 wins though 1024 has the most img/s."""
+    def falling(to_target):  # loss 1 -> 0.5 exactly at step `to_target`, lower after
+        return [1.0 - 0.5 * s / to_target for s in range(1, 41)]
+
+    results = [{"size": b, "how": "as is", "fits": True, "curve": curve(b, falling(k), t), "img_per_s": b / t,
+                "seconds_per_step": t, "peak_memory_mb": 1.0}
+               for b, k, t in ((64, 30, 0.1), (256, 10, 0.25), (1024, 4, 0.8))]
+    rows, target, common = sweep_rows(results, 0.5)
+    assert [r["steps_to_target"] for r in rows] == [30, 10, 4]
+    assert [r["time_to_target_s"] for r in rows] == pytest.approx([3.0, 2.5, 3.2])
+    assert common == 40 * 64
+    # after the 2560 samples batch 64 saw: batch 256 took 10 steps, batch 1024 2.5 (interpolated)
+    assert rows[1]["loss_at_common_samples"] == pytest.approx(0.5)
+    assert rows[2]["loss_at_common_samples"] == pytest.approx(1.0 - 0.5 * 2.5 / 4)
+    verdict = sweep_verdict(rows)
+    assert verdict == {"least_time_to_target": 256, "throughput_knee": 1024, "largest_that_fits": 1024}
+    # no target given: the lowest loss every size reached (the highest of the minima)
+    assert sweep_rows(results, None)[1] == pytest.approx(max(min(r["curve"].losses) for r in results))
+
+
+def test_knee_and_interpolation():
+    assert throughput_knee({32: 90.0, 64: 97.0, 128: 100.0, 256: 99.0}) == 64
+    c = Curve(8, 1, 8, [1, 2], [8, 16], [1.0, 2.0], [1.0, 0.5])
+    assert loss_after_samples(c, 12) == pytest.approx(0.75)
+    assert loss_after_samples(c, 17) is None
+
+
+def test_attempts_keep_the_batch_and_add_checkpointing_only_when_asked():
+    assert attempts_for(64, False, False)[:3] == [(64, 1, False), (32, 2, False), (16, 4, False)]
+    assert attempts_for(64, False, True)[:3] == [(64, 1, False), (64, 1, True), (32, 2, False)]
+    assert all(b * a == 48 for b, a, _ in attempts_for(48, False, False))
+
+
+def synthetic_range_curve(lrs):
+    """A loss that is flat at 2.3 for small LRs, falls steeply around LR 1e-2 and explodes above LR 1."""
+    return [0.3 + 2.0 / (1 + (lr / 1e-2) ** 2) + (50 * (lr - 1) if lr > 1 else 0.0) for lr in lrs]
+
+
+def test_lr_suggestion_lands_in_the_steep_part():
+    lrs = exponential_lrs(1e-5, 10, 100)
+    assert lrs[0] == pytest.approx(1e-5) and lrs[-1] == pytest.approx(10)
+    found = lr_suggestion(lrs, smooth(synthetic_range_curve(lrs), beta=0.5))
+    assert 3e-3 <= found["steepest_lr"] <= 3e-2   # the steepest fall in log(LR) is near 1e-2
+    assert 1.0 < found["divergence_lr"] <= 10
+    assert found["steepest_index"] < found["divergence_index"]
+
+
+@pytest.mark.slow
+def test_lr_range_identical_on_both_ranks(tmp_path):
+    from tune_workers import lr_range_on_rank
+
+    root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1)}, size=(16, 16))
+    overrides = tiny_overrides(root, tmp_path / "run", **{"train.batch_size": 4})
+    torch.multiprocessing.spawn(lr_range_on_rank, args=(2, str(tmp_path / "store"), overrides, str(tmp_path)),
+                                nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["lrs"] == pytest.approx(exponential_lrs(1e-3, 10.0, 6)[:len(ranks[0]["lrs"])])
+    assert all(math.isfinite(v) for v in ranks[0]["losses"])
+    assert not (tmp_path / "run").exists()
+
+
+def sweep_losses(cfg):
+    ctx = Runtime(torch.device("cpu"), None, DistInfo())
+    memory = MemoryCheck(cfg, ctx, 3, None, 4)
+    entries = sweep_batch_sizes(cfg, ctx, [4, 8], steps=4, warmup=1, log_every=1, memory=memory,
+                                try_checkpointing=False)
+    return [(e.size, e.run.curve.samples, e.run.curve.losses) for e in entries]
+
+
+def test_sweep_losses_reproducible_per_seed(tmp_path):
+    root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1), "c": (8, 1)}, size=(16, 16))
+    cfg = load_config("base", tiny_overrides(root, tmp_path / "run"))
+    first, second = sweep_losses(cfg), sweep_losses(cfg)
+    assert first == second
+    assert [samples for _, samples, _ in first] == [[4, 8, 12, 16], [8, 16, 24, 32]]
+    assert first[0][2] != first[1][2]
+    assert not (tmp_path / "run").exists()  # tune writes no run directory
+
+
+def test_unreachable_target_is_an_error_after_the_table(tmp_path, capsys):
+    from commands.tune_run import run_sweep
+
+    root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1)}, size=(16, 16))
+    cfg = load_config("base", tiny_overrides(root, tmp_path / "run"))
+    args = Namespace(steps=2, warmup_steps=0, target_loss=1e-9, checkpointing=False, json=None, plot=None)
+    with pytest.raises(ConfigError, match="no batch size reached it"):
+        run_sweep(cfg, args, [4])
+    assert "verdict" in capsys.readouterr().out
+
+
+def test_tune_computes_with_the_thread_count_train_py_would_take(tmp_path, tiny_tree):
+    from commands.tune_run import prepare
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        prepare(load_config("base", tiny_overrides(tiny_tree, tmp_path / "run", **{"train.threads": 1})))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_tune_py_end_to_end(tmp_path, tiny_tree):
+    result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"),
+                        "--batch-sizes", "4,8", "--steps", "4", "--json", str(tmp_path / "t.json"),
+                        "--plot", str(tmp_path / "t.png"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert [r["effective_batch"] for r in doc["rows"]] == [4, 8]
+    assert doc["verdict"]["least_time_to_target"] in (4, 8)
+    assert doc["memory_breakdown"]["parameters_mb"] > 0
+    assert "verdict:" in result.stdout and "s in all" in result.stderr
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,words", [
+    (["--batch-sizes", "64,-8"], "'-8' is not a positive integer"),
+    (["--batch-sizes", "64,abc"], "'abc' is not a positive integer"),
+    (["--lr-range", "1,1e-3"], "0 < LOW < HIGH"),
+    (["--lr-range", "1e-3"], "0 < LOW < HIGH"),
+    (["--target-loss", "-1"], "must be a positive number"),
+    (["--batch-sizes", "100000"], "larger than the training split"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, tiny_tree, args, words):
+    result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"), *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_refuses_to_write_into_a_run_directory(tmp_path, tiny_tree):
+    run_dir = tmp_path / "old_run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}\n")
+    result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"),
+                        "--json", str(run_dir / "tune.json"))
+    assert result.returncode == 2 and "run directory" in result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
