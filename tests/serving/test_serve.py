@@ -91,6 +91,7 @@ def health(url: str) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_health_describes_the_model_without_a_token(served):
     body = health(served["url"])
     assert body["status"] == "ok" and body["model"] == "resnet10t"
@@ -99,6 +100,7 @@ def test_health_describes_the_model_without_a_token(served):
     assert body["batch_shapes"] == [1, 2, 4, 8]
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_clients_get_infer_rows_in_batches(served):
     url, images, expected = served["url"], served["images"], served["expected"]
     before = health(url)["served"]
@@ -122,6 +124,7 @@ def test_sixteen_concurrent_clients_get_infer_rows_in_batches(served):
     assert batches_run < 48  # concurrent requests shared forward passes
 
 
+@pytest.mark.slow
 def test_multipart_file_field_gives_the_same_row_with_the_file_name(served):
     path = served["images"][1]
     response = post(served["url"], files={"file": (path.name, path.read_bytes(), "image/png")})
@@ -145,6 +148,7 @@ def bad_bodies(tmp_path: Path, good: Path) -> dict[str, bytes]:
             "decompression_bomb": bomb.getvalue(), "decompression_bomb_jpeg": huge_jpeg}
 
 
+@pytest.mark.slow
 def test_every_bad_body_gets_a_400_naming_it_and_a_batch_neighbour_is_unaffected(served, tmp_path):
     url, good = served["url"], served["images"][0]
     bodies = bad_bodies(tmp_path, good)
@@ -163,11 +167,13 @@ def test_every_bad_body_gets_a_400_naming_it_and_a_batch_neighbour_is_unaffected
     assert health(url)["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_multipart_without_a_file_field_is_400(served):
     response = post(served["url"], files={"image": ("x.png", served["images"][0].read_bytes(), "image/png")})
     assert response.status_code == 400 and response.json()["error"] == "no_file_field"
 
 
+@pytest.mark.slow
 def test_a_body_over_max_bytes_is_413_declared_or_streamed(served):
     big = os.urandom(MAX_BYTES + 1)
     response = post(served["url"], big)
@@ -177,6 +183,7 @@ def test_a_body_over_max_bytes_is_413_declared_or_streamed(served):
     assert health(served["url"])["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_the_api_key_is_required_on_predict(served):
     body = served["images"][0].read_bytes()
     assert post(served["url"], body, token=None).status_code == 401
@@ -193,6 +200,7 @@ def test_usage_errors_are_found_before_the_port_opens(tmp_path):
             serve.main(["--checkpoint", "x.pt", flag, value])
 
 
+@pytest.mark.slow
 def test_load_generator_measures_every_answer(served):
     bodies = [path.read_bytes() for path in served["images"]]
     result = run_load(served["url"], bodies, clients=4, total=12, api_key=API_KEY)
@@ -202,6 +210,7 @@ def test_load_generator_measures_every_answer(served):
         run_load(served["url"], bodies, clients=2, total=12, api_key="wrong")
 
 
+@pytest.mark.slow
 def test_sigterm_answers_the_request_in_flight_stops_accepting_and_exits_0(served):
     """Last in the module: it stops the shared server. A request whose headers are in but whose body is
     not is in flight when SIGTERM arrives; it is answered, new connections are refused, exit 0."""

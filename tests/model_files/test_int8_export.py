@@ -38,6 +38,7 @@ def quantized(tmp_path_factory):
     return data, checkpoint, out, printed.getvalue()
 
 
+@pytest.mark.slow
 def test_int8_model_is_quantized_smaller_and_agrees(quantized):
     _, _, out, stdout = quantized
     model = onnx.load(str(out))
@@ -56,6 +57,7 @@ def test_int8_model_is_quantized_smaller_and_agrees(quantized):
     assert int(agreement.group(3)) == 18 and float(agreement.group(1)) >= 0.97
 
 
+@pytest.mark.slow
 def test_int8_model_keeps_metadata_and_infer_runs_it(quantized, tmp_path):
     data, checkpoint, out, _ = quantized
     opened = load_model_file(out)
@@ -82,6 +84,7 @@ def test_agreement_below_the_floor_is_an_export_error(tmp_path):
         quantize.check_agreement(report, 0.97)
 
 
+@pytest.mark.slow
 def test_calibration_without_the_validation_images_is_a_usage_error(quantized, tmp_path):
     _, checkpoint, _, _ = quantized
     loaded = read_checkpoint(checkpoint)
