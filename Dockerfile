@@ -1,5 +1,8 @@
 # GPU training image: docker build -t imgcls . && \
 #   docker run --gpus all --shm-size=8g -v /data:/data -v "$PWD/runs:/app/runs" imgcls train.py --config resnet50 data.root=/data
+# Serving (serve.py: POST /predict, GET /health), on a model trained or exported into runs/:
+#   docker run -p 8000:8000 -v "$PWD/runs:/app/runs" imgcls serve.py --checkpoint runs/exp/best.pt --host 0.0.0.0
+#   (0.0.0.0 inside the container; -p publishes it; add --api-key KEY or -e IMGCLS_API_KEY=KEY off a private network)
 # The base image brings CUDA, cuDNN and the torch / torchvision builds that requirements.txt pins.
 FROM pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime
 
@@ -33,5 +36,6 @@ COPY --chown=app:app . .
 
 USER 1000:1000
 
+EXPOSE 8000
 ENTRYPOINT ["python"]
 CMD ["train.py", "--help"]

@@ -1,18 +1,21 @@
-"""export.py's work: read a train.py checkpoint, export it, check the export and report."""
+"""export.py's work: read a train.py checkpoint, export it, check the export and report; with
+`--quantize int8`, also quantize the ONNX export and compare it with the fp32 one."""
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Optional
 
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError, DataTreeError
 from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
 from engine.model_io.export_target import check_export_target
-from engine.model_io.model_file import KIND_NAMES
+from engine.model_io.model_file import KIND_NAMES, ModelFile
 from engine.model_io.model_files import model_file_kind
 
 
-def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], overwrite: bool = False) -> int:
+def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], quantize: Optional[str] = None,
+               calibration_images: int = 256, min_agreement: float = 0.97, overwrite: bool = False) -> int:
     """Export `checkpoint` as `fmt` to `output` (batch None: any batch size; an existing output only with
     `overwrite`, never in a run directory); returns the exit status."""
     kind = model_file_kind(checkpoint)
@@ -24,6 +27,11 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], ove
     if fmt == "timm":
         batch = None  # weights: any batch
     loaded = read_checkpoint(checkpoint)
+    if quantize == "int8" and loaded.multilabel:
+        raise ConfigError("--quantize int8: its agreement check compares single-label top-1 predictions; a "
+                          "multi-label model is exported in fp32 (drop --quantize)")
+    if quantize == "int8":
+        return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
     report = export_checkpoint(loaded, fmt, path, batch)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"
     print(f"wrote {report.path} ({fmt}, {batch_text}, {len(loaded.classes)} classes, "
@@ -31,4 +39,49 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], ove
     print(f"check: max |probability difference| {report.max_prob_diff:.2e} vs the checkpoint's PyTorch model "
           f"(limit 1e-04), top-1 agrees on {report.top1_agree}/{report.num_images} images from "
           f"{report.images_from}")
+    return 0
+
+
+def validation_files(loaded: ModelFile) -> tuple[list[str], list[int], str]:
+    """The checkpoint's recorded validation split as (paths, labels, description), as eval.py finds it.
+    ConfigError (exit 2) when it is not on disk as image files."""
+    from data.sources import eval_source
+
+    try:
+        source = eval_source(loaded.cfg.data, loaded.classes, loaded.data_source)
+    except (DataTreeError, OSError) as err:
+        raise ConfigError(f"--quantize int8 calibrates on the checkpoint's validation images, which are not "
+                          f"readable here: {err}") from err
+    paths = getattr(source.index, "paths", None)
+    if not paths:
+        raise ConfigError(f"--quantize int8 calibrates on the checkpoint's validation images: {source.described} "
+                          f"holds no image files (WebDataset shards are not read for calibration)")
+    return list(paths), list(source.index.labels), source.described
+
+
+def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibration_images: int,
+                    min_agreement: float) -> int:
+    """fp32 ONNX export (checked as always) to a temporary file, static int8 quantization to `path`, then the
+    comparison: exit 1 (ExportError) when top-1 agreement is below `min_agreement`."""
+    from engine.model_io.quantize import CHECK_LIMIT, check_agreement, compare_int8, quantize_int8, spread
+
+    paths, labels, described = validation_files(loaded)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fp32-") as work:
+        fp32_path = Path(work) / "fp32.onnx"
+        fp32 = export_checkpoint(loaded, "onnx", fp32_path, batch)
+        used = quantize_int8(fp32_path, path, spread(paths, calibration_images))
+        checked = spread(list(zip(paths, labels)), CHECK_LIMIT)
+        report = compare_int8(fp32_path, path, [p for p, _ in checked], [y for _, y in checked], described,
+                              fp32_path.stat().st_size, used)
+    batch_text = "any batch" if batch is None else f"batch {batch}"
+    n = report.num_images
+    print(f"wrote {path} (onnx int8, QDQ, per-channel weights, {batch_text}, {len(loaded.classes)} classes, input "
+          f"{loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch}); calibrated on {used} images")
+    print(f"size: {report.int8_bytes / 1e6:.2f} MB int8 vs {report.fp32_bytes / 1e6:.2f} MB fp32 "
+          f"({report.int8_bytes / report.fp32_bytes:.2f}x)")
+    print(f"check: fp32 export vs checkpoint max |probability difference| {fp32.max_prob_diff:.2e}; int8 top-1 "
+          f"agreement with fp32 {report.agreement:.4f} ({report.agree}/{n}), accuracy fp32 "
+          f"{report.fp32_correct / n:.4f} int8 {report.int8_correct / n:.4f} on {n} images from {described}")
+    check_agreement(report, min_agreement)
     return 0

@@ -130,10 +130,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
 
     model = loaded.build_model(device, channels_last=True)
     head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
-    model, folded = fold_batchnorm(model)
-    if folded:
-        model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
-        log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
+    model = inference_model(loaded, device, model=model)
     rejector = build_rejector(loaded, trust, head_name is not None)
     # the recorder's feature tap goes on before compiling
     scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
@@ -181,6 +178,20 @@ def _apply_trust(loaded, paths: list[str], rows: list[dict], trust: TrustOptions
         print(f"wrote Grad-CAM overlays to {trust.explain_dir}", file=sys.stderr)
 
 
+def inference_model(loaded, device: torch.device, compile_model: bool = False,
+                    model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+    """The model infer.py (and serve.py) runs: `model` (default: the file's, built channels_last), its
+    BatchNorm folded, optionally compiled."""
+    model = loaded.build_model(device, channels_last=True) if model is None else model
+    model, folded = fold_batchnorm(model)
+    if folded:
+        model = model.to(memory_format=torch.channels_last)  # the folded weights are new tensors
+        log.info("folded %d BatchNorm layers into the preceding convolutions", folded)
+    if compile_model:
+        model = torch.compile(model, dynamic=False)
+    return model
+
+
 def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
     """The runtime eval.py would set up, on `--device`, at `--amp` (else the checkpoint's train.amp resolved
     for this device; an ONNX model always runs in fp32), with the checkpoint's thread count. cudnn
@@ -195,6 +206,9 @@ def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
                              amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err
+
+
+inference_runtime = _runtime  # serve.py sets up as infer.py does
 
 
 def _batch_size(loaded, asked: Optional[int]) -> int:

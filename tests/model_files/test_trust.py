@@ -148,6 +148,31 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
     assert f"mahalanobis score < {record['thresholds']['mahalanobis']:.4g}" in err
 
 
+def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
+    """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
+    infer.py --reject on the same files."""
+    from commands.infer_trust import TrustOptions
+    from serving.model import ServedModel
+
+    _, _, best = trained
+    squares = write_squares(tmp_path / "squares", 4, seed=7)
+    photos = write_photos(tmp_path / "photos", 4)
+    files = [p for p, _, _ in squares] + list(photos)
+    out = tmp_path / "rows.json"
+    code, err = call("infer", *files, "--checkpoint", str(best), "--reject", "--output", str(out),
+                     "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    expected = json.loads(out.read_text())
+    served = ServedModel.load(str(best), topk=5, max_batch=64, device_setting="cpu", trust=TrustOptions(reject=True))
+    rows = served.classify([served.decode(Path(p).read_bytes()) for p in files], files)
+    assert [r["label"] for r in rows] == [r["label"] for r in expected]
+    assert "unknown" in [r["label"] for r in rows]
+    for row, want in zip(rows, expected):
+        assert row["predicted"] == want["predicted"]
+        assert row["score"] == pytest.approx(want["score"], rel=1e-4, abs=1e-4)
+        assert row["prob"] == pytest.approx(want["prob"], abs=1e-5)
+
+
 def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
     """Grad-CAM's peak for the predicted class lies in the quadrant holding the coloured square, in the
     original image's pixels (here the image is also upscaled 2x, so the eval resize must be undone)."""

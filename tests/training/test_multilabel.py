@@ -304,6 +304,28 @@ def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
 
 
 @pytest.mark.slow
+def test_serve_answers_the_tag_rows_infer_writes(trained, tmp_path):
+    """serve.py's model on a multi-label checkpoint: the same tags and probabilities as infer.py's JSON rows;
+    the reject option is refused for it."""
+    from commands.infer_trust import TrustOptions
+    from serving.model import ServedModel
+
+    train_csv, run = trained
+    paths, _ = held_out_paths(run, train_csv)
+    out = tmp_path / "pred.json"
+    assert script_main("infer", *paths[:4], "--checkpoint", run / "best.pt", "--output", out, "--num-workers", 0) == 0
+    expected = json.loads(out.read_text())
+    served = ServedModel.load(str(run / "best.pt"), topk=5, max_batch=4, device_setting="cpu")
+    rows = served.classify([served.decode(Path(p).read_bytes()) for p in paths[:4]], list(paths[:4]))
+    for row, want in zip(rows, expected):
+        assert row["labels"] == want["labels"]
+        assert row["probs"] == pytest.approx(want["probs"], abs=1e-5)
+    with pytest.raises(ConfigError, match="not for multi-label models"):
+        ServedModel.load(str(run / "best.pt"), topk=5, max_batch=4, device_setting="cpu",
+                         trust=TrustOptions(reject=True))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, name", [("onnx", "model.onnx"), ("timm", "timm_folder")])
 def test_exports_carry_task_and_thresholds_and_evaluate_the_same(trained, tmp_path, fmt, name):
     train_csv, run = trained

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Serve a trained model over HTTP, with dynamic batching.
+
+python serve.py --checkpoint CKPT_OR_EXPORT [--host 127.0.0.1] [--port 8000] [--max-batch 32]
+                [--max-wait-ms 10] [--workers N] [--max-bytes 10000000] [--api-key KEY] [--topk 5]
+                [--device auto|cpu|cuda]
+
+POST /predict with the image as the body (or as a multipart field named `file`) answers infer.py's JSON
+row for it (label, prob, top-k); GET /health answers the model, its classes and its preprocessing.
+Requests are decoded one by one, then classified together: a batch closes at --max-batch images or
+--max-wait-ms after its first one. An unreadable image gets 400 with a JSON error naming the problem, a
+body over --max-bytes 413; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
+`Authorization: Bearer KEY` (401 without). SIGTERM stops accepting, answers what is in flight, exits 0.
+Exit 2 on a usage error.
+"""
+import argparse
+import logging
+import os
+import sys
+
+from commands.cli import run_main
+from core.errors import ConfigError
+from core.host import usable_cpus
+
+API_KEY_ENV = "IMGCLS_API_KEY"
+
+
+def main(argv=None, host=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
+                                                            "a timm folder")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
+    parser.add_argument("--max-batch", type=int, default=32, help="most images per forward pass")
+    parser.add_argument("--max-wait-ms", type=float, default=10.0, help="longest a batch waits for more images "
+                                                                        "after its first")
+    parser.add_argument("--workers", type=int, default=min(8, usable_cpus()),
+                        help="threads decoding request images (default: one per usable core, at most 8)")
+    parser.add_argument("--max-bytes", type=int, default=10_000_000, help="largest request body accepted (413 above)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /predict (default: ${API_KEY_ENV})")
+    parser.add_argument("--topk", type=int, default=5, help="labels and probabilities per image (as infer.py)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--reject", action="store_true", help="as infer.py: label 'unknown' every image whose "
+                        "reject score is below the threshold stored with the model ('predicted': the would-be label)")
+    parser.add_argument("--reject-below", type=float, metavar="X", help="--reject with this score threshold")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--workers", args.workers, 1),
+                             ("--max-bytes", args.max_bytes, 1), ("--topk", args.topk, 1), ("--port", args.port, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: must be >= {low}")
+    if args.port > 65535:
+        raise ConfigError(f"--port {args.port}: must be <= 65535")
+    if not 0 <= args.max_wait_ms <= 10_000:
+        raise ConfigError(f"--max-wait-ms {args.max_wait_ms}: must be between 0 and 10000")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
+
+    from commands.infer_trust import TrustOptions
+    from serving.app import ServeSettings
+    from serving.server import serve
+
+    settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
+    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device, host,
+                 TrustOptions(args.reject, args.reject_below))
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,143 @@
+"""The HTTP API (FastAPI): `POST /predict` takes an image as the raw body or as a multipart `file` field
+and answers infer.py's JSON row for it; `GET /health` describes the loaded model. Bodies over `max_bytes`
+get 413 before they are read whole; an image that cannot be decoded gets 400 with a JSON error naming the
+problem; with an API key, `/predict` wants `Authorization: Bearer KEY` (401). One access-log line per
+request with its status and latency.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile
+
+from serving.batcher import DynamicBatcher
+from serving.model import BadImage, ServedModel
+
+log = logging.getLogger("serve")
+access_log = logging.getLogger("serve.access")
+
+
+@dataclass
+class ServeSettings:
+    max_batch: int = 32
+    max_wait_ms: float = 10.0
+    decode_workers: int = 2
+    max_bytes: int = 10_000_000
+    api_key: Optional[str] = None
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def error(status: int, kind: str, detail: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "detail": detail}, status_code=status)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or BodyTooLarge as soon as it (or its declared length) passes `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def multipart_file(request: Request, body: bytes) -> tuple[bytes, Optional[str]]:
+    """The `file` field of a multipart body already read: (bytes, filename). BadImage without one."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form()
+    except Exception as err:  # python-multipart's parse errors, a missing boundary, ...
+        raise BadImage("bad_multipart", f"the multipart body cannot be parsed: {err}") from err
+    field = form.get("file")
+    if not isinstance(field, UploadFile):
+        raise BadImage("no_file_field", "a multipart body needs the image in a field named 'file'")
+    return await field.read(), field.filename
+
+
+def authorized(request: Request, api_key: Optional[str]) -> bool:
+    if api_key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def create_app(served: ServedModel, settings: ServeSettings) -> FastAPI:
+    batcher = DynamicBatcher(lambda items: served.classify([i for i, _ in items], [n for _, n in items]),
+                             served.max_batch, settings.max_wait_ms / 1000.0)
+    decoders = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        yield
+        await batcher.stop()  # after uvicorn has answered every request in flight
+        decoders.shutdown(wait=True)
+
+    app = FastAPI(title="imgcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.batcher = batcher
+    app.state.in_flight = 0  # requests whose headers are in and whose answer is not yet sent
+
+    @app.middleware("http")
+    async def access_and_auth(request: Request, call_next):
+        start = time.perf_counter()
+        if request.url.path == "/predict" and not authorized(request, settings.api_key):
+            response = error(401, "unauthorized", "send the API key as 'Authorization: Bearer KEY'")
+            response.headers["WWW-Authenticate"] = "Bearer"
+        else:
+            app.state.in_flight += 1
+            try:
+                response = await call_next(request)
+            finally:
+                app.state.in_flight -= 1
+        client = request.client.host if request.client else "-"
+        access_log.info("access %s \"%s %s\" %d %.1f ms", client, request.method, request.url.path,
+                        response.status_code, (time.perf_counter() - start) * 1000.0)
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {**served.health(), "served": {"images": batcher.items_run, "batches": batcher.batches_run},
+                "in_flight": app.state.in_flight - 1}  # less this request
+
+    @app.post("/predict")
+    async def predict(request: Request):
+        try:
+            body = await read_body(request, settings.max_bytes)
+        except BodyTooLarge as err:
+            return error(413, "too_large", f"the body has {err.args[0]} bytes, above --max-bytes "
+                                           f"{settings.max_bytes}")
+        try:
+            name = None
+            if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+                body, name = await multipart_file(request, body)
+            loop = asyncio.get_running_loop()
+            image = await loop.run_in_executor(decoders, served.decode, body)
+        except BadImage as err:
+            return error(400, err.kind, err.detail)
+        return await batcher.submit((image, name))
+
+    return app

@@ -1,0 +1,50 @@
+"""Running the app under uvicorn: the model loaded and warmed up before the port opens, one line saying
+where it listens, and SIGTERM as a graceful stop (uvicorn stops accepting, answers what is in flight, the
+batcher finishes its queue) that exits 0 instead of re-raising the signal as uvicorn does."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from serving.app import ServeSettings, create_app
+from serving.model import ServedModel
+
+log = logging.getLogger("serve")
+GRACEFUL_SHUTDOWN_S = 30  # the longest SIGTERM waits for requests in flight
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; after SIGTERM it returns normally (uvicorn re-raises the signal once it has shut
+    down, which would end the process with 143 instead of 0)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM:
+            log.info("SIGTERM: no new connections; answering the requests in flight, then exiting")
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+
+def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str,
+          omp_choice=None, trust=None) -> int:
+    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, omp_choice, trust)
+    settings.max_batch = served.max_batch
+    served.warm_up()
+    log.info("%s (%s, %d classes) on %s, batches of up to %d (shapes %s), waiting up to %g ms for a batch, "
+             "%d decode threads%s", served.model_file.path, served.model_file.cfg.model.name, len(served.classes),
+             served.device_input.device, served.max_batch, served.shapes, settings.max_wait_ms,
+             settings.decode_workers, ", API key required" if settings.api_key else "")
+    config = uvicorn.Config(create_app(served, settings), host=host, port=port, access_log=False,
+                            log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    GracefulServer(config).run()
+    return 0
