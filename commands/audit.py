@@ -48,6 +48,10 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
                  ) -> tuple[list[dict], Optional[str], str, float]:
     """(label issues named, their source, a note for the reader, seconds)."""
     started = time.perf_counter()
+    if cfg.data.task == "multilabel":
+        return [], None, ("not searched: the label-error search (cleanlab on out-of-sample class probabilities) "
+                          "is for single-label data; duplicates, leaks, unreadable files and the tag counts are "
+                          "checked"), 0.0
     pool = [i for i, (item, f) in enumerate(zip(data.items, facts))
             if f.error is None and item.split in LABELLED_SPLITS]
     if checkpoint:
@@ -135,7 +139,12 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["path", "label"])
     # relative to data.root when there is one (use the list with the same data.root), else absolute paths
-    writer.writerows((item.name if cfg.data.root else os.path.abspath(item.file), data.classes[item.label])
+    def label_text(label) -> str:
+        if isinstance(label, tuple):  # multi-label: the tags joined as data.label_delimiter reads them
+            return cfg.data.label_delimiter.join(data.classes[c] for c in label)
+        return data.classes[label]
+
+    writer.writerows((item.name if cfg.data.root else os.path.abspath(item.file), label_text(item.label))
                      for item in kept)
     return buf.getvalue(), len(kept)
 

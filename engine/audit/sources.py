@@ -57,7 +57,8 @@ def _skipped(index, base: Path, split: str) -> list[dict]:
     return out
 
 
-def _shard_items(index: ShardIndex, split: str, scratch: Path) -> tuple[list[AuditItem], list[dict]]:
+def _shard_items(index: ShardIndex, split: str, scratch: Path, multilabel: bool = False
+                 ) -> tuple[list[AuditItem], list[dict]]:
     """Every sample of a shard set as a file in `scratch`; samples without a usable image or label are listed."""
     position = {name: i for i, name in enumerate(index.classes)}
     items, bad = [], []
@@ -67,7 +68,9 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path) -> tuple[list[Aud
         for n, sample in enumerate(read_shard(url)):
             name = index.paths[(shard << POSITION_BITS) | n]
             try:
-                image, label = sample_image_and_label(sample, position)
+                image, label = sample_image_and_label(sample, position, multilabel)
+                if multilabel:  # a multi-hot vector: the tuple of class positions, as a tag list's label
+                    label = tuple(int(c) for c in label.nonzero().flatten())
             except ValueError as err:
                 bad.append({"path": name, "split": split, "reason": str(err)})
                 continue
@@ -80,7 +83,12 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path) -> tuple[list[Aud
 
 def _csv_missing(d, csv_path: str, classes: list[str], split: str) -> list[dict]:
     base = csv_base(d, csv_path)
-    _, missing = csv_index(csv_path, base, read_list(d, csv_path), classes, "classes")
+    if d.task == "multilabel":
+        from data.tags import tag_csv_index
+
+        _, missing = tag_csv_index(csv_path, base, read_list(d, csv_path), classes, "classes", d.label_delimiter)
+    else:
+        _, missing = csv_index(csv_path, base, read_list(d, csv_path), classes, "classes")
     return [{"path": relative_key(p, base), "split": split, "reason": "no such file (named in the CSV list)"}
             for p in missing]
 
@@ -94,7 +102,7 @@ def read_audit_data(cfg, scratch: Path) -> AuditData:
     if d.format == "webdataset":
         data = AuditData(classes, [])
         for split, index in splits.items():
-            items, bad = _shard_items(index, split, scratch)
+            items, bad = _shard_items(index, split, scratch, d.task == "multilabel")
             data.items += items
             data.unreadable += bad
         return data

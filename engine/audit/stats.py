@@ -14,8 +14,12 @@ PHASH_SIDE = 32                # pHash reads a 32x32 grayscale: smaller images h
 
 def class_counts(splits: dict[str, list[int]], classes: list[str]) -> dict[str, dict[str, int]]:
     """split -> class name -> images (every class listed, zeros included)."""
-    return {split: {name: int(n) for name, n in zip(classes, np.bincount(labels, minlength=len(classes)))}
-            for split, labels in splits.items()}
+    def counts(labels) -> np.ndarray:
+        if labels and isinstance(labels[0], tuple):  # multi-label: each image counts once in each of its tags
+            labels = [c for tags in labels for c in tags]
+        return np.bincount(np.asarray(labels, dtype=np.int64), minlength=len(classes))
+
+    return {split: {name: int(n) for name, n in zip(classes, counts(labels))} for split, labels in splits.items()}
 
 
 def balance(train_counts: dict[str, int], min_images: int) -> dict:

@@ -361,3 +361,36 @@ def test_balance_advice_names_the_weighted_sampler_and_small_classes():
     assert not any("perceptual hash" in line for line in lines)  # median 640 x 200 px
     assert any("data.sampler=weighted" in line and "mean_class_acc" in line for line in lines)
     assert any("fewer than 20" in line and "dog" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_multilabel_lists_are_audited_for_leaks_and_duplicates_and_counted_per_tag(tmp_path):
+    """data.task=multilabel: the tag lists are read as training reads them; an exact leak and an in-split copy
+    are found, classes are counted per tag, the clean list keeps the tags, and the label-error search says
+    it is single-label only."""
+    from multilabel_data import TAGS, make_tag_list
+
+    root = tmp_path / "data"
+    train_csv = make_tag_list(root, 24, name="train.csv")
+    val_csv = make_tag_list(root, 8, name="val.csv", seed=1)
+    rows = list(csv.reader(train_csv.open()))
+    shutil.copy(root / rows[1][0], root / "images" / "leaked.png")       # a training image in validation
+    shutil.copy(root / rows[2][0], root / "images" / "again.png")        # and one twice in training
+    with val_csv.open("a", newline="") as f:
+        csv.writer(f).writerow(["images/leaked.png", rows[1][1]])
+    with train_csv.open("a", newline="") as f:
+        csv.writer(f).writerow(["images/again.png", rows[2][1]])
+    report, clean = tmp_path / "a.json", tmp_path / "clean.csv"
+    done = audit("data.task=multilabel", "data.format=csv", f"data.root={root}", f"data.train_csv={train_csv}",
+                 f"data.val_csv={val_csv}", "data.num_workers=0", "--json", str(report),
+                 "--write-clean-csv", str(clean))
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(report.read_text())
+    assert [(x["train"], x["val"], x["exact"]) for x in doc["leaks"]] == [(rows[1][0], "images/leaked.png", True)]
+    assert [sorted(g["paths"]) for g in doc["duplicates"]] == [sorted([rows[2][0], "images/again.png"])]
+    tagged = [r[1].split() for r in rows[1:]] + [rows[2][1].split()]
+    assert doc["class_counts"]["train"] == {t: sum(t in tags for tags in tagged) for t in TAGS}
+    assert doc["label_issues"] == [] and "single-label" in doc["label_issues_note"]
+    kept = list(csv.reader(clean.open()))
+    assert kept[0] == ["path", "label"] and len(kept) == 1 + 24 - 1  # the leaked training copy is dropped
+    assert dict(kept[1:])[rows[3][0]] == rows[3][1]                  # tags as the list wrote them
