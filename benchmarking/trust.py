@@ -20,7 +20,7 @@ from PIL import Image
 
 from benchmarking.photos import photo, sample_photo_crop
 from data.build import build_eval_loader_for, scan_splits
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from engine.evaluation.outputs import collect_outputs
 from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,

@@ -9,7 +9,7 @@ import torch
 
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
-from data.sources import eval_source
+from data.listing.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
 from engine.evaluation.calibration import apply_temperature, reliability_bins

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from core.config import eval_size
 from core.errors import ConfigError
-from data.builtin import ensure_builtin
+from data.listing.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
-from data.tags import TagIndex, describe_tags
-from data.sources import DataSources, scan_sources
+from data.listing.tags import TagIndex, describe_tags
+from data.listing.sources import DataSources, scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger(__name__)

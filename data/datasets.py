@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.file_list import describe_failure
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 from data.images import ImageDecodeError
 
 MAX_REDRAWS = 20

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.csv_list import csv_paths
-from data.folder import DataTreeError, list_images, report_skipped
+from data.listing.csv_list import csv_paths
+from data.listing.folder import DataTreeError, list_images, report_skipped
 from data.images import IMAGE_EXTENSIONS, ImageDecodeError
 from data.loaders import seed_worker
 

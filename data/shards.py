@@ -473,12 +473,12 @@ def source_index(source: Path, root: Optional[str], multilabel: bool = False, de
         raise ConfigError("--multilabel: tags come from a CSV list (--from LIST.csv); a class-folder tree "
                           "holds one label per image")
     if source.suffix.lower() == ".csv":
-        from data.csv_list import check_no_empty_classes, csv_index, read_csv_rows
+        from data.listing.csv_list import check_no_empty_classes, csv_index, read_csv_rows
 
         base = Path(root) if root else source.parent
         rows = read_csv_rows(source, "path", "label", allow_empty_label=multilabel)
         if multilabel:
-            from data.tags import tag_classes, tag_csv_index
+            from data.listing.tags import tag_classes, tag_csv_index
 
             classes = tag_classes(rows, delimiter)
             index, missing = tag_csv_index(source, base, rows, classes, "tags", delimiter)
@@ -495,7 +495,7 @@ def source_index(source: Path, root: Optional[str], multilabel: bool = False, de
         if not multilabel:  # a tag no image carries is an all-negative class, not a missing folder
             check_no_empty_classes(source, index, missing)
         return index
-    from data.folder import scan_split
+    from data.listing.folder import scan_split
 
     return scan_split(source)
 

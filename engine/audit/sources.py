@@ -1,6 +1,6 @@
 """The labelled images an audit reads, named as training names them.
 
-The splits come from `data.sources.scan_sources` (the training and validation indexes of every
+The splits come from `data.listing.sources.scan_sources` (the training and validation indexes of every
 `data.format`, with the same hidden-file rules, file checks and class list), plus `<data.root>/test/` when a
 class-folder tree has one. Files are named by their path relative to the data root (or, for CSV lists without
 one, to the list's folder); shard samples as training names them, "SHARD (sample N)". Shard samples are
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import DataTreeError
-from data.csv_list import csv_index
-from data.folder import ImageIndex, scan_split
+from data.listing.csv_list import csv_index
+from data.listing.folder import ImageIndex, scan_split
 from data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
-from data.sources import csv_base, read_list, scan_sources
-from data.split import relative_key
+from data.listing.sources import csv_base, read_list, scan_sources
+from data.listing.split import relative_key
 
 log = logging.getLogger("audit")
 
@@ -84,7 +84,7 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path, multilabel: bool 
 def _csv_missing(d, csv_path: str, classes: list[str], split: str) -> list[dict]:
     base = csv_base(d, csv_path)
     if d.task == "multilabel":
-        from data.tags import tag_csv_index
+        from data.listing.tags import tag_csv_index
 
         _, missing = tag_csv_index(csv_path, base, read_list(d, csv_path), classes, "classes", d.label_delimiter)
     else:

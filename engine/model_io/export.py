@@ -21,7 +21,7 @@ import torch
 
 from core.errors import ConfigError, ExportError, ImageDecodeError
 from core.file_modes import follow_umask
-from data.folder import list_images
+from data.listing.folder import list_images
 from data.transforms import normalize_batch
 from engine.model_io.model_file import ModelFile
 from engine.model_io.checkpoint_files import build_eval_model, preprocessing_record

@@ -14,7 +14,7 @@ import torch
 from core.config import Config, eval_size
 from core.safe_load import load_checkpoint
 from data.build import build_eval_loader_for, eval_transform
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from engine.evaluation.outputs import SplitOutputs, collect_outputs, gather_outputs
 from engine.evaluation.rejection import BANK_SIZE, seeded_subset

@@ -11,7 +11,7 @@ import torch
 
 from core.config import dump_yaml
 from data.build import prepare_root
-from data.split import write_split_lists
+from data.listing.split import write_split_lists
 from engine.runtime import distributed as dist_utils
 from engine.rundir.resume import apply_finetune
 from engine.runtime.device import memory_format

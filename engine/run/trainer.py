@@ -21,7 +21,7 @@ from core.host import OmpWaitChoice
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data
 from data.datasets import failure_reason
-from data.fingerprint import data_fingerprint
+from data.listing.fingerprint import data_fingerprint
 from data.health import check_bad_fraction, check_validation_files
 from data.loaders import loader_length, original_message, shutdown_workers
 from engine.runtime import distributed as dist_utils

@@ -55,7 +55,7 @@ class Checkpointer:
         self.world_size = world_size
         self.parts = parts
         self.data_source = data_source
-        self.fingerprint = fingerprint  # data.fingerprint.data_fingerprint of the run's splits
+        self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
@@ -141,6 +141,6 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def data_source_fields(data_source: Optional[dict]) -> dict:
-    """The checkpoint's record of where its samples came from (data.sources.DataSources.identity)."""
+    """The checkpoint's record of where its samples came from (data.listing.sources.DataSources.identity)."""
     return {"data_source": dict(data_source)} if data_source else {}
 

@@ -14,7 +14,7 @@ import torch
 from core.config import Config, config_differences
 from core.errors import CheckpointError, ConfigError
 from core.safe_load import load_checkpoint
-from data.fingerprint import fingerprint_differences
+from data.listing.fingerprint import fingerprint_differences
 from engine.rundir.state import EpochCounters, TrainState
 from models.factory import load_matching_weights
 

@@ -125,7 +125,7 @@ def test_audit_never_changes_the_data(folder_audit):
 @pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
     from core.config import load_config
-    from data.sources import scan_sources
+    from data.listing.sources import scan_sources
 
     f, out = folder_audit["faults"], folder_audit["out"]
     with open(out / "clean.csv", newline="") as fh:
@@ -208,7 +208,7 @@ def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
     (data / "train" / "a" / "broken.png").unlink()  # shards hold what decodes; a broken sample is injected below
     import webdataset as wds
 
-    from data.folder import scan_split
+    from data.listing.folder import scan_split
     from data.shards import write_shards
 
     for split in ("train", "val"):

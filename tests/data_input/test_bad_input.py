@@ -22,7 +22,7 @@ from PIL import Image
 
 from conftest import exit_code, class_image, make_tree, run_script, tiny_overrides
 from data.datasets import EvalDataset, TrainDataset
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.transforms import EvalTransform, TrainTransform
 from core.config import load_config

@@ -15,9 +15,9 @@ from conftest import class_image, make_tree, run_script, tiny_overrides
 from core.config import ConfigError, load_config, resume_free_keys
 from core.errors import BadDataError, DataTreeError
 from data.file_list import expand_inputs
-from data.folder import ImageIndex
-from data.sources import scan_sources
-from data.split import held_out_count, split_index
+from data.listing.folder import ImageIndex
+from data.listing.sources import scan_sources
+from data.listing.split import held_out_count, split_index
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from conftest import class_image, make_tree
-from data.folder import DataTreeError, scan_split
+from data.listing.folder import DataTreeError, scan_split
 
 
 def test_hidden_entries_and_non_images_are_ignored_and_classes_sorted(tmp_path):

@@ -15,7 +15,7 @@ from conftest import make_tree, tiny_overrides
 from core.config import Config, ConfigError, config_differences, load_config
 from data.build import build_run_data, describe_augmentation, eval_transform, train_transform
 from data.datasets import TrainDataset
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.samplers import TrainSampler
 from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
 from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint

@@ -21,7 +21,7 @@ from core.config import ConfigError, load_config
 from core.errors import DataTreeError
 from engine.rundir.resume import check_resume_compatible
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.transforms import EvalTransform, TrainTransform
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")

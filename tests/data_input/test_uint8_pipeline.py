@@ -10,7 +10,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
 from data.datasets import TrainDataset
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.images import open_image, oriented_size, parse_jpeg_header
 from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_source

@@ -17,7 +17,7 @@ import torch
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 from ddp_workers import nonfinite_on_one_rank, thread_counts_agreed
 from data.datasets import EvalDataset
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.loaders import build_eval_loader
 from data.samplers import UnpaddedEvalSampler, TrainSampler
 from data.transforms import EvalTransform
@@ -344,7 +344,7 @@ def test_convert_sync_bn_replaces_every_batchnorm():
 def test_calibration_gathers_every_validation_sample_once_and_equals_one_process(ddp_run, data_root):
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""
-    from data.folder import scan_split
+    from data.listing.folder import scan_split
     from engine.evaluation.calibration import fit_temperature
     from engine.evaluation.outputs import collect_outputs
     from engine.evaluation.rejection import normalise

@@ -23,7 +23,7 @@ from commands.infer import format_predictions_table
 from core.config import ConfigError, load_config, read_yaml
 from core.safe_load import load_checkpoint
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from data.folder import scan_split
+from data.listing.folder import scan_split
 from data.transforms import EvalTransform
 from engine.rundir import atomic_files as checkpoint
 from engine.rundir.resume import resolve_resume
@@ -42,7 +42,7 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
 SCAN = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from data.folder import scan_split
+from data.listing.folder import scan_split
 index = scan_split(sys.argv[1])
 print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels": index.labels,
                   "skipped": getattr(index, "skipped", [])}))

@@ -16,8 +16,8 @@ import data.shards as shards
 from conftest import class_image, make_tree
 from core.config import ConfigError, check_data_root, load_config
 from core.errors import BadDataError, DataTreeError
-from data.folder import scan_split
-from data.sources import scan_sources
+from data.listing.folder import scan_split
+from data.listing.sources import scan_sources
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
-from data.folder import DataTreeError
+from data.listing.folder import DataTreeError
 from core.config import ConfigError
 from commands.evaluate import evaluate_checkpoint
 

@@ -17,7 +17,7 @@ import infer
 from conftest import REPO, train_tiny
 from commands.cli import run_main
 from core.errors import CheckpointError, ConfigError, ExportError
-from data.folder import list_images
+from data.listing.folder import list_images
 from data.transforms import normalize_batch
 from engine.model_io import export as engine_export
 from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint

@@ -14,7 +14,7 @@ from PIL import Image
 
 import infer
 from conftest import class_image, run_script, train_tiny
-from data.folder import DataTreeError
+from data.listing.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
 from core.config import ConfigError

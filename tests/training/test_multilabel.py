@@ -21,9 +21,9 @@ from sklearn.metrics import average_precision_score, f1_score
 from conftest import REPO, TEST_MODEL, run_script, wait_for
 from core.config import load_config
 from core.errors import USAGE_ERRORS, ConfigError, DataTreeError
-from data.sources import scan_sources
-from data.tag_split import tag_split_positions
-from data.tags import parse_tags
+from data.listing.sources import scan_sources
+from data.listing.tag_split import tag_split_positions
+from data.listing.tags import parse_tags
 from commands.infer_multilabel import check_threshold_flag
 from engine.evaluation.multilabel import (average_precision, multilabel_metrics, predicted, tune_thresholds)
 from engine.training.losses import AsymmetricLoss, BinaryCrossEntropy

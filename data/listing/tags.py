@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from core.errors import DataTreeError
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 
 
 def parse_tags(text: str, delimiter: str) -> list[str]:
@@ -75,7 +75,7 @@ def unknown_tag_message(csv_path, line: int, tag: str, classes: list[str], known
 def tag_csv_index(csv_path, base: Path, rows, classes: list[str], known_as: str, delimiter: str
                   ) -> tuple[TagIndex, list[str]]:
     """(the index of the rows whose file exists, the resolved paths of those that do not); as
-    `data.csv_list.csv_index` with tag lists for labels."""
+    `data.listing.csv_list.csv_index` with tag lists for labels."""
     position = {name: i for i, name in enumerate(classes)}
     paths, labels, missing = [], [], []
     for row in rows:

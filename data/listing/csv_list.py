@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.errors import DataTreeError
 from core.paths import not_a_regular_file
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 
 log = logging.getLogger(__name__)
 

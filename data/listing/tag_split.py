@@ -3,7 +3,7 @@ iterative stratification (Sechidis et al. 2011, the `iterative-stratification` p
 tag's share of positives close to the fraction on both sides, rarest tags first.
 
 The split is a pure function of the files' relative paths, their tags, the fraction and the seed: the
-files are first ordered by a SHA-256 of (seed, relative path), as data/split.py orders them, and the
+files are first ordered by a SHA-256 of (seed, relative path), as data/listing/split.py orders them, and the
 stratifier's own tie-breaking draws come from a numpy RandomState seeded with the seed (a generator whose
 stream numpy keeps fixed). The input order therefore never depends on the listing order or the machine.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.split import SplitRecord, relative_key
-from data.tags import TagIndex
+from data.listing.split import SplitRecord, relative_key
+from data.listing.tags import TagIndex
 
 
 def tag_split_positions(keys: list[str], labels: list[tuple], num_classes: int, fraction: float, seed: int

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import DataTreeError
-from data.csv_list import CsvRow, check_no_empty_classes, csv_index, read_class_list, read_csv_rows
-from data.folder import ImageIndex, match_classes, scan_split
+from data.listing.csv_list import CsvRow, check_no_empty_classes, csv_index, read_class_list, read_csv_rows
+from data.listing.folder import ImageIndex, match_classes, scan_split
 from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
-from data.split import SplitRecord, index_from_record, relative_key, split_index
-from data.tag_split import split_tag_index, tag_index_from_record
-from data.tags import tag_classes, tag_csv_index
+from data.listing.split import SplitRecord, index_from_record, relative_key, split_index
+from data.listing.tag_split import split_tag_index, tag_index_from_record
+from data.listing.tags import tag_classes, tag_csv_index
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data.folder import DataTreeError
+from data.listing.folder import DataTreeError
 
 BUILTIN = ("digits",)
 

@@ -10,7 +10,7 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from data.folder import ImageIndex
+from data.listing.folder import ImageIndex
 
 # stat() releases the GIL: a few threads hide a network file system's latency on large splits.
 _STAT_THREADS = 8
