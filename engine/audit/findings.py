@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from engine.audit.duplicates import duplicate_groups, hash_array, leak_pairs
 from engine.audit.hashing import ImageFacts
-from engine.audit.stats import PHASH_SIDE
 from engine.audit.sources import AuditItem
 
 SPLIT_ORDER = ("train", "val", "test")
@@ -19,10 +18,15 @@ def by_split(items: list[AuditItem], facts: list[ImageFacts]) -> dict[str, list[
     return {s: out[s] for s in sorted(out, key=lambda s: SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 99)}
 
 
+# Below this shorter side an image matches by content only: pHash upscales it to 32x32, and distinct 8x8
+# digits fell within a few bits of each other (README, "Why a threshold of 6"); 24 px images kept their
+# re-encoded copies within the threshold and distinct images apart.
+NEAR_MIN_SIDE = 16
+
+
 def near_matchable(fact: ImageFacts) -> bool:
-    """pHash reads a 32x32 grayscale: an image smaller than that hashes too coarsely for its near matches to
-    mean anything (distinct 8x8 digits fall within a few bits), so it matches by content (SHA-256) only."""
-    return min(fact.width, fact.height) >= PHASH_SIDE
+    """Whether an image may take part in near matches (else exact ones only): see NEAR_MIN_SIDE."""
+    return min(fact.width, fact.height) >= NEAR_MIN_SIDE
 
 
 def find_duplicates(items, facts, splits: dict[str, list[int]], threshold: int) -> list[dict]:

@@ -72,8 +72,8 @@ def advice(bal: dict, stats: dict, img_size: int) -> list[str]:
     median_side = min(stats["width"].get("median", PHASH_SIDE), stats["height"].get("median", PHASH_SIDE))
     if median_side < PHASH_SIDE:
         out.append(f"the median image is {median_side:g} px on its shorter side, below the {PHASH_SIDE} px a "
-                   f"perceptual hash reads: images that small are matched by content only (exact copies), so "
-                   f"re-encoded or resized copies of them are not found")
+                   f"perceptual hash reads: near-duplicate and near-leak findings are less reliable here (images "
+                   f"under 16 px are matched by content only); trust the exact ones first")
     extreme = stats["outliers"]["extreme_aspect"]
     if extreme:
         out.append(f"{len(extreme)} image(s) are wider or taller than {EXTREME_ASPECT:g}:1; a random crop sees "
