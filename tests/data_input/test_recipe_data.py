@@ -204,8 +204,9 @@ def test_validation_checkpoint_and_eval_use_eval_img_size(photos, tmp_path):
     def top_probs(size: int) -> torch.Tensor:
         transform = EvalTransform(size, 0.875, "bilinear")
         images = normalize_batch(torch.stack([transform(r["path"]) for r in rows]), cfg.data.mean, cfg.data.std)
+        temperature = (loaded.calibration or {}).get("temperature") or 1.0  # infer.py's prob is calibrated
         with torch.no_grad():
-            return model(images).softmax(1).max(1).values
+            return (model(images) / temperature).softmax(1).max(1).values
 
     infer_probs = torch.tensor([r["prob"] for r in rows])
     assert torch.allclose(infer_probs, top_probs(24), atol=1e-4)        # BatchNorm folding: float rounding only
