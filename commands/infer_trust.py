@@ -90,6 +90,10 @@ class ScoreRecorder:
     def all_scores(self) -> torch.Tensor:
         return torch.cat(self.scores) if self.scores else torch.zeros(0)
 
+    def clear(self) -> None:
+        """Forget the scores so far (serve.py scores one batch at a time)."""
+        self.scores.clear()
+
     def close(self) -> None:
         if self.tap is not None:
             self.tap.close()

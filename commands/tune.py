@@ -11,7 +11,7 @@ from core.errors import ConfigError
 from core.outputs import check_output_file
 
 log = logging.getLogger(__name__)
-# tune_run.DEFAULT_STEPS, here too so that usage errors answer before torch is imported
+# optimizer steps per size (or of the LR range test) when --steps is not given
 DEFAULT_STEPS = 100
 
 
@@ -68,6 +68,7 @@ def main(args, host=None) -> int:
     from core.config import load_config
 
     check_arguments(args)
+    args.steps = args.steps or DEFAULT_STEPS
     sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)

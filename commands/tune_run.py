@@ -24,7 +24,6 @@ from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_ro
 from models.factory import check_grad_checkpointing, check_model_name
 
 log = logging.getLogger(__name__)
-DEFAULT_STEPS = 100
 
 
 def prepare(cfg, host=None) -> tuple[Runtime, int, int]:
@@ -65,7 +64,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
     check_sizes(sizes, images, world, cfg.model.norm)
-    steps = args.steps or DEFAULT_STEPS
+    steps = args.steps  # commands/tune.py resolved the default
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
     memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
@@ -200,7 +199,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
                           "benchmark.py --mode find-batch pick one)")
     ctx, images, _ = prepare(cfg, host)
     check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
-    steps = args.steps or DEFAULT_STEPS
+    steps = args.steps  # commands/tune.py resolved the default
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")

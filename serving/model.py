@@ -139,7 +139,7 @@ class ServedModel:
             return tag_rows(names, preds, self.classes, applied_thresholds(loaded.thresholds, None, len(self.classes)),
                             loaded.cfg.data.label_delimiter)
         if self.scores is not None:
-            self.scores.scores.clear()  # one batch at a time (the model thread): its scores only
+            self.scores.clear()  # one batch at a time (the model thread): its scores only
         preds = predict(self.model, [item], self.device_input, self.topk, self.temperature, on_logits=self.scores)
         rows = result_rows(names, preds, self.classes)
         if self.rejector is not None:

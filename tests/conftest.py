@@ -194,26 +194,12 @@ def exit_code(fn) -> int:
 
 def run_train_in_process(monkeypatch, capsys, *argv) -> tuple[int, str]:
     """train.py's main through the same exit-code mapping, without a subprocess."""
-    import logging
-
     import train
     from commands.cli import run_main
 
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            run_main(train.main)
-    finally:  # the run may have set up its own log handlers (onto captured streams): put pytest's back
-        for handler in root.handlers:
-            if handler not in handlers:
-                root.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
+    with pytest.raises(SystemExit) as exit_info:  # its log handlers go at teardown (root_logging_restored)
+        run_main(train.main)
     return exit_info.value.code, capsys.readouterr().err
 
 
