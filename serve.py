@@ -58,12 +58,12 @@ def main(argv=None, host=None) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
 
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.app import ServeSettings
     from serving.server import serve
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
-    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device, host,
+    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
                  TrustOptions(args.reject, args.reject_below))
 
 

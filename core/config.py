@@ -171,7 +171,7 @@ class ScheduleConfig:
 
 @dataclass
 class EarlyStopConfig:
-    metric: Literal["top1", "top5", "loss", "mean_class_acc", "mAP"] = "top1"
+    metric: str = "top1"  # a metric the task declares selectable (tasks/); checked by its Task
     patience: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
     min_delta: float = field(default=0.0, metadata=_range(0.0, resume_free=True))
 
@@ -581,46 +581,11 @@ def _check_recipe(cfg: Config) -> None:
         raise ConfigError(f"'{key}' needs the weight EMA on: set model.ema_decay (e.g. 0.9998)")
 
 
-MULTICLASS_METRICS = ("top1", "top5", "mean_class_acc")
-
-
 def _check_task(cfg: Config) -> None:
-    """`data.task`: multilabel takes its own defaults (train.loss bce, early_stop.metric mAP) where the keys
-    were left at the multiclass ones; what cannot mean anything for it is refused by name."""
-    d, t, es = cfg.data, cfg.train, cfg.early_stop
-    explicit = getattr(cfg, "explicit_keys", set())
-    if d.task == "multiclass":
-        if t.loss == "asl":
-            raise ConfigError("'train.loss' = asl is the multi-label asymmetric loss; set data.task=multilabel "
-                              "(with CSV or shard tags) or use train.loss=ce / bce")
-        if es.metric == "mAP":
-            raise ConfigError("'early_stop.metric' = mAP needs data.task=multilabel; for one label per image use "
-                              "top1, top5, loss or mean_class_acc")
-        return
-    if not d.label_delimiter:
-        raise ConfigError(f"'data.label_delimiter' = {d.label_delimiter!r}: one or more characters between tags, "
-                          f"e.g. ' ' (the default), ',', ';' or '|'")
-    if t.loss == "ce":
-        if "train.loss" in explicit:
-            raise ConfigError("'train.loss' = ce gives one softmax over the classes, one label per image; "
-                              "data.task=multilabel trains one sigmoid per class: use train.loss=bce or asl")
-        t.loss = "bce"
-    if es.metric in MULTICLASS_METRICS:
-        if "early_stop.metric" in explicit:
-            raise ConfigError(f"'early_stop.metric' = {es.metric} is a one-label-per-image metric; with "
-                              f"data.task=multilabel use mAP (the default there) or loss")
-        es.metric = "mAP"
-    if d.format == "folder":
-        raise ConfigError("'data.task' = multilabel needs tags per image, which a class-folder tree cannot hold: "
-                          "use data.format=csv (a tag column, data.label_delimiter between tags) or webdataset "
-                          "shards written by python -m data.shards --from LIST.csv --multilabel")
-    if t.label_smoothing > 0:
-        raise ConfigError(f"'train.label_smoothing' = {t.label_smoothing} is not defined for data.task=multilabel "
-                          f"(no distribution over classes to smooth towards); set train.label_smoothing=0")
-    if d.sampler == "weighted":
-        raise ConfigError("'data.sampler' = weighted draws images by the inverse frequency of their one class; a "
-                          "multi-label image has several or none. Use data.sampler=random with data.task=multilabel "
-                          "(train.loss=asl down-weights the many easy negatives instead)")
+    """`data.task`: its Task refuses what cannot mean anything for it and fills its own defaults."""
+    from tasks import check_config
+
+    check_config(cfg, getattr(cfg, "explicit_keys", set()))
 
 
 def eval_size(data_cfg: DataConfig) -> int:

@@ -170,8 +170,7 @@ def check_export(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]
     x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
     reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
     exported = load_model_file(output).build_model(torch.device("cpu"), channels_last=False)
-    # the probabilities infer.py reports: one sigmoid per class for a multi-label model
-    probs = torch.sigmoid if loaded.cfg.data.task == "multilabel" else (lambda logits: logits.softmax(1))
+    probs = loaded.task.probabilities  # the probabilities infer.py reports
     with torch.inference_mode():
         want = probs(reference(x).float())
         got = probs(exported(x).float())

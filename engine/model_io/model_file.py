@@ -12,6 +12,8 @@ import torch
 from core.config import Config
 from data.build import eval_transform
 from data.transforms import EvalTransform
+from tasks import task_of
+from tasks.base import Task
 
 KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
               "timm": "a timm model folder"}
@@ -34,11 +36,11 @@ class ModelFile:
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
-    thresholds: Optional[list] = None   # data.task=multilabel: per-class thresholds tuned in training
+    thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
 
     @property
-    def multilabel(self) -> bool:
-        return self.cfg.data.task == "multilabel"
+    def task(self) -> Task:
+        return task_of(self.cfg)
 
     @property
     def fp32_only(self) -> bool:

@@ -45,6 +45,7 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
+from tasks import task_of
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
 log = logging.getLogger(__name__)
@@ -319,9 +320,8 @@ class Trainer:
         batches = self.val_batches if self.val_batches is not None else self.data.val_loader
         self.val_batches = None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
-            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, len(self.classes),
-                                        on_batch=on_batch, should_stop=should_stop,
-                                        classes=self.classes if self.cfg.data.task == "multilabel" else None)
+            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, task_of(self.cfg), self.classes,
+                                        on_batch=on_batch, should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]

@@ -25,6 +25,7 @@ from engine.model_io.checkpoint_files import preprocessing_record
 from engine.rundir.atomic_files import bare_state_dict, rng_state, save_atomic, set_rng_state
 from engine.rundir.state import TrainState
 from engine.runtime.distributed import run_on_main
+from tasks import task_of
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,7 @@ class Checkpointer:
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:
-        ckpt = self._common(self.parts.eval_model, state, metrics)
-        if "thresholds" in metrics:  # data.task=multilabel: per-class thresholds tuned on this validation
-            ckpt["thresholds"] = [float(t) for t in metrics["thresholds"]]
-        return ckpt
+        return self._common(self.parts.eval_model, state, metrics) | task_of(self.cfg).model_file_extras(metrics)
 
     def save_last(self, state: TrainState) -> None:
         """Call on every rank at the same point: all agree on refusing non-finite weights, and all stop when

@@ -16,7 +16,7 @@ from timm.utils import unwrap_model
 
 from engine.runtime.device import DeviceInput
 from engine.runtime.distributed import all_ranks_true
-from engine.training.losses import build_criterion
+from tasks import task_of
 from engine.training.mixing import BatchMixing
 from engine.training.optim import base_lr, build_optimizer
 from engine.training.schedule import build_scheduler, observe_epoch, schedule_from_config, window_length
@@ -183,7 +183,7 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
     if mixing is not None and mixing.mixes and not num_classes:
         raise ValueError("build_train_step: mixup / CutMix need num_classes")
     t = cfg.train
-    return TrainStep(model=train_model if train_model is not None else model, criterion=build_criterion(t),
+    return TrainStep(model=train_model if train_model is not None else model, criterion=task_of(cfg).criterion(t),
                      optimizer=optimizer, scheduler=scheduler, scaler=scaler, input=device_input,
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,

@@ -242,7 +242,7 @@ def train_root(tmp_path_factory) -> Path:
 
 
 def test_nonfinite_numbers_are_never_an_improvement():
-    from engine.evaluation.metrics import is_improvement
+    from tasks import is_improvement
     from engine.rundir.state import TrainState
 
     assert not is_improvement(float("nan"), None, "loss", 0.0)

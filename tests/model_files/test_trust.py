@@ -151,7 +151,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
     """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
     infer.py --reject on the same files."""
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     _, _, best = trained
