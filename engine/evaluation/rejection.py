@@ -11,8 +11,7 @@ Scores (higher: more in-distribution):
   the training features (Lee et al., 2018).
 The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by
 mahalanobis, which rejected the most out-of-distribution images at equal coverage on held-out digits
-(python -m benchmarking.trust); exports by energy,
-computed from the logits that are their only output.
+(python -m benchmarking.trust); exports by energy, computed from the logits that are their only output.
 """
 from __future__ import annotations
 
