@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     page = render(BASE.read_text(encoding="utf-8"))
     if args.check:
         if not PAGE.exists() or PAGE.read_text(encoding="utf-8") != page:
-            print(f"{PAGE.relative_to(REPO)} is not what configs/base.yaml gives: run python docs/gen_config_reference.py",
-                  file=sys.stderr)
+            print(f"{PAGE.relative_to(REPO)} is not what configs/base.yaml gives: "
+                  "run python docs/gen_config_reference.py", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(page, encoding="utf-8")
