@@ -2,7 +2,7 @@
 split, and for each reject score (msp, energy, knn, mahalanobis) the share of out-of-distribution images
 rejected at the threshold that keeps `calibration.coverage` of the validation images. The
 out-of-distribution sets are crops of scikit-learn's two sample photos and benchmarking/photos.py's
-generated photos. Prints one JSON object (README, "Can I trust a prediction?").
+generated photos. Prints one JSON object: the figures that chose the reject score checkpoints use.
 
 python -m benchmarking.trust --checkpoint runs/quickstart/best.pt [--images 200] [--coverage 0.95]
 """

@@ -134,8 +134,8 @@ def onnx_session(path: Path, device: torch.device = torch.device("cpu")):
             log.warning("onnxruntime has no CUDA provider here (pip install onnxruntime-gpu): running on the CPU")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: the runtime's own warnings are not ours to show
-    # idle pool threads sleep instead of spinning, leaving the cores to infer.py's decoding workers (measured:
-    # README, Smaller models)
+    # idle pool threads sleep instead of spinning, leaving the cores to infer.py's decoding workers (spinning
+    # threads made a 2-core machine's int8 inference slower)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=providers)
