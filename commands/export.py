@@ -27,10 +27,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     if fmt == "timm":
         batch = None  # weights: any batch
     loaded = read_checkpoint(checkpoint)
-    if quantize == "int8" and loaded.multilabel:
-        raise ConfigError("--quantize int8: its agreement check compares single-label top-1 predictions; a "
-                          "multi-label model is exported in fp32 (drop --quantize)")
     if quantize == "int8":
+        loaded.task.check_supported("--quantize int8")
         return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
     report = export_checkpoint(loaded, fmt, path, batch)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"

@@ -33,9 +33,10 @@ class MultiLabel(Task):
         "--reliability": "the reliability diagram is for single-label models (one softmax over the classes)",
         "calibration": "single-label models only; a multi-label model calls each tag at the threshold tuned on "
                        "validation (best.pt 'thresholds')",
-        "--quantize int8": "int8 export is for single-label models: its agreement check compares top-1 labels",
-        "--checkpoint": "the label-error search is single-label only (a multi-label model's sigmoids are no "
-                        "distribution over one given label)",
+        "--quantize int8": "its agreement check compares single-label top-1 predictions; a multi-label model is "
+                           "exported in fp32 (drop --quantize)",
+        "label errors": "the label-error search (cleanlab on out-of-sample class probabilities) is for "
+                        "single-label data",
     }
 
     def check_config(self, cfg, explicit: set[str]) -> None:

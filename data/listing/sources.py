@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import DataTreeError
-from data.listing.csv_list import CsvRow, check_no_empty_classes, csv_index, read_class_list, read_csv_rows
+from data.listing.csv_list import CsvRow, read_class_list, read_csv_rows
 from data.listing.folder import ImageIndex, match_classes, scan_split
+from data.listing.labels import label_format
 from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
-from data.listing.split import SplitRecord, index_from_record, relative_key, split_index
-from data.listing.tag_split import split_tag_index, tag_index_from_record
-from data.listing.tags import tag_classes, tag_csv_index
+from data.listing.split import SplitRecord, relative_key, split_index
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +52,20 @@ def index_digest(index: ImageIndex, base: Path) -> str:
 
 def read_list(d, csv_path: str) -> list[CsvRow]:
     return read_csv_rows(Path(csv_path).expanduser(), d.csv_path_column, d.csv_label_column,
-                         allow_empty_label=d.task == "multilabel")
+                         allow_empty_label=label_format(d).allows_empty_label)
 
 
 def load_csv_list(d, csv_path: str, rows: list[CsvRow], classes: list[str], known_as: str,
                   split: str) -> ImageIndex:
     """One CSV list as an index; rows naming missing files are listed, counted and left out, and above
     `data.max_bad_fraction` of the list they stop the run (BadDataError, exit 1) before any training."""
-    if d.task == "multilabel":
-        index, missing = tag_csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as, d.label_delimiter)
-    else:
-        index, missing = csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as)
+    labels = label_format(d)
+    index, missing = labels.csv_index(csv_path, csv_base(d, csv_path), rows, classes, known_as)
     if missing:
         log.warning("%s list %s: %d of %d row(s) name files that do not exist, left out: %s", split, csv_path,
                     len(missing), len(rows), ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""))
     if split == "training":
-        check_no_empty_classes(csv_path, index, missing)
+        labels.check_every_class_present(csv_path, index, missing)
     if missing:
         check_bad_fraction(missing, len(rows), f"{split} (missing, from {csv_path})", d.max_bad_fraction)
     return index
@@ -79,9 +76,8 @@ def csv_classes(d, train_rows: list[CsvRow]) -> tuple[list[str], str]:
     the training list's labels."""
     if d.classes:
         return read_class_list(Path(d.classes).expanduser()), f"classes in {d.classes}"
-    if d.task == "multilabel":
-        return tag_classes(train_rows, d.label_delimiter), "tags of the training list"
-    return sorted({row.label for row in train_rows}), "training labels"
+    labels = label_format(d)
+    return labels.classes_of(train_rows), labels.classes_from
 
 
 def scan_csv(d) -> DataSources:
@@ -91,8 +87,7 @@ def scan_csv(d) -> DataSources:
     base = csv_base(d, d.train_csv)
     identity = {"format": "csv", "train_csv_sha256": index_digest(train, base)}
     if d.val_fraction is not None:
-        split = split_tag_index if d.task == "multilabel" else split_index
-        train, val, record = split(train, base, d.val_fraction, d.split_seed)
+        train, val, record = label_format(d).split(train, base, d.val_fraction, d.split_seed)
         return DataSources(train, val, record, identity | {"split": record.to_dict()})
     known_as = known_as if d.classes else "labels of the training list"
     val = load_csv_list(d, d.val_csv, read_list(d, d.val_csv), classes, known_as, "validation")
@@ -121,12 +116,11 @@ def scan_folder(d) -> DataSources:
 
 def scan_webdataset(d) -> DataSources:
     classes = read_class_list(Path(d.classes).expanduser())
-    multilabel = d.task == "multilabel"
-    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", d.max_bad_fraction,
-                        multilabel)
+    labels = label_format(d)
+    train = shard_index(d.train_shards, classes, d.train_samples, "data.train_shards", d.max_bad_fraction, labels)
     if d.train_samples is None:
         log.info("set data.train_samples=%d to skip counting the training shards at start", train.total)
-    val = shard_index(d.val_shards, classes, None, "data.val_shards", d.max_bad_fraction, multilabel)
+    val = shard_index(d.val_shards, classes, None, "data.val_shards", d.max_bad_fraction, labels)
     identity = {"format": "webdataset", "train_shards": [Path(url).name for url in train.urls],
                 "train_samples": train.total, "loader_workers": max(1, d.num_workers)}
     return DataSources(train, val, None, identity)
@@ -162,7 +156,7 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     shards_arg = data_arg is not None and data_arg.lower().endswith(".tar")
     if shards_arg or (data_arg is None and split is None and d.format == "webdataset"):
         spec = data_arg if shards_arg else d.val_shards
-        return EvalSource(shard_index(spec, classes, None, "shards", d.max_bad_fraction, d.task == "multilabel"),
+        return EvalSource(shard_index(spec, classes, None, "shards", d.max_bad_fraction, label_format(d)),
                           str(spec), "shards", str(spec))
     if data_arg is not None and data_arg.lower().endswith(".csv"):
         index = load_csv_list(d, data_arg, read_list(d, data_arg), classes, known_as, "evaluation")
@@ -170,8 +164,7 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     saved_split = (data_source or {}).get("split")
     if split is None and saved_split is not None:
         base = csv_base(d, d.train_csv) if d.format == "csv" else Path(d.root).expanduser()
-        held_out = (tag_index_from_record(saved_split, "val", base, classes, d.label_delimiter)
-                    if d.task == "multilabel" else index_from_record(saved_split, "val", base, classes))
+        held_out = label_format(d).held_out(saved_split, "val", base, classes)
         return EvalSource(held_out, str(base), "held_out",
                           f"{base} (the files held out by data.val_fraction={saved_split['val_fraction']}, "
                           f"data.split_seed={saved_split['split_seed']})")
