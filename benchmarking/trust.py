@@ -26,7 +26,7 @@ from engine.evaluation.outputs import collect_outputs
 from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
                                          threshold_for_coverage)
 from engine.evaluation.trust import build_record
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.run.calibrate import bank_index
 from engine.runtime.device import DeviceInput
 

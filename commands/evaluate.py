@@ -15,7 +15,7 @@ from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.outputs import OutputRecorder
 from engine.evaluation.trust import trust_metrics
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.prediction.predictor import Predictor
 from tasks.base import Predictions, Task
 

@@ -15,16 +15,11 @@ from data.transforms import EvalTransform
 from tasks import task_of
 from tasks.base import Task
 
-KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
-              "timm": "a timm model folder"}
-
-
-
 @dataclass
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # checkpoint | onnx | pt2 | timm
+    kind: str                       # its format's name (engine/model_io/formats/): checkpoint | onnx | pt2 | timm
     path: Path
     cfg: Config
     classes: list[str]

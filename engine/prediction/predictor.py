@@ -16,8 +16,9 @@ from core.errors import ConfigError
 from data.transforms import EvalTransform
 from engine.evaluation.evaluate import check_finite_outputs, predict
 from engine.evaluation.rejection import Rejector, classifier_name
-from engine.model_io.model_file import KIND_NAMES, ModelFile
-from engine.model_io.model_files import load_model_file
+from engine.model_io.formats import FORMATS
+from engine.model_io.model_file import ModelFile
+from engine.model_io.loading import load_model_file
 from engine.prediction.trust import ScoreRecorder, TrustOptions, apply_reject, build_rejector, check_trust_options
 from engine.runtime.device import DeviceInput, select_device
 from engine.runtime.runtime import Runtime, build_runtime
@@ -59,7 +60,7 @@ class Predictor:
                         compile_model: bool = False) -> "Predictor":
         task = loaded.task
         if loaded.kind != "checkpoint":
-            log.info("%s: %s", loaded.path, KIND_NAMES[loaded.kind])
+            log.info("%s: %s", loaded.path, FORMATS[loaded.kind].description)
         trust = trust or TrustOptions()
         if threshold is not None:
             task.check_supported("--threshold")
