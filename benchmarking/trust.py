@@ -22,7 +22,7 @@ from benchmarking.photos import photo, sample_photo_crop
 from data.build import build_eval_loader_for, scan_splits
 from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from engine.evaluation.outputs import collect_outputs
+from engine.evaluation.split_outputs import collect_outputs
 from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
                                          threshold_for_coverage)
 from engine.evaluation.trust import build_record

@@ -20,7 +20,7 @@ from engine.audit.folds import (align_classes, check_same_classes, cross_validat
 from engine.audit.hashing import compute_facts
 from engine.audit.html_report import render
 from engine.audit.label_issues import find_label_issues
-from engine.audit.sources import read_audit_data
+from engine.audit.audit_data import read_audit_data
 from tasks import task_of
 
 log = logging.getLogger("audit")

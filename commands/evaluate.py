@@ -13,7 +13,7 @@ from data.listing.sources import eval_source
 from engine.runtime.device import amp_setting, pin_memory_for
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
-from engine.evaluation.outputs import OutputRecorder
+from engine.evaluation.split_outputs import OutputRecorder
 from engine.evaluation.trust import trust_metrics
 from engine.model_io.loading import load_model_file
 from engine.prediction.predictor import Predictor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.audit.duplicates import duplicate_groups, hash_array, leak_pairs
 from engine.audit.hashing import ImageFacts
-from engine.audit.sources import AuditItem
+from engine.audit.audit_data import AuditItem
 
 SPLIT_ORDER = ("train", "val", "test")
 

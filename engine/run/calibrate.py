@@ -16,7 +16,7 @@ from core.safe_load import load_checkpoint
 from data.build import build_eval_loader_for, eval_transform
 from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from engine.evaluation.outputs import SplitOutputs, collect_outputs, gather_outputs
+from engine.evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
 from engine.evaluation.rejection import BANK_SIZE, seeded_subset
 from engine.evaluation.trust import build_record
 from engine.rundir.atomic_files import save_atomic

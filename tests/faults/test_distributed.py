@@ -347,7 +347,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""
     from data.listing.folder import scan_split
     from engine.evaluation.calibration import fit_temperature
-    from engine.evaluation.outputs import collect_outputs
+    from engine.evaluation.split_outputs import collect_outputs
     from engine.evaluation.rejection import normalise
 
     out, result = ddp_run

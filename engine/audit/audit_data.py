@@ -17,7 +17,8 @@ from core.errors import DataTreeError
 from data.listing.labels import label_format
 from data.listing.folder import ImageIndex, scan_split
 from data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
-from data.listing.sources import csv_base, read_list, scan_sources
+from data.listing.source_csv import csv_base, read_list
+from data.listing.sources import scan_sources
 from data.listing.split import relative_key
 
 log = logging.getLogger("audit")
