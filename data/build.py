@@ -27,9 +27,9 @@ class RunData:
     with its loader."""
 
     classes: list[str]
-    train_index: ImageIndex
-    val_index: ImageIndex
-    sampler: TrainSampler
+    train_index: ImageIndex | ShardIndex
+    val_index: ImageIndex | ShardIndex
+    sampler: TrainSampler | ShardTrainStream   # set_epoch(epoch, start_batch) and num_batches() either way
     train_loader: object
     val_loader: object
     sources: DataSources   # the source's identity and split, for the checkpoint and the run directory

@@ -41,9 +41,6 @@ class AuditData:
     unreadable: list[dict] = field(default_factory=list)   # {"path", "split", "reason"} found while listing
     base: Path | None = None                                # what training-split names are relative to
 
-    def split_names(self) -> list[str]:
-        return list(dict.fromkeys(item.split for item in self.items))
-
 
 def _file_items(index: ImageIndex, base: Path, split: str) -> list[AuditItem]:
     return [AuditItem(relative_key(p, base), p, label, split) for p, label in zip(index.paths, index.labels)]
