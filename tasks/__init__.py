@@ -25,6 +25,8 @@ def task_of(cfg) -> Task:
 def check_config(cfg, explicit: set[str]) -> None:
     """Config validation of `data.task`: its Task's own checks, then early_stop.metric against the metrics it
     declares selectable."""
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"'data.task' = {cfg.data.task!r}: one of {', '.join(TASKS)}")
     task = task_of(cfg)
     task.check_config(cfg, explicit)
     names = task.selectable_metrics()
