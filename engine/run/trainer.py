@@ -275,9 +275,9 @@ class Trainer:
             batches = calling_at(batches, counters.batches_done, self.plan.batches_per_epoch - 1,
                                  self._start_validation)
         self.reporter.open_bar(epoch, counters.batches_done)
-        hooks.on_batch = self.reporter.on_batch()
         try:
-            train_one_epoch(self.step, batches, self.plan.batches_per_epoch, counters, self.state, hooks)
+            train_one_epoch(self.step, batches, self.plan.batches_per_epoch, counters, self.state, hooks,
+                            self.reporter.on_batch())
         finally:
             self.reporter.close_bar()
         seconds = time.perf_counter() - start
