@@ -122,6 +122,15 @@ def union_of_lists(items: list) -> list:
     return sorted({item for part in gathered for item in part})
 
 
+def all_gather_objects(item) -> list:
+    """Every rank's `item` (it must pickle), in rank order; `[item]` in a single process."""
+    if not is_initialized():
+        return [item]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, item)
+    return gathered
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank (for stop requests)."""
     if not is_initialized():

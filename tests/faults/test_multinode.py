@@ -1,0 +1,190 @@
+"""Past one machine, with the real launchers on this machine: two torchrun launchers on 127.0.0.1 as two
+nodes of one c10d rendezvous equal a one-node run of the same world size bitwise (each node writes the
+built-in data under its own data.root, global rank 0 alone writes the run directory); a worker group that
+torchrun restarts after a SIGKILL continues from last.pt by itself and ends bitwise equal; a resume on a
+node that sees another output.dir is refused naming the path; the Kubernetes manifest runs the command
+these tests run. (The Slurm requeue: tests/faults/test_slurm.py.)"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import IN_PROCESS, REPO, run_train_in_process, tiny_overrides, wait_for
+from multinode_launch import (SIGNALS_TO_HANDLE, files_of, finish, kill_group, node_flags, one_node,
+                              two_nodes)
+
+# The built-in digits (written by each node), 4 batches of 4 per process and epoch, 2 epochs, last.pt
+# after every optimizer step: 8 steps, a few seconds of training per run.
+SETTINGS = {"data.builtin": "digits", "model.name": "test_resnet", "train.batch_size": 4,
+            "data.limit_train_batches": 4, "data.limit_val_batches": 2, "checkpoint.every_steps": 1,
+            "output.log_interval": 1}
+TOTAL_STEPS = 8
+
+
+def train_args(data_root: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", "base", *tiny_overrides(data_root, out, **SETTINGS), *extra]
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    """Weights bitwise, metrics equal, every epoch once."""
+    got, want = (torch.load(d / "last.pt", weights_only=True) for d in (run, reference))
+    assert (got["step"], got["epoch"], got["world_size"]) == (want["step"], want["epoch"], 2) == (TOTAL_STEPS, 2, 2)
+    different = [k for k in want["model"] if not torch.equal(got["model"][k], want["model"][k])]
+    assert not different, f"weights differ from the one-node run in {different[:5]}"
+    best_got, best_want = (torch.load(d / "best.pt", weights_only=True) for d in (run, reference))
+    assert all(torch.equal(best_got["model"][k], best_want["model"][k]) for k in best_want["model"])
+    got, want = (json.loads((d / "summary.json").read_text()) for d in (run, reference))
+    assert got["best"] == want["best"] and got["best_epoch"] == want["best_epoch"]
+    rows = [list(csv.DictReader((d / "metrics.csv").open())) for d in (run, reference)]
+    assert [r["epoch"] for r in rows[0]] == ["1", "2"]
+    for row, ref in zip(*rows):
+        for key in ("step", "lr", "train_loss", "val_top1", "val_loss", "val_num_samples"):
+            assert row[key] == ref[key], (key, row, ref)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """One node, two processes: (its data root, its run directory)."""
+    base = tmp_path_factory.mktemp("one_node")
+    [(status, output)] = finish([one_node(train_args(base / "data", base / "run"))])
+    assert status == 0, output[-3000:]
+    return base / "data", base / "run"
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_equal_one_node_and_each_node_prepares_its_own_data(reference, tmp_path):
+    # Each node has its own local data root (neither exists yet); the run directory is shared.
+    roots = [tmp_path / f"node{r}" / "data" for r in (0, 1)]
+    out = tmp_path / "shared" / "run"
+    results = two_nodes(lambda r: train_args(roots[r], out), run_id="loopback")
+    for status, output in results:
+        assert status == 0, output[-3000:]
+    # The first process of each node wrote the digits under its own root (a node left to global rank 0
+    # alone would find nothing there); the same files on both nodes.
+    listings = [sorted(str(p.relative_to(root)) for p in root.rglob("*.png")) for root in roots]
+    assert all((root / ".complete").exists() for root in roots)
+    assert listings[0] == listings[1] and len(listings[0]) == 1797
+    assert_same_run(out, reference[1])
+    # Global rank 0 alone wrote the run directory: both processes are local rank 0 of their node, and a
+    # run directory written by local rank 0 would hold two event files and each line twice.
+    def kinds(run):  # an event file's name holds its time, host and pid
+        return [f.split(".out.tfevents.")[0] for f in files_of(run)]
+    assert kinds(out) == kinds(reference[1])
+    assert len([f for f in files_of(out) if "tfevents" in f]) == 1
+    log = (out / "train.log").read_text()
+    assert log.count("epoch 1/2 ") == 1 and log.count("epoch 2/2 ") == 1
+    assert "2 process(es)" in log
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_epoch_is_restarted_by_torchrun_and_the_group_resumes_by_itself(reference, tmp_path):
+    data_root, reference_run = reference
+    out, marker = tmp_path / "run", tmp_path / "paused"
+    # rank 0 halts right after its 3rd last.pt (step 3 of 4 in epoch 1); the restarted group does not halt
+    proc = one_node(train_args(data_root, out), max_restarts=1, run_id="elastic-test",
+                    script=[str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:3", "--"])
+    try:
+        wait_for(proc, marker.exists, "the 3rd last.pt")
+        os.kill(int(marker.read_text()), signal.SIGKILL)  # one worker, as a lost process would be
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, output[-3000:]
+    assert_same_run(out, reference_run)
+    log = (out / "train.log").read_text()
+    assert "torchelastic restart 1 of run elastic-test: continuing from" in log
+    assert "resumed at epoch 1, batch 3, optimizer step 3" in log
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert last["elastic_run_id"] == "elastic-test"
+
+
+@pytest.mark.slow
+def test_a_resume_on_a_node_that_sees_another_output_dir_is_refused_naming_the_path(reference, tmp_path):
+    data_root, reference_run = reference
+    # node 0's output.dir holds the run's last.pt; node 1's output.dir is a local folder without it
+    dirs = [tmp_path / "shared" / "run", tmp_path / "node1-local" / "run"]
+    dirs[0].mkdir(parents=True)
+    shutil.copy(reference_run / "last.pt", dirs[0] / "last.pt")
+    results = two_nodes(lambda r: [*train_args(data_root, dirs[r]), "--resume", "auto"], run_id="shared-check")
+    for status, output in results:
+        assert status != 0, output[-3000:]
+    output = "".join(out for _, out in results)
+    assert "--resume: the ranks do not see the same checkpoint" in output, output[-3000:]
+    assert f"{dirs[1] / 'last.pt'}: absent" in output and str(dirs[0] / "last.pt") in output
+    assert "on a file system every node shares" in output
+    assert "Traceback" not in output
+    assert not (dirs[1] / "last.pt").exists() and not (dirs[0] / "best.pt").exists()
+
+
+# ---------------------------------------------------------------- a restart and another run's last.pt
+
+def test_a_restart_does_not_take_up_another_runs_last_pt(faults_tree, finished_run, tmp_path, monkeypatch, capsys):
+    """A first start refuses a leftover last.pt as before; torchrun's retry of that refusal (restart count 1)
+    refuses it too, as it was written by another run (no or another torchrun run id)."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    args = ["--config", "base", *tiny_overrides(faults_tree, out, **IN_PROCESS)]
+    status, err = run_train_in_process(monkeypatch, capsys, *args)
+    assert status == 2 and "holds checkpoints of another run" in err
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this-run")
+    status, err = run_train_in_process(monkeypatch, capsys, *args)
+    assert status == 2, err
+    assert "holds last.pt of another run (torchrun run id none recorded; this is run this-run" in err
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == 8  # untouched
+
+
+# ---------------------------------------------------------------- the Kubernetes manifest
+
+def manifest() -> dict:
+    return yaml.safe_load((REPO / "deploy" / "kubernetes" / "pytorchjob.yaml").read_text())
+
+
+def split_torchrun(command: list[str]) -> tuple[dict, list[str]]:
+    """torchrun's flags (name -> value) and the script with its arguments."""
+    assert command[0] == "torchrun", command
+    flags, i = {}, 1
+    while command[i].startswith("--"):
+        flags[command[i]], i = command[i + 1], i + 2
+    return flags, command[i:]
+
+
+def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested_command():
+    job = manifest()
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and specs["Master"]["replicas"] == 1
+    nodes = specs["Master"]["replicas"] + specs["Worker"]["replicas"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    commands = []
+    for role, spec in specs.items():
+        assert spec["restartPolicy"] in ("OnFailure", "ExitCode")
+        pod = spec["template"]["spec"]
+        [container] = [c for c in pod["containers"] if c["name"] == "pytorch"]  # the operator's container name
+        assert container["image"].split(":")[0] == "imgcls"  # `docker build -t imgcls .` of the Dockerfile
+        assert "WORKDIR /app" in dockerfile and container.get("workingDir", "/app") == "/app"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"  # docker's --shm-size
+        assert "persistentVolumeClaim" in volumes[mounts["/shared"]]  # output.dir on storage every pod shares
+        commands.append(container["command"] + container.get("args", []))
+    assert commands[0] == commands[1], "master and workers run the same command"
+    flags, script = split_torchrun(commands[0])
+    # the flags the loopback tests give torchrun, with the pod's values
+    tested = node_flags(2, 0, 1, "127.0.0.1:1", "id", 1)
+    assert set(flags) == set(tested[0::2])
+    assert flags["--nnodes"] == str(nodes) and flags["--rdzv-backend"] == "c10d"
+    assert flags["--signals-to-handle"] == SIGNALS_TO_HANDLE and int(flags["--max-restarts"]) >= 1
+    assert flags["--rdzv-endpoint"] == "$(MASTER_ADDR):$(MASTER_PORT)"  # set by the operator in every pod
+    assert script[0] == "train.py" and script[1] == "--config"
+    overrides = dict(arg.split("=", 1) for arg in script[3:] if "=" in arg)
+    assert overrides["output.dir"].startswith("/shared/")
+    assert "--resume" not in script  # a restarted pod group continues from last.pt by itself

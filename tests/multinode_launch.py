@@ -1,0 +1,79 @@
+"""torchrun launchers for the multi-node tests: two launchers on 127.0.0.1 as two nodes of one c10d
+rendezvous, and the one-node run of the same world size they must equal. The flags here are the ones
+deploy/slurm/train.sbatch and deploy/kubernetes/pytorchjob.yaml pass (tests/faults/test_multinode.py checks
+that they stay the same)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+# what torchrun forwards to the workers: its default four, and Slurm's warning before the time limit
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_flags(nnodes: int, node_rank: int, nproc: int, endpoint: str, run_id: str, max_restarts: int) -> list[str]:
+    """torchrun's flags for one node of a c10d rendezvous (the names the deploy files use)."""
+    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--max-restarts", str(max_restarts), "--signals-to-handle", SIGNALS_TO_HANDLE]
+
+
+def torchrun(flags: list[str], train_args: list[str], script: list[str] | None = None,
+             env: dict | None = None) -> subprocess.Popen:
+    """One launcher in its own process group, its output (and its workers') captured."""
+    command = [sys.executable, "-m", "torch.distributed.run", *flags, *(script or [str(REPO / "train.py")]),
+               *train_args]
+    return subprocess.Popen(command, cwd=REPO, env=dict(ENV, **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str]]:
+    """(exit status, output) of each launcher; all of them are killed (with their workers) on a timeout."""
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return results
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def two_nodes(train_args_of_node, run_id: str, max_restarts: int = 0) -> list[tuple[int, str]]:
+    """Two launchers as nodes 0 and 1 (one process each) on a fresh 127.0.0.1 port; `train_args_of_node(r)`
+    gives node r's train.py arguments."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [torchrun(node_flags(2, rank, 1, endpoint, run_id, max_restarts), train_args_of_node(rank))
+             for rank in (0, 1)]
+    return finish(procs)
+
+
+def one_node(train_args: list[str], nproc: int = 2, max_restarts: int = 0, script: list[str] | None = None,
+             run_id: str = "one-node") -> subprocess.Popen:
+    flags = node_flags(1, 0, nproc, f"127.0.0.1:{free_port()}", run_id, max_restarts)
+    return torchrun(flags, train_args, script=script)
+
+
+def files_of(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
