@@ -2,15 +2,20 @@
 nodes of one c10d rendezvous equal a one-node run of the same world size bitwise (each node writes the
 built-in data under its own data.root, global rank 0 alone writes the run directory); a worker group that
 torchrun restarts after a SIGKILL continues from last.pt by itself and ends bitwise equal; a resume on a
-node that sees another output.dir is refused naming the path; the Kubernetes manifest runs the command
-these tests run. (The Slurm requeue: tests/faults/test_slurm.py.)"""
+node that sees another output.dir is refused naming the path; under a one-node Slurm cluster started here,
+SIGUSR1 saves last.pt and requeues the job, which continues bitwise; the Kubernetes manifest runs the
+command these tests run."""
 from __future__ import annotations
 
 import csv
 import json
 import os
+import getpass
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +23,8 @@ import torch
 import yaml
 
 from conftest import IN_PROCESS, REPO, run_train_in_process, tiny_overrides, wait_for
-from multinode_launch import (SIGNALS_TO_HANDLE, files_of, finish, kill_group, node_flags, one_node,
-                              two_nodes)
+from multinode_launch import (ENV, SIGNALS_TO_HANDLE, files_of, finish, free_port, kill_group, node_flags,
+                              one_node, two_nodes)
 
 # The built-in digits (written by each node), 4 batches of 4 per process and epoch, 2 epochs, last.pt
 # after every optimizer step: 8 steps, a few seconds of training per run.
@@ -122,6 +127,76 @@ def test_a_resume_on_a_node_that_sees_another_output_dir_is_refused_naming_the_p
     assert "on a file system every node shares" in output
     assert "Traceback" not in output
     assert not (dirs[1] / "last.pt").exists() and not (dirs[0] / "best.pt").exists()
+
+
+# ---------------------------------------------------------------- Slurm: SIGUSR1, requeue, continue
+
+SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(tmp_path_factory):
+    """A one-node Slurm cluster on this machine for the module's tests; its slurm.conf."""
+    missing = [name for name in SLURM_PROGRAMS if shutil.which(name) is None]
+    assert not missing, f"{missing} not found: apt-get install slurm-wlm munge (.ci/run does)"
+    folder = tmp_path_factory.mktemp("slurm")
+    script = str(REPO / "deploy" / "slurm" / "local-cluster.sh")
+    started = subprocess.run([script, "start", str(folder), str(free_port()), str(free_port())],
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        yield folder / "slurm.conf"
+    finally:
+        subprocess.run(["scancel", "--user", getpass.getuser()], env=dict(os.environ, SLURM_CONF=str(folder / "slurm.conf")),
+                       capture_output=True, timeout=60)
+        subprocess.run([script, "stop", str(folder)], capture_output=True, timeout=120)
+
+
+def job_fields(job: str, env: dict) -> dict:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=60)
+    return dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_usr1_saves_last_pt_requeues_and_the_requeued_job_continues_bitwise(reference, slurm_conf, tmp_path):
+    data_root, reference_run = reference
+    out, marker = tmp_path / "run", tmp_path / "paused"
+    env = dict(ENV, SLURM_CONF=str(slurm_conf), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               NPROC_PER_NODE="2", RDZV_PORT=str(free_port()),
+               # rank 0 waits after its 3rd last.pt until the signal is there; the requeued job does not wait
+               TRAIN_SCRIPT=f"{REPO / 'tests' / 'paused_train.py'} {marker} wait_signal:3 --")
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--chdir={REPO}",
+                                f"--output={tmp_path / 'slurm-%j.out'}", str(REPO / "deploy" / "slurm" / "train.sbatch"),
+                                *train_args(data_root, out)], env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    job_log = tmp_path / f"slurm-{job}.out"
+
+    def fields():
+        return job_fields(job, env)
+
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert time.monotonic() < deadline and fields().get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
+            (fields(), job_log.read_text() if job_log.exists() else "")
+        time.sleep(0.2)
+    # what --signal=B:USR1@120 sends before the time limit: SIGUSR1 to the batch script alone
+    signalled = subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, capture_output=True, text=True,
+                               timeout=60)
+    assert signalled.returncode == 0, signalled.stderr
+    while fields().get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        assert time.monotonic() < deadline + 300, (fields(), job_log.read_text())
+        time.sleep(0.5)
+    state, text = fields(), job_log.read_text()
+    assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), text[-3000:]
+    assert "train.sbatch: SIGUSR1: saving last.pt, then requeueing job" in text
+    assert f"train.sbatch: job {job} restart 1: continuing with --resume auto" in text
+    log = (out / "train.log").read_text()
+    # both ranks stopped at the epoch's end (under 10 steps they agree there), saved and exited 138
+    assert "stopped by SIGUSR1; last.pt holds epoch 2 batch 0 (step 4)" in log, log[-3000:]
+    assert "resumed at epoch 2, batch 0, optimizer step 4" in log
+    assert_same_run(out, reference_run)
 
 
 # ---------------------------------------------------------------- a restart and another run's last.pt
