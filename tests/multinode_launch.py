@@ -25,9 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_flags(nnodes: int, node_rank: int, nproc: int, endpoint: str, run_id: str, max_restarts: int) -> list[str]:
-    """torchrun's flags for one node of a c10d rendezvous (the names the deploy files use)."""
-    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+def node_flags(nnodes: int, nproc: int, endpoint: str, run_id: str, max_restarts: int) -> list[str]:
+    """torchrun's flags for one node of a c10d rendezvous (the names the deploy files use). No --node-rank:
+    the c10d rendezvous numbers the nodes itself (torchrun ignores the flag there, and says so)."""
+    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--max-restarts", str(max_restarts), "--signals-to-handle", SIGNALS_TO_HANDLE]
 
@@ -61,17 +62,17 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def two_nodes(train_args_of_node, run_id: str, max_restarts: int = 0) -> list[tuple[int, str]]:
-    """Two launchers as nodes 0 and 1 (one process each) on a fresh 127.0.0.1 port; `train_args_of_node(r)`
-    gives node r's train.py arguments."""
+    """Two launchers as two nodes (one process each) on a fresh 127.0.0.1 port; `train_args_of_node(n)`
+    gives the n-th launcher's train.py arguments (which of them becomes global rank 0 is the rendezvous's
+    choice)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = [torchrun(node_flags(2, rank, 1, endpoint, run_id, max_restarts), train_args_of_node(rank))
-             for rank in (0, 1)]
+    procs = [torchrun(node_flags(2, 1, endpoint, run_id, max_restarts), train_args_of_node(node)) for node in (0, 1)]
     return finish(procs)
 
 
 def one_node(train_args: list[str], nproc: int = 2, max_restarts: int = 0, script: list[str] | None = None,
              run_id: str = "one-node") -> subprocess.Popen:
-    flags = node_flags(1, 0, nproc, f"127.0.0.1:{free_port()}", run_id, max_restarts)
+    flags = node_flags(1, nproc, f"127.0.0.1:{free_port()}", run_id, max_restarts)
     return torchrun(flags, train_args, script=script)
 
 

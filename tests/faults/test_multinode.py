@@ -121,11 +121,13 @@ def test_a_resume_on_a_node_that_sees_another_output_dir_is_refused_naming_the_p
     results = two_nodes(lambda r: [*train_args(data_root, dirs[r]), "--resume", "auto"], run_id="shared-check")
     for status, output in results:
         assert status != 0, output[-3000:]
-    output = "".join(out for _, out in results)
-    assert "--resume: the ranks do not see the same checkpoint" in output, output[-3000:]
-    assert f"{dirs[1] / 'last.pt'}: absent" in output and str(dirs[0] / "last.pt") in output
-    assert "on a file system every node shares" in output
-    assert "Traceback" not in output
+        # each node's process stops with one message (exit 2); torchrun then reports its child's failure
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert errors == ["error: --resume: the ranks do not see the same checkpoint, so they would not continue "
+                          "one state:"], output[-3000:]
+        assert "exitcode  : 2" in output
+        assert f"{dirs[1] / 'last.pt'}: absent" in output and str(dirs[0] / "last.pt") in output
+        assert "on a file system every node shares" in output
     assert not (dirs[1] / "last.pt").exists() and not (dirs[0] / "best.pt").exists()
 
 
@@ -193,9 +195,10 @@ def test_slurm_usr1_saves_last_pt_requeues_and_the_requeued_job_continues_bitwis
     assert "train.sbatch: SIGUSR1: saving last.pt, then requeueing job" in text
     assert f"train.sbatch: job {job} restart 1: continuing with --resume auto" in text
     log = (out / "train.log").read_text()
-    # both ranks stopped at the epoch's end (under 10 steps they agree there), saved and exited 138
-    assert "stopped by SIGUSR1; last.pt holds epoch 2 batch 0 (step 4)" in log, log[-3000:]
-    assert "resumed at epoch 2, batch 0, optimizer step 4" in log
+    # both ranks stopped at the first point they agree on (the first validation batch of epoch 1: under 10
+    # steps there is none before), saved the end of that epoch's training and exited 138
+    assert log.count("stopped by SIGUSR1; last.pt holds epoch 1 batch 4 (step 4)") == 1, log[-3000:]
+    assert "resumed at epoch 1, batch 4, optimizer step 4" in log
     assert_same_run(out, reference_run)
 
 
@@ -254,7 +257,7 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
     assert commands[0] == commands[1], "master and workers run the same command"
     flags, script = split_torchrun(commands[0])
     # the flags the loopback tests give torchrun, with the pod's values
-    tested = node_flags(2, 0, 1, "127.0.0.1:1", "id", 1)
+    tested = node_flags(2, 1, "127.0.0.1:1", "id", 1)
     assert set(flags) == set(tested[0::2])
     assert flags["--nnodes"] == str(nodes) and flags["--rdzv-backend"] == "c10d"
     assert flags["--signals-to-handle"] == SIGNALS_TO_HANDLE and int(flags["--max-restarts"]) >= 1
@@ -263,3 +266,90 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
     overrides = dict(arg.split("=", 1) for arg in script[3:] if "=" in arg)
     assert overrides["output.dir"].startswith("/shared/")
     assert "--resume" not in script  # a restarted pod group continues from last.pt by itself
+
+
+# ---------------------------------------------------------------- the pieces, in-process
+
+def test_launch_info_reads_torchelastics_restart_count_and_run_id():
+    from engine.runtime.launcher import launch_info
+
+    assert launch_info({}) == launch_info({"TORCHELASTIC_RESTART_COUNT": "0"})
+    assert not launch_info({}).restarted and launch_info({}).run_id is None
+    info = launch_info({"TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "r1"})
+    assert info.restarted and (info.restart_count, info.run_id) == (2, "r1")
+
+
+def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
+    from engine.rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
+    from engine.runtime.launcher import LaunchInfo
+
+    first, again = LaunchInfo(0, "r1"), LaunchInfo(1, "r1")
+    assert plan_resume(None, tmp_path, first).resume is None            # a first start: as typed
+    assert plan_resume("x.pt", tmp_path, first).resume == "x.pt"
+    assert plan_resume(None, tmp_path, again).resume is None            # killed before its first last.pt
+    assert plan_resume("x.pt", tmp_path, again).resume == "x.pt"        # ... resumes where it began
+    (tmp_path / "last.prev.pt").write_bytes(b"")
+    for typed in (None, "x.pt"):
+        plan = plan_resume(typed, tmp_path, again)
+        assert (plan.resume, plan.must_own) == ("auto", True)
+    assert plan_resume("auto", tmp_path, again).must_own is False       # typed: the user's choice
+    check_own_checkpoint({"step": 1, **run_id_fields(again)}, tmp_path, again)
+    check_own_checkpoint(None, tmp_path, again)
+    with pytest.raises(Exception, match="torchrun run id r0; this is run r1, restart 1"):
+        check_own_checkpoint({"elastic_run_id": "r0"}, tmp_path, again)
+
+
+def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
+    from core.errors import ConfigError
+    from engine.rundir.shared_view import check_same_view, describe_view, resume_files
+
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    for folder, content in ((shared, b"state 8"), (local, b"state 4")):
+        folder.mkdir()
+        (folder / "last.pt").write_bytes(content)
+    assert resume_files(None, shared) == [] and resume_files("c.pt", shared) == [Path("c.pt")]
+    views = [describe_view("a", resume_files("auto", shared)), describe_view("a", resume_files("auto", shared))]
+    check_same_view(views)  # the same files: nothing to say
+    views.append(describe_view("b", resume_files("auto", local)))
+    with pytest.raises(ConfigError) as info:
+        check_same_view(views)
+    message = str(info.value)
+    assert f"rank 2 on b sees {local / 'last.pt'}: 7 bytes, sha256" in message
+    assert f"rank 0 on a sees {shared / 'last.pt'}" in message and "last.prev.pt" not in message
+    (local / "last.pt").unlink()
+    with pytest.raises(ConfigError, match="last.pt: absent"):
+        check_same_view([views[0], describe_view("b", resume_files("auto", local))])
+
+
+def test_sigusr1_is_a_stop_signal_that_exits_138():
+    from engine.runtime.signals import StopSignal
+
+    stop = StopSignal()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received and stop.name() == "SIGUSR1" and stop.exit_status() == 138
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
+    """On node 1 of 2 with 4 GPUs each, global rank 5 is local rank 1: it takes cuda:1, not cuda:5."""
+    import engine.runtime.runtime as runtime
+    from core.config import load_config
+    from engine.runtime.device import select_device
+    from engine.runtime.distributed import DistInfo
+
+    chosen = []
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(runtime, "select_device", lambda setting, local_rank, world: chosen.append(
+        (setting, local_rank, world)) or torch.device("cpu"))
+    monkeypatch.setattr(runtime.dist_utils, "init_distributed", lambda device_type: DistInfo(5, 1, 8))
+    runtime.start_runtime(load_config("base", ["train.device=auto"]), distributed=True)
+    assert chosen == [("auto", 1, 8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_device("auto", 1, 8) == torch.device("cuda", 1)
+    assert select_device("cuda", 1, 8) == torch.device("cuda", 1)
