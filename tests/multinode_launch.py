@@ -15,6 +15,8 @@ from conftest import REPO
 
 # what torchrun forwards to the workers: its default four, and Slurm's warning before the time limit
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# how long torchrun waits for its processes to save and exit after passing a signal on (30 s by default)
+SHUTDOWN_TIMEOUT_S = 100
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 TIMEOUT = 300
 
@@ -30,7 +32,8 @@ def node_flags(nnodes: int, nproc: int, endpoint: str, run_id: str, max_restarts
     the c10d rendezvous numbers the nodes itself (torchrun ignores the flag there, and says so)."""
     return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--max-restarts", str(max_restarts), "--signals-to-handle", SIGNALS_TO_HANDLE]
+            "--max-restarts", str(max_restarts), "--signals-to-handle", SIGNALS_TO_HANDLE,
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
 
 
 def torchrun(flags: list[str], train_args: list[str], script: list[str] | None = None,

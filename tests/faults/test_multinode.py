@@ -8,9 +8,10 @@ command these tests run."""
 from __future__ import annotations
 
 import csv
+import getpass
 import json
 import os
-import getpass
+import re
 import shutil
 import signal
 import subprocess
@@ -246,6 +247,7 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
     for role, spec in specs.items():
         assert spec["restartPolicy"] in ("OnFailure", "ExitCode")
         pod = spec["template"]["spec"]
+        grace = pod["terminationGracePeriodSeconds"]
         [container] = [c for c in pod["containers"] if c["name"] == "pytorch"]  # the operator's container name
         assert container["image"].split(":")[0] == "imgcls"  # `docker build -t imgcls .` of the Dockerfile
         assert "WORKDIR /app" in dockerfile and container.get("workingDir", "/app") == "/app"
@@ -262,6 +264,8 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
     assert flags["--nnodes"] == str(nodes) and flags["--rdzv-backend"] == "c10d"
     assert flags["--signals-to-handle"] == SIGNALS_TO_HANDLE and int(flags["--max-restarts"]) >= 1
     assert flags["--rdzv-endpoint"] == "$(MASTER_ADDR):$(MASTER_PORT)"  # set by the operator in every pod
+    # torchrun waits for the processes to save within the time Kubernetes gives the pod after SIGTERM
+    assert int(flags["--shutdown-timeout"]) < grace
     assert script[0] == "train.py" and script[1] == "--config"
     overrides = dict(arg.split("=", 1) for arg in script[3:] if "=" in arg)
     assert overrides["output.dir"].startswith("/shared/")
@@ -353,3 +357,15 @@ def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert select_device("auto", 1, 8) == torch.device("cuda", 1)
     assert select_device("cuda", 1, 8) == torch.device("cuda", 1)
+
+
+def test_the_slurm_script_runs_torchrun_with_the_tested_flags():
+    script = (REPO / "deploy" / "slurm" / "train.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --requeue" in script
+    launch = script[script.index("\nsrun "):script.index("srun_pid=$!")]
+    torchrun_part = launch[launch.index("torchrun "):]
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", torchrun_part))
+    assert flags == set(node_flags(2, 1, "h:1", "id", 1)[0::2])
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in torchrun_part
+    assert int(re.search(r"--shutdown-timeout (\d+)", torchrun_part).group(1)) < 120  # inside the warning
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
