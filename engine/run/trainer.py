@@ -117,7 +117,7 @@ class Trainer:
         launch = launch_info()
         plan = plan_resume(self.resume, self.run_dir, launch)  # a torchrun restart continues from last.pt
         self.resume = plan.resume
-        check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist.world_size)
+        check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
         if plan.must_own:

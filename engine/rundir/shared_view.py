@@ -1,7 +1,7 @@
 """A multi-node resume reads the checkpoint on every node: each must see the very file rank 0 sees, or the
-ranks would start from different states (or some from none). Every rank describes the files it would resume
-from (size and SHA-256 of the content, or absent); a rank whose view differs from rank 0's stops the run
-(exit 2) with a message naming the path on that node."""
+ranks would start from different states (or some from none). The first process of every node describes the
+files it would resume from (size and SHA-256 of the content, or absent); a node whose view differs from rank
+0's stops the run (exit 2) with a message naming the path there."""
 from __future__ import annotations
 
 import hashlib
@@ -41,14 +41,15 @@ def describe_view(host: str, files: list[Path]) -> dict:
     return {"host": host, "files": {path.name: (str(path), file_view(path)) for path in files}}
 
 
-def view_differences(views: list[dict]) -> list[str]:
-    """One line per rank and file that it sees otherwise than rank 0 (every rank's `describe_view`)."""
+def view_differences(views: list[Optional[dict]]) -> list[str]:
+    """One line per rank and file that it sees otherwise than rank 0 (every rank's `describe_view`, None for
+    a rank that left it to its node's first process)."""
     def seen(view) -> str:
         return "absent" if view is None else f"{view[0]} bytes, sha256 {view[1][:12]}"
 
     reference, lines = views[0], []
     for rank, view in enumerate(views[1:], start=1):
-        for name, (path, here) in view["files"].items():
+        for name, (path, here) in (view or {"files": {}})["files"].items():
             path0, there = reference["files"].get(name, ("", None))
             if here != there:
                 lines.append(f"rank {rank} on {view['host']} sees {path}: {seen(here)}; rank 0 on "
@@ -56,7 +57,7 @@ def view_differences(views: list[dict]) -> list[str]:
     return lines
 
 
-def check_same_view(views: list[dict]) -> None:
+def check_same_view(views: list[Optional[dict]]) -> None:
     lines = view_differences(views)
     if lines:
         raise ConfigError("--resume: the ranks do not see the same checkpoint, so they would not continue one "
@@ -64,9 +65,11 @@ def check_same_view(views: list[dict]) -> None:
                           "file system every node shares, at the same path on every node")
 
 
-def check_shared_checkpoint(resume: Optional[str], run_dir: Path, world_size: int) -> None:
-    """Under DDP with `--resume` (or a restart's auto resume): every rank sees rank 0's checkpoint files, or
-    every rank stops with the same ConfigError. Call on all ranks at the same point."""
-    if world_size <= 1 or not resume:
+def check_shared_checkpoint(resume: Optional[str], run_dir: Path, dist) -> None:
+    """Under DDP with `--resume` (or a restart's auto resume): every node sees rank 0's checkpoint files, or
+    every rank stops with the same ConfigError. The first process of each node reads the files for its node
+    (rank 0 is one of them). Call on all ranks at the same point."""
+    if not dist.enabled or not resume:
         return
-    check_same_view(dist_utils.all_gather_objects(describe_view(host_name(), resume_files(resume, run_dir))))
+    view = describe_view(host_name(), resume_files(resume, run_dir)) if dist.local_rank == 0 or dist.is_main else None
+    check_same_view(dist_utils.all_gather_objects(view))

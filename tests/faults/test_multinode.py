@@ -323,6 +323,7 @@ def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
     (local / "last.pt").unlink()
     with pytest.raises(ConfigError, match="last.pt: absent"):
         check_same_view([views[0], describe_view("b", resume_files("auto", local))])
+    check_same_view([views[0], None, views[1]])  # a node's other processes leave it to its first
 
 
 def test_sigusr1_is_a_stop_signal_that_exits_138():
