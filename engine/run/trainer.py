@@ -115,7 +115,9 @@ class Trainer:
         dist_utils.barrier()
         setup_logging(self.run_dir, self.runtime.dist.is_main)
         launch = launch_info()
-        plan = plan_resume(self.resume, self.run_dir, launch)  # a torchrun restart continues from last.pt
+        # a torchrun restart continues from last.pt; rank 0 decides, so that every rank asks for the same files
+        plan = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: plan_resume(self.resume, self.run_dir, launch),
+                                      share_result=True)
         self.resume = plan.resume
         check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
