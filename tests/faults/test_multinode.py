@@ -205,6 +205,7 @@ def test_slurm_usr1_saves_last_pt_requeues_and_the_requeued_job_continues_bitwis
 
 # ---------------------------------------------------------------- a restart and another run's last.pt
 
+@pytest.mark.slow
 def test_a_restart_does_not_take_up_another_runs_last_pt(faults_tree, finished_run, tmp_path, monkeypatch, capsys):
     """A first start refuses a leftover last.pt as before; torchrun's retry of that refusal (restart count 1)
     refuses it too, as it was written by another run (no or another torchrun run id)."""
