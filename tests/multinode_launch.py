@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from conftest import REPO
@@ -38,30 +39,37 @@ def node_flags(nnodes: int, nproc: int, endpoint: str, run_id: str, max_restarts
 
 def torchrun(flags: list[str], train_args: list[str], script: list[str] | None = None,
              env: dict | None = None) -> subprocess.Popen:
-    """One launcher in its own process group, its output (and its workers') captured."""
+    """One launcher in its own process group, its output (and its workers') in a file: workers that outlive a
+    launcher that died would hold a pipe open, and a test reading it would wait for them."""
     command = [sys.executable, "-m", "torch.distributed.run", *flags, *(script or [str(REPO / "train.py")]),
                *train_args]
-    return subprocess.Popen(command, cwd=REPO, env=dict(ENV, **(env or {})), stdout=subprocess.PIPE,
+    output = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(command, cwd=REPO, env=dict(ENV, **(env or {})), stdout=output,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.output = output
+    return proc
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    proc.output.seek(0)
+    return proc.output.read()
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str]]:
     """(exit status, output) of each launcher; all of them are killed (with their workers) on a timeout."""
-    results = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out))
+            proc.wait(timeout=timeout)
+        return [(proc.returncode, output_of(proc)) for proc in procs]
     finally:
         for proc in procs:
             kill_group(proc)
-    return results
 
 
 def kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
 
 
 def two_nodes(train_args_of_node, run_id: str, max_restarts: int = 0) -> list[tuple[int, str]]:

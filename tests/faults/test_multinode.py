@@ -25,7 +25,7 @@ import yaml
 
 from conftest import IN_PROCESS, REPO, run_train_in_process, tiny_overrides, wait_for
 from multinode_launch import (ENV, SIGNALS_TO_HANDLE, files_of, finish, free_port, kill_group, node_flags,
-                              one_node, two_nodes)
+                              one_node, output_of, two_nodes)
 
 # The built-in digits (written by each node), 4 batches of 4 per process and epoch, 2 epochs, last.pt
 # after every optimizer step: 8 steps, a few seconds of training per run.
@@ -99,11 +99,13 @@ def test_a_worker_killed_mid_epoch_is_restarted_by_torchrun_and_the_group_resume
                     script=[str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:3", "--"])
     try:
         wait_for(proc, marker.exists, "the 3rd last.pt")
-        os.kill(int(marker.read_text()), signal.SIGKILL)  # one worker, as a lost process would be
-        output, _ = proc.communicate(timeout=300)
-    finally:
+    except BaseException:
         kill_group(proc)
-    assert proc.returncode == 0, output[-3000:]
+        print(output_of(proc)[-3000:])  # shown with the failure
+        raise
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # one worker, as a lost process would be
+    [(status, output)] = finish([proc])
+    assert status == 0, output[-3000:]
     assert_same_run(out, reference_run)
     log = (out / "train.log").read_text()
     assert "torchelastic restart 1 of run elastic-test: continuing from" in log
