@@ -373,3 +373,28 @@ def test_the_slurm_script_runs_torchrun_with_the_tested_flags():
     assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in torchrun_part
     assert int(re.search(r"--shutdown-timeout (\d+)", torchrun_part).group(1)) < 120  # inside the warning
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torchruns_store(monkeypatch):
+    """torchrun's agent store outlives a restart with every key the killed group published (its ranks'
+    addresses among them): a restarted group's process group looks only at keys of its own restart."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.runtime.distributed import restart_store
+    from engine.runtime.launcher import LaunchInfo
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    server.set("default_pg/rank_0", "the killed rank 0's address")
+    assert restart_store(2, LaunchInfo(0, "r")) is None  # a first start: plain env://
+    first, again = restart_store(2, LaunchInfo(1, "r")), restart_store(2, LaunchInfo(2, "r"))
+    assert not first.check(["default_pg/rank_0"])
+    first.set("default_pg/rank_0", "restart 1's address")
+    assert not again.check(["default_pg/rank_0"]) and first.get("default_pg/rank_0") == b"restart 1's address"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # no agent store: torch's own env:// rendezvous
+    assert restart_store(2, LaunchInfo(1, "r")) is None
