@@ -398,3 +398,18 @@ def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torc
     assert not again.check(["default_pg/rank_0"]) and first.get("default_pg/rank_0") == b"restart 1's address"
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # no agent store: torch's own env:// rendezvous
     assert restart_store(2, LaunchInfo(1, "r")) is None
+
+
+def test_loader_workers_leave_sigusr1_to_the_main_process():
+    """Slurm signals every process of a job step, loader workers included: they ignore SIGUSR1 (as SIGINT),
+    and the main process saves and shuts them down."""
+    from data.loaders import leave_stop_signals_to_the_main_process
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM)}
+    try:
+        leave_stop_signals_to_the_main_process()  # what each loader worker runs first
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)  # ignored: this process goes on
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
