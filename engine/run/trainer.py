@@ -28,6 +28,9 @@ from engine.runtime import distributed as dist_utils
 from engine.rundir.resume_hint import continue_command
 from engine.rundir.checkpoints import Checkpointer, TrainingParts
 from engine.rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from engine.rundir.restart import check_own_checkpoint, plan_resume
+from engine.rundir.shared_view import check_shared_checkpoint
+from engine.runtime.launcher import launch_info
 from engine.model_io.checkpoint_files import recorded_threads
 from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import DeviceInput, pin_memory_for
@@ -112,8 +115,16 @@ class Trainer:
         self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
         setup_logging(self.run_dir, self.runtime.dist.is_main)
+        launch = launch_info()
+        # a torchrun restart continues from last.pt; rank 0 decides, so that every rank asks for the same files
+        plan = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: plan_resume(self.resume, self.run_dir, launch),
+                                      share_result=True)
+        self.resume = plan.resume
+        check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
+        if plan.must_own:
+            check_own_checkpoint(resume_ckpt, self.run_dir, launch)
         self.runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, recorded_threads(resume_ckpt),
                                       agree_over_ranks=True)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None

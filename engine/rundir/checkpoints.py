@@ -5,7 +5,7 @@ loading last.pt's state back into the run. (What may change on resume, and the r
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
-`train_state`, `world_size`, `data_fingerprint` (`data.fingerprint`), and with EMA `model_ema`. Both record
+`train_state`, `world_size`, under torchrun `elastic_run_id`, `data_fingerprint` (`data.fingerprint`), and with EMA `model_ema`. Both record
 `data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists' digests). best.pt: the
 evaluated weights (the EMA when on) under `model`, with the same metadata and no training state.
 """
@@ -23,7 +23,9 @@ from core.config import Config
 from core.errors import CheckpointError, DiskFullError, NonFiniteError
 from engine.model_io.checkpoint_files import preprocessing_record
 from engine.rundir.atomic_files import bare_state_dict, rng_state, save_atomic, set_rng_state
+from engine.rundir.restart import run_id_fields
 from engine.rundir.state import TrainState
+from engine.runtime.launcher import launch_info
 from engine.runtime.distributed import run_on_main
 from tasks import task_of
 
@@ -72,7 +74,8 @@ class Checkpointer:
         ckpt = self._common(p.model, state, None)
         ckpt.update({"batch_in_epoch": state.batch_in_epoch, "optimizer": p.optimizer.state_dict(),
                      "scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict(), "rng": rng_state(),
-                     "train_state": dataclasses.asdict(state), "world_size": self.world_size})
+                     "train_state": dataclasses.asdict(state), "world_size": self.world_size,
+                     **run_id_fields(launch_info())})
         if self.fingerprint is not None:
             ckpt["data_fingerprint"] = self.fingerprint
         if p.ema is not None:
