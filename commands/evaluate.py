@@ -73,9 +73,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     index = source.index
 
     predictor = Predictor.from_model_file(loaded, None, for_serving=False)
-    device, amp_dtype = predictor.runtime.device, predictor.runtime.amp_dtype
     model, transform = predictor.model, predictor.transform
-    pin = pin_memory_for(cfg.data.pin_memory, device)
+    pin = pin_memory_for(cfg.data.pin_memory, predictor.runtime.device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
     loader = build_eval_loader_for(index, transform, transform.img_size, cfg.train.batch_size,
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
@@ -88,14 +87,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     finally:
         recorder.close()
     skipped = [index.paths[i] for i in sorted(unreadable)]
-    settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
-                "data": source.data, "split": source.split, "source": source.described,
-                "batch_size": cfg.train.batch_size, "fixed_batch": loaded.fixed_batch, "amp": amp_setting(amp_dtype),
-                "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
-                "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
-                                  "crop_pct": cfg.data.crop_pct,
-                                  "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
-                                  "std": list(cfg.data.std)}}
+    settings = evaluation_settings(predictor, source, tta)
     outputs = recorder.outputs()
     trust, reliability = None, None
     if calibrated and len(outputs):
@@ -109,6 +101,20 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     rows = prediction_rows(predictor, outputs, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
                       predictor.delimiter)
+
+
+def evaluation_settings(predictor: Predictor, source, tta: bool) -> dict:
+    """What the evaluation ran with, as eval.py prints it and its JSON records it."""
+    loaded, transform = predictor.model_file, predictor.transform
+    cfg = loaded.cfg
+    return {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
+            "data": source.data, "split": source.split, "source": source.described,
+            "batch_size": cfg.train.batch_size, "fixed_batch": loaded.fixed_batch,
+            "amp": amp_setting(predictor.runtime.amp_dtype), "channels_last": cfg.train.channels_last, "tta": tta,
+            "device": str(predictor.runtime.device),
+            "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
+                              "crop_pct": cfg.data.crop_pct, "interpolation": cfg.data.interpolation,
+                              "mean": list(cfg.data.mean), "std": list(cfg.data.std)}}
 
 
 def prediction_rows(predictor: Predictor, outputs, paths: list[str], log_probs: bool) -> list[dict]:
