@@ -45,6 +45,7 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
+from tracking.training import TrainingTracking, open_training_tracking
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Trainer:
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
         self.val_batches = None  # the next validation's batches, when they were started ahead
+        self.tracking: Optional[TrainingTracking] = None  # tracking.*: the run's experiment-tracking run
 
     # ------------------------------------------------------------ set-up
 
@@ -100,6 +102,7 @@ class Trainer:
         self.train_model = wrap_for_training(self.model, self.cfg, self.runtime.dist, self.runtime.device)
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
+        self._open_tracking(resume_ckpt, finetune_ckpt)
         self.reporter.log_startup(self.data, self.runtime, self.plan)
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
@@ -174,6 +177,17 @@ class Trainer:
             write_run_files(self.run_dir, cfg, self.data, self.runlog,
                             self.state.epoch if resume_ckpt is not None else None)
 
+    def _open_tracking(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
+        dist = self.runtime.dist
+        self.tracking = open_training_tracking(self.cfg, self.run_dir, dist.is_main, dist.world_size,
+                                               str(self.runtime.device), self.fingerprint, resume_ckpt,
+                                               finetune_ckpt, self.finetune)
+        self.checkpointer.tracking_run_id = self.tracking.run_id_for_checkpoint
+
+    def _log_step(self, step: int, values: dict) -> None:
+        self.reporter.log_step(step, values)
+        self.tracking.log_step(step, values)
+
     # ------------------------------------------------------------ the run
 
     def fit(self) -> int:
@@ -181,6 +195,7 @@ class Trainer:
         try:
             return self._fit()
         except StopRequested:
+            self.tracking.status = "KILLED"
             log.warning("stopped by %s; last.pt holds epoch %d batch %d (step %d); continue with: %s",
                         self.stop_signal.name(), self.state.epoch + 1, self.state.batch_in_epoch,
                         self.state.step, continue_command(self.run_dir / "last.pt", self.runtime.dist.world_size))
@@ -206,6 +221,8 @@ class Trainer:
     def close(self) -> None:
         """End the loader workers now (a failing run's would otherwise wait for interpreter exit) and let the
         run directory go; safe to call more than once."""
+        if self.tracking is not None:
+            self.tracking.close()
         if self.data is not None:
             shutdown_workers(self.data.train_loader, self.data.val_loader)
         if self.run_lock is not None:
@@ -215,11 +232,12 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         hooks = StepHooks(checkpoint_due=lambda step: every > 0 and step % every == 0,
                           stop_requested=lambda step: self.stop_signal.agreed(step, self.runtime.dist, self.runtime.device), save=self._save_mid_epoch,
-                          log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
+                          log_step=self._log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
             if not best_is_calibrated(self.run_dir):  # the run ended before its calibration was written
                 self._calibrate()
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
+            self.tracking.status = "FINISHED"
             return 0
         next_batches = None
         self.val_batches = validation_batches_at_start(self.data.val_loader)
@@ -249,6 +267,8 @@ class Trainer:
         self._calibrate()
         self.write_summary()
         self.reporter.log_done(self.state, self.run_dir, time.perf_counter() - self.started)
+        self.tracking.finish(self.state.step)
+        self.tracking.status = "FINISHED"
         dist_utils.barrier()
         return 0
 
@@ -347,6 +367,7 @@ class Trainer:
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
         self.save_last()
+        self.tracking.log_epochs()  # the row, now that last.pt holds its epoch
         self.write_summary()
 
     def write_summary(self) -> None:
