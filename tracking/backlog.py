@@ -3,7 +3,7 @@
 A record is a plain dict with an `op`: `start` (open or create the run), `params`, `tags`, `metrics` (`step`,
 `timestamp` in ms, `metrics`: name -> value), `artifact` (`path`, `artifact_path`) or `end` (`status`). Each
 carries `run_id`: the run it belongs to, or null when the run had not been created yet (then it belongs to
-the run the nearest `start` before it creates on replay).
+the run that its job's `start` record creates on replay), and `session`: the job (one tracker) it came from.
 """
 from __future__ import annotations
 

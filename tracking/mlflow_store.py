@@ -43,15 +43,21 @@ class MlflowStore:
     def apply(self, record: dict) -> None:
         getattr(self, "_" + record["op"])(record)
 
+    def attach(self, run_id: str) -> None:
+        """Log into the existing run `run_id` from now on (what it holds is read, so nothing is sent twice)."""
+        client = self._client()
+        run = client.get_run(run_id)
+        self.run_id = run.info.run_id
+        self.params = set(run.data.params)
+        self.logged = {key: {m.step for m in client.get_metric_history(self.run_id, key)}
+                       for key in run.data.metrics}
+
     def _start(self, record: dict) -> None:
         client = self._client()
-        if record.get("run_id"):
-            run = client.get_run(record["run_id"])
-            client.update_run(run.info.run_id, status="RUNNING")
-            self.run_id = run.info.run_id
-            self.params = set(run.data.params)
-            self.logged = {key: {m.step for m in client.get_metric_history(self.run_id, key)}
-                           for key in run.data.metrics}
+        if record.get("run_id"):  # --resume: the run last.pt names goes on
+            self.attach(record["run_id"])
+            if not record.get("replayed"):
+                client.update_run(self.run_id, status="RUNNING")
             if record.get("tags"):
                 self._tags({"tags": record["tags"]})
             return

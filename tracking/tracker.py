@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Optional, Protocol
 
@@ -64,29 +65,33 @@ class MlflowTracker:
 
         self.store = MlflowStore(uri)
         self.sender = Sender(self.store, Backlog(Path(backlog_dir) / BACKLOG_NAME))
+        self.session = uuid.uuid4().hex  # names this job's records in the backlog
         self.close_timeout_s = close_timeout_s
         self.closed = False
-        self.sender.submit({"op": "start", "run_id": run_id, "experiment": experiment, "run_name": run_name,
+        self._submit({"op": "start", "run_id": run_id, "experiment": experiment, "run_name": run_name,
                             "tags": {k: str(v) for k, v in (tags or {}).items()}})
 
     @property
     def run_id(self) -> Optional[str]:
         return self.store.run_id
 
+    def _submit(self, record: dict) -> None:
+        self.sender.submit({**record, "session": self.session})
+
     def log_params(self, params: dict) -> None:
-        self.sender.submit({"op": "params", "params": {k: str(v) for k, v in params.items()}})
+        self._submit({"op": "params", "params": {k: str(v) for k, v in params.items()}})
 
     def set_tags(self, tags: dict) -> None:
-        self.sender.submit({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
+        self._submit({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         values = finite_numbers(metrics)
         if values:
-            self.sender.submit({"op": "metrics", "step": int(step), "timestamp": int(time.time() * 1000),
+            self._submit({"op": "metrics", "step": int(step), "timestamp": int(time.time() * 1000),
                                 "metrics": values})
 
     def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
-        self.sender.submit({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
+        self._submit({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def wait_for_run(self, timeout_s: float) -> Optional[str]:
         """The run id, once the store created or reopened the run (None: it did not within `timeout_s`)."""
@@ -96,7 +101,7 @@ class MlflowTracker:
     def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self.closed = True
-            self.sender.submit({"op": "end", "status": status})
+            self._submit({"op": "end", "status": status})
             self.sender.close(self.close_timeout_s)
 
 
