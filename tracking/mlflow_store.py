@@ -56,7 +56,7 @@ class MlflowStore:
         client = self._client()
         if record.get("run_id"):  # --resume: the run last.pt names goes on
             self.attach(record["run_id"])
-            if not record.get("replayed"):
+            if record.get("reopen") and not record.get("replayed"):
                 client.update_run(self.run_id, status="RUNNING")
             if record.get("tags"):
                 self._tags({"tags": record["tags"]})

@@ -61,3 +61,16 @@ def job_tags(world_size: int, device: str, fingerprint: Optional[dict] = None,
     if digest:
         tags["imgcls.data_fingerprint"] = digest
     return tags
+
+
+def flat_numbers(values: dict, prefix: str = "") -> dict:
+    """The finite numbers in `values` (nested dicts flattened with '/'), under `prefix`."""
+    import math
+
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat_numbers(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[f"{prefix}{key}"] = float(value)
+    return out

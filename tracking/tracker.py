@@ -60,7 +60,9 @@ class MlflowTracker:
 
     def __init__(self, uri: Optional[str], backlog_dir: Path, experiment: str, run_name: Optional[str],
                  run_id: Optional[str] = None, tags: Optional[dict] = None,
-                 close_timeout_s: float = CLOSE_TIMEOUT_S):
+                 close_timeout_s: float = CLOSE_TIMEOUT_S, attach_only: bool = False):
+        """`run_id`: reopen that run (--resume: its status goes back to RUNNING and close() ends it again);
+        with `attach_only` only add to it (eval.py: the run's status stays as it is)."""
         from tracking.mlflow_store import MlflowStore
 
         self.store = MlflowStore(uri)
@@ -68,7 +70,8 @@ class MlflowTracker:
         self.session = uuid.uuid4().hex  # names this job's records in the backlog
         self.close_timeout_s = close_timeout_s
         self.closed = False
-        self._submit({"op": "start", "run_id": run_id, "experiment": experiment, "run_name": run_name,
+        self.attach_only = attach_only
+        self._submit({"op": "start", "run_id": run_id, "reopen": bool(run_id) and not attach_only, "experiment": experiment, "run_name": run_name,
                             "tags": {k: str(v) for k, v in (tags or {}).items()}})
 
     @property
@@ -101,7 +104,8 @@ class MlflowTracker:
     def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self.closed = True
-            self._submit({"op": "end", "status": status})
+            if not self.attach_only:
+                self._submit({"op": "end", "status": status})
             self.sender.close(self.close_timeout_s)
 
 
@@ -117,10 +121,11 @@ def finite_numbers(values: dict) -> dict:
 
 
 def open_tracker(tracking_cfg, backlog_dir: Path, experiment: str, run_name: Optional[str],
-                 run_id: Optional[str] = None, tags: Optional[dict] = None, enabled: bool = True) -> Tracker:
+                 run_id: Optional[str] = None, tags: Optional[dict] = None, enabled: bool = True,
+                 attach_only: bool = False) -> Tracker:
     """The tracker `tracking.backend` asks for; a NullTracker when it is none or `enabled` is false (the
     ranks other than global rank 0)."""
     if tracking_cfg.backend == "none" or not enabled:
         return NullTracker()
     return MlflowTracker(tracking_cfg.uri, backlog_dir, tracking_cfg.experiment or experiment,
-                         tracking_cfg.run_name or run_name, run_id, tags)
+                         tracking_cfg.run_name or run_name, run_id, tags, attach_only=attach_only)
