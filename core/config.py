@@ -549,6 +549,9 @@ def validate(cfg: Config) -> None:
     _check_recipe(cfg)
     _check_data_source(d)
     check_tracking(cfg.tracking)
+    if cfg.tracking.backend == "mlflow" and not tracking_client_installed():
+        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
+                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
 
 
 # The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
@@ -661,6 +664,12 @@ def check_tracking(t: TrackingConfig) -> None:
             raise ConfigError(f"'tracking.uri' = {t.uri!r}: {problem}; allowed: null (MLflow's own: "
                               f"MLFLOW_TRACKING_URI, else a local store), a folder, sqlite:///FILE.db, "
                               f"http(s)://HOST:PORT, or {', '.join(TRACKING_URI_SCHEMES[4:])}://...")
+
+
+def tracking_client_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlflow") is not None
 
 
 def tracking_uri_problem(uri: str) -> Optional[str]:

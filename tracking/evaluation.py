@@ -40,6 +40,12 @@ def log_evaluation(checkpoint: str, overrides: list[str], figures: dict, files: 
     if found is None or found[0].backend == "none":
         return
     tracking_cfg, run_id, step = found
+    from core.config import tracking_client_installed
+
+    if not tracking_client_installed():
+        log.warning("tracking: %s names tracking run %s, but MLflow is not installed here (pip install "
+                    "mlflow-skinny); the figures are not logged", checkpoint, run_id)
+        return
     tracker = open_tracker(tracking_cfg, Path(checkpoint).parent, "imgcls", None, run_id, attach_only=True)
     tracker.log_metrics(flat_numbers(figures, "eval/"), step)
     for file in files:

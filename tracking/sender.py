@@ -20,6 +20,9 @@ ATTEMPTS = 3                  # tries per record before it goes to the backlog
 RETRY_WAIT_S = 0.5            # before the second try; doubled for each next one
 DOWN_FOR_S = 30.0             # after a record failed every try, the store is not tried again for this long
 WARN_EVERY_S = 60.0
+# at the end, the start record may take this long: creating a new SQLite store runs MLflow's schema migrations,
+# a minute on a loaded machine, and a store left half-migrated cannot be opened again
+START_CALL_S = 180.0
 _STOP = object()
 
 
@@ -56,6 +59,7 @@ class Sender:
         self.run_missing = False        # the start record failed: nothing is sent, all goes to the backlog
         self.closing = threading.Event()
         self.in_flight: Optional[dict] = None
+        self.progress_at = time.monotonic()  # when the thread last finished a record
         self.started = threading.Event()  # the start record was handled (the run exists, or it failed)
         self.thread = threading.Thread(target=self._work, name="tracking-sender", daemon=True)
         self.thread.start()
@@ -78,6 +82,7 @@ class Sender:
             self.in_flight = record
             self._send(record)
             self.in_flight = None
+            self.progress_at = time.monotonic()
             if record.get("op") == "start":
                 self.started.set()
 
@@ -104,21 +109,23 @@ class Sender:
                           f"python -m tracking.replay {self.backlog.path.parent})")
 
     def close(self, timeout_s: float) -> None:
-        """Send what is queued within `timeout_s`; the rest goes to the backlog."""
-        deadline = time.monotonic() + timeout_s
+        """Send what is queued while the store keeps answering: the wait ends when no record was finished for
+        `timeout_s` (START_CALL_S while the run is being created); the rest goes to the backlog."""
+        try:
+            self.queue.put(_STOP, timeout=timeout_s)
+        except queue.Full:
+            pass
         while self.thread.is_alive():
-            try:
-                self.queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            limit = START_CALL_S if (self.in_flight or {}).get("op") == "start" else timeout_s
+            if time.monotonic() - self.progress_at > limit:
                 break
-            except queue.Full:
-                break
-        self.thread.join(max(0.0, deadline - time.monotonic()))
+            self.thread.join(0.2)
         if self.thread.is_alive():  # the store hangs: what is left is written out, the daemon thread abandoned
             self.closing.set()
             left = [r for r in [self.in_flight, *drain(self.queue)] if r is not None and r is not _STOP]
             self.backlog.append([self._addressed(r) for r in left])
-            log.warning("tracking: the store did not answer within %.0f s at the end; %d record(s) written to %s",
-                        timeout_s, len(left), self.backlog.path)
+            log.warning("tracking: the store stopped answering at the end (nothing sent for %.0f s); %d "
+                        "record(s) written to %s", timeout_s, len(left), self.backlog.path)
 
 
 def drain(q: queue.Queue) -> list:

@@ -11,7 +11,7 @@ from typing import Optional, Protocol
 from tracking.backlog import BACKLOG_NAME, Backlog
 from tracking.sender import Sender
 
-CLOSE_TIMEOUT_S = 30.0  # at the end, how long the job waits for queued records to be sent (the rest: backlog)
+CLOSE_TIMEOUT_S = 30.0  # at the end, the job waits for queued records while the store answers within this
 
 
 class Tracker(Protocol):

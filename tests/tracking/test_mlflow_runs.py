@@ -180,10 +180,12 @@ def test_server_killed_mid_run_training_unchanged_and_backlog_replays(data_root,
     wait_for(proc, sent_step_two, "step 2 in the store")
     run_id = run_id_of(run)
     server.kill()
+    killed = time.monotonic()
     _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err[-3000:]
     assert_same_result(run, reference)  # bitwise the weights of the run without tracking
-    assert err.count("could not reach the tracking store") == 1  # once a minute at most
+    warnings = err.count("could not reach the tracking store")
+    assert 1 <= warnings <= 1 + (time.monotonic() - killed) // 60  # once a minute at most
     backlog = run / "tracking_backlog.jsonl"
     assert backlog.exists() and run_id_of(run) == run_id
 
