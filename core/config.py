@@ -549,9 +549,6 @@ def validate(cfg: Config) -> None:
     _check_recipe(cfg)
     _check_data_source(d)
     check_tracking(cfg.tracking)
-    if cfg.tracking.backend == "mlflow" and not tracking_client_installed():
-        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
-                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
 
 
 # The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
@@ -670,6 +667,14 @@ def tracking_client_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("mlflow") is not None
+
+
+def check_tracking_client(t: TrackingConfig) -> None:
+    """A job that logs (train.py, tune.py) needs the client installed; eval.py and infer.py of a tracked
+    run's checkpoint do not."""
+    if t.backend == "mlflow" and not tracking_client_installed():
+        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
+                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
 
 
 def tracking_uri_problem(uri: str) -> Optional[str]:

@@ -46,19 +46,16 @@ def replay(records: list[dict], uri: Optional[str]) -> dict:
     sent: dict[str, int] = {}
     for record in records:
         run_id = record.get("run_id")
-        if not run_id:
+        if run_id:
+            if run_id not in stores:
+                stores[run_id] = MlflowStore(uri)
+                stores[run_id].attach(run_id)
+            store = stores[run_id]
+        else:
             store = created.get(record.get("session"))
             if store is None or record["op"] == "start":
                 continue  # created above; or no run to put it in (its start record was lost with a killed job)
-        else:
-            store = stores.get(run_id)
-            if store is None:
-                store = stores[run_id] = MlflowStore(uri)
-                store.attach(run_id)
-            store.apply({**record, "replayed": True})
-            sent[run_id] = sent.get(run_id, 0) + 1
-            continue
-        store.apply(record)
+        store.apply({**record, "replayed": True})
         sent[store.run_id] = sent.get(store.run_id, 0) + 1
     return sent
 

@@ -59,6 +59,7 @@ class TrainingTracking:
         self.log_checkpoints = log_checkpoints
         self.synced_step = -1  # metrics.csv rows up to this step were handed to the tracker
         self.status = "FAILED"  # what close() reports unless the run says otherwise
+        self.enabled = not isinstance(tracker, NullTracker)  # rank 0 with tracking on
         self.waited = False
 
     def run_id_for_checkpoint(self) -> Optional[str]:
@@ -73,12 +74,16 @@ class TrainingTracking:
 
     def log_epochs(self) -> None:
         """metrics.csv's rows not yet logged (call after last.pt holds them)."""
+        if not self.enabled:
+            return
         for step, values in metrics_csv_points(self.run_dir / "metrics.csv", self.synced_step):
             self.tracker.log_metrics(values, step)
             self.synced_step = step
 
     def finish(self, step: int) -> None:
         """summary.json's best, and the run's files."""
+        if not self.enabled:
+            return
         summary = self.run_dir / "summary.json"
         if summary.exists():
             best = json.loads(summary.read_text()).get("best") or {}

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, check_data_root
+from core.config import Config, check_data_root, check_tracking_client
 from core.host import OmpWaitChoice
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data
@@ -108,6 +108,7 @@ class Trainer:
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
         check_data_root(cfg)
+        check_tracking_client(cfg.tracking)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
         self.runtime = start_runtime(cfg, self.host, distributed=True)
