@@ -71,8 +71,9 @@ class MlflowTracker:
         self.close_timeout_s = close_timeout_s
         self.closed = False
         self.attach_only = attach_only
-        self._submit({"op": "start", "run_id": run_id, "reopen": bool(run_id) and not attach_only, "experiment": experiment, "run_name": run_name,
-                            "tags": {k: str(v) for k, v in (tags or {}).items()}})
+        self._submit({"op": "start", "run_id": run_id, "reopen": bool(run_id) and not attach_only,
+                      "experiment": experiment, "run_name": run_name,
+                      "tags": {k: str(v) for k, v in (tags or {}).items()}})
 
     @property
     def run_id(self) -> Optional[str]:
@@ -91,7 +92,7 @@ class MlflowTracker:
         values = finite_numbers(metrics)
         if values:
             self._submit({"op": "metrics", "step": int(step), "timestamp": int(time.time() * 1000),
-                                "metrics": values})
+                          "metrics": values})
 
     def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
         self._submit({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})

@@ -45,8 +45,8 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
-from tracking.training import TrainingTracking, open_training_tracking
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
+from tracking.training import TrainingTracking, open_training_tracking
 
 log = logging.getLogger(__name__)
 
