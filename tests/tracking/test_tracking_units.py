@@ -3,13 +3,10 @@ metrics.csv points, the once-a-minute warning, and the sender's never-blocking q
 from __future__ import annotations
 
 import json
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from core.config import ConfigError, load_config, tracking_uri_problem
 from tracking.backlog import Backlog, read_backlog
 from tracking.run_tags import config_params, fingerprint_digest
