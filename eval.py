@@ -79,6 +79,10 @@ def main(argv=None) -> int:
         t = result.trust
         png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])
         print(f"wrote {png}")
+    from tracking.evaluation import log_evaluation
+
+    log_evaluation(args.checkpoint, args.overrides, {**result.metrics, **(result.trust or {})},
+                   [args.json, confusion_png_path(args.json) if args.json else None, args.reliability])
     if result.metrics["num_samples"] == 0:
         print("error: no image in the split could be read", file=sys.stderr)
         return 1

@@ -210,6 +210,16 @@ class AuditConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking (tracking/): where a run's parameters, curves and files are also logged."""
+    backend: Literal["none", "mlflow"] = field(default="none", metadata=FREE)
+    uri: Optional[str] = field(default=None, metadata=FREE)  # null: MLflow's own (MLFLOW_TRACKING_URI, else local)
+    experiment: Optional[str] = field(default=None, metadata=FREE)  # null: the config's name
+    run_name: Optional[str] = field(default=None, metadata=FREE)  # null: output.dir's name
+    log_checkpoints: Union[bool, Literal["best"]] = field(default=False, metadata=FREE)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -221,12 +231,15 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self):
         # Dotted keys that a config file or an override set (not base.yaml, which only restates the
         # defaults): defaults that depend on something else (the pretrained model's preprocessing) leave
         # these alone. Not a config key; never saved.
         self.explicit_keys: set[str] = set()
+        # the --config name it was loaded from (the tracking experiment's default); not a key, never saved
+        self.source_name: Optional[str] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -321,6 +334,7 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
         keys = apply_dict(cfg, read_yaml(path), source=str(name))
         if path.resolve() != (CONFIG_DIR / "base.yaml").resolve():
             cfg.explicit_keys |= keys
+        cfg.source_name = path.stem
     apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg
@@ -534,6 +548,7 @@ def validate(cfg: Config) -> None:
     _check_task(cfg)
     _check_recipe(cfg)
     _check_data_source(d)
+    check_tracking(cfg.tracking)
 
 
 # The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
@@ -586,6 +601,74 @@ def _check_task(cfg: Config) -> None:
     from tasks import check_config
 
     check_config(cfg, getattr(cfg, "explicit_keys", set()))
+
+
+# tracking.uri schemes MLflow serves (a plain path is a local store); anything else is refused before any work
+TRACKING_URI_SCHEMES = ("file", "sqlite", "http", "https", "postgresql", "mysql", "mssql")
+TRACKING_NAME_MAX = 250  # MLflow's limit on experiment and run names
+
+
+def check_tracking(t: TrackingConfig) -> None:
+    """tracking.*: a URI MLflow can use (a known scheme, a host for http(s), no credentials in it: those go in
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN), printable names."""
+    if t.log_checkpoints is True:
+        raise ConfigError("'tracking.log_checkpoints' = true: allowed are false or best (log best.pt at the end)")
+    for key, value in (("tracking.uri", t.uri), ("tracking.experiment", t.experiment),
+                       ("tracking.run_name", t.run_name)):
+        if value is not None and (not value.strip() or not value.isprintable() or len(value) > 2000):
+            raise ConfigError(f"'{key}' = {value!r}: must be non-empty printable text (no control characters)")
+    for key, value in (("tracking.experiment", t.experiment), ("tracking.run_name", t.run_name)):
+        if value is not None and len(value) > TRACKING_NAME_MAX:
+            raise ConfigError(f"'{key}' is {len(value)} characters long; MLflow takes at most {TRACKING_NAME_MAX}")
+    if t.uri is not None:
+        problem = tracking_uri_problem(t.uri)
+        if problem:
+            raise ConfigError(f"'tracking.uri' = {t.uri!r}: {problem}; allowed: null (MLflow's own: "
+                              f"MLFLOW_TRACKING_URI, else a local store), a folder, sqlite:///FILE.db, "
+                              f"http(s)://HOST:PORT, or {', '.join(TRACKING_URI_SCHEMES[4:])}://...")
+
+
+def tracking_client_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlflow") is not None
+
+
+def check_tracking_client(t: TrackingConfig) -> None:
+    """A job that logs (train.py, tune.py) needs the client installed; eval.py and infer.py of a tracked
+    run's checkpoint do not."""
+    if t.backend == "mlflow" and not tracking_client_installed():
+        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
+                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
+
+
+def tracking_uri_problem(uri: str) -> Optional[str]:
+    """What is wrong with a tracking URI (None: nothing). A string without `scheme:` is a folder."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() for c in uri):
+        return "it contains white space"
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if match is None or re.match(r"^[A-Za-z]:[\\/]", uri):  # no scheme, or a Windows drive letter
+        return None
+    scheme = match.group(1).lower()
+    if scheme not in TRACKING_URI_SCHEMES:
+        return f"unknown scheme '{scheme}'"
+    try:
+        parts = urlsplit(uri)
+        port = parts.port
+    except ValueError as err:
+        return f"malformed ({err})"
+    if parts.username is not None or parts.password is not None:
+        return ("it holds credentials, which would be saved in config.yaml and the checkpoints; put them in "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
+    if scheme in ("http", "https") and not parts.hostname:
+        return "no host (http://HOST:PORT)"
+    if scheme == "sqlite" and not uri.lower().startswith("sqlite:///"):
+        return "a SQLite store is sqlite:///RELATIVE.db or sqlite:////ABSOLUTE.db"
+    if port == 0:
+        return "port 0"
+    return None
 
 
 def eval_size(data_cfg: DataConfig) -> int:

@@ -5,8 +5,9 @@ loading last.pt's state back into the run. (What may change on resume, and the r
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
-`train_state`, `world_size`, under torchrun `elastic_run_id`, `data_fingerprint` (`data.fingerprint`), and with EMA `model_ema`. Both record
-`data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists' digests). best.pt: the
+`train_state`, `world_size`, under torchrun `elastic_run_id`, `data_fingerprint` (`data.fingerprint`), and with
+EMA `model_ema`. Both record `data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists'
+digests), and with tracking on `tracking_run_id` (the tracking run --resume reopens and eval.py adds to). best.pt: the
 evaluated weights (the EMA when on) under `model`, with the same metadata and no training state.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,6 +29,7 @@ from engine.rundir.state import TrainState
 from engine.runtime.launcher import launch_info
 from engine.runtime.distributed import run_on_main
 from tasks import task_of
+from tracking.training import RUN_ID_KEY
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Checkpointer:
         self.data_source = data_source
         self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
+        self.tracking_run_id: Callable[[], Optional[str]] = lambda: None  # the tracking run, once it exists
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -67,7 +70,8 @@ class Checkpointer:
                 "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
                 # the CPU threads the run computed with: a resume, eval.py and infer.py take the same by
                 # default, since sums over another thread count round differently in the last digits
-                "threads": torch.get_num_threads(), **data_source_fields(self.data_source)}
+                "threads": torch.get_num_threads(), **data_source_fields(self.data_source),
+                **({RUN_ID_KEY: run_id} if (run_id := self.tracking_run_id()) else {})}
 
     def last_contents(self, state: TrainState) -> dict:
         p = self.parts

@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
-LEVELS = ["core", "tasks", "data", "models", "engine.runtime", "engine.evaluation", "engine.model_io",
+LEVELS = ["core", "tasks", "data", "models", "tracking", "engine.runtime", "engine.evaluation", "engine.model_io",
           "engine.prediction", "engine.rundir", "engine.training", "engine.tuning", "engine.run", "engine.audit",
           "commands", "benchmarking", "serving"]
 LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
