@@ -16,7 +16,7 @@ from commands.cli import announce, run_main
 from core.outputs import check_output_file
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
                                                             "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
@@ -48,7 +48,7 @@ def main(argv=None, host=None) -> int:
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, host, args.reject_below)
+                                 args.classes, args.reject_below)
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     fixed = " (fixed by the export)" if s["fixed_batch"] else ""

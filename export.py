@@ -20,7 +20,7 @@ import sys
 from commands.cli import announce, run_main
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
     parser.add_argument("--format", required=True, choices=("onnx", "pt2", "timm"), help="what to write")

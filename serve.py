@@ -25,7 +25,7 @@ from core.host import usable_cpus
 API_KEY_ENV = "IMGCLS_API_KEY"
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
                                                             "a timm folder")
@@ -63,7 +63,7 @@ def main(argv=None, host=None) -> int:
     from serving.server import serve
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
-    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device, host,
+    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
                  TrustOptions(args.reject, args.reject_below))
 
 

@@ -38,7 +38,7 @@ class EvalResult:
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None, host=None, reject_below: float | None = None) -> EvalResult:
+                        classes_file: str | None = None, reject_below: float | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -70,7 +70,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
 
-    runtime = build_runtime(cfg, host, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
+    runtime = build_runtime(cfg, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
     device, amp_dtype = runtime.device, runtime.amp_dtype
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()

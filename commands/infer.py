@@ -97,7 +97,7 @@ DEFAULT_BATCH_SIZE = 32
 
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
-                  device_setting: str = "auto", classes_file: Optional[str] = None, host=None,
+                  device_setting: str = "auto", classes_file: Optional[str] = None,
                   trust: Optional[TrustOptions] = None, threshold: Optional[float] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
@@ -121,7 +121,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
                           "at its threshold, --threshold X)")
     check_trust_options(loaded, trust)
     cfg = loaded.cfg
-    runtime = _runtime(loaded, device_setting, amp, host)
+    runtime = _runtime(loaded, device_setting, amp)
     device, amp_dtype = runtime.device, runtime.amp_dtype
     batch_size = _batch_size(loaded, batch_size)
     log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
@@ -192,7 +192,7 @@ def inference_model(loaded, device: torch.device, compile_model: bool = False,
     return model
 
 
-def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
+def _runtime(loaded, device_setting: str, amp: Optional[str]) -> Runtime:
     """The runtime eval.py would set up, on `--device`, at `--amp` (else the checkpoint's train.amp resolved
     for this device; an ONNX model always runs in fp32), with the checkpoint's thread count. cudnn
     autotuning pays here: padded batches have one input shape, tuned once."""
@@ -202,7 +202,7 @@ def _runtime(loaded, device_setting: str, amp: Optional[str], host) -> Runtime:
         setting = amp or loaded.cfg.train.amp
         if amp is None and setting == "fp16" and select_device(device_setting).type != "cuda":
             setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        return build_runtime(loaded.cfg, host, saved_threads=loaded.threads, device_setting=device_setting,
+        return build_runtime(loaded.cfg, saved_threads=loaded.threads, device_setting=device_setting,
                              amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err

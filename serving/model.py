@@ -93,7 +93,7 @@ class ServedModel:
 
     @classmethod
     def load(cls, checkpoint: str, topk: int, max_batch: int, device_setting: str = "auto",
-             host=None, trust: Optional[TrustOptions] = None) -> "ServedModel":
+             trust: Optional[TrustOptions] = None) -> "ServedModel":
         """Open `checkpoint` and set up as infer.py does (device, precision, threads, the folded model, the
         stored temperature, the reject scorer of `trust`)."""
         loaded = load_model_file(checkpoint)
@@ -102,7 +102,7 @@ class ServedModel:
             raise ConfigError("--reject / --reject-below: not for multi-label models (each tag is called at its "
                               "tuned threshold)")
         check_trust_options(loaded, trust)
-        runtime = inference_runtime(loaded, device_setting, None, host)
+        runtime = inference_runtime(loaded, device_setting, None)
         device, amp_dtype = runtime.device, runtime.amp_dtype
         model = loaded.build_model(device, channels_last=True)
         head_name = classifier_name(model)  # found before folding, as infer.py does
