@@ -95,8 +95,11 @@ class TrainTransform:
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
         # The decoded image only has to keep the crop at >= img_size pixels (a JPEG's draft scale).
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
-        image = F.pil_to_tensor(source.rgb(min_size=need))
-        out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
+        image = source.rgb(min_size=need)
+        # Only the crop's pixels become a tensor (the copy out of PIL costs as much as the resize).
+        crop = F.pil_to_tensor(image.crop(decoded_box(image.size, (width, height), (left, top, left + w, top + h))))
+        out = resized_crop(crop, crop.shape[:0:-1], (0, 0, crop.shape[-1], crop.shape[-2]), self.img_size,
+                           self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
         if self.auto_augment is not None:
@@ -141,13 +144,20 @@ def read_source(path) -> SourceImage:
     return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf)
 
 
+def decoded_box(decoded_size: tuple[int, int], full_size: tuple[int, int], box) -> tuple[int, int, int, int]:
+    """`box` (left, top, right, bottom in `full_size` pixels) in the pixels of a decode of `decoded_size`
+    (a reduced draft decode, or the full size), at least one pixel each way."""
+    sx, sy = decoded_size[0] / full_size[0], decoded_size[1] / full_size[1]
+    left, top = int(round(box[0] * sx)), int(round(box[1] * sy))
+    right = max(left + 1, min(decoded_size[0], int(round(box[2] * sx))))
+    bottom = max(top + 1, min(decoded_size[1], int(round(box[3] * sy))))
+    return left, top, right, bottom
+
+
 def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int, interpolation) -> torch.Tensor:
     """Crop `box` (left, top, right, bottom in `full_size` pixels) out of `image`, which may be a reduced
     decode of that size, and resize it to size x size (antialiased, uint8 in and out)."""
-    sx, sy = image.shape[-1] / full_size[0], image.shape[-2] / full_size[1]
-    left, top = int(round(box[0] * sx)), int(round(box[1] * sy))
-    right = max(left + 1, min(image.shape[-1], int(round(box[2] * sx))))
-    bottom = max(top + 1, min(image.shape[-2], int(round(box[3] * sy))))
+    left, top, right, bottom = decoded_box((image.shape[-1], image.shape[-2]), full_size, box)
     # A packed channels-last copy of the crop takes torch's vectorised uint8 path: ~20% faster than resizing
     # the strided view, same pixels.
     crop = image[:, top:bottom, left:right].unsqueeze(0).contiguous(memory_format=torch.channels_last)
