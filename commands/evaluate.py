@@ -70,7 +70,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
 
-    runtime = build_runtime(cfg, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
+    runtime = build_runtime(cfg, saved_threads=loaded.threads, training=False, fp32_only=loaded.fp32_only)
     device, amp_dtype = runtime.device, runtime.amp_dtype
     model = loaded.build_model(device, cfg.train.channels_last)
     transform = loaded.eval_transform()

@@ -202,7 +202,7 @@ def _runtime(loaded, device_setting: str, amp: Optional[str]) -> Runtime:
         setting = amp or loaded.cfg.train.amp
         if amp is None and setting == "fp16" and select_device(device_setting).type != "cuda":
             setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        return build_runtime(loaded.cfg, saved_threads=loaded.threads, device_setting=device_setting,
+        return build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False, device_setting=device_setting,
                              amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting} / --amp {amp or 'from the checkpoint'}: {err}") from err

@@ -88,7 +88,8 @@ def predict_probs(model, model_cfg, files: list[str], batch_size: int, num_worke
 def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = None):
     """(ModelFile, model, device, amp dtype) for predictions, set up as eval.py and infer.py set up theirs."""
     loaded = load_model_file(path)
-    runtime = build_runtime(loaded.cfg, saved_threads=loaded.threads, device_setting=device_setting,
+    runtime = build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False,
+                            device_setting=device_setting,
                             amp_setting=amp_setting, fp32_only=loaded.fp32_only)
     model = loaded.build_model(runtime.device, loaded.cfg.train.channels_last)
     return loaded, model, runtime.device, runtime.amp_dtype
