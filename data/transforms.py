@@ -98,8 +98,8 @@ class TrainTransform:
         image = source.rgb(min_size=need)
         # Only the crop's pixels become a tensor (the copy out of PIL costs as much as the resize).
         crop = F.pil_to_tensor(image.crop(decoded_box(image.size, (width, height), (left, top, left + w, top + h))))
-        out = resized_crop(crop, crop.shape[:0:-1], (0, 0, crop.shape[-1], crop.shape[-2]), self.img_size,
-                           self.interpolation)
+        crop_size = (crop.shape[-1], crop.shape[-2])
+        out = resized_crop(crop, crop_size, (0, 0, *crop_size), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
         if self.auto_augment is not None:
