@@ -25,7 +25,7 @@ from core.host import usable_cpus
 API_KEY_ENV = "IMGCLS_API_KEY"
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
                                                             "a timm folder")

@@ -57,8 +57,7 @@ def padded_size(n: int, shapes: list[int]) -> int:
 
 def decode_image(body: bytes, transform: EvalTransform, max_pixels: Optional[int]) -> torch.Tensor:
     """infer.py's decode and eval preprocessing of one image's bytes: uint8 [3, S, S]. BadImage when the
-    bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit, also
-    for the JPEGs that torchvision decodes without PIL)."""
+    bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit)."""
     if not body:
         raise BadImage("empty_body", "the request carried no image bytes")
     try:

@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 from core.config import Config, check_data_root, check_tracking_client
-from core.host import OmpWaitChoice
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data
 from data.datasets import failure_reason
@@ -57,7 +56,7 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-                 finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None):
+                 finetune_partial: bool = False):
         if resume and finetune:
             raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
                               f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
@@ -69,7 +68,6 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.state = TrainState()
         # runtime: device, precision, processes, CPU threads (engine.runtime.runtime)
-        self.host = host
         self.runtime = Runtime(torch.device("cpu"), None)
         self.run_dir = Path(cfg.output.dir)
         self.run_lock: Optional[RunDirLock] = None  # rank 0's lock on the run directory, held for the run
@@ -115,7 +113,7 @@ class Trainer:
         check_tracking_client(cfg.tracking)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
-        self.runtime = start_runtime(cfg, self.host, distributed=True)
+        self.runtime = start_runtime(cfg, distributed=True)
         self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
         setup_logging(self.run_dir, self.runtime.dist.is_main)
@@ -426,8 +424,8 @@ def record_unreadable(state: TrainState, data: RunData, indices: list[int], max_
 
 
 def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-        finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None) -> int:
-    trainer = Trainer(cfg, resume, finetune, finetune_partial, host)
+        finetune_partial: bool = False) -> int:
+    trainer = Trainer(cfg, resume, finetune, finetune_partial)
     try:
         trainer.setup()
         return trainer.fit()
