@@ -72,6 +72,15 @@ def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image
     return decode_rgb(open_image(path), path, min_size)
 
 
+def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
+    """Whether PIL's JPEG draft mode can decode at 1/4 scale or less and still keep `need` pixels.
+
+    At 1/2 scale the draft decode saves too little (the entropy decoding is the same) to pay for PIL's own
+    per-file costs (a second header parse, chunked reads, an RGBX copy): on ImageNet-sized photos the full
+    tensor decode was 4-7% faster per image; from 1/4 scale on the draft wins."""
+    return 4 * need[0] <= size[0] and 4 * need[1] <= size[1]
+
+
 def decode_rgb(img: Image.Image, name, min_size: tuple[int, int] | None = None) -> Image.Image:
     """`load_rgb` of an image `open_image` opened (errors name `name`)."""
     try:

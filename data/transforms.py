@@ -39,7 +39,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
-from data.images import JpegHeader, decode_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
+from data.images import (JpegHeader, decode_rgb, draft_reduces, open_image, oriented_size, parse_jpeg_header,
+                         require_regular_file)
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -111,15 +112,6 @@ class TrainTransform:
         if self.jitter is not None:
             out = self.jitter(out)
         return out
-
-
-def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
-    """Whether PIL's JPEG draft mode can decode at 1/4 scale or less and still keep `need` pixels.
-
-    At 1/2 scale the draft decode saves too little (the entropy decoding is the same) to pay for PIL's own
-    per-file costs (a second header parse, chunked reads, an RGBX copy): on ImageNet-sized photos the full
-    tensor decode was 4-7% faster per image; from 1/4 scale on the draft wins."""
-    return 4 * need[0] <= size[0] and 4 * need[1] <= size[1]
 
 
 _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
