@@ -5,22 +5,16 @@ itself (--onnx-only) over HTTP; its usage errors."""
 from __future__ import annotations
 
 import io
-import json
-import os
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 import torch
 from PIL import Image
 
 import export as export_script
-from conftest import REPO, class_image, run_script, train_tiny, wait_for
+from conftest import class_image, run_script, train_tiny
+from core.errors import ConfigError
 from data.transforms import EvalTransform, normalize_batch
 from multilabel_data import make_tag_list
 from serving.onnx_only.model import OnnxServedModel
@@ -206,3 +200,29 @@ def test_multilabel_rows_equal_the_torch_paths(exports):
     torch_rows, slim_rows = both_rows(path, exports["tag_bodies"])
     assert_same_rows(slim_rows, torch_rows)
     assert any(row["labels"] for row in slim_rows)
+    with pytest.raises(ConfigError, match="not for multi-label"):
+        OnnxServedModel.load(str(path), 5, 8, reject=True)
+
+
+# ---------------------------------------------------------------- usage errors (exit 2, before any work)
+
+
+def serve_exit(*argv: str) -> tuple[int, str]:
+    import serve
+    from conftest import exit_code
+
+    return exit_code(lambda: serve.main(["--onnx-only", "--port", "0", *argv]))
+
+
+def test_onnx_only_refuses_what_it_cannot_serve(tmp_path, capsys):
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.write_bytes(b"not read")
+    assert serve_exit("--checkpoint", str(checkpoint)) == 2
+    assert "only ONNX exports" in capsys.readouterr().err
+    assert serve_exit("--checkpoint", str(tmp_path / "missing.onnx")) == 2
+    assert serve_exit("--checkpoint", str(checkpoint), "--device", "cuda") == 2
+    assert "--device cuda" in capsys.readouterr().err
+    not_onnx = tmp_path / "model.onnx"
+    not_onnx.write_bytes(b"not a protobuf")
+    assert serve_exit("--checkpoint", str(not_onnx)) == 2
+    assert "onnxruntime" in capsys.readouterr().err
