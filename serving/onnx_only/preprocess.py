@@ -109,7 +109,8 @@ class EvalPreprocess:
         size = resized_short_side(image.width, image.height, self.resize_to)
         if full_size and self.interpolation == "nearest" and size != image.size:
             pixels = np.asarray(image, dtype=np.uint8)
-            pixels = pixels[torch_nearest_indices(image.height, size[1])][:, torch_nearest_indices(image.width, size[0])]
+            rows, columns = torch_nearest_indices(image.height, size[1]), torch_nearest_indices(image.width, size[0])
+            pixels = pixels[rows][:, columns]
             image = Image.fromarray(pixels)
         elif size != image.size:
             image = image.resize(size, resample=self.resample)

@@ -89,7 +89,8 @@ def mounts(workspace: Path) -> list[str]:
     return ["-v", f"{workspace / 'runs'}:/app/runs", "-v", f"{workspace / 'datasets'}:/app/datasets"]
 
 
-def run_in_image(workspace: Path, *command: str, image: str = IMAGE, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_in_image(workspace: Path, *command: str, image: str = IMAGE,
+                 timeout: float = 900) -> subprocess.CompletedProcess:
     """`docker run` without a network, as the image's user, the workspace mounted; its exit status."""
     return docker("run", "--rm", "--network", "none", "--shm-size", "1g", *mounts(workspace), image, *command,
                   timeout=timeout, check=False)
@@ -162,7 +163,9 @@ def test_eval_and_infer_run_on_the_result(quickstart, workspace):
 
 def test_docker_stop_saves_last_pt_exits_143_and_resume_finishes(workspace, images):
     run = workspace / "runs" / "stopped"
-    settings = ["--config", "quickstart", "train.epochs=2", "output.dir=runs/stopped", "checkpoint.every_steps=2"]
+    # the quickstart, cut to 2 epochs of 6 steps of 16 images (a minute) with last.pt every 2 steps
+    settings = ["--config", "quickstart", "train.epochs=2", "train.batch_size=16", "data.limit_train_batches=6",
+                "data.limit_val_batches=4", "output.dir=runs/stopped", "checkpoint.every_steps=2"]
     name = start_container(workspace, "train.py", *settings)
     wait_until(lambda: (run / "last.pt").exists(), "the first last.pt", name)
     code, log = stop_and_wait(name)
@@ -217,7 +220,8 @@ def onnx_exports(quickstart, workspace):
     """The quickstart model exported in the image as fp32 and static int8 ONNX (any batch size)."""
     paths = {"fp32": "runs/quickstart/model.onnx", "int8": "runs/quickstart/model_int8.onnx"}
     for kind, path in paths.items():
-        quantize = ["--quantize", "int8", "--calibration-images", "64", "--min-agreement", "0"] if kind == "int8" else []
+        quantize = ["--quantize", "int8", "--calibration-images", "64", "--min-agreement", "0"] \
+            if kind == "int8" else []
         result = run_in_image(workspace, "export.py", "--checkpoint", "runs/quickstart/best.pt", "--format", "onnx",
                               "--dynamic-batch", *quantize, "--output", path)
         assert result.returncode == 0, result.stderr[-3000:]
