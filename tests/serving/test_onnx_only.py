@@ -17,6 +17,7 @@ from conftest import class_image, run_script, train_tiny
 from core.errors import ConfigError
 from data.transforms import EvalTransform, normalize_batch
 from multilabel_data import make_tag_list
+from served_rows import assert_same_rows as assert_rows_agree
 from serving.onnx_only.model import OnnxServedModel
 from serving.onnx_only.preprocess import EvalPreprocess, centre_crop_box, resized_short_side
 from serving.onnx_only.rows import energy, softmax, top_k
@@ -153,18 +154,9 @@ def both_rows(path: Path, bodies: dict[str, bytes], max_batch: int = 8, **trust)
 
 
 def assert_same_rows(slim_rows: list[dict], torch_rows: list[dict]) -> None:
-    """Labels identical, every probability and score within PROB_TOLERANCE."""
-    assert len(slim_rows) == len(torch_rows)
-    for got, want in zip(slim_rows, torch_rows):
-        assert set(got) == set(want), (got, want)
-        for key, value in want.items():
-            if isinstance(value, float):
-                assert got[key] == pytest.approx(value, abs=PROB_TOLERANCE), (key, got, want)
-            elif isinstance(value, dict):
-                assert list(got[key]) == list(value)
-                assert np.allclose(list(got[key].values()), list(value.values()), atol=PROB_TOLERANCE, rtol=0)
-            else:
-                assert got[key] == value, (key, got, want)
+    """Labels identical (tied probabilities in either order), every probability and score within
+    PROB_TOLERANCE."""
+    assert_rows_agree(slim_rows, torch_rows, PROB_TOLERANCE)
 
 
 @pytest.mark.slow
