@@ -7,6 +7,7 @@ the caller only needs a smaller image.
 """
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -117,3 +118,17 @@ def _wide_to_uint8(array: np.ndarray, mode: str) -> np.ndarray:
     if mode == "I" and array.size and array.max() <= 255 and array.min() >= 0:
         return array.astype(np.uint8)
     return np.clip(array / 257.0, 0, 255).round().astype(np.uint8)
+
+
+# An image longer than this many times its short side is cut to that ratio around its centre before the eval
+# resize: the work is bounded by the output size whatever the shape (a 400000x1 PNG of a few KB).
+MAX_EVAL_ASPECT = 16
+
+
+def centre_box(width: int, height: int, max_aspect: float = MAX_EVAL_ASPECT) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the image's centre with its long side at most `max_aspect` times its
+    short side: the whole image unless it is longer than that."""
+    short = min(width, height)
+    keep_w, keep_h = min(width, math.ceil(short * max_aspect)), min(height, math.ceil(short * max_aspect))
+    left, top = (width - keep_w) // 2, (height - keep_h) // 2
+    return left, top, left + keep_w, top + keep_h

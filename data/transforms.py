@@ -38,7 +38,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
-from data.images import decode_rgb, open_image, oriented_size, require_regular_file
+from data.images import centre_box, decode_rgb, open_image, oriented_size, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -172,18 +172,6 @@ def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int
 
 
 # The longest side evaluation resizes, in multiples of the short side (a longer one is cut first).
-MAX_EVAL_ASPECT = 16
-
-
-def centre_box(width: int, height: int, max_aspect: float = MAX_EVAL_ASPECT) -> tuple[int, int, int, int]:
-    """(left, top, right, bottom) of the image's centre with its long side at most `max_aspect` times its
-    short side: the whole image unless it is longer than that."""
-    short = min(width, height)
-    keep_w, keep_h = min(width, math.ceil(short * max_aspect)), min(height, math.ceil(short * max_aspect))
-    left, top = (width - keep_w) // 2, (height - keep_h) // 2
-    return left, top, left + keep_w, top + keep_h
-
-
 class EvalTransform:
     """path -> uint8 tensor: shorter side to img_size / crop_pct, then a centre crop of img_size (the eval
     size: `data.eval_img_size` when set). An image longer than `MAX_EVAL_ASPECT` to 1 is first cut to that

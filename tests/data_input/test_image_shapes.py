@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from conftest import REPO, make_tree, run_script, tiny_overrides
-from data.transforms import MAX_EVAL_ASPECT, EvalTransform, centre_box
+from data.images import MAX_EVAL_ASPECT, centre_box
+from data.transforms import EvalTransform
 
 SHAPES = [(400_000, 1), (1, 400_000)]  # (width, height)
 # Far above what the bounded path adds (a few MB), far below what resizing the whole strip takes (GBs).
