@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -57,6 +57,7 @@ class Checkpointer:
         self.data_source = data_source
         self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
+        self.last_extras: Optional[Callable[[], dict]] = None  # more of last.pt (distillation: the teacher's record)
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -77,6 +78,8 @@ class Checkpointer:
         if p.ema is not None:
             # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
             ckpt["model_ema"] = bare_state_dict(p.ema.module)
+        if self.last_extras is not None:
+            ckpt.update(self.last_extras())
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 METRICS_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s",
                    "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files",
-                   "val_mAP", "val_micro_f1", "val_macro_f1"]  # the last three: data.task=multilabel
+                   "val_mAP", "val_micro_f1", "val_macro_f1",  # these three: data.task=multilabel
+                   "val_teacher_agreement"]  # distill.teacher: % of validation images where student and teacher agree
 
 
 def setup_logging(run_dir: Path | None, is_main: bool) -> None:

@@ -9,7 +9,7 @@ from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
 LEVELS = ["core", "data", "models", "engine.runtime", "engine.evaluation", "engine.model_io", "engine.rundir",
-          "engine.training", "engine.tuning", "engine.run", "engine.audit", "commands", "benchmarking",
+          "engine.distill", "engine.training", "engine.tuning", "engine.run", "engine.audit", "commands", "benchmarking",
           "serving"]
 LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
 
