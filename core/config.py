@@ -200,10 +200,11 @@ class CalibrationConfig:
 
 @dataclass
 class DistillConfig:
-    """Knowledge distillation from a frozen teacher (engine/distill). None of these is resume-free: another
-    teacher or setting is another training."""
+    """Knowledge distillation from a frozen teacher (engine/distill). Another setting is another training, so
+    --resume refuses it; the teacher is compared by its identity (file or weight digest, recorded in last.pt),
+    not its path, so a moved copy of the same teacher resumes."""
     # our checkpoint (best.pt), a timm folder (local-dir:PATH or a folder path), or a timm / hf-hub: model name
-    teacher: Optional[str] = None
+    teacher: Optional[str] = field(default=None, metadata=FREE)
     type: Literal["soft", "hard", "feature"] = "soft"
     temperature: float = field(default=4.0, metadata=_range(0.0, 100.0, lo_open=True))
     alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))

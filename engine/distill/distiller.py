@@ -181,9 +181,21 @@ class Distiller(torch.nn.Module):
             raise ConfigError(f"--resume: the checkpoint was trained without a teacher; distill.teacher="
                               f"{ours['source']} would be another training (start a new run)")
         if saved.get("sha256") != ours["sha256"]:
+            # the same source whose file changed, or another source: either way another teacher
             raise ConfigError(f"--resume: distill.teacher is another teacher than the checkpoint's: "
                               f"{saved.get('source')} (sha256 {str(saved.get('sha256'))[:12]}) -> {ours['source']} "
                               f"(sha256 {ours['sha256'][:12]}); resume with the same teacher, or start a new run")
+
+
+def check_resume_teacher(ckpt: dict, distiller: Optional[Distiller]) -> None:
+    """--resume: the checkpoint's teacher (identity in last.pt) must be this run's, and a distilled run
+    continues only distilled (ConfigError, exit 2)."""
+    if distiller is not None:
+        distiller.check_same_teacher(ckpt)
+    elif isinstance((ckpt.get("distill") or {}).get("teacher"), dict):
+        saved = ckpt["distill"]["teacher"]
+        raise ConfigError(f"--resume: the checkpoint was distilled from {saved.get('source')} (sha256 "
+                          f"{str(saved.get('sha256'))[:12]}); set distill.teacher to that teacher to continue it")
 
 
 class AgreementProbe(torch.nn.Module):

@@ -33,7 +33,8 @@ from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import DeviceInput, pin_memory_for
 from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
-from engine.distill.distiller import AgreementProbe, Distiller, build_distiller, teacher_summary, validate_teacher
+from engine.distill.distiller import (AgreementProbe, Distiller, build_distiller, check_resume_teacher,
+                                     teacher_summary, validate_teacher)
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
 from engine.run.calibrate import best_is_calibrated, calibrate_best
@@ -149,8 +150,8 @@ class Trainer:
         self.eval_model = self.ema.module if self.ema is not None else self.model
         if self.cfg.distill.teacher:  # distillation (engine/distill): the teacher is loaded and checked here
             self.distiller = build_distiller(self.cfg, self.classes, self.model, self.runtime.device)
-            if resume_ckpt is not None:
-                self.distiller.check_same_teacher(resume_ckpt)
+        if resume_ckpt is not None:
+            check_resume_teacher(resume_ckpt, self.distiller)
 
     def _setup_optimisation(self) -> None:
         cfg = self.cfg
