@@ -235,12 +235,13 @@ class AgreementProbe(torch.nn.Module):
         return 100.0 * agree / count if count else float("nan")
 
 
-def build_distiller(cfg, classes: list[str], student: torch.nn.Module, device: torch.device) -> Distiller:
+def build_distiller(cfg, classes: Optional[list[str]], student: torch.nn.Module, device: torch.device) -> Distiller:
     """The run's `Distiller` (call when `distill.teacher` is set): the teacher loaded and frozen, its classes
-    checked against the student's (ConfigError, exit 2, naming the first difference)."""
+    checked against the student's (ConfigError, exit 2, naming the first difference). `classes` None: for
+    measuring a step's cost only (tune.py's batch finder on synthetic data), nothing is checked."""
     d = cfg.distill
     teacher = load_teacher(d.teacher, device)
-    problem = class_mismatch(teacher, classes)
+    problem = class_mismatch(teacher, classes) if classes is not None else None
     if problem:
         raise ConfigError(f"'distill.teacher' = {d.teacher}: this teacher cannot teach the student: {problem}")
     conversion = InputConversion(cfg.data.mean, cfg.data.std, teacher.mean, teacher.std, cfg.data.img_size,

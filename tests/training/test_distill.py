@@ -310,3 +310,22 @@ def test_a_timm_folder_teacher_trains_a_feature_student(teacher_run, tmp_path):
     assert set(last["distill"]["projection"]) == {"weight", "bias"}
     assert len(last["optimizer"]["param_groups"]) == 3  # decayed, not decayed, the projection
     assert not any("projection" in k for k in best["model"]) and "distill" not in best
+
+
+def test_tune_measures_steps_with_the_teacher(tmp_path):
+    """tune.py's batch finder and sweep build their step with the teacher: its forward is in what they time
+    and its weights and activations in the memory they measure."""
+    from conftest import write_pretrained_folder
+    from engine.tuning.batch_finder import TrainingStepProbe
+
+    folder = tmp_path / "teacher"
+    write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])
+    cfg = load_config("base", [f"distill.teacher=local-dir:{folder}", "model.name=test_resnet", "data.img_size=16",
+                               "train.device=cpu", "train.amp=none"])
+    probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None, steps=1, warmup=0)
+    assert probe.step.distiller is not None and probe.step.distiller.teacher.size == 160
+    calls = []
+    real = probe.step.distiller.teacher_forward
+    probe.step.distiller.teacher_forward = lambda images: calls.append(images.shape) or real(images)
+    assert probe(2).seconds > 0
+    assert calls and calls[0] == (2, 3, 16, 16)
