@@ -206,6 +206,7 @@ class AgreementProbe(torch.nn.Module):
         super().__init__()
         self.student = student
         self.__dict__["distiller"] = distiller
+        self.training = student.training  # evaluate() puts back the mode it found: the student's
         device = next(student.parameters()).device
         self.agree = torch.zeros((), dtype=torch.int64, device=device)
         self.count_all = torch.zeros((), dtype=torch.int64, device=device)

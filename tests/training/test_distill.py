@@ -329,3 +329,21 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
     probe.step.distiller.teacher_forward = lambda images: calls.append(images.shape) or real(images)
     assert probe(2).seconds > 0
     assert calls and calls[0] == (2, 3, 16, 16)
+
+
+def test_the_agreement_probe_leaves_the_student_in_its_mode():
+    import timm
+
+    from engine.evaluation.evaluate import evaluate
+    from engine.runtime.device import DeviceInput
+
+    student = timm.create_model("test_resnet", num_classes=3).eval()  # an EMA copy stays in eval mode
+    teacher = tiny_teacher(["a", "b", "c"])
+    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
+    probe = AgreementProbe(student, Distiller(teacher, conversion, "soft", 4.0, 0.5, "multiclass", student))
+    batch = (torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1]),
+             torch.tensor([True, True]), torch.tensor([0, 1]))
+    device_input = DeviceInput(torch.device("cpu"), tuple(teacher.mean), tuple(teacher.std), False, None)
+    sums, _ = evaluate(probe, [batch], device_input, 3, on_outputs=probe.count)
+    assert not student.training and not teacher.model.training
+    assert sums.compute()["num_samples"] == 2 and 0 <= probe.read() <= 100
