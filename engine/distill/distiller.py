@@ -85,6 +85,11 @@ class StepTimer:
         else:
             self.seconds += time.perf_counter() - mark
 
+    def pause(self) -> None:
+        """Out of training (a validation pass, a save): the next window starts at the next teacher forward."""
+        self.take_share()
+        self.since = None
+
     def take_share(self) -> Optional[float]:
         """The teacher's share of the wall time since the last read (None before its first forward)."""
         if self.since is None:
@@ -230,6 +235,8 @@ class AgreementProbe(torch.nn.Module):
 
     def read(self) -> float:
         """The agreement in percent over every rank's images (one all-reduce, one host read)."""
+        # the epoch's training has ended (its last step logged): validation and the save are no step time
+        self.distiller.timer.pause()
         totals = torch.stack([self.agree, self.count_all])
         dist_utils.all_reduce_sum(totals)
         agree, count = totals.tolist()

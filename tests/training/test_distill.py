@@ -347,3 +347,16 @@ def test_the_agreement_probe_leaves_the_student_in_its_mode():
     sums, _ = evaluate(probe, [batch], device_input, 3, on_outputs=probe.count)
     assert not student.training and not teacher.model.training
     assert sums.compute()["num_samples"] == 2 and 0 <= probe.read() <= 100
+
+
+def test_the_teachers_time_share_is_over_training_time_only():
+    from engine.distill.distiller import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    assert timer.take_share() is None  # no teacher forward yet
+    mark = timer.start()
+    timer.stop(mark)
+    share = timer.take_share()
+    assert share is not None and 0 <= share <= 1
+    timer.pause()  # a validation pass follows: its time is not in the next share
+    assert timer.take_share() is None
