@@ -6,7 +6,7 @@ from typing import Optional
 
 from core.errors import ConfigError
 from tasks.base import Task
-from tasks.metric import Metric
+from tasks.metric import SHARED_METRICS, Metric
 from tasks.multi_label import MultiLabel
 from tasks.single_label import SingleLabel
 
@@ -60,6 +60,7 @@ def best_record(metrics: dict) -> dict:
 def csv_metric_columns() -> list[str]:
     """metrics.csv's validation columns: every task's, each named once, in registration order."""
     names = [m.name for task in TASKS.values() for m in task.metrics if m.in_csv]
+    names += [m.name for m in SHARED_METRICS if m.in_csv]
     return [f"val_{name}" for name in dict.fromkeys(names)]
 
 

@@ -21,6 +21,7 @@ def _figure(name: str, **kw) -> Metric:
 class MultiLabel(Task):
     name = "multilabel"
     label_format = "tags"
+    activation = "sigmoid"
     metrics = (Metric("mAP"), _figure("micro_f1"), _figure("macro_f1"), _figure("precision", in_csv=False),
                _figure("recall", in_csv=False), _figure("micro_f1_at_0.5", in_csv=False),
                _figure("macro_f1_at_0.5", in_csv=False),
@@ -99,6 +100,10 @@ class MultiLabel(Task):
 
     def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
         return logits.sigmoid()
+
+    def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """The same tags at probability 0.5."""
+        return ((logits > 0) == (other > 0)).all(dim=1)
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
         return {"probs": probs}
