@@ -6,7 +6,7 @@ from typing import Optional
 
 from core.errors import ConfigError
 from tasks.base import Task
-from tasks.metric import SHARED_METRICS, Metric
+from tasks.metric import LOSS, SHARED_METRICS, Metric
 from tasks.multi_label import MultiLabel
 from tasks.single_label import SingleLabel
 
@@ -49,6 +49,12 @@ def metric_named(name: str) -> Metric:
 
 def is_improvement(value: float, best: Optional[float], metric: str, min_delta: float) -> bool:
     return metric_named(metric).is_improvement(value, best, min_delta)
+
+
+def deciding_metric(metrics: dict, metric: str) -> str:
+    """The metric that chooses best.pt and drives early stopping and the plateau schedule: `metric`, or the loss
+    where `metric` is undefined for the split (None: multi-label mAP of a split where no image carries a tag)."""
+    return metric if metrics.get(metric) is not None else LOSS.name
 
 
 def best_record(metrics: dict) -> dict:

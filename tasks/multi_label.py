@@ -94,7 +94,8 @@ class MultiLabel(Task):
 
     def epoch_text(self, metrics: dict, top5_k: int) -> str:
         """A multi-label validation in one line: mAP, and F1 at the tuned thresholds and at 0.5."""
-        return (f"val mAP {metrics['mAP']:.2f}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
+        mean_ap = "undefined (no tag in the split)" if metrics["mAP"] is None else f"{metrics['mAP']:.2f}"
+        return (f"val mAP {mean_ap}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
                 f"{metrics['micro_f1_at_0.5']:.2f})  macro F1 {metrics['macro_f1']:.2f} (at 0.5: "
                 f"{metrics['macro_f1_at_0.5']:.2f})  loss {metrics['loss']:.4f}  ({metrics['num_samples']} samples)")
 

@@ -13,7 +13,7 @@ from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
-from tasks import task_of
+from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
@@ -209,7 +209,7 @@ class RunReporter:
     def _best_text(self, state, run_dir) -> str:
         if not state.best_metrics:
             return "no best.pt (no epoch was validated with finite numbers)"
-        metric = self.cfg.early_stop.metric
+        metric = deciding_metric(state.best_metrics, self.cfg.early_stop.metric)
         value = self.task.metric(metric).format(state.best_metrics[metric])
         return f"best epoch {state.best_epoch}: {metric} {value} ({Path(run_dir) / 'best.pt'})"
 

@@ -49,7 +49,7 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
-from tasks import task_of
+from tasks import deciding_metric, task_of
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 from tracking.training import TrainingTracking, open_training_tracking
 
@@ -96,6 +96,7 @@ class Trainer:
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
         self.val_batches = None  # the next validation's batches, when they were started ahead
+        self.warned_undefined_metric = False  # said once: early_stop.metric is undefined on the validation split
         self.tracking: Optional[TrainingTracking] = None  # tracking.*: the run's experiment-tracking run
 
     # ------------------------------------------------------------ set-up
@@ -391,10 +392,14 @@ class Trainer:
                                                                          es.patience)
         if improved:
             self.checkpointer.save_best(self.state, metrics)
-        if metrics is not None and self.step.end_epoch(metrics[self.cfg.early_stop.metric], self.cfg.early_stop.metric):
+        deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
+        if deciding != es.metric and not self.warned_undefined_metric:
+            self.warned_undefined_metric = True
+            log.warning("validation %s is undefined on this split (no validation image carries a tag): best.pt, "
+                        "early stopping and the plateau schedule go by the validation loss", es.metric)
+        if metrics is not None and self.step.end_epoch(metrics[deciding], deciding):
             log.info("schedule plateau: %s has not improved for %d validations; LR now %.6g",
-                     self.cfg.early_stop.metric, self.cfg.schedule.plateau_patience,
-                     base_lr(self.step.optimizer))
+                     deciding, self.cfg.schedule.plateau_patience, base_lr(self.step.optimizer))
         self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
                                    base_lr(self.step.optimizer), self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first

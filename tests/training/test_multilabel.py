@@ -103,6 +103,7 @@ def test_unknown_tag_stops_with_the_row_and_the_close_match(images):
 def test_shards_carry_the_tags(images, tmp_path):
     """python -m data.shards --from LIST.csv --multilabel writes .tags members; the eval stream reads them back
     as the CSV's multi-hot targets (an untagged image all zeros)."""
+    from data.listing.labels import TagLabels
     from data.shards import ShardEvalStream, main as write_shards_main, shard_index
     from data.transforms import EvalTransform
 
@@ -112,7 +113,7 @@ def test_shards_carry_the_tags(images, tmp_path):
                               "--label-delimiter", ","]) == 0
     classes = (tmp_path / "classes.txt").read_text().split()
     assert classes == ["cloud", "road", "water"]
-    index = shard_index(str(tmp_path / "shard-{000000..000001}.tar"), classes, None, "shards", multilabel=True)
+    index = shard_index(str(tmp_path / "shard-{000000..000001}.tar"), classes, None, "shards", labels=TagLabels(","))
     got = sorted(tuple(target.tolist()) for _, target, valid, _ in ShardEvalStream(index, EvalTransform(16, 0.875,
                                                                                                       "bilinear"), 16))
     assert got == sorted([(1.0, 1.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0)])
