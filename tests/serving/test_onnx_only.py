@@ -124,7 +124,7 @@ def exports(tmp_path_factory):
     assert export_script.main(["--checkpoint", str(run / "best.pt"), "--format", "onnx", "--dynamic-batch",
                                "--output", str(files["tags"])]) == 0
     bodies = {f"val_{p.parent.name}_{p.name}": p.read_bytes() for p in sorted((data / "val").rglob("*.png"))}
-    bodies.update({name: body for name, body in sample_images().items() if not tensor_decoded(name)})
+    bodies.update(sample_images())
     tag_bodies = {p.name: p.read_bytes() for p in sorted((tags_root / "images").glob("*.png"))[:12]}
     return {"files": files, "bodies": bodies, "tag_bodies": tag_bodies}
 
@@ -132,10 +132,10 @@ def exports(tmp_path_factory):
 def both_rows(path: Path, bodies: dict[str, bytes], max_batch: int = 8, **trust) -> tuple[list, list]:
     """serve.py's rows for `bodies` from its torch path (serving.model) and from the ONNX-only path, in
     batches of `max_batch` as the server forms them."""
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.model import ServedModel
 
-    torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", None, TrustOptions(**trust))
+    torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", TrustOptions(**trust))
     slim_model = OnnxServedModel.load(str(path), 5, max_batch, **trust)
     names = list(bodies)
     torch_rows, slim_rows = [], []
@@ -181,7 +181,7 @@ def test_reject_rows_equal_the_torch_paths(exports):
 def test_multilabel_rows_equal_the_torch_paths(exports):
     path = exports["files"]["tags"]
     slim = OnnxServedModel.load(str(path), 5, 8)
-    assert slim.export.multilabel and slim.export.tag_thresholds is not None
+    assert slim.export.task.name == "multilabel" and slim.export.tag_thresholds is not None
     torch_rows, slim_rows = both_rows(path, exports["tag_bodies"])
     assert_same_rows(slim_rows, torch_rows)
     assert any(row["labels"] for row in slim_rows)

@@ -12,7 +12,8 @@ from core.config import load_config
 from engine.runtime import cpu_tuning
 
 # parameters named `host` that are a network host, not the CPU tuning
-NETWORK_HOSTS = {("serving/server.py", "serve"), ("models/hub_access.py", "can_connect")}
+NETWORK_HOSTS = {("serving/server.py", "serve"), ("serving/onnx_only/server.py", "serve_onnx"),
+                 ("models/hub_access.py", "can_connect")}
 
 
 def test_no_function_takes_the_cpu_tuning_as_a_parameter():
