@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
+from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from engine.evaluation.outputs import SplitOutputs
 from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGITS_METHOD, Rejector, energy_score,
@@ -20,13 +20,15 @@ from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGIT
                                          rejector_from_record, seeded_subset, threshold_for_coverage)
 
 
-def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> Optional[float]:
-    """calibration.temperature: `auto` fits on the validation outputs, `none` is None, a number is itself."""
+def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
+    """calibration.temperature: `auto` fits on the validation outputs (`calibrated_temperature`'s rule, with
+    its notes), `none` is None, a number is itself."""
     if setting == "auto":
-        return fit_temperature(val.logits, val.labels)
+        fit = calibrated_temperature(val.logits, val.labels)
+        return fit.temperature, fit.notes
     if setting == "none":
-        return None
-    return float(setting)
+        return None, []
+    return float(setting), []
 
 
 def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:
@@ -39,10 +41,10 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                  seed: int, method: str = DEFAULT_METHOD) -> dict:
     """The checkpoint's `calibration` record. Without features (a model without a timm classifier, or no
     training features) the reject option falls back to the energy score."""
-    temperature = resolve_temperature(setting, val)
+    temperature, notes = resolve_temperature(setting, val)
     scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
-              "knn_k": KNN_K, "num_samples": len(val)}
+              "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes}
     features = val.features is not None and bank is not None and bank.features is not None and len(bank) > 0
     if features:
         stored = feature_bank(bank, seed)
@@ -64,6 +66,7 @@ def export_record(record: Optional[dict]) -> Optional[dict]:
         return None
     return {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
             "coverage": record.get("coverage"), "method": LOGITS_METHOD,
+            "temperature_notes": list(record.get("temperature_notes", [])),
             "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
             "num_samples": record.get("num_samples")}
 
@@ -81,7 +84,8 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
     result = {"ece": expected_calibration_error(calibrated, labels),
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
-              "temperature": temperature}
+              "temperature": temperature,
+              "calibration_notes": list(record.get("temperature_notes", [])) if record else []}
     rejector = usable_rejector(record, outputs.features is not None, method) if record else None
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):
         if threshold is not None:
