@@ -614,9 +614,6 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError("'data.task' = multilabel needs tags per image, which a class-folder tree cannot hold: "
                           "use data.format=csv (a tag column, data.label_delimiter between tags) or webdataset "
                           "shards written by python -m data.shards --from LIST.csv --multilabel")
-    if t.label_smoothing > 0:
-        raise ConfigError(f"'train.label_smoothing' = {t.label_smoothing} is not defined for data.task=multilabel "
-                          f"(no distribution over classes to smooth towards); set train.label_smoothing=0")
     if d.sampler == "weighted":
         raise ConfigError("'data.sampler' = weighted draws images by the inverse frequency of their one class; a "
                           "multi-label image has several or none. Use data.sampler=random with data.task=multilabel "
