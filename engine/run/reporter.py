@@ -15,6 +15,7 @@ from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
 from engine.evaluation.metrics import nonfinite_metrics, top5_label
 from engine.runtime.device import precision_name
+from engine.rundir.curves import write_curves
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
@@ -159,6 +160,7 @@ class RunReporter:
             "skipped_files": len(state.skipped_files), "val_mAP": metrics.get("mAP"),
             "val_micro_f1": metrics.get("micro_f1"), "val_macro_f1": metrics.get("macro_f1")})
         self.runlog.flush()
+        write_curves(self.runlog.run_dir, self.runlog.enabled and cfg.output.curves)
 
     def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
         """After a failed save: metrics.csv and summary.json describe `saved` (what last.pt holds), as a resume
