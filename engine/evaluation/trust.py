@@ -4,7 +4,9 @@ built from the validation split's outputs, and the trust figures eval.py reports
 Record keys: `temperature` (None: plain softmax), `temperature_setting`, `coverage`, `method` (the reject
 score used), `thresholds` (method -> the score that keeps `coverage` of the validation split), `knn_k`,
 `num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
-score) and, when the method is mahalanobis, `class_means` [C, D] and `precision` [D, D] (fp32).
+score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
+raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `combined` also stores
+`combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split).
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from engine.evaluation.outputs import SplitOutputs
-from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGITS_METHOD, Rejector, energy_score,
-                                         knn_score, mahalanobis_fit, mahalanobis_score, msp_score, normalise,
-                                         rejector_from_record, seeded_subset, threshold_for_coverage)
+from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LOGITS_METHOD,
+                                         Rejector, combined_score, energy_score, knn_score, mahalanobis_fit,
+                                         mahalanobis_score, msp_score, normalise, rejector_from_record, score_scale,
+                                         seeded_subset, threshold_for_coverage)
 
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
@@ -49,11 +52,23 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
     if features:
         stored = feature_bank(bank, seed)
         scores["knn"] = knn_score(val.features, stored.float(), KNN_K)
-        means, precision = mahalanobis_fit(bank.features, bank.labels, val.logits.shape[1])
-        scores["mahalanobis"] = mahalanobis_score(val.features, means, precision)
+        classes = val.logits.shape[1]
+        fits = {"mahalanobis": mahalanobis_fit(bank.features, bank.labels, classes),
+                "mahalanobis_l2": mahalanobis_fit(normalise(bank.features), bank.labels, classes)}
+        scores["mahalanobis"] = mahalanobis_score(val.features, *fits["mahalanobis"])
+        scores["mahalanobis_l2"] = mahalanobis_score(normalise(val.features), *fits["mahalanobis_l2"])
+        scales = {name: score_scale(scores[name]) for name in COMBINED_OF}
+        scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
+                                            [scales[name] for name in COMBINED_OF])
         record["feature_bank"] = stored
-        if method == "mahalanobis":
-            record["class_means"], record["precision"] = means, precision
+        needed = COMBINED_OF if method == "combined" else (method,)
+        if "mahalanobis" in needed:
+            record["class_means"], record["precision"] = fits["mahalanobis"]
+        if "mahalanobis_l2" in needed:
+            record["class_means_l2"], record["precision_l2"] = fits["mahalanobis_l2"]
+        if method == "combined":
+            record["combined_of"] = list(COMBINED_OF)
+            record["score_scales"] = {name: list(scales[name]) for name in COMBINED_OF}
     record["thresholds"] = {name: threshold_for_coverage(s, coverage) for name, s in scores.items()}
     record["method"] = method if method in scores else LOGITS_METHOD
     return record
