@@ -25,7 +25,8 @@ def main(argv=None, host=None) -> int:
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
-    parser.add_argument("--json", help="write the metrics here, and the confusion matrix as <name>_confusion.png beside it")
+    parser.add_argument("--json", help="write the metrics here, the confusion matrix as <name>_confusion.png and the "
+                                       "misclassified images as <name>_errors.csv and <name>_errors.html beside it")
     parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
     parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign ONNX "
                                           "file; default class_0, class_1, ...)")
@@ -74,6 +75,10 @@ def main(argv=None, host=None) -> int:
         write_json(doc, args.json)
         png = draw_confusion(result.confusion, result.classes, confusion_png_path(args.json))
         print(f"wrote {args.json} and {png}")
+        from commands.eval_errors import write_errors
+
+        errors_csv, errors_html = write_errors(result.errors or [], args.json)
+        print(f"wrote {len(result.errors or [])} misclassified image(s) to {errors_csv} and {errors_html}")
     if args.reliability and result.trust:
         t = result.trust
         png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])

@@ -12,6 +12,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
+from commands.eval_errors import misclassified
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.outputs import OutputRecorder
@@ -34,6 +35,7 @@ class EvalResult:
     trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (engine.evaluation.trust)
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
     multilabel: bool = False   # data.task=multilabel: metrics hold mAP / F1, per_class the per-tag figures
+    errors: list = None         # the misclassified images, worst first (commands/eval_errors.py)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
@@ -103,11 +105,12 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     if len(outputs):
         trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
         reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
+    errors = misclassified(outputs, getattr(index, "paths", None), loaded.classes, trust and trust["temperature"])
     metrics = sums.compute()
     check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
     confusion = sums.confusion.cpu()
     return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
-                      settings, trust, reliability)
+                      settings, trust, reliability, errors=errors)
 
 
 def multilabel_result(sums, loaded, skipped: list[str], settings: dict) -> EvalResult:
