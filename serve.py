@@ -58,6 +58,9 @@ def main(argv=None, host=None) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
 
+    from commands.cli import announce
+
+    announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
     from commands.infer_trust import TrustOptions
     from serving.app import ServeSettings
     from serving.server import serve
