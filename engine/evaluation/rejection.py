@@ -27,7 +27,7 @@ import torch
 METHODS = ("msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined")
 FEATURE_METHODS = ("knn", "mahalanobis", "mahalanobis_l2", "combined")
 # the scores `combined` takes the lowest of (standardised): chosen by measurement (docs/advice.md)
-COMBINED_OF = ("mahalanobis", "mahalanobis_l2", "energy")
+COMBINED_OF = ("mahalanobis_l2", "energy")
 # the method the checkpoint's reject option uses: chosen by measurement (README, "Can I trust a prediction?")
 DEFAULT_METHOD = "combined"
 # what an exported model's reject option uses: its output is the logits only
