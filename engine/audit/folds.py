@@ -123,9 +123,10 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         fold_probs, _ = predict_probs(model, loaded.cfg, [files[i] for i in held], bs, cfg.data.num_workers,
                                       device, amp, len(classes))
         probs[held] = fold_probs
-        if outlier_z is not None:
-            z = fold_outlier_z(Path(fold_cfg.output.dir) / "best.pt", [files[i] for i in held], cfg.train.device,
-                               cfg.train.amp, cfg.data.num_workers, host)
+        best = Path(fold_cfg.output.dir) / "best.pt"
+        if outlier_z is not None and best.exists():
+            z = fold_outlier_z(open_model(best, cfg.train.device, cfg.train.amp, host), [files[i] for i in held],
+                               cfg.data.num_workers)
             if z is not None:
                 outlier_z[held] = z
         right = float((fold_probs.argmax(1) == torch.tensor([labels[i] for i in held])).double().mean())

@@ -30,20 +30,17 @@ def lowest_z(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([robust_z(p) for p in parts]).min(dim=0).values
 
 
-def fold_outlier_z(best_path: Path, files: list[str], device_setting: str, amp_setting, num_workers: int,
-                   host=None) -> Optional[torch.Tensor]:
-    """The lowest robust z of OUTLIER_PARTS for each of `files` under the fold's calibrated best.pt (None when it
-    holds no feature fits: a model without a timm classifier); nan for an unreadable file."""
+def fold_outlier_z(opened, files: list[str], num_workers: int) -> Optional[torch.Tensor]:
+    """The lowest robust z of OUTLIER_PARTS for each of `files` under the fold's calibrated best.pt (`opened`:
+    folds.open_model's (ModelFile, model, device, amp dtype)); None when it holds no feature fits (a model
+    without a timm classifier); nan for an unreadable file."""
     from data.build import build_eval_loader_for
     from data.listing.folder import ImageIndex
-    from engine.audit.folds import open_model
     from engine.evaluation.outputs import collect_outputs
     from engine.evaluation.rejection import rejector_from_record
     from engine.runtime.device import DeviceInput
 
-    if not best_path.exists():
-        return None
-    loaded, model, device, amp = open_model(best_path, device_setting, amp_setting, host)
+    loaded, model, device, amp = opened
     record = loaded.calibration
     if not record or record.get("class_means_l2") is None:
         return None
