@@ -22,9 +22,9 @@ def test_robust_z_is_not_moved_by_the_outliers_themselves():
 
 
 def test_find_outliers_lists_the_most_foreign_first_and_renders():
-    z = torch.tensor([0.5, -7.0, float("nan"), -4.5, -3.9])
+    z = torch.tensor([0.5, -9.0, float("nan"), -6.5, -5.9])
     rows = find_outliers(["a", "b", "c", "d", "e"], ["train"] * 5, ["x"] * 5, z)
-    assert [r["path"] for r in rows] == ["b", "d"] and rows[0]["score"] == -7.0
+    assert [r["path"] for r in rows] == ["b", "d"] and rows[0]["score"] == -9.0
     page = outliers_section({"outliers": rows}, lambda name, caption: f"<figure>{name} {caption}</figure>")
     assert "Out-of-distribution images (2)" in page and page.index(">b ") < page.index(">d ")
     assert "not searched" in outliers_section({"outliers": None}, None)
