@@ -47,3 +47,20 @@ def test_audit_and_serve_say_they_are_loading_torch_first(tmp_path, script, args
         proc.kill()
         proc.wait()
     assert first.startswith(f"{script}: ") and first.rstrip().endswith("(loading torch...)")
+
+
+def test_confusion_column_labels_stay_clear_of_the_grid(tmp_path):
+    import torch
+    from PIL import Image
+
+    from commands.report import LABEL_GAP, draw_confusion
+
+    classes = ["a", "bb", "a_long_class_name"]
+    path = draw_confusion(torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 5]]), classes, tmp_path / "c.png")
+    img = Image.open(path).convert("L")
+    width, height = img.size
+    grid_top = height - 8 - 3 * 48                          # the image ends 8 px below a 3 x 48 px grid
+    band = [img.getpixel((x, y)) for x in range(width) for y in range(grid_top - LABEL_GAP + 1, grid_top)]
+    assert min(band) == 255                                # nothing drawn in the gap above the grid
+    labels = [img.getpixel((x, y)) for x in range(width) for y in range(grid_top - 40, grid_top - LABEL_GAP)]
+    assert min(labels) < 128                               # the labels themselves are there
