@@ -72,10 +72,10 @@ def main(argv=None, host=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from commands.infer import run_inference
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device, args.classes, host,
+                         args.compile, args.num_workers, args.device, args.classes,
                          TrustOptions(args.reject, args.reject_below, args.explain), args.threshold)
 
 

@@ -61,12 +61,12 @@ def main(argv=None, host=None) -> int:
     from commands.cli import announce
 
     announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.app import ServeSettings
     from serving.server import serve
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
-    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device, host,
+    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
                  TrustOptions(args.reject, args.reject_below))
 
 

@@ -23,12 +23,12 @@ from benchmarking.photos import photo
 from data.build import build_eval_loader_for, scan_splits
 from data.listing.builtin import ensure_builtin
 from data.listing.folder import ImageIndex
-from engine.evaluation.outputs import collect_outputs
+from engine.evaluation.split_outputs import collect_outputs
 from engine.evaluation.rejection import (combined_score, energy_score, knn_score, mahalanobis_fit,
                                          mahalanobis_score, msp_score, normalise, score_scale,
                                          threshold_for_coverage)
 from engine.evaluation.trust import feature_bank
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.run.calibrate import bank_index
 from engine.runtime.device import DeviceInput
 

@@ -21,7 +21,8 @@ from engine.audit.hashing import compute_facts
 from engine.audit.html_report import render
 from engine.audit.label_issues import find_label_issues
 from engine.audit.outliers import find_outliers, outliers_summary
-from engine.audit.sources import read_audit_data
+from engine.audit.audit_data import read_audit_data
+from tasks import task_of
 
 log = logging.getLogger("audit")
 LABELLED_SPLITS = ("train", "val")
@@ -50,7 +51,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
     """(label issues named, their source, a note for the reader, seconds, the out-of-distribution images found
     by the fold models: None when not searched)."""
     started = time.perf_counter()
-    if cfg.data.task == "multilabel":
+    if not task_of(cfg).supports("label errors"):
         return [], None, ("not searched: the label-error search (cleanlab on out-of-sample class probabilities) "
                           "is for single-label data; duplicates, leaks, unreadable files and the tag counts are "
                           "checked"), 0.0, None

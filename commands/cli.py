@@ -1,7 +1,7 @@
 """Entry-script plumbing: run a command's `main` and turn its outcome into an exit status.
 
-Exit status: 0 done; 1 the job failed; 2 usage or config error (before any work); 143 / 130 after a
-SIGTERM / SIGINT made the run save and stop. Nothing here imports torch, so `--help` and usage errors
+Exit status: 0 done; 1 the job failed; 2 usage or config error (before any work); 143 / 130 / 138 after a
+SIGTERM / SIGINT / SIGUSR1 made the run save and stop. Nothing here imports torch, so `--help` and usage errors
 answer before the heavy imports.
 """
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Optional
 from core.config import check_data_root
 from core.errors import ConfigError
 from core.outputs import write_json
+from tracking.tuning import log_tune_run
 from data.build import prepare_root, scan_splits
 from engine.runtime import distributed as dist_utils
 from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
@@ -98,6 +99,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
             from commands.tune_plot import plot_sweep
 
             plot_sweep(results, target, args.plot)
+        log_tune_run(cfg, "sweep", doc, [args.json, args.plot], world, str(ctx.device))
     dist_utils.shutdown()
     if interrupted:
         return 143 if signalled else 130
@@ -218,6 +220,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
             from commands.tune_plot import plot_lr_range
 
             plot_lr_range(doc, args.plot)
+        log_tune_run(cfg, "lr_range", doc, [args.json, args.plot], ctx.dist.world_size, str(ctx.device))
     dist_utils.shutdown()
     return 0
 

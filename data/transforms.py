@@ -47,8 +47,19 @@ TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": Interpola
 _TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
 
 
-AUTO_AUGMENT_POLICIES = ("randaugment", "trivialaugment", "autoaugment", "augmix")
 AUGMIX_SEVERITY = (1, 10)  # the range torchvision's AugMix accepts
+
+# data.auto_augment: name -> (magnitude, num_ops, interpolation mode) -> the policy (a new policy is one entry
+# here and one name in core/config.py's data.auto_augment)
+AUTO_AUGMENT_POLICIES = {
+    "randaugment": lambda magnitude, num_ops, mode: v2.RandAugment(num_ops=num_ops, magnitude=magnitude,
+                                                                   interpolation=mode),
+    "trivialaugment": lambda magnitude, num_ops, mode: v2.TrivialAugmentWide(interpolation=mode),
+    "autoaugment": lambda magnitude, num_ops, mode: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET,
+                                                                   interpolation=mode),
+    "augmix": lambda magnitude, num_ops, mode: v2.AugMix(
+        severity=min(max(magnitude, AUGMIX_SEVERITY[0]), AUGMIX_SEVERITY[1]), interpolation=mode),
+}
 
 
 def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpolation: str):
@@ -61,16 +72,9 @@ def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpol
     # The policies' affine ops (rotate, shear, translate) take nearest or bilinear on tensors, not bicubic
     # (torchvision's tensor affine): a bicubic run's crops stay bicubic, its policy ops are bilinear.
     mode = TV_INTERPOLATION["bilinear" if interpolation == "bicubic" else interpolation]
-    if name == "randaugment":
-        return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, interpolation=mode)
-    if name == "trivialaugment":
-        return v2.TrivialAugmentWide(interpolation=mode)
-    if name == "autoaugment":
-        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)
-    if name == "augmix":
-        severity = min(max(magnitude, AUGMIX_SEVERITY[0]), AUGMIX_SEVERITY[1])
-        return v2.AugMix(severity=severity, interpolation=mode)
-    raise ValueError(f"unknown auto-augment policy {name!r}; one of {', '.join(AUTO_AUGMENT_POLICIES)}")
+    if name not in AUTO_AUGMENT_POLICIES:
+        raise ValueError(f"unknown auto-augment policy {name!r}; one of {', '.join(AUTO_AUGMENT_POLICIES)}")
+    return AUTO_AUGMENT_POLICIES[name](magnitude, num_ops, mode)
 
 
 class TrainTransform:

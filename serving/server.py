@@ -36,8 +36,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str,
-          omp_choice=None, trust=None) -> int:
-    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, omp_choice, trust)
+          trust=None) -> int:
+    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, trust)
     settings.max_batch = served.max_batch
     served.warm_up()
     log.info("%s (%s, %d classes) on %s, batches of up to %d (shapes %s), waiting up to %g ms for a batch, "

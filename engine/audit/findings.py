@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.audit.duplicates import duplicate_groups, hash_array, leak_pairs
 from engine.audit.hashing import ImageFacts
-from engine.audit.sources import AuditItem
+from engine.audit.audit_data import AuditItem
 
 SPLIT_ORDER = ("train", "val", "test")
 
@@ -19,7 +19,7 @@ def by_split(items: list[AuditItem], facts: list[ImageFacts]) -> dict[str, list[
 
 
 # Below this shorter side an image matches by content only: pHash upscales it to 32x32, and distinct 8x8
-# digits fell within a few bits of each other (README, "Why a threshold of 6"); 24 px images kept their
+# digits fell within a few bits of each other (python -m benchmarking.near_threshold); 24 px images kept their
 # re-encoded copies within the threshold and distinct images apart.
 NEAR_MIN_SIDE = 16
 

@@ -21,7 +21,7 @@ import torch
 from data.build import eval_transform
 from data.file_list import FileListDataset, build_inference_loader
 from engine.evaluation.evaluate import predict
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.audit.outliers import fold_outlier_z
 from engine.rundir.runlog import setup_logging, stderr_level
 from engine.run.trainer import run as train_run

@@ -37,7 +37,7 @@ def fold_outlier_z(opened, files: list[str], num_workers: int) -> Optional[torch
     without a timm classifier); nan for an unreadable file."""
     from data.build import build_eval_loader_for
     from data.listing.folder import ImageIndex
-    from engine.evaluation.outputs import collect_outputs
+    from engine.evaluation.split_outputs import collect_outputs
     from engine.evaluation.rejection import rejector_from_record
     from engine.runtime.device import DeviceInput
 

@@ -14,8 +14,9 @@ Scores (higher: more in-distribution):
 - combined: the lowest of the COMBINED_OF scores, each standardised by its spread on the validation split
   (`score_scale`): an image is as foreign as its most foreign-looking score says, so the checkpoint
   rejects what its export (energy only) rejects as well.
-The threshold is the score that keeps `coverage` of the validation split (README: which one is used and
-the measurements that chose it).
+The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by combined
+(docs/advice.md: the measurements that chose it, python -m benchmarking.reject_matrix); exports by energy,
+computed from the logits that are their only output.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ METHODS = ("msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined")
 FEATURE_METHODS = ("knn", "mahalanobis", "mahalanobis_l2", "combined")
 # the scores `combined` takes the lowest of (standardised): chosen by measurement (docs/advice.md)
 COMBINED_OF = ("mahalanobis_l2", "energy")
-# the method the checkpoint's reject option uses: chosen by measurement (README, "Can I trust a prediction?")
+# the method the checkpoint's reject option uses: chosen by measurement (docs/advice.md, python -m
+# benchmarking.reject_matrix)
 DEFAULT_METHOD = "combined"
 # what an exported model's reject option uses: its output is the logits only
 LOGITS_METHOD = "energy"

@@ -16,7 +16,7 @@ import torch
 
 from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
-from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.split_outputs import SplitOutputs
 from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LOGITS_METHOD,
                                          Rejector, combined_score, energy_score, knn_score, mahalanobis_fit,
                                          mahalanobis_score, msp_score, normalise, rejector_from_record, score_scale,

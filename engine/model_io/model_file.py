@@ -12,17 +12,14 @@ import torch
 from core.config import Config
 from data.build import eval_transform
 from data.transforms import EvalTransform
-
-KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
-              "timm": "a timm model folder"}
-
-
+from tasks import task_of
+from tasks.base import Task
 
 @dataclass
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # checkpoint | onnx | pt2 | timm
+    kind: str                       # its format's name (engine/model_io/formats/): checkpoint | onnx | pt2 | timm
     path: Path
     cfg: Config
     classes: list[str]
@@ -34,11 +31,11 @@ class ModelFile:
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
-    thresholds: Optional[list] = None   # data.task=multilabel: per-class thresholds tuned in training
+    thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
 
     @property
-    def multilabel(self) -> bool:
-        return self.cfg.data.task == "multilabel"
+    def task(self) -> Task:
+        return task_of(self.cfg)
 
     @property
     def fp32_only(self) -> bool:

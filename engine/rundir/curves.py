@@ -10,11 +10,17 @@ import math
 import os
 from pathlib import Path
 
+from tasks import TASKS
+
 log = logging.getLogger(__name__)
 CURVES_FILE = "curves.png"
-# the validation metrics drawn when metrics.csv holds them (single-label, then multi-label)
-METRIC_COLUMNS = ("val_top1", "val_top5", "val_mean_class_acc", "val_mAP", "val_micro_f1", "val_macro_f1")
 _warned = []
+
+
+def metric_columns() -> list[str]:
+    """The validation metrics drawn when metrics.csv holds them: every task's declared percentage columns."""
+    names = [m.name for task in TASKS.values() for m in task.metrics if m.in_csv and m.percent]
+    return [f"val_{name}" for name in dict.fromkeys(names)]
 
 
 def read_columns(path: Path) -> dict[str, list[float]]:
@@ -51,7 +57,7 @@ def draw_curves(columns: dict[str, list[float]], path: Path) -> Path:
         lr_ax.plot(epochs, lrs, marker=".", color="tab:purple")
         lr_ax.set_yscale("log")
     lr_ax.set_title("learning rate (epoch end)")
-    for key in METRIC_COLUMNS:
+    for key in metric_columns():
         if any(math.isfinite(v) for v in columns.get(key, [])):
             metric_ax.plot(epochs, columns[key], marker=".", label=key.removeprefix("val_"))
     metric_ax.set_title("validation metrics (%)")

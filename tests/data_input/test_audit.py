@@ -292,7 +292,7 @@ def test_hash_comparisons_groups_and_leaks():
 def test_images_too_small_for_phash_match_by_content_only():
     from engine.audit.findings import find_duplicates, find_leaks
     from engine.audit.hashing import ImageFacts
-    from engine.audit.sources import AuditItem
+    from engine.audit.audit_data import AuditItem
 
     def item(name, split):
         return AuditItem(name=name, file=name, label=0, split=split)

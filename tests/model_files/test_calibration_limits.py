@@ -10,7 +10,7 @@ import torch
 from commands.report import format_trust_line
 from engine.evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
                                            calibrated_temperature, fit_temperature)
-from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.split_outputs import SplitOutputs
 from engine.evaluation.trust import build_record, export_record, trust_metrics
 
 

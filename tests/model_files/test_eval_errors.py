@@ -8,7 +8,7 @@ import torch
 
 from commands.eval_errors import misclassified, write_errors
 from conftest import make_tree, run_script, train_tiny
-from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.split_outputs import SplitOutputs
 
 
 def test_rows_are_the_wrong_predictions_most_confidently_wrong_first(tmp_path):
@@ -41,3 +41,11 @@ def test_eval_py_writes_the_errors_beside_its_json(tmp_path):
     probs = [float(r["prob_label"]) for r in rows]
     assert probs == sorted(probs)
     assert (tmp_path / "eval_errors.html").read_text().count("<figure>") == len(rows)
+
+
+def test_only_a_single_label_task_lists_misclassified_images():
+    """eval.py asks the task: a multi-label model has no one top-1 label to be wrong about, so no _errors files."""
+    from tasks import get_task
+
+    assert get_task("multiclass").supports("misclassified images")
+    assert not get_task("multilabel").supports("misclassified images")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.split_outputs import SplitOutputs
 from engine.evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
 from engine.evaluation.trust import build_record, export_record, usable_rejector
 

@@ -153,7 +153,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
     """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
     infer.py --reject on the same files."""
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     _, _, best = trained
@@ -202,7 +202,7 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     onnx = tmp_path / "model.onnx"
     code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(onnx), capsys=capsys)
     assert code == 0, err[-2000:]
-    from engine.model_io.model_files import load_model_file
+    from engine.model_io.loading import load_model_file
 
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     exported = load_model_file(onnx).calibration
@@ -221,7 +221,7 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     call("infer", *photos, "--checkpoint", str(best), "--output", str(ckpt_out), "--num-workers", "0", capsys=capsys)
     probs = [r["prob"] for r in json.loads(ckpt_out.read_text())]
     assert [r["prob"] for r in json.loads(out.read_text())] == pytest.approx(probs, abs=1e-4)
-    from engine.model_io.model_files import load_model_file as load
+    from engine.model_io.loading import load_model_file as load
 
     loaded = load(best)
     model = loaded.build_model(torch.device("cpu"), channels_last=False)

@@ -10,7 +10,7 @@ import torch
 from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            reliability_bins, selective_report)
 from engine.evaluation.explain import crop_geometry, heatmap_peak, to_original
-from engine.evaluation.outputs import SplitOutputs, gather_outputs
+from engine.evaluation.split_outputs import SplitOutputs, gather_outputs
 from engine.evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
                                          seeded_subset, threshold_for_coverage)
 from engine.evaluation.trust import build_record, export_record, trust_metrics

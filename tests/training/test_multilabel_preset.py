@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import run_script, tiny_overrides
 from core.config import load_config
-from engine.training.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
+from tasks.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
 from multilabel_data import TAGS, make_tag_list
 
 README_MULTILABEL = ["data.task=multilabel", "data.format=csv", "data.root={root}",

@@ -1,4 +1,4 @@
-"""infer.py's trust options: the reject option (`--reject`, `--reject-below X`) and Grad-CAM explanations
+"""The trust options of infer.py and serve.py: the reject option (`--reject`, `--reject-below X`) and Grad-CAM explanations
 (`--explain DIR`), kept apart from the prediction pass; the scoring itself is engine.evaluation's.
 
 Rows gain `predicted` (the would-be label, also for kept images), `score` (the reject score) and, with
@@ -18,12 +18,12 @@ import torch
 from core.errors import ConfigError
 from engine.evaluation.rejection import FeatureTap, LOGITS_METHOD, Rejector
 from engine.evaluation.trust import usable_rejector
+from tasks.single_label_rows import EXPLAIN_COLUMNS
 
 log = logging.getLogger(__name__)
 
 UNKNOWN = "unknown"
 REJECT_COLUMNS = ["predicted", "score"]
-EXPLAIN_COLUMNS = ["explain_peak", "explain_overlay"]
 EXPLAIN_BATCH = 16
 
 
