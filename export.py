@@ -24,7 +24,7 @@ from commands.cli import announce, run_main
 EXPORT_FORMATS = ("onnx", "pt2", "timm")
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")

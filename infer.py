@@ -30,7 +30,7 @@ def default_workers() -> int:
     return min(8, usable_cpus())
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
     parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, a timm folder "

@@ -11,9 +11,12 @@ Requests are decoded one by one, then classified together: a batch closes at --m
 --max-wait-ms after its first one. An unreadable image gets 400 with a JSON error naming the problem, a
 body over --max-bytes 413; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
 `Authorization: Bearer KEY` (401 without). SIGTERM stops accepting, answers what is in flight, exits 0.
+--onnx-only (the default where torch is not installed, as in the slim serving image) serves an ONNX export
+with onnxruntime, PIL and NumPy alone: the same rows, on the CPU.
 Exit 2 on a usage error.
 """
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -25,7 +28,7 @@ from core.host import usable_cpus
 API_KEY_ENV = "IMGCLS_API_KEY"
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
                                                             "a timm folder")
@@ -44,6 +47,9 @@ def main(argv=None, host=None) -> int:
     parser.add_argument("--reject", action="store_true", help="as infer.py: label 'unknown' every image whose "
                         "reject score is below the threshold stored with the model ('predicted': the would-be label)")
     parser.add_argument("--reject-below", type=float, metavar="X", help="--reject with this score threshold")
+    parser.add_argument("--onnx-only", action="store_true",
+                        help="serve an ONNX export without torch (onnxruntime, PIL, NumPy; the CPU); the default "
+                             "where torch is not installed (the slim serving image)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -58,14 +64,21 @@ def main(argv=None, host=None) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
 
+    from serving.app import ServeSettings
+
+    settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
+    if args.onnx_only or importlib.util.find_spec("torch") is None:
+        from serving.onnx_only.server import serve_onnx
+
+        return serve_onnx(args.checkpoint, args.host, args.port, settings, args.topk, args.device, args.reject,
+                          args.reject_below)
+
     from commands.cli import announce
 
     announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
     from engine.prediction.trust import TrustOptions
-    from serving.app import ServeSettings
     from serving.server import serve
 
-    settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
     return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
                  TrustOptions(args.reject, args.reject_below))
 

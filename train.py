@@ -7,7 +7,7 @@ from commands.cli import announce, run_main
 from core.config import available_configs
 
 
-def main(host=None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, epilog="Every key, its default and what it does: "
                                      "configs/base.yaml. Exit status: 0 done, 1 failed, 2 usage or config "
                                      "error, 143/130/138 stopped by SIGTERM/SIGINT/SIGUSR1 after saving last.pt.")
@@ -39,7 +39,7 @@ def main(host=None) -> int:
 
     from engine.run.trainer import run
 
-    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial, host=host)
+    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
 
 
 if __name__ == "__main__":

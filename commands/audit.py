@@ -46,7 +46,7 @@ class Progress:
         self.bar.close()
 
 
-def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path, host=None
+def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
                  ) -> tuple[list[dict], Optional[str], str, float, Optional[list]]:
     """(label issues named, their source, a note for the reader, seconds, the out-of-distribution images found
     by the fold models: None when not searched)."""
@@ -78,7 +78,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
         z = torch.full((len(pool),), float("nan"))
         probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
                                       [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
-                                      on_fold=lambda _: bar(), host=host, outlier_z=z)
+                                      on_fold=lambda _: bar(), outlier_z=z)
         bar.close()
         outliers = find_outliers([data.items[i].name for i in pool], [data.items[i].split for i in pool],
                                  [data.classes[data.items[i].label] for i in pool], z)
@@ -159,7 +159,7 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
 
 
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
-              html_path: Optional[str] = None, clean_csv: Optional[str] = None, host=None) -> int:
+              html_path: Optional[str] = None, clean_csv: Optional[str] = None) -> int:
     check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
     from data.build import prepare_root
 
@@ -171,7 +171,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         data = read_audit_data(cfg, work / "samples")
         opened = None
         if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
-            opened = open_model(Path(checkpoint), cfg.train.device, host=host)
+            opened = open_model(Path(checkpoint), cfg.train.device)
             check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()
@@ -183,7 +183,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         readable = len(data.items) - len(failed)
         issues, source, note, label_s, outliers = [], None, "", 0.0, None
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s, outliers = label_search(cfg, data, facts, checkpoint, opened, work, host)
+            issues, source, note, label_s, outliers = label_search(cfg, data, facts, checkpoint, opened, work)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}

@@ -64,7 +64,7 @@ def check_arguments(args) -> None:
     check_output_file("--plot", args.plot, ".png", outside_runs=True)
 
 
-def main(args, host=None) -> int:
+def main(args) -> int:
     from core.config import check_tracking_client, load_config
 
     check_arguments(args)
@@ -78,5 +78,5 @@ def main(args, host=None) -> int:
     from commands.tune_run import run_lr_test, run_sweep
 
     if lr_range is not None:
-        return run_lr_test(cfg, args, lr_range, host)
-    return run_sweep(cfg, args, sizes, host)
+        return run_lr_test(cfg, args, lr_range)
+    return run_sweep(cfg, args, sizes)

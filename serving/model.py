@@ -17,48 +17,15 @@ from engine.model_io.checkpoint_files import preprocessing_record
 from engine.prediction.predictor import Predictor
 from engine.prediction.trust import TrustOptions
 from engine.runtime.device import DeviceInput, precision_name
+from serving.batch_shapes import batch_shapes, padded_size
+from serving.errors import BadImage, classify_decode_error
 
 log = logging.getLogger("serve")
 
 
-class BadImage(Exception):
-    """A request body that is no usable image: `kind` names the problem for the JSON error."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-
-
-def classify_decode_error(message: str) -> str:
-    """The kind of problem PIL or the decoder reported (an ImageDecodeError's message)."""
-    if "DecompressionBomb" in message:
-        return "decompression_bomb"
-    if "truncated" in message or "broken data stream" in message or "premature end" in message.lower():
-        return "truncated_image"
-    if "cannot identify image file" in message or "UnidentifiedImageError" in message:
-        return "not_an_image"
-    return "unreadable_image"
-
-
-def batch_shapes(max_batch: int) -> list[int]:
-    """The padded batch sizes the model sees: powers of two below `max_batch`, and `max_batch` itself. A few
-    fixed shapes (cudnn tunes each once), and one waiting request is not padded to the largest."""
-    shapes, size = [], 1
-    while size < max_batch:
-        shapes.append(size)
-        size *= 2
-    return shapes + [max_batch]
-
-
-def padded_size(n: int, shapes: list[int]) -> int:
-    return next(size for size in shapes if size >= n)
-
-
 def decode_image(body: bytes, transform: EvalTransform, max_pixels: Optional[int]) -> torch.Tensor:
     """infer.py's decode and eval preprocessing of one image's bytes: uint8 [3, S, S]. BadImage when the
-    bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit, also
-    for the JPEGs that torchvision decodes without PIL)."""
+    bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit)."""
     if not body:
         raise BadImage("empty_body", "the request carried no image bytes")
     try:

@@ -86,10 +86,11 @@ def predict_probs(model, model_cfg, files: list[str], batch_size: int, num_worke
     return probs, preds.valid
 
 
-def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = None, host=None):
+def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = None):
     """(ModelFile, model, device, amp dtype) for predictions, set up as eval.py and infer.py set up theirs."""
     loaded = load_model_file(path)
-    runtime = build_runtime(loaded.cfg, host, saved_threads=loaded.threads, device_setting=device_setting,
+    runtime = build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False,
+                            device_setting=device_setting,
                             amp_setting=amp_setting, fp32_only=loaded.fp32_only)
     model = loaded.build_model(runtime.device, loaded.cfg.train.channels_last)
     return loaded, model, runtime.device, runtime.amp_dtype
@@ -97,7 +98,7 @@ def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = Non
 
 def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: list[str], classes: list[str],
                           work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None,
-                          host=None, outlier_z: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          outlier_z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[N, C] probabilities, row i from the fold model that did not train on file i. `outlier_z` (N, filled
     in place): each file's out-of-distribution score under that fold model (engine/audit/outliers.py). The
     fold runs log to their own train.log; stderr shows their errors only, and one line per fold."""
@@ -113,19 +114,19 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         write_list(work / f"fold{fold}_val.csv", [files[i] for i in held], [labels[i] for i in held], classes)
         fold_cfg = fold_config(cfg, work, fold, epochs)
         with stderr_level(logging.ERROR):
-            code = train_run(fold_cfg, host=host)
+            code = train_run(fold_cfg)
         setup_logging(None, True)  # the run's file handler points into the fold folder
         if code != 0:
             raise RuntimeError(f"the training run of fold {fold + 1} failed (exit {code}); see the log above")
         loaded, model, device, amp = open_model(Path(fold_cfg.output.dir) / "last.pt", cfg.train.device,
-                                                cfg.train.amp, host)
+                                                cfg.train.amp)
         bs = fold_cfg.train.batch_size if isinstance(fold_cfg.train.batch_size, int) else 64  # resolved by the run
         fold_probs, _ = predict_probs(model, loaded.cfg, [files[i] for i in held], bs, cfg.data.num_workers,
                                       device, amp, len(classes))
         probs[held] = fold_probs
         best = Path(fold_cfg.output.dir) / "best.pt"
         if outlier_z is not None and best.exists():
-            z = fold_outlier_z(open_model(best, cfg.train.device, cfg.train.amp, host), [files[i] for i in held],
+            z = fold_outlier_z(open_model(best, cfg.train.device, cfg.train.amp), [files[i] for i in held],
                                cfg.data.num_workers)
             if z is not None:
                 outlier_z[held] = z

@@ -167,7 +167,7 @@ def prediction_runtime(loaded: ModelFile, device_setting: Optional[str], amp: Op
         if (amp is None and setting == "fp16" and device_setting is not None
                 and select_device(device_setting).type != "cuda"):
             setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
-        return build_runtime(loaded.cfg, None, saved_threads=loaded.threads, device_setting=device_setting,
+        return build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False, device_setting=device_setting,
                              amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:
         raise ConfigError(f"--device {device_setting or loaded.cfg.train.device} / --amp {amp or 'from the checkpoint'}: {err}") from err

@@ -36,9 +36,9 @@ def file_view(path: Path) -> Optional[tuple[int, str]]:
         return None
 
 
-def describe_view(host: str, files: list[Path]) -> dict:
+def describe_view(hostname: str, files: list[Path]) -> dict:
     """This rank's view: its host, and for each file (by name) its path here and `file_view`."""
-    return {"host": host, "files": {path.name: (str(path), file_view(path)) for path in files}}
+    return {"host": hostname, "files": {path.name: (str(path), file_view(path)) for path in files}}
 
 
 def view_differences(views: list[Optional[dict]]) -> list[str]:
