@@ -59,6 +59,9 @@ def main(argv=None) -> int:
 
     check_arguments(cfg, args.checkpoint, args.write_clean_csv)
 
+    from commands.cli import announce
+
+    announce(f"audit.py: auditing {cfg.data.root or cfg.data.train_csv or 'the configured data'}")
     from commands.audit import run_audit
 
     return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)

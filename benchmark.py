@@ -87,7 +87,11 @@ def run_benchmark(cfg, args) -> dict:
             prepare_root(cfg)
             train_index, _ = scan_splits(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
-        report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True)
+        from benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
+
+        report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True,
+                            min_steps_per_epoch=MIN_STEPS_PER_EPOCH)
+        print(find_batch_summary(report), file=sys.stderr)
         out = {"mode": "find-batch", "img_per_s": max(row["img_per_s"] for row in report["table"]), **report}
         out["settings"] = settings(cfg, runtime, report["batch_size"], True)
         return out

@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
-    parser.add_argument("--json", help="write the metrics here, and the confusion matrix as <name>_confusion.png beside it")
+    parser.add_argument("--json", help="write the metrics here, the confusion matrix as <name>_confusion.png and the "
+                                       "misclassified images as <name>_errors.csv and <name>_errors.html beside it")
     parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
     parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign ONNX "
                                           "file; default class_0, class_1, ...)")
@@ -72,6 +73,11 @@ def main(argv=None) -> int:
         if result.confusion is not None:
             written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(args.json)))
         print(f"wrote {' and '.join(map(str, written))}")
+        if result.errors is not None:
+            from commands.eval_errors import write_errors
+
+            errors_csv, errors_html = write_errors(result.errors, args.json)
+            print(f"wrote {len(result.errors)} misclassified image(s) to {errors_csv} and {errors_html}")
     if args.predictions:
         task.write_rows(result.rows, args.predictions, result.classes, 5, result.delimiter, ["target"])
         print(f"wrote {args.predictions}")

@@ -73,6 +73,9 @@ def main(argv=None) -> int:
         return serve_onnx(args.checkpoint, args.host, args.port, settings, args.topk, args.device, args.reject,
                           args.reject_below)
 
+    from commands.cli import announce
+
+    announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
     from engine.prediction.trust import TrustOptions
     from serving.server import serve
 

@@ -24,7 +24,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="optimizer steps per batch size, or of the LR range test (100)")
     parser.add_argument("--warmup-steps", type=int, help="linear warmup in optimizer steps (default: steps/10)")
     parser.add_argument("--target-loss", type=float,
-                        help="smoothed training loss to reach (default: the lowest every size reached)")
+                        help="smoothed training loss to reach (default: the median of the sizes' lowest losses, the "
+                             "level at least half of them reached)")
     parser.add_argument("--try-checkpointing", dest="checkpointing", action="store_true",
                         help="a size that does not fit is tried with model.grad_checkpointing before accumulation")
     parser.add_argument("--lr-range", metavar="LOW,HIGH", help="run the LR range test from LOW to HIGH instead")

@@ -20,6 +20,7 @@ from engine.audit.folds import (align_classes, check_same_classes, cross_validat
 from engine.audit.hashing import compute_facts
 from engine.audit.html_report import render
 from engine.audit.label_issues import find_label_issues
+from engine.audit.outliers import find_outliers, outliers_summary
 from engine.audit.audit_data import read_audit_data
 from tasks import task_of
 
@@ -46,15 +47,17 @@ class Progress:
 
 
 def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
-                 ) -> tuple[list[dict], Optional[str], str, float]:
-    """(label issues named, their source, a note for the reader, seconds)."""
+                 ) -> tuple[list[dict], Optional[str], str, float, Optional[list]]:
+    """(label issues named, their source, a note for the reader, seconds, the out-of-distribution images found
+    by the fold models: None when not searched)."""
     started = time.perf_counter()
     if not task_of(cfg).supports("label errors"):
         return [], None, ("not searched: the label-error search (cleanlab on out-of-sample class probabilities) "
                           "is for single-label data; duplicates, leaks, unreadable files and the tag counts are "
-                          "checked"), 0.0
+                          "checked"), 0.0, None
     pool = [i for i, (item, f) in enumerate(zip(data.items, facts))
             if f.error is None and item.split in LABELLED_SPLITS]
+    outliers = None
     if checkpoint:
         loaded, model, device, amp = opened
         unseen = unseen_by_checkpoint([data.items[i].name for i in pool], [data.items[i].split for i in pool],
@@ -69,11 +72,16 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
                 f"on its own training images hide their label errors, so those are not searched")
     else:
         folds, epochs = cfg.audit.folds, cfg.audit.fold_epochs or cfg.train.epochs
+        import torch
+
         bar = Progress(cfg, folds, "folds")
+        z = torch.full((len(pool),), float("nan"))
         probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
                                       [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
-                                      on_fold=lambda _: bar())
+                                      on_fold=lambda _: bar(), outlier_z=z)
         bar.close()
+        outliers = find_outliers([data.items[i].name for i in pool], [data.items[i].split for i in pool],
+                                 [data.classes[data.items[i].label] for i in pool], z)
         source = f"{folds}-fold cross-validation, {epochs} epoch(s) per fold"
         note = (f"out-of-sample predictions for the {len(pool)} training and validation images: each from a "
                 f"{cfg.model.name} trained {epochs} epoch(s) on the other {folds - 1} fold(s)")
@@ -81,7 +89,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
     named = [{"path": data.items[pool[x["position"]]].name, "split": data.items[pool[x["position"]]].split,
               "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"]}
              for x in issues]
-    return named, source, note, time.perf_counter() - started
+    return named, source, note, time.perf_counter() - started, outliers
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -173,13 +181,15 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         failed = [{"path": item.name, "split": item.split, "reason": f.error.replace(item.file, item.name)}
                   for item, f in zip(data.items, facts) if f.error is not None]
         readable = len(data.items) - len(failed)
-        issues, source, note, label_s = [], None, "", 0.0
+        issues, source, note, label_s, outliers = [], None, "", 0.0, None
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, opened, work)
+            issues, source, note, label_s, outliers = label_search(cfg, data, facts, checkpoint, opened, work)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
         report = build_report(cfg, data, facts, failed, issues, source, note, timings)
+        report["outliers"] = outliers
+        report["summary"].append(outliers_summary(outliers))
         if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
                                        f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "

@@ -11,6 +11,7 @@ from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from engine.runtime.device import amp_setting, pin_memory_for
+from commands.eval_errors import misclassified
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.split_outputs import OutputRecorder
@@ -35,6 +36,7 @@ class EvalResult:
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
     rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
     delimiter: str = " "        # between tags in a multi-label row
+    errors: list = None         # the misclassified images, worst first (commands/eval_errors.py); None: not the task's
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
@@ -96,11 +98,13 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     if not calibrated:
         settings["thresholds"] = ("tuned in training (recorded in the model)" if loaded.thresholds else
                                   "0.5 (none recorded)")
+    errors = (misclassified(outputs, getattr(index, "paths", None), loaded.classes, trust and trust["temperature"])
+              if task.supports("misclassified images") else None)
     metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
     rows = prediction_rows(predictor, outputs, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
-                      predictor.delimiter)
+                      predictor.delimiter, errors)
 
 
 def evaluation_settings(predictor: Predictor, source, tta: bool) -> dict:

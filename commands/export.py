@@ -79,7 +79,8 @@ def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibra
     print(f"size: {report.int8_bytes / 1e6:.2f} MB int8 vs {report.fp32_bytes / 1e6:.2f} MB fp32 "
           f"({report.int8_bytes / report.fp32_bytes:.2f}x)")
     print(f"check: fp32 export vs checkpoint max |probability difference| {fp32.max_prob_diff:.2e}; int8 top-1 "
-          f"agreement with fp32 {report.agreement:.4f} ({report.agree}/{n}), accuracy fp32 "
-          f"{report.fp32_correct / n:.4f} int8 {report.int8_correct / n:.4f} on {n} images from {described}")
+          f"agreement with fp32 {100 * report.agreement:.2f}% ({report.agree}/{n}), top-1 accuracy fp32 "
+          f"{100 * report.fp32_correct / n:.2f}% int8 {100 * report.int8_correct / n:.2f}% on {n} images from "
+          f"{described}")
     check_agreement(report, min_agreement)
     return 0

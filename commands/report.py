@@ -17,12 +17,15 @@ def format_trust_line(trust: dict) -> str:
     if sel["threshold"] is not None:
         line += (f"; selective ({sel['method']} score >= {sel['threshold']:.4g}): coverage {sel['coverage']:.2f}%, "
                  f"accuracy {sel['accuracy']:.2f}%")
-    return line
+    return line + "".join(f"\ncalibration warning: {note}" for note in trust.get("calibration_notes") or [])
 
 
 def confusion_png_path(json_path: str | Path) -> Path:
     json_path = Path(json_path)
     return json_path.with_name(f"{json_path.stem}_confusion.png")
+
+
+LABEL_GAP = 4   # pixels between a rotated column label and the grid
 
 
 def draw_confusion(confusion: torch.Tensor, classes: list[str], path: str | Path, max_side: int = 1600) -> Path:
@@ -62,10 +65,12 @@ def draw_confusion(confusion: torch.Tensor, classes: list[str], path: str | Path
     if show_labels:
         for i, name in enumerate(names):
             draw.text((8, top + i * cell + cell // 2 - 5), name, fill="black", font=font)
-            # column labels: drawn on a strip, rotated to read bottom-up
-            strip = Image.new("RGB", (label_w, 12), "white")
-            ImageDraw.Draw(strip).text((0, 0), name, fill="black", font=font)
-            img.paste(strip.rotate(90, expand=True), (left + i * cell + cell // 2 - 6, title_h))
+            # column labels: drawn on a strip, rotated to read bottom-up, ending LABEL_GAP pixels above the
+            # grid (the strip's start becomes its bottom), no wider than a cell so neighbours do not cover it
+            high = min(12, cell)
+            strip = Image.new("RGB", (label_w, high), "white")
+            ImageDraw.Draw(strip).text((LABEL_GAP, 0), name, fill="black", font=font)
+            img.paste(strip.rotate(90, expand=True), (left + i * cell + (cell - high) // 2, title_h))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)

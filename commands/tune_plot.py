@@ -40,17 +40,22 @@ def plot_sweep(results: list[dict], target: Optional[float], path: str) -> None:
 
 
 def plot_lr_range(doc: dict, path: str) -> None:
-    """Smoothed loss against LR (log scale), the steepest descent and the divergence point marked."""
+    """Smoothed loss against LR (log scale), the steepest descent, the minimum, the divergence point and the
+    suggestion marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     ax.plot(doc["lrs"], doc["smoothed_loss"], label="smoothed loss")
     ax.set_xscale("log")
     for key, colour, name in (("steepest_index", "tab:green", "steepest descent"),
+                              ("minimum_index", "tab:orange", "lowest loss"),
                               ("divergence_index", "tab:red", "divergence")):
         i = doc.get(key)
         if i is not None:
             ax.plot([doc["lrs"][i]], [doc["smoothed_loss"][i]], "o", color=colour,
                     label=f"{name}: LR {doc['lrs'][i]:.3g}")
+    if doc.get("suggested_lr") is not None:
+        ax.axvline(doc["suggested_lr"], color="tab:blue", linestyle="--", linewidth=1,
+                   label=f"suggested: LR {doc['suggested_lr']:.3g} ({doc['confidence']} confidence)")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("smoothed training loss")
     ax.set_title(f"LR range test at effective batch {doc['effective_batch']}")

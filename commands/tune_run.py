@@ -208,8 +208,8 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     result = run_lr_range(cfg, ctx, low, high, steps, on_step=LrEstimateOnce(ctx, steps))
     found = lr_suggestion(result.lrs, result.smoothed)
     o = cfg.optim
-    at_base = (found["steepest_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
-               if found["steepest_lr"] is not None else None)
+    at_base = (found["suggested_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
+               if found["suggested_lr"] is not None else None)
     doc = {"effective_batch": result.effective_batch, "lrs": result.lrs, "loss": result.losses,
            "smoothed_loss": result.smoothed, **found, "optim_lr": at_base, "base_batch_size": o.base_batch_size,
            "lr_scaling": o.lr_scaling}
@@ -227,11 +227,14 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
 
 def format_lr_result(doc: dict) -> str:
     if doc["optim_lr"] is None:
-        return (f"LR range test: too few steps before the loss diverged to suggest an LR (divergence at "
+        return (f"LR range test: too few steps before the loss reached its minimum to suggest an LR (divergence at "
                 f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
     diverged = (f"; the loss diverges from LR {doc['divergence_lr']:.3g}" if doc["divergence_lr"] is not None
                 else "; no divergence within the range")
-    return (f"LR range test at effective batch {doc['effective_batch']}: steepest descent at LR "
-            f"{doc['steepest_lr']:.3g}{diverged}\n"
+    why = "".join(f"\n  - {reason}" for reason in doc["confidence_reasons"])
+    return (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
+            f"LR {doc['steepest_lr']:.3g}; lowest loss at LR {doc['minimum_lr']:.3g}{diverged}\n"
+            f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a tenth of the "
+            f"lowest loss's LR); confidence: {doc['confidence']}{why}\n"
             f"use: optim.lr={doc['optim_lr']:.4g} (at optim.base_batch_size={doc['base_batch_size']}, "
             f"optim.lr_scaling={doc['lr_scaling']})")

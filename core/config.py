@@ -188,6 +188,8 @@ class OutputConfig:
     tensorboard: bool = field(default=True, metadata=FREE)
     progress_bar: Union[bool, Literal["auto"]] = field(default="auto", metadata=FREE)
     overwrite: bool = field(default=False, metadata=FREE)
+    # curves.png in the run directory at every epoch end: loss, LR and validation metrics per epoch
+    curves: bool = field(default=True, metadata=FREE)
 
 
 @dataclass

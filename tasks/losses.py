@@ -42,16 +42,16 @@ class AsymmetricLoss(torch.nn.Module):
 
     EPS = 1e-8  # the paper's clamp of the probabilities inside the logs
 
-    def __init__(self, gamma_neg: float = 4.0, gamma_pos: float = 0.0, clip: float = 0.05):
+    def __init__(self, gamma_neg: float = 4.0, gamma_pos: float = 0.0, clip: float = 0.05, smoothing: float = 0.0):
         super().__init__()
+        self.smoothing = smoothing
         self.gamma_neg = gamma_neg
         self.gamma_pos = gamma_pos
         self.clip = clip
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not targets.is_floating_point():  # int labels (the batch-size finder's synthetic batches)
-            targets = F.one_hot(targets, logits.shape[-1])
-        targets = targets.float()
+        # int labels (the batch-size finder's synthetic batches) become one-hot; smoothing as BinaryCrossEntropy's
+        targets = smoothed_targets(targets, logits.shape[-1], self.smoothing).float()
         p = torch.sigmoid(logits.float())
         p_neg = (p - self.clip).clamp(min=0) if self.clip > 0 else p
         pos = targets * torch.log(p.clamp(min=self.EPS))
@@ -65,10 +65,11 @@ class AsymmetricLoss(torch.nn.Module):
 
 def build_criterion(train_cfg) -> torch.nn.Module:
     """`ce`: torch's cross-entropy, which takes int labels or soft (probability) targets and applies the
-    label smoothing to both; `bce`: `BinaryCrossEntropy` (multi-hot targets of data.task=multilabel pass
-    through as they are); `asl`: `AsymmetricLoss`."""
+    label smoothing to both; `bce`: `BinaryCrossEntropy`; `asl`: `AsymmetricLoss`. Both smooth multi-hot targets
+    of data.task=multilabel as timm's BinaryCrossEntropy does: a tag present -> 1 - s + s / C, absent -> s / C."""
     if train_cfg.loss == "asl":
-        return AsymmetricLoss(train_cfg.asl_gamma_neg, train_cfg.asl_gamma_pos, train_cfg.asl_clip)
+        return AsymmetricLoss(train_cfg.asl_gamma_neg, train_cfg.asl_gamma_pos, train_cfg.asl_clip,
+                              train_cfg.label_smoothing)
     if train_cfg.loss == "bce":
         return BinaryCrossEntropy(train_cfg.label_smoothing, train_cfg.bce_target_thresh)
     return torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)

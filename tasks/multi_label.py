@@ -38,6 +38,8 @@ class MultiLabel(Task):
                            "exported in fp32 (drop --quantize)",
         "label errors": "the label-error search (cleanlab on out-of-sample class probabilities) is for "
                         "single-label data",
+        "misclassified images": "eval.py --json's <name>_errors.csv / .html list images whose one top-1 label is "
+                                "wrong; a multi-label model's per-tag errors are the per_class figures",
     }
 
     def check_config(self, cfg, explicit: set[str]) -> None:
@@ -61,9 +63,6 @@ class MultiLabel(Task):
             raise ConfigError("'data.task' = multilabel needs tags per image, which a class-folder tree cannot hold: "
                               "use data.format=csv (a tag column, data.label_delimiter between tags) or webdataset "
                               "shards written by python -m data.shards --from LIST.csv --multilabel")
-        if t.label_smoothing > 0:
-            raise ConfigError(f"'train.label_smoothing' = {t.label_smoothing} is not defined for data.task=multilabel "
-                              f"(no distribution over classes to smooth towards); set train.label_smoothing=0")
         if d.sampler == "weighted":
             raise ConfigError("'data.sampler' = weighted draws images by the inverse frequency of their one class; a "
                               "multi-label image has several or none. Use data.sampler=random with data.task=multilabel "

@@ -26,9 +26,10 @@ def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:
         "",
     ]
     width = max([len("class")] + [len(name) for name in per_class])
-    header = f"{'class':<{width}}  {'count':>6}  {'acc%':>6}  {'prec%':>6}  {'recall%':>7}  {'f1%':>6}"
+    # a class's accuracy is its recall (the share of its images predicted as it): one column, named for both
+    header = f"{'class':<{width}}  {'count':>6}  {'recall% (acc)':>13}  {'prec%':>6}  {'f1%':>6}"
     lines += [header, "-" * len(header)]
     for name, row in per_class.items():
-        lines.append(f"{name:<{width}}  {row['count']:>6d}  {row['accuracy']:>6.2f}  {row['precision']:>6.2f}  "
-                     f"{row['recall']:>7.2f}  {row['f1']:>6.2f}")
+        lines.append(f"{name:<{width}}  {row['count']:>6d}  {row['recall']:>13.2f}  {row['precision']:>6.2f}  "
+                     f"{row['f1']:>6.2f}")
     return "\n".join(lines)

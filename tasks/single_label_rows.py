@@ -45,14 +45,21 @@ def table_text(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def label_cell(row: dict) -> str:
+    """The table's label: a rejected image's reads `unknown (would be X)`, so its prob (X's probability) is
+    not read as a probability of `unknown`."""
+    predicted = row.get("predicted")
+    return f"{row['label']} (would be {predicted})" if predicted and predicted != row["label"] else row["label"]
+
+
 def format_predictions_table(rows: list[dict]) -> str:
     paths = [table_text(r["path"]) for r in rows]
     width = max([len("path")] + [len(p) for p in paths])
-    label_width = max([len("label")] + [len(r["label"]) for r in rows if r["label"] is not None])
+    label_width = max([len("label")] + [len(label_cell(r)) for r in rows if r["label"] is not None])
     lines = [f"{'path':<{width}}  {'label':<{label_width}}  {'prob':>6}"]
     for path, r in zip(paths, rows):
         if r["error"] is None:
-            lines.append(f"{path:<{width}}  {r['label']:<{label_width}}  {r['prob']:>6.4f}")
+            lines.append(f"{path:<{width}}  {label_cell(r):<{label_width}}  {r['prob']:>6.4f}")
         else:
             lines.append(f"{path:<{width}}  {'-':<{label_width}}  {'-':>6}  error: {table_text(r['error'])}")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ from data.build import eval_transform
 from data.file_list import FileListDataset, build_inference_loader
 from engine.evaluation.evaluate import predict
 from engine.model_io.loading import load_model_file
-from engine.rundir.runlog import setup_logging
+from engine.audit.outliers import fold_outlier_z
+from engine.rundir.runlog import setup_logging, stderr_level
 from engine.run.trainer import run as train_run
 from engine.runtime.device import DeviceInput
 from engine.runtime.runtime import build_runtime
@@ -96,8 +97,11 @@ def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = Non
 
 
 def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: list[str], classes: list[str],
-                          work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None) -> torch.Tensor:
-    """[N, C] probabilities, row i from the fold model that did not train on file i."""
+                          work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None,
+                          outlier_z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, C] probabilities, row i from the fold model that did not train on file i. `outlier_z` (N, filled
+    in place): each file's out-of-distribution score under that fold model (engine/audit/outliers.py). The
+    fold runs log to their own train.log; stderr shows their errors only, and one line per fold."""
     fold_of = assign_folds(digests, labels, folds, cfg.audit.seed)
     (work / "classes.txt").write_text("".join(f"{name}\n" for name in classes))
     probs = torch.full((len(files), len(classes)), float("nan"))
@@ -109,8 +113,8 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         write_list(work / f"fold{fold}_train.csv", [files[i] for i in rest], [labels[i] for i in rest], classes)
         write_list(work / f"fold{fold}_val.csv", [files[i] for i in held], [labels[i] for i in held], classes)
         fold_cfg = fold_config(cfg, work, fold, epochs)
-        log.info("audit fold %d/%d: training on %d images, predicting %d", fold + 1, folds, len(rest), len(held))
-        code = train_run(fold_cfg)
+        with stderr_level(logging.ERROR):
+            code = train_run(fold_cfg)
         setup_logging(None, True)  # the run's file handler points into the fold folder
         if code != 0:
             raise RuntimeError(f"the training run of fold {fold + 1} failed (exit {code}); see the log above")
@@ -120,6 +124,15 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         fold_probs, _ = predict_probs(model, loaded.cfg, [files[i] for i in held], bs, cfg.data.num_workers,
                                       device, amp, len(classes))
         probs[held] = fold_probs
+        best = Path(fold_cfg.output.dir) / "best.pt"
+        if outlier_z is not None and best.exists():
+            z = fold_outlier_z(open_model(best, cfg.train.device, cfg.train.amp), [files[i] for i in held],
+                               cfg.data.num_workers)
+            if z is not None:
+                outlier_z[held] = z
+        right = float((fold_probs.argmax(1) == torch.tensor([labels[i] for i in held])).double().mean())
+        log.info("audit fold %d/%d: trained on %d images (%d epoch(s)), %.1f%% of the %d held-out ones predicted "
+                 "as labelled", fold + 1, folds, len(rest), epochs, 100 * right, len(held))
         if on_fold is not None:
             on_fold(fold)
     return probs

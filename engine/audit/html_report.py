@@ -8,6 +8,7 @@ import html
 import io
 
 from data.images import ImageDecodeError, load_rgb
+from engine.audit.outliers import outliers_section
 
 THUMB = 128          # thumbnail bounding box, pixels
 MAX_SHOWN = 200      # entries per section shown as thumbnails (the JSON has them all)
@@ -89,6 +90,7 @@ def render(report: dict, files: dict[str, str], title: str) -> str:
         _section("Likely label errors", issue_rows, len(report["label_issues"]),
                  "no likely label errors found" if report["label_issues_source"] else "label issues not searched",
                  report.get("label_issues_note", "")),
+        outliers_section(report, fig),
         f"<h2>Unreadable files ({len(report['unreadable'])})</h2><ul>{unreadable}</ul>",
         f"<h2>Images per class</h2>{table}",
         "".join(f'<p class="note">{html.escape(line)}</p>' for line in report["advice"]),

@@ -8,6 +8,7 @@ changes; T is fitted on the validation split's logits by minimising the NLL.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -16,6 +17,10 @@ ECE_BINS = 15
 # the fitted temperature stays within these bounds (log-space search); a split too small or too easy to
 # pin it down (every sample right with any confidence) ends at a bound rather than at 0 or infinity
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
+# below this many validation images the fitted temperature is reported as uncertain
+MIN_CALIBRATION_SAMPLES = 100
+# a temperature below 1 (sharper than the plain softmax) needs at least this many validation errors to rest on
+MIN_CALIBRATION_ERRORS = 5
 
 
 def apply_temperature(logits: torch.Tensor, temperature: Optional[float]) -> torch.Tensor:
@@ -52,6 +57,42 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if not math.isfinite(t):
         return 1.0
     return min(max(t, MIN_TEMPERATURE), MAX_TEMPERATURE)
+
+
+@dataclass
+class TemperatureFit:
+    """The temperature to use, the NLL fit's own value, and what limited it (`notes`: plain sentences for the
+    log and eval.py; empty when the fit stands as it is)."""
+
+    temperature: float
+    fitted: float
+    errors: int
+    notes: list[str] = field(default_factory=list)
+
+
+def calibrated_temperature(logits: torch.Tensor, labels: torch.Tensor) -> TemperatureFit:
+    """The NLL fit (`fit_temperature`) under the rule that calibration never makes a model more confident
+    than its plain softmax without errors to calibrate against: with fewer than MIN_CALIBRATION_ERRORS
+    misclassified validation images, T < 1 is raised to 1 (a split the model gets all right drives the fit
+    to its lower bound, which calls anything, a foreign image too, at probability 1.0000). A fit that ends at
+    a bound, and a split under MIN_CALIBRATION_SAMPLES images, are said in `notes`."""
+    n = len(labels)
+    fitted = fit_temperature(logits, labels)
+    errors = int((logits.argmax(1) != labels.long()).sum()) if n else 0
+    notes = []
+    if n and n < MIN_CALIBRATION_SAMPLES:
+        notes.append(f"only {n} validation images (under {MIN_CALIBRATION_SAMPLES}): the temperature is uncertain")
+    if fitted <= MIN_TEMPERATURE * (1 + 1e-6) or fitted >= MAX_TEMPERATURE * (1 - 1e-6):
+        bound = "lower" if fitted < 1 else "upper"
+        notes.append(f"the fit ended at its {bound} bound ({fitted:g}): the validation split cannot pin the "
+                     f"temperature down")
+    temperature = fitted
+    if fitted < 1.0 and errors < MIN_CALIBRATION_ERRORS:
+        temperature = 1.0
+        notes.append(f"the validation split has {errors} error(s) (under {MIN_CALIBRATION_ERRORS}): nothing to "
+                     f"calibrate a sharper softmax against, so the temperature is kept at 1.0 (fit: {fitted:.4g}), "
+                     f"never more confident than uncalibrated")
+    return TemperatureFit(temperature, fitted, errors, notes)
 
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS) -> float:

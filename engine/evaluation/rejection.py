@@ -8,10 +8,15 @@ Scores (higher: more in-distribution):
 - knn: minus the distance from the L2-normalised penultimate feature to its k-th nearest neighbour in a
   bank of normalised training features (Sun et al., 2022);
 - mahalanobis: minus the smallest Mahalanobis distance to a class mean under the shared covariance of
-  the training features (Lee et al., 2018).
-The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by
-mahalanobis, which rejected the most out-of-distribution images at equal coverage on held-out digits
-(python -m benchmarking.trust); exports by energy, computed from the logits that are their only output.
+  the training features (Lee et al., 2018);
+- mahalanobis_l2: the same on L2-normalised features (the feature norm of a foreign image can be small,
+  which puts it near the class means before normalisation);
+- combined: the lowest of the COMBINED_OF scores, each standardised by its spread on the validation split
+  (`score_scale`): an image is as foreign as its most foreign-looking score says, so the checkpoint
+  rejects what its export (energy only) rejects as well.
+The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by combined
+(docs/advice.md: the measurements that chose it, python -m benchmarking.reject_matrix); exports by energy,
+computed from the logits that are their only output.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ from typing import Optional
 
 import torch
 
-METHODS = ("msp", "energy", "knn", "mahalanobis")
-FEATURE_METHODS = ("knn", "mahalanobis")
-# the method the checkpoint's reject option uses: of the four, it rejected the most foreign images at the same
-# coverage of validation images (python -m benchmarking.trust)
-DEFAULT_METHOD = "mahalanobis"
+METHODS = ("msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined")
+FEATURE_METHODS = ("knn", "mahalanobis", "mahalanobis_l2", "combined")
+# the scores `combined` takes the lowest of (standardised): chosen by measurement (docs/advice.md)
+COMBINED_OF = ("mahalanobis_l2", "energy")
+# the method the checkpoint's reject option uses: chosen by measurement (docs/advice.md, python -m
+# benchmarking.reject_matrix)
+DEFAULT_METHOD = "combined"
 # what an exported model's reject option uses: its output is the logits only
 LOGITS_METHOD = "energy"
 KNN_K = 1
@@ -129,6 +136,21 @@ def mahalanobis_score(features: torch.Tensor, means: torch.Tensor, precision: to
     return -distance.min(dim=1).values.float()
 
 
+def score_scale(scores: torch.Tensor) -> tuple[float, float]:
+    """(centre, spread) of a score on the validation split: its median, and the distance from the median down
+    to the 5th percentile (the side rejection looks at), so scores of different units compare."""
+    values = scores.double()
+    centre = float(values.median())
+    spread = centre - float(values.quantile(0.05))
+    return centre, spread if spread > 1e-12 else 1.0
+
+
+def combined_score(parts: list[torch.Tensor], scales: list[tuple[float, float]]) -> torch.Tensor:
+    """The lowest of the standardised scores (score - centre) / spread: the most foreign-looking view wins."""
+    standardised = [(p.double() - c) / s for p, (c, s) in zip(parts, scales)]
+    return torch.stack(standardised).min(dim=0).values.float()
+
+
 def seeded_subset(n: int, size: int, seed: int) -> list[int]:
     """`size` of range(n) (all when n <= size), drawn by `seed`, in ascending order."""
     if n <= size:
@@ -139,31 +161,40 @@ def seeded_subset(n: int, size: int, seed: int) -> list[int]:
 
 class Rejector:
     """The stored reject record (`calibration` in best.pt) as a scorer: `scores(logits, features)`,
-    `rejected(scores)`. `threshold` may be replaced by hand (`--reject-below`)."""
+    `rejected(scores)`. `threshold` may be replaced by hand (`--reject-below`). `fits`: name -> (class means,
+    precision) of `mahalanobis` (raw features) and `mahalanobis_l2`; `scales`: name -> (centre, spread) of the
+    parts of `combined`, which are `combined_of`."""
 
     def __init__(self, method: str, threshold: float, temperature: Optional[float] = None,
-                 bank: Optional[torch.Tensor] = None, k: int = KNN_K, means: Optional[torch.Tensor] = None,
-                 precision: Optional[torch.Tensor] = None):
+                 bank: Optional[torch.Tensor] = None, k: int = KNN_K, fits: Optional[dict] = None,
+                 scales: Optional[dict] = None, combined_of: tuple = COMBINED_OF):
         if method not in METHODS:
             raise ValueError(f"unknown reject method {method!r}; one of {METHODS}")
         self.method, self.threshold, self.temperature = method, float(threshold), temperature
         self.bank = bank.float() if bank is not None else None
-        self.k, self.means, self.precision = k, means, precision
+        self.k, self.fits, self.scales, self.combined_of = k, fits or {}, scales or {}, tuple(combined_of)
 
     @property
     def needs_features(self) -> bool:
         return self.method in FEATURE_METHODS
 
     def scores(self, logits: torch.Tensor, features: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.method == "msp":
+        return self.score(self.method, logits, features)
+
+    def score(self, name: str, logits: torch.Tensor, features: Optional[torch.Tensor]) -> torch.Tensor:
+        if name == "msp":
             return msp_score(logits, self.temperature)
-        if self.method == "energy":
+        if name == "energy":
             return energy_score(logits)
         if features is None:
-            raise ValueError(f"the {self.method} score needs penultimate features")
-        if self.method == "knn":
+            raise ValueError(f"the {name} score needs penultimate features")
+        if name == "knn":
             return knn_score(features, self.bank.to(features.device), self.k)
-        return mahalanobis_score(features, self.means.to(features.device), self.precision.to(features.device))
+        if name in ("mahalanobis", "mahalanobis_l2"):
+            means, precision = (t.to(features.device) for t in self.fits[name])
+            return mahalanobis_score(normalise(features) if name == "mahalanobis_l2" else features, means, precision)
+        parts = [self.score(part, logits, features).to(features.device) for part in self.combined_of]
+        return combined_score(parts, [tuple(self.scales[part]) for part in self.combined_of])
 
     def rejected(self, scores: torch.Tensor) -> torch.Tensor:
         return scores < self.threshold
@@ -172,6 +203,9 @@ class Rejector:
 def rejector_from_record(record: dict, method: Optional[str] = None) -> Rejector:
     """A Rejector from a checkpoint's / export's `calibration` record, for `method` (default: the record's)."""
     method = method or record["method"]
+    fits = {name: (record[means], record[precision]) for name, means, precision in
+            (("mahalanobis", "class_means", "precision"), ("mahalanobis_l2", "class_means_l2", "precision_l2"))
+            if record.get(means) is not None}
     return Rejector(method, record["thresholds"][method], record.get("temperature"),
-                    bank=record.get("feature_bank"), k=int(record.get("knn_k", KNN_K)),
-                    means=record.get("class_means"), precision=record.get("precision"))
+                    bank=record.get("feature_bank"), k=int(record.get("knn_k", KNN_K)), fits=fits,
+                    scales=record.get("score_scales"), combined_of=tuple(record.get("combined_of", COMBINED_OF)))

@@ -4,7 +4,9 @@ built from the validation split's outputs, and the trust figures eval.py reports
 Record keys: `temperature` (None: plain softmax), `temperature_setting`, `coverage`, `method` (the reject
 score used), `thresholds` (method -> the score that keeps `coverage` of the validation split), `knn_k`,
 `num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
-score) and, when the method is mahalanobis, `class_means` [C, D] and `precision` [D, D] (fp32).
+score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
+raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `combined` also stores
+`combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split).
 """
 from __future__ import annotations
 
@@ -12,21 +14,24 @@ from typing import Optional, Union
 
 import torch
 
-from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
+from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from engine.evaluation.split_outputs import SplitOutputs
-from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGITS_METHOD, Rejector, energy_score,
-                                         knn_score, mahalanobis_fit, mahalanobis_score, msp_score, normalise,
-                                         rejector_from_record, seeded_subset, threshold_for_coverage)
+from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LOGITS_METHOD,
+                                         Rejector, combined_score, energy_score, knn_score, mahalanobis_fit,
+                                         mahalanobis_score, msp_score, normalise, rejector_from_record, score_scale,
+                                         seeded_subset, threshold_for_coverage)
 
 
-def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> Optional[float]:
-    """calibration.temperature: `auto` fits on the validation outputs, `none` is None, a number is itself."""
+def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
+    """calibration.temperature: `auto` fits on the validation outputs (`calibrated_temperature`'s rule, with
+    its notes), `none` is None, a number is itself."""
     if setting == "auto":
-        return fit_temperature(val.logits, val.labels)
+        fit = calibrated_temperature(val.logits, val.labels)
+        return fit.temperature, fit.notes
     if setting == "none":
-        return None
-    return float(setting)
+        return None, []
+    return float(setting), []
 
 
 def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:
@@ -39,19 +44,31 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                  seed: int, method: str = DEFAULT_METHOD) -> dict:
     """The checkpoint's `calibration` record. Without features (a model without a timm classifier, or no
     training features) the reject option falls back to the energy score."""
-    temperature = resolve_temperature(setting, val)
+    temperature, notes = resolve_temperature(setting, val)
     scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
-              "knn_k": KNN_K, "num_samples": len(val)}
+              "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes}
     features = val.features is not None and bank is not None and bank.features is not None and len(bank) > 0
     if features:
         stored = feature_bank(bank, seed)
         scores["knn"] = knn_score(val.features, stored.float(), KNN_K)
-        means, precision = mahalanobis_fit(bank.features, bank.labels, val.logits.shape[1])
-        scores["mahalanobis"] = mahalanobis_score(val.features, means, precision)
+        classes = val.logits.shape[1]
+        fits = {"mahalanobis": mahalanobis_fit(bank.features, bank.labels, classes),
+                "mahalanobis_l2": mahalanobis_fit(normalise(bank.features), bank.labels, classes)}
+        scores["mahalanobis"] = mahalanobis_score(val.features, *fits["mahalanobis"])
+        scores["mahalanobis_l2"] = mahalanobis_score(normalise(val.features), *fits["mahalanobis_l2"])
+        scales = {name: score_scale(scores[name]) for name in COMBINED_OF}
+        scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
+                                            [scales[name] for name in COMBINED_OF])
         record["feature_bank"] = stored
-        if method == "mahalanobis":
-            record["class_means"], record["precision"] = means, precision
+        needed = COMBINED_OF if method == "combined" else (method,)
+        if "mahalanobis" in needed:
+            record["class_means"], record["precision"] = fits["mahalanobis"]
+        if "mahalanobis_l2" in needed:
+            record["class_means_l2"], record["precision_l2"] = fits["mahalanobis_l2"]
+        if method == "combined":
+            record["combined_of"] = list(COMBINED_OF)
+            record["score_scales"] = {name: list(scales[name]) for name in COMBINED_OF}
     record["thresholds"] = {name: threshold_for_coverage(s, coverage) for name, s in scores.items()}
     record["method"] = method if method in scores else LOGITS_METHOD
     return record
@@ -64,6 +81,7 @@ def export_record(record: Optional[dict]) -> Optional[dict]:
         return None
     return {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
             "coverage": record.get("coverage"), "method": LOGITS_METHOD,
+            "temperature_notes": list(record.get("temperature_notes", [])),
             "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
             "num_samples": record.get("num_samples")}
 
@@ -81,7 +99,8 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
     result = {"ece": expected_calibration_error(calibrated, labels),
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
-              "temperature": temperature}
+              "temperature": temperature,
+              "calibration_notes": list(record.get("temperature_notes", [])) if record else []}
     rejector = usable_rejector(record, outputs.features is not None, method) if record else None
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):
         if threshold is not None:

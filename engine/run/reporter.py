@@ -16,6 +16,7 @@ from core.config import OPTIMIZER_OPTIONS
 from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from engine.runtime.device import precision_name
+from engine.rundir.curves import write_curves
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
@@ -155,6 +156,7 @@ class RunReporter:
             "train_samples_per_s": samples_per_s, "data_wait_frac": wait_frac, "epoch_time_s": seconds,
             "skipped_files": len(state.skipped_files), **{f"val_{k}": v for k, v in metrics.items()}})
         self.runlog.flush()
+        write_curves(self.runlog.run_dir, self.runlog.enabled and cfg.output.curves)
 
     def set_teacher(self, summary: dict) -> None:
         """distill.teacher: its identity and validation, logged once and kept for summary.json's `teacher`."""

@@ -5,6 +5,7 @@ Only rank 0 writes; other ranks get a `RunLog` whose writers are off.
 from __future__ import annotations
 
 import csv
+from contextlib import contextmanager
 import logging
 import math
 import os
@@ -21,6 +22,30 @@ RUN_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data
 METRICS_COLUMNS = RUN_COLUMNS + csv_metric_columns() + ["skipped_files"]
 
 
+_STDERR_LEVEL = [logging.NOTSET]   # the level of setup_logging's stderr handler (stderr_level changes it)
+
+
+@contextmanager
+def stderr_level(level: int):
+    """Within the block, the runs set up by setup_logging show only records of `level` and above on stderr
+    (their train.log keeps everything): audit.py's fold runs print their errors only."""
+    previous, _STDERR_LEVEL[0] = _STDERR_LEVEL[0], level
+    root = logging.getLogger()
+    streams = [h for h in root.handlers if type(h) is logging.StreamHandler]
+    levels = [h.level for h in streams]
+    for h in streams:
+        h.setLevel(level)
+    try:
+        yield
+    finally:
+        _STDERR_LEVEL[0] = previous
+        for h, old in zip(streams, levels):
+            h.setLevel(old)
+        for h in logging.getLogger().handlers:
+            if type(h) is logging.StreamHandler and h not in streams:
+                h.setLevel(previous)
+
+
 def setup_logging(run_dir: Path | None, is_main: bool) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -28,6 +53,7 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     stream = logging.StreamHandler(sys.stderr)
+    stream.setLevel(_STDERR_LEVEL[0])
     stream.setFormatter(fmt)
     root.addHandler(stream)
     if run_dir is not None and is_main:

@@ -10,6 +10,9 @@ from typing import Optional
 SMOOTHING = 0.9            # EMA weight of the past; debiased like fastai's / Lightning's lr_find
 KNEE_TOLERANCE = 0.05      # the throughput knee: the smallest batch within 5% of the best img/s
 DIVERGENCE_FACTOR = 4.0    # the LR range test stops once the smoothed loss exceeds 4x its minimum
+MINIMUM_DIVISOR = 10.0     # the suggestion is at most the LR of the loss minimum over this (fastai's `minimum`)
+LR_MIN_DROP = 0.10         # a suggestion is low-confidence when the loss fell less than this share before its minimum
+LR_MIN_POINTS = 5          # ... or fewer points than this lead down to the minimum
 
 
 def smooth(values: list[float], beta: float = SMOOTHING) -> list[float]:
@@ -133,25 +136,72 @@ def divergence_index(losses: list[float], factor: float = DIVERGENCE_FACTOR) -> 
     return None
 
 
-def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
-    """Where the smoothed loss falls fastest against log(LR), before any divergence (Lightning's and
-    fastai's suggestion); None with fewer than 3 usable points."""
+def minimum_index(losses: list[float]) -> Optional[int]:
+    """The lowest smoothed loss before any divergence (None for an empty curve)."""
     end = divergence_index(losses)
-    end = len(losses) if end is None else end
-    if end - skip_start < 3:
+    usable = losses[:len(losses) if end is None else end]
+    return min(range(len(usable)), key=usable.__getitem__) if usable else None
+
+
+def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
+    """Where the smoothed loss falls fastest against log(LR) on the way down to its minimum (fastai's `steep`
+    suggestion): only points before the minimum count, so a brief dip after the loss has blown up (a spike
+    falling back) is never taken; None with fewer than 3 points before the minimum."""
+    end = minimum_index(losses)
+    if end is None or end - skip_start < 2:
         return None
     slopes = [(losses[i + 1] - losses[i - 1]) / (math.log(lrs[i + 1]) - math.log(lrs[i - 1]))
-              for i in range(skip_start + 1, end - 1)]
+              for i in range(skip_start + 1, end)]
     return skip_start + 1 + min(range(len(slopes)), key=slopes.__getitem__)
 
 
+def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[int], diverged: Optional[int],
+                  skip_start: int) -> tuple[str, list[str]]:
+    """How sure the suggestion is: `high`, `medium` or `low`, and the reasons for anything less than high.
+    Low: the loss hardly fell before its minimum (under LR_MIN_DROP of its start), the minimum sits at the end of
+    a range that never diverged (a better LR may lie beyond it), or too few points lead down to it. Medium:
+    the loss never diverged (how far above the suggestion a run still survives is unknown)."""
+    if steep is None or minimum is None:
+        return "low", ["too few points before the loss reached its minimum"]
+    start = losses[skip_start]
+    drop = (start - losses[minimum]) / abs(start) if start else 0.0
+    reasons = []
+    if drop < LR_MIN_DROP:
+        reasons.append(f"the smoothed loss fell only {100 * drop:.0f}% before its minimum (under "
+                       f"{100 * LR_MIN_DROP:.0f}%)")
+    if diverged is None and minimum >= len(losses) - 2:
+        reasons.append("the loss was still falling at the top of the range: raise the high end of --lr-range")
+    if minimum - skip_start < LR_MIN_POINTS:
+        reasons.append(f"only {minimum - skip_start} points lead down to the minimum: give more --steps or lower "
+                       f"the low end of --lr-range")
+    if reasons:
+        return "low", reasons
+    if diverged is None:
+        reasons.append("the loss never diverged within the range, so how far above the suggestion training "
+                       "still survives is not known")
+    return ("medium", reasons) if reasons else ("high", [])
+
+
 def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
-    """The LR range test's result: the LR of steepest descent (the one to use) and of divergence."""
-    steep = steepest_descent_index(lrs, losses, skip_start=min(len(lrs) // 10, 10))
+    """The LR range test's result. `suggested_lr`, the one to use: the smaller of the steepest descent before
+    the minimum and a tenth of the minimum's LR (fastai's `minimum` rule). The minimum sits where the loss
+    stops falling within a run that only lasts as long as the test and whose LR keeps rising; a whole run at
+    one peak LR survives only well below it, and the steepest point on a short, flat-then-falling curve can
+    sit close to it. Also the steepest descent, the minimum, the divergence, and `confidence` (with
+    `confidence_reasons`, see `lr_confidence`)."""
+    skip = min(len(lrs) // 10, 10)
+    steep = steepest_descent_index(lrs, losses, skip_start=skip)
+    minimum = minimum_index(losses)
     diverged = divergence_index(losses)
-    return {"steepest_lr": lrs[steep] if steep is not None else None,
+    suggested = None
+    if steep is not None:
+        suggested = min(lrs[steep], lrs[minimum] / MINIMUM_DIVISOR)
+    confidence, reasons = lr_confidence(losses, steep, minimum, diverged, skip)
+    return {"suggested_lr": suggested, "steepest_lr": lrs[steep] if steep is not None else None,
+            "minimum_lr": lrs[minimum] if minimum is not None else None,
             "divergence_lr": lrs[diverged] if diverged is not None else None,
-            "steepest_index": steep, "divergence_index": diverged}
+            "steepest_index": steep, "minimum_index": minimum, "divergence_index": diverged,
+            "confidence": confidence, "confidence_reasons": reasons}
 
 
 def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict], Optional[float], int]:

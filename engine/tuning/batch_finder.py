@@ -44,6 +44,8 @@ FIT_TOLERANCE = 0.05
 SPEED_TOLERANCE = 0.05
 SPEED_CANDIDATES = 4          # the largest fitting batch and up to 3 halvings of it
 MIN_SPEED_BATCH = 8
+TIMING_ROUNDS = (2, 5)        # the speed table is timed at least 2 and at most 5 rounds over the candidates ...
+STABLE_SPREAD = 0.10          # ... until every batch's img/s over the rounds is within 10% (max - min over median)
 
 
 @dataclass
@@ -121,6 +123,8 @@ class FinderResult:
     table: list                 # [{batch, img_per_s, peak_memory_mb}]
     memory_budget_mb: Optional[float] = None
     memory_model: Optional[dict] = None
+    timing_rounds: int = 1
+    timing_stable: bool = True     # every batch's img/s within STABLE_SPREAD over the rounds
 
 
 def fit_search(step: StepFn, limit: int, memory_budget: Optional[int] = None,
@@ -175,23 +179,54 @@ def find_batch(step: StepFn, limit: int, memory_budget: Optional[int] = None,
 
     sizes = sorted({max(1, max_batch >> k) for k in range(SPEED_CANDIDATES)
                     if (max_batch >> k) >= min(MIN_SPEED_BATCH, max_batch)}, reverse=True)
-    table = []
-    for batch in sizes:
-        result = run_or_none(step, batch)
-        if result is None:
-            continue
-        if memory_budget is not None and result.peak_bytes > memory_budget:
-            # the extrapolation was optimistic: the measured step is over budget, so it does not fit
-            probes.append({"batch": batch, "fits": False, "peak_memory_mb": mib(result.peak_bytes), "measured": True})
-            continue
-        table.append({"batch": batch, "img_per_s": round(batch / result.seconds, 2) if result.seconds > 0 else 0.0,
-                      "peak_memory_mb": mib(result.peak_bytes)})
+    table, rounds, stable = timed_table(step, sizes, memory_budget, probes)
     if not table:
         raise MemoryError(f"out of memory: train.batch_size=auto found {max_batch}, but no batch up to it ran within "
                           f"memory when timed")
     chosen = pick_fastest_small(table, speed_tolerance)
     return FinderResult(max_batch, chosen, probes, sorted(table, key=lambda r: r["batch"]),
-                        mib(memory_budget) if memory_budget is not None else None, memory_model)
+                        mib(memory_budget) if memory_budget is not None else None, memory_model, rounds, stable)
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far repeated timings of one batch disagree."""
+    ordered = sorted(values)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] +
+                                                                   ordered[len(ordered) // 2]) / 2
+    return (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+
+
+def timed_table(step: StepFn, sizes: list[int], memory_budget: Optional[int], probes: list,
+                rounds: tuple[int, int] = TIMING_ROUNDS,
+                stable_spread: float = STABLE_SPREAD) -> tuple[list[dict], int, bool]:
+    """img/s of every size, timed in rounds over all sizes in turn (so a change in the machine's load reaches
+    every size alike), at least rounds[0] and at most rounds[1] times, until each size's rates are within
+    `stable_spread`. Rows: `batch`, `img_per_s` (the median over the rounds), `img_per_s_spread`,
+    `peak_memory_mb`. Returns (rows, rounds run, whether the rates were stable). A size out of memory, or
+    (CPU) over the budget when measured, is dropped into `probes` as not fitting."""
+    rates: dict[int, list[float]] = {b: [] for b in sizes}
+    peaks: dict[int, int] = {}
+    done, stable = 0, False
+    while done < rounds[1] and rates:
+        for batch in list(rates):
+            result = run_or_none(step, batch)
+            over = result is not None and memory_budget is not None and result.peak_bytes > memory_budget
+            if result is None or over:
+                # the extrapolation was optimistic: the measured step is over budget, so it does not fit
+                if over:
+                    probes.append({"batch": batch, "fits": False, "peak_memory_mb": mib(result.peak_bytes),
+                                   "measured": True})
+                del rates[batch]
+                continue
+            rates[batch].append(batch / result.seconds if result.seconds > 0 else 0.0)
+            peaks[batch] = max(peaks.get(batch, 0), result.peak_bytes)
+        done += 1
+        stable = all(spread(r) <= stable_spread for r in rates.values())
+        if done >= rounds[0] and stable:
+            break
+    table = [{"batch": b, "img_per_s": round(sorted(r)[len(r) // 2], 2), "img_per_s_spread": round(spread(r), 4),
+              "peak_memory_mb": mib(peaks[b])} for b, r in rates.items()]
+    return table, done, stable
 
 
 def run_or_none(step: StepFn, batch: int) -> Optional[StepResult]:
@@ -285,19 +320,23 @@ def target_effective_batch(cfg) -> int:
 
 
 def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_images: int, world_size: int = 1,
-               step: Optional[StepFn] = None, compare_checkpointing: Optional[bool] = None) -> dict:
+               step: Optional[StepFn] = None, compare_checkpointing: Optional[bool] = None,
+               min_steps_per_epoch: int = 1) -> dict:
     """Find the batch for this config on this device; returns the report saved as batch_finder.json.
 
     With real steps (no injected `step`) it also holds the memory breakdown, and, when
     `compare_checkpointing` (default: `model.grad_checkpointing` is on), the largest batch that fits with
-    activation checkpointing switched the other way."""
+    activation checkpointing switched the other way. `min_steps_per_epoch`: the effective batch (and the
+    search) stay small enough for that many optimizer steps per epoch (benchmark.py's recommendation)."""
     target = target_effective_batch(cfg)
-    if target > train_images:
+    most = max(1, train_images // max(1, min_steps_per_epoch))
+    if target > most:
         # An epoch holds each image once: a larger effective batch would only exist on paper.
         log.warning("the target effective batch %d (train.target_effective_batch, or optim.base_batch_size) is "
-                    "more than the %d training images; aiming at %d", target, train_images, train_images)
-        target = train_images
-    per_device_cap = max(1, min(ceil_div(target, world_size), train_images // max(world_size, 1)))
+                    "more than the %d training images%s; aiming at %d", target, train_images,
+                    f" allow for {min_steps_per_epoch} steps per epoch" if min_steps_per_epoch > 1 else "", most)
+        target = most
+    per_device_cap = max(1, min(ceil_div(target, world_size), most // max(world_size, 1)))
     budget = memory_budget_bytes(cfg, device)
     breakdown = None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -324,6 +363,9 @@ def run_finder(cfg, device: torch.device, amp_dtype, num_classes: int, train_ima
             "fastest_small_batch": result.chosen_batch, "batch_size": batch, "accum_steps": accum,
             "effective_batch": batch * accum * world_size, "memory_budget_mb": result.memory_budget_mb,
             "memory_model": result.memory_model, "fit_probes": result.fit_probes, "table": result.table,
+            "timing_rounds": result.timing_rounds, "timing_stable": result.timing_stable,
+            "train_images": train_images, "steps_per_epoch": train_images // (batch * accum * world_size)
+            if train_images < 1 << 30 else None,
             "grad_checkpointing": cfg.model.grad_checkpointing,
             "max_batch_with_grad_checkpointing": with_checkpointing,
             "max_batch_without_grad_checkpointing": without_checkpointing,

@@ -346,7 +346,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""
     from data.listing.folder import scan_split
-    from engine.evaluation.calibration import fit_temperature
+    from engine.evaluation.calibration import calibrated_temperature
     from engine.evaluation.split_outputs import collect_outputs
     from engine.evaluation.rejection import normalise
 
@@ -366,5 +366,6 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
         loader = build_eval_loader(EvalDataset(index, transform, pre["img_size"]), 5, 0, False)
         return collect_outputs(model, loader, device_input, with_features=True)
     val, train = outputs("val"), outputs("train")
-    assert record["temperature"] == pytest.approx(fit_temperature(val.logits, val.labels), rel=1e-3)
+    fit = calibrated_temperature(val.logits, val.labels)
+    assert record["temperature"] == pytest.approx(fit.temperature, rel=1e-3)
     assert torch.allclose(record["feature_bank"].float(), normalise(train.features), atol=2e-3)

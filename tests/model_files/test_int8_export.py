@@ -53,8 +53,8 @@ def test_int8_model_is_quantized_smaller_and_agrees(quantized):
     assert "calibrated on 9 images" in stdout
     size = re.search(r"size: ([\d.]+) MB int8 vs ([\d.]+) MB fp32", stdout)
     assert float(size.group(1)) < 0.5 * float(size.group(2))
-    agreement = re.search(r"int8 top-1 agreement with fp32 ([\d.]+) \((\d+)/(\d+)\)", stdout)
-    assert int(agreement.group(3)) == 18 and float(agreement.group(1)) >= 0.97
+    agreement = re.search(r"int8 top-1 agreement with fp32 ([\d.]+)% \((\d+)/(\d+)\)", stdout)
+    assert int(agreement.group(3)) == 18 and float(agreement.group(1)) >= 97.0
 
 
 @pytest.mark.slow

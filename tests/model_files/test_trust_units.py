@@ -84,8 +84,9 @@ def test_record_stores_a_small_fp16_bank_and_exports_carry_numbers_only():
                         torch.randn(5000, 8, generator=g))
     record = build_record(val, bank, "auto", 0.9, seed=3)
     assert record["feature_bank"].dtype == torch.float16 and record["feature_bank"].shape == (2048, 8)
-    assert set(record["thresholds"]) == {"msp", "energy", "knn", "mahalanobis"} and record["method"] == "mahalanobis"
-    assert record["class_means"].shape == (3, 8) and record["precision"].shape == (8, 8)
+    assert set(record["thresholds"]) == {"msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined"}
+    assert record["method"] == "combined"
+    assert record["class_means_l2"].shape == (3, 8) and record["precision_l2"].shape == (8, 8)
     assert build_record(val, bank, "auto", 0.9, seed=3, method="knn").keys() >= {"feature_bank"}
     assert build_record(val, bank, 2.5, 0.9, seed=3)["temperature"] == 2.5
     assert build_record(val, bank, "none", 0.9, seed=3)["temperature"] is None

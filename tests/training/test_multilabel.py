@@ -122,7 +122,6 @@ def test_shards_carry_the_tags(images, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["data.format=folder", "data.root=."], "use data.format=csv"),
     (["train.loss=ce"], "train.loss=bce or asl"),
-    (["train.label_smoothing=0.1"], "train.label_smoothing"),
     (["data.sampler=weighted"], "data.sampler=random"),
     (["early_stop.metric=top1"], "use mAP"),
 ])

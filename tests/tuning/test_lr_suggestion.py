@@ -1,0 +1,91 @@
+"""The LR range test's suggestion (issue 34): steepest descent before the minimum only, at most a tenth of the
+minimum's LR, with a confidence; and a run trained with the suggestion on generated data trains."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from argparse import Namespace
+
+import pytest
+
+from conftest import make_tree, run_script, tiny_overrides
+from engine.tuning.arithmetic import exponential_lrs, lr_suggestion, smooth
+
+
+def blown_up_curve(lrs):
+    """The issue's curve: the loss falls to its minimum near LR 0.05, climbs after it (to under 4x the minimum,
+    so no divergence is declared), and dips sharply once more near LR 1 before climbing again."""
+    out = []
+    for lr in lrs:
+        x = math.log10(lr)
+        loss = 2.0 - 1.2 / (1 + math.exp(-(x + 2.0) * 4))          # falls from 2.0 to 0.8 around LR 1e-2
+        if lr > 0.05:
+            loss += 0.8 * (x - math.log10(0.05))                      # climbs after the minimum
+        if 0.8 < lr < 1.6:
+            loss -= 0.8 * math.sin(math.pi * (x - math.log10(0.8)) / math.log10(2.0))   # a brief dip
+        out.append(loss)
+    return out
+
+
+def test_steepest_descent_is_taken_before_the_minimum_only():
+    lrs = exponential_lrs(1e-4, 10, 60)
+    losses = smooth(blown_up_curve(lrs), beta=0.3)
+    found = lr_suggestion(lrs, losses)
+    assert found["divergence_lr"] is None
+    assert 0.02 <= found["minimum_lr"] <= 0.1
+    assert found["steepest_lr"] < found["minimum_lr"]            # not the dip after the blow-up near LR 1
+    assert found["suggested_lr"] <= found["minimum_lr"] / 10 + 1e-12
+    assert found["suggested_lr"] <= found["steepest_lr"]
+
+
+def test_confidence_says_when_the_curve_cannot_be_trusted():
+    lrs = exponential_lrs(1e-4, 1, 50)
+    flat = [2.0 - 0.01 * i / 50 for i in range(50)]                # hardly falls, never diverges
+    found = lr_suggestion(lrs, flat)
+    assert found["confidence"] == "low"
+    assert any("fell only" in r for r in found["confidence_reasons"])
+    assert any("raise the high end" in r for r in found["confidence_reasons"])
+
+    falls_then_blows = [2.0 / (1 + (lr / 1e-2) ** 2) + 0.3 + (100 * lr if lr > 0.1 else 0) for lr in lrs]
+    found = lr_suggestion(lrs, smooth(falls_then_blows, beta=0.5))
+    assert found["divergence_lr"] is not None and found["confidence"] == "high"
+    assert found["confidence_reasons"] == []
+
+
+def test_the_printed_result_names_the_suggestion_and_its_confidence():
+    from commands.tune_run import format_lr_result
+
+    lrs = exponential_lrs(1e-4, 1, 50)
+    found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])
+    text = format_lr_result({**found, "effective_batch": 16, "optim_lr": found["suggested_lr"] * 16,
+                             "base_batch_size": 256, "lr_scaling": "linear"})
+    assert f"suggested LR {found['suggested_lr']:.3g}" in text and "confidence: low" in text
+    assert "fell only" in text
+
+
+@pytest.mark.slow
+def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
+    """The range test on generated data, then train.py at its `use: optim.lr=...`: the training loss falls and
+    validation accuracy is well above chance (4 classes: 25%)."""
+    from commands.tune_run import run_lr_test
+    from core.config import load_config
+
+    root = make_tree(tmp_path / "data", {"a": (48, 12), "b": (48, 12), "c": (48, 12), "d": (48, 12)}, size=(16, 16))
+    overrides = tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 16})
+    cfg = load_config("base", overrides)
+    json_path = tmp_path / "lr.json"
+    assert run_lr_test(cfg, Namespace(steps=40, json=str(json_path), plot=None), (1e-4, 100.0)) == 0
+    doc = json.loads(json_path.read_text())
+    assert doc["suggested_lr"] <= doc["minimum_lr"] / 10 + 1e-12 and doc["confidence"] in ("high", "medium", "low")
+    assert f"use: optim.lr={doc['optim_lr']:.4g}" in capsys.readouterr().out
+
+    run_dir = tmp_path / "run"
+    result = run_script("train.py", "--config", "base",
+                        *tiny_overrides(root, run_dir, **{"train.batch_size": 16, "train.epochs": 3,
+                                                           "optim.lr": f"{doc['optim_lr']:.4g}"}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    losses = [float(r["train_loss"]) for r in rows]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert json.loads((run_dir / "summary.json").read_text())["best"]["top1"] >= 60.0
