@@ -5,7 +5,6 @@ its median and median absolute deviation (robust to the outliers themselves); an
 flagged: a cat, a retina scan or a logo filed among photos of another kind."""
 from __future__ import annotations
 
-import html
 import math
 from pathlib import Path
 from typing import Optional
