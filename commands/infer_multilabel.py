@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import ConfigError
+from core.outputs import finite_or_null
 from engine.evaluation.evaluate import TagPredictions, check_finite_outputs, predict_tags
 from engine.evaluation.multilabel import DEFAULT_THRESHOLD, predicted
 
@@ -72,7 +73,7 @@ def write_tag_rows(rows: list[dict], path: str | Path, classes: list[str], delim
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
         doc = [{k: r[k] for k in ("path", "labels", "probs", "error")} for r in rows]
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        path.write_text(json.dumps(finite_or_null(doc), indent=1, allow_nan=False) + "\n")
         return
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")

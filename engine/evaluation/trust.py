@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import torch
 
+from core.errors import ConfigError
+from core.temperature import temperature_problem
 from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            selective_report)
 from engine.evaluation.outputs import SplitOutputs
@@ -22,11 +24,12 @@ from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGIT
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> Optional[float]:
     """calibration.temperature: `auto` fits on the validation outputs, `none` is None, a number is itself."""
-    if setting == "auto":
-        return fit_temperature(val.logits, val.labels)
     if setting == "none":
         return None
-    return float(setting)
+    t = fit_temperature(val.logits, val.labels) if setting == "auto" else float(setting)
+    if temperature_problem(t):  # the config's range and the fit's clamp keep to it; a stored record is checked too
+        raise ConfigError(f"calibration.temperature: {temperature_problem(t)}")
+    return t
 
 
 def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:

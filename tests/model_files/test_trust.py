@@ -268,3 +268,55 @@ def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path)
     assert a["temperature"] == b["temperature"] and a["thresholds"] == b["thresholds"]
     for key in ("feature_bank", "class_means", "precision"):
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, float("inf"), -1.0, 1e-300, "1.5", [1.0]])
+def test_a_stored_temperature_outside_its_range_exits_2_naming_the_file(trained, tmp_path, capsys, bad):
+    """NaN / 0 / inf labelled every image alike at prob nan (bare NaN in the JSON), -1 inverted the ranking,
+    a string or list was a TypeError traceback."""
+    _, _, best = trained
+    ckpt = torch.load(best, map_location="cpu", weights_only=True)
+    ckpt["calibration"]["temperature"] = bad
+    edited = tmp_path / "edited.pt"
+    torch.save(ckpt, edited)
+    photos = write_photos(tmp_path / "photos", 1)
+    for script, args in (("infer", [*photos, "--num-workers", "0"]), ("eval", ["data.num_workers=0"]),
+                         ("export", ["--format", "onnx", "--output", str(tmp_path / "m.onnx")])):
+        code, err = call(script, *args, "--checkpoint", str(edited), capsys=capsys)
+        assert code == 2 and str(edited) in err and "temperature" in err and "Traceback" not in err, (script, err)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_an_onnx_file_with_a_nan_temperature_or_threshold_exits_2(trained, tmp_path, capsys):
+    import onnx
+
+    _, _, best = trained
+    good = tmp_path / "model.onnx"
+    code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(good), capsys=capsys)
+    assert code == 0, err[-2000:]
+    photos = write_photos(tmp_path / "photos", 1)
+    for field, value in (("temperature", float("nan")), ("thresholds", {"energy": float("nan")})):
+        model = onnx.load(str(good))
+        for prop in model.metadata_props:
+            doc = json.loads(prop.value) if prop.value.startswith("{") else None
+            if doc is not None and isinstance(doc.get("calibration"), dict):
+                doc["calibration"][field] = value
+                prop.value = json.dumps(doc)
+            elif prop.key.endswith("calibration"):
+                doc = json.loads(prop.value)
+                doc[field] = value
+                prop.value = json.dumps(doc)
+        bad = tmp_path / f"bad_{field}.onnx"
+        onnx.save(model, str(bad))
+        code, err = call("infer", *photos, "--checkpoint", str(bad), "--num-workers", "0", capsys=capsys)
+        assert code == 2 and str(bad) in err and ("temperature" if field == "temperature" else "reject") in err, err
+
+
+def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
+    _, _, best = trained
+    photos = write_photos(tmp_path / "photos", 1)
+    for value in ("nan", "inf", "-inf"):
+        code, err = call("infer", *photos, "--checkpoint", str(best), "--reject-below", value, capsys=capsys)
+        assert code == 2 and "--reject-below" in err
+        code, err = call("eval", "--checkpoint", str(best), "--reject-below", value, capsys=capsys)
+        assert code == 2 and "--reject-below" in err

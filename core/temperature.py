@@ -1,0 +1,27 @@
+"""The softmax temperature's allowed range, one rule for every place a temperature is set (the config key
+calibration.temperature), fitted (engine.evaluation.calibration) or read back (a checkpoint's or an
+export's calibration record): a finite number in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Outside it the
+probabilities are useless (0, NaN, a tiny T: every image one label at prob nan or 1.0) or inverted
+(a negative T reverses the ranking)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
+
+
+def temperature_problem(value) -> Optional[str]:
+    """None when `value` is a usable temperature, else what is wrong with it (for a message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{value!r} is not a number"
+    if not math.isfinite(value) or not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        return f"{value!r} is outside [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (a finite number)"
+    return None
+
+
+def reject_threshold_problem(value) -> Optional[str]:
+    """None when `value` is a usable reject score threshold (a finite number), else what is wrong."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    return None
