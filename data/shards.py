@@ -480,7 +480,7 @@ def source_index(source: Path, root: Optional[str], multilabel: bool = False, de
         if multilabel:
             from data.listing.tags import tag_classes, tag_csv_index
 
-            classes = tag_classes(rows, delimiter)
+            classes = tag_classes(rows, delimiter, f"CSV list {source}")
             index, missing = tag_csv_index(source, base, rows, classes, "tags", delimiter)
         else:
             classes = sorted({row.label for row in rows})

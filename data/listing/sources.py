@@ -21,7 +21,7 @@ from data.health import check_bad_fraction
 from data.shards import ShardIndex, shard_index
 from data.listing.split import SplitRecord, index_from_record, relative_key, split_index
 from data.listing.tag_split import split_tag_index, tag_index_from_record
-from data.listing.tags import tag_classes, tag_csv_index
+from data.listing.tags import check_tag_names, tag_classes, tag_csv_index
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,12 @@ def csv_classes(d, train_rows: list[CsvRow]) -> tuple[list[str], str]:
     """The class list of a CSV source and how to name it in messages: `data.classes`, or the sorted set of
     the training list's labels."""
     if d.classes:
-        return read_class_list(Path(d.classes).expanduser()), f"classes in {d.classes}"
+        names = read_class_list(Path(d.classes).expanduser())
+        if d.task == "multilabel":
+            check_tag_names(names, f"'data.classes' = {d.classes}")
+        return names, f"classes in {d.classes}"
     if d.task == "multilabel":
-        return tag_classes(train_rows, d.label_delimiter), "tags of the training list"
+        return tag_classes(train_rows, d.label_delimiter, f"CSV list {d.train_csv}"), "tags of the training list"
     return sorted({row.label for row in train_rows}), "training labels"
 
 
