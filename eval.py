@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from commands.cli import announce, run_main
+from commands.cli import announce, finite_float, run_main
 from core.outputs import check_output_file
 
 
@@ -31,7 +31,7 @@ def main(argv=None, host=None) -> int:
                                           "file; default class_0, class_1, ...)")
     parser.add_argument("--reliability", metavar="FILE.png", help="draw the reliability diagram (calibrated "
                                                                   "probabilities) here")
-    parser.add_argument("--reject-below", type=float, metavar="X", help="the reject score threshold for the "
+    parser.add_argument("--reject-below", type=finite_float, metavar="X", help="the reject score threshold for the "
                         "'selective' figures (default: the one stored with the model)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
@@ -48,7 +48,9 @@ def main(argv=None, host=None) -> int:
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, host, args.reject_below)
+                                 args.classes, host, args.reject_below,
+                                 outputs={"--json": args.json, "--reliability": args.reliability,
+                                          "--json's confusion PNG": args.json and confusion_png_path(args.json)})
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     fixed = " (fixed by the export)" if s["fixed_batch"] else ""

@@ -12,6 +12,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
+from commands.output_roles import check_eval_outputs
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.outputs import OutputRecorder
@@ -38,7 +39,8 @@ class EvalResult:
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None, host=None, reject_below: float | None = None) -> EvalResult:
+                        classes_file: str | None = None, host=None, reject_below: float | None = None,
+                        outputs: dict | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -69,6 +71,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
+    check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root,
+                       getattr(index, "paths", ()))
 
     runtime = build_runtime(cfg, host, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
     device, amp_dtype = runtime.device, runtime.amp_dtype

@@ -14,12 +14,14 @@ import torch
 from commands.infer_trust import (EXPLAIN_COLUMNS, ScoreRecorder, TrustOptions, apply_reject, build_rejector,
                                   check_trust_options, explain_rows, extra_columns)
 from core.errors import ConfigError
+from core.outputs import finite_or_null
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.runtime.device import DeviceInput, amp_setting, select_device
 from engine.runtime.runtime import Runtime, build_runtime
 from engine.evaluation.evaluate import Predictions, check_finite_outputs, predict
 from engine.evaluation.rejection import classifier_name
+from commands.output_roles import check_infer_outputs
 from commands.infer_multilabel import check_threshold_flag, run_tag_inference
 from engine.model_io.model_file import KIND_NAMES
 from engine.model_io.model_files import load_model_file
@@ -82,7 +84,7 @@ def write_rows(rows: list[dict], path: str | Path, k: int, extra: list[str] = ()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
         json_rows = [{key: value for key, value in row.items() if key not in EXPLAIN_COLUMNS} for row in rows]
-        path.write_text(json.dumps(json_rows, indent=1) + "\n")
+        path.write_text(json.dumps(finite_or_null(json_rows), indent=1, allow_nan=False) + "\n")
         return
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=result_columns(k) + list(extra), lineterminator="\n",
@@ -108,6 +110,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     else:
         checkpoint_path = checkpoint
         print(f"checkpoint: {checkpoint_path}", file=sys.stderr)
+    check_infer_outputs(inputs, paths, checkpoint_path, classes_file, output, trust and trust.explain_dir)
     loaded = load_model_file(checkpoint_path, classes_file=classes_file)
     if loaded.kind != "checkpoint":
         log.info("%s: %s", checkpoint_path, KIND_NAMES[loaded.kind])
@@ -115,10 +118,10 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     if compile_model and loaded.kind == "onnx":
         raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
     trust = trust or TrustOptions()
-    if loaded.multilabel and (trust.rejecting or trust.explain_dir):
-        raise ConfigError("--reject / --reject-below / --explain: not for multi-label models yet (calibration, the "
-                          "reject option and explanations are single-label; a multi-label model calls each tag "
-                          "at its threshold, --threshold X)")
+    if loaded.multilabel and trust.rejecting:
+        raise ConfigError("--reject / --reject-below: not for multi-label models (calibration and the reject "
+                          "option are single-label; a multi-label model calls each tag at its threshold, "
+                          "--threshold X)")
     check_trust_options(loaded, trust)
     cfg = loaded.cfg
     runtime = _runtime(loaded, device_setting, amp, host)
@@ -142,7 +145,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     if loaded.multilabel:
         return run_tag_inference(paths, model, loader, DeviceInput.from_config(cfg, device, amp_dtype,
                                                                                channels_last=True),
-                                 loaded, threshold, output)
+                                 loaded, threshold, output, trust.explain_dir)
     temperature = (loaded.calibration or {}).get("temperature")
     try:
         preds = predict(model, loader, DeviceInput.from_config(cfg, device, amp_dtype, channels_last=True), k,

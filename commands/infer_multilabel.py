@@ -72,22 +72,27 @@ def write_tag_rows(rows: list[dict], path: str | Path, classes: list[str], delim
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
-        doc = [{k: r[k] for k in ("path", "labels", "probs", "error")} for r in rows]
+        doc = [{k: r[k] for k in ("path", "labels", "probs", "error", "explain") if k in r} for r in rows]
         path.write_text(json.dumps(finite_or_null(doc), indent=1, allow_nan=False) + "\n")
         return
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["path", "labels", *classes, "error"])
+        explained = any("explain_peak" in r for r in rows)
+        writer.writerow(["path", "labels", *classes, "error"] + (["explain_peak", "explain_overlay"] if explained
+                                                                 else []))
         for r in rows:
+            extra = [r.get("explain_peak", ""), r.get("explain_overlay", "")] if explained else []
             if r["error"] is None:
-                writer.writerow([r["path"], delimiter.join(r["labels"]), *(r["probs"][c] for c in classes), ""])
+                writer.writerow([r["path"], delimiter.join(r["labels"]), *(r["probs"][c] for c in classes), ""]
+                                + extra)
             else:
-                writer.writerow([r["path"], "", *([""] * len(classes)), r["error"]])
+                writer.writerow([r["path"], "", *([""] * len(classes)), r["error"]] + extra)
 
 
 def run_tag_inference(paths: list[str], model, loader, device_input, loaded, threshold: Optional[float],
-                      output: Optional[str]) -> int:
-    """infer.py's work after the model and loader are built, for a multi-label model; the exit status."""
+                      output: Optional[str], explain_dir: Optional[str] = None) -> int:
+    """infer.py's work after the model and loader are built, for a multi-label model; the exit status.
+    `explain_dir`: a Grad-CAM overlay per called tag of each image (commands.infer_trust.explain_rows)."""
     classes, delimiter = loaded.classes, loaded.cfg.data.label_delimiter
     thresholds = applied_thresholds(loaded.thresholds, threshold, len(classes))
     source = (f"--threshold {threshold}" if threshold is not None else
@@ -96,6 +101,11 @@ def run_tag_inference(paths: list[str], model, loader, device_input, loaded, thr
     preds = predict_tags(model, loader, device_input, len(classes))
     check_finite_outputs(preds.nonfinite, int(preds.valid.sum()), loaded.path)
     rows = tag_rows(paths, preds, classes, thresholds, delimiter)
+    if explain_dir:
+        from commands.infer_trust import explain_rows
+
+        explain_rows(loaded, paths, rows, classes, explain_dir, wanted=lambda row: row["labels"])
+        print(f"wrote Grad-CAM overlays (one per called tag) to {explain_dir}", file=sys.stderr)
     print(format_tag_table(rows, delimiter))
     failed = [r for r in rows if r["error"] is not None]
     for r in failed:

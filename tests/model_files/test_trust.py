@@ -298,11 +298,7 @@ def test_an_onnx_file_with_a_nan_temperature_or_threshold_exits_2(trained, tmp_p
     for field, value in (("temperature", float("nan")), ("thresholds", {"energy": float("nan")})):
         model = onnx.load(str(good))
         for prop in model.metadata_props:
-            doc = json.loads(prop.value) if prop.value.startswith("{") else None
-            if doc is not None and isinstance(doc.get("calibration"), dict):
-                doc["calibration"][field] = value
-                prop.value = json.dumps(doc)
-            elif prop.key.endswith("calibration"):
+            if prop.key == "imgcls.calibration":  # the stored record (not the config's calibration section)
                 doc = json.loads(prop.value)
                 doc[field] = value
                 prop.value = json.dumps(doc)
@@ -320,3 +316,36 @@ def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
         assert code == 2 and "--reject-below" in err
         code, err = call("eval", "--checkpoint", str(best), "--reject-below", value, capsys=capsys)
         assert code == 2 and "--reject-below" in err
+
+
+def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pixels(trained, tmp_path, capsys):
+    """A 9000x9000 JPEG took 5.6 GB and wrote a 142 MB overlay: the overlay's longer side is now at most
+    OVERLAY_MAX_SIDE, the peak still in the original's pixels."""
+    from commands.infer_trust import OVERLAY_MAX_SIDE
+
+    _, _, best = trained
+    rows = write_squares(tmp_path / "squares", 1, seed=3)
+    path, _, corner = rows[0]
+    big = tmp_path / "big.png"
+    Image.open(path).resize((3000, 2000), Image.NEAREST).save(big)
+    out, folder = tmp_path / "rows.json", tmp_path / "cams"
+    code, err = call("infer", str(big), "--checkpoint", str(best), "--explain", str(folder), "--output", str(out),
+                     "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    (explained,) = json.loads(out.read_text())[0]["explain"]
+    assert Image.open(explained["overlay"]).size == (OVERLAY_MAX_SIDE, round(2000 * OVERLAY_MAX_SIDE / 3000))
+    x, y = explained["peak"]
+    assert 0 <= x < 3000 and 0 <= y < 2000 and explained["peak_informative"] is True
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 3_000_000
+
+
+def test_overlay_geometry_and_names():
+    from commands.infer_trust import display_size, explain_items, overlay_name
+
+    assert display_size(9000, 9000) == (1024, 1024, 1024 / 9000) and display_size(300, 200) == (300, 200, 1.0)
+    assert overlay_name(7, "/d/a.png", None) == "00007_a.png"
+    assert overlay_name(7, "/d/a.png", "sea lion/x") == "00007_a.sea_lion_x.png"
+    rows = [{"label": "b", "error": None}, {"label": None, "error": "bad"}, {"label": "unknown", "predicted": "a",
+                                                                            "error": None}]
+    assert explain_items(rows, ["a", "b"]) == [(0, 1), (2, 0)]
+    assert explain_items([{"labels": ["b", "a"], "error": None}], ["a", "b"], lambda r: r["labels"]) == [(0, 1), (0, 0)]
