@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from commands.audit_args import check_arguments
+from commands.audit_args import check_arguments, check_checkpoint_task
 from core.outputs import write_json
 from engine.audit import stats as stats_mod
 from engine.audit.findings import by_split, clean_training_names, find_copies
@@ -183,6 +183,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         opened = None
         if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
             opened = open_model(Path(checkpoint), cfg.train.device, host=host)
+            check_checkpoint_task(opened[0].multilabel, cfg.data.task == "multilabel", checkpoint)
             check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()

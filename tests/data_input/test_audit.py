@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import make_tree, run_script, tiny_overrides, train_tiny
+from conftest import class_image, make_tree, run_script, tiny_overrides, train_tiny
 
 COUNTS = {"a": (10, 4), "b": (10, 4), "c": (10, 4)}
 
@@ -513,3 +513,37 @@ def test_near_matches_on_32px_digits_are_confirmed_pixel_by_pixel(tmp_path):
     found = {(leak["train"][0], leak["val"][0]) for leak in doc["leaks"] if leak["count"] == 2}
     assert found == set(copies.items()) and len(doc["leaks"]) == len(copies)
     assert doc["duplicates"] == []  # distinct digits inside a split: none grouped
+
+
+@pytest.mark.parametrize("flag, target, role", [
+    ("--json", "val.csv", "data list"), ("--html", "train.csv", "data list"),
+    ("--write-clean-csv", "classes.txt", "classes file"), ("--write-clean-csv", "images/x.png", "data root"),
+    ("--json", "images/new/report.json", "data root")])
+def test_an_output_over_an_input_exits_2_naming_both_roles(tmp_path, flag, target, role):
+    """The val list became JSON, the train list HTML, the classes file a CSV: only train_csv / val_csv were
+    refused as --write-clean-csv, and nothing else anywhere."""
+    root = tmp_path / "data"
+    (root / "images").mkdir(parents=True)
+    for i in range(6):
+        class_image(i % 2).save(root / "images" / f"{i}.png")
+    (root / "train.csv").write_text("path,label\n" + "".join(f"images/{i}.png,{'ab'[i % 2]}\n" for i in range(4)))
+    (root / "val.csv").write_text("path,label\nimages/4.png,a\nimages/5.png,b\n")
+    (root / "classes.txt").write_text("a\nb\n")
+    shutil.copy(root / "images" / "0.png", root / "images" / "x.png")
+    before = tree_digest(root)
+    done = audit("data.format=csv", f"data.root={root}", f"data.train_csv={root / 'train.csv'}",
+                 f"data.val_csv={root / 'val.csv'}", f"data.classes={root / 'classes.txt'}", "--folds", "0",
+                 flag, str(root / target), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert flag in done.stderr and role in done.stderr and "Traceback" not in done.stderr
+    assert tree_digest(root) == before
+
+
+def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
+    """A multi-label (sigmoid) model gave 18 'label errors' on single-label data."""
+    from commands.audit_args import check_checkpoint_task
+    from core.errors import ConfigError
+
+    check_checkpoint_task(False, False, "m.pt")
+    with pytest.raises(ConfigError, match="--checkpoint m.pt: a multi-label model, but the data is single-label"):
+        check_checkpoint_task(True, False, "m.pt")
