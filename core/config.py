@@ -296,11 +296,18 @@ def check_expanded_size(value: Any, source: str) -> None:
             stack.extend((v, depth + 1) for v in item)
 
 
+# keys whose override value is taken as written (unless quoted): YAML reads ',' as an error and '|' as an
+# empty block scalar, though both are delimiters people use
+LITERAL_STRING_KEYS = ("data.label_delimiter",)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like KEY=VALUE (for example train.epochs=3)")
     key, raw = text.split("=", 1)
     key = key.strip()
+    if key in LITERAL_STRING_KEYS and raw and not (len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\""):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:

@@ -467,3 +467,9 @@ def test_explain_draws_one_overlay_per_called_tag_and_says_a_one_cell_peak_is_no
     with csv_out.open() as f:
         (row,) = list(csv.DictReader(f))
     assert row["explain_overlay"].count(" | ") == len(TAGS) - 1
+
+
+@pytest.mark.parametrize("raw, delimiter", [(",", ","), ("|", "|"), (";", ";"), ("' '", " "), ("'|'", "|")])
+def test_label_delimiter_overrides_are_taken_as_written(raw, delimiter):
+    """data.label_delimiter=, was a YAML error on the command line and | became '' (block scalar)."""
+    assert load_config("base", [f"data.label_delimiter={raw}"]).data.label_delimiter == delimiter
