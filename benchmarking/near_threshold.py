@@ -137,7 +137,8 @@ def measure_pixels(images: list[Image.Image], folder: Path, tag: str, copies_of:
             a, c = originals[i], facts_of([copy], f"{tag}_{kind}_{i}")[0]
             t, m = thumbnails([a.thumb, c.thumb])
             score = float(similarity(t[0], m[0], t[1:], m[1:])[0])
-            need = float(required_scores(0.99, a.reencode, np.array([c.reencode]))[0])
+            need = float(required_scores(0.99, a.reencode, np.array([c.reencode]), min(a.width, a.height),
+                                         np.array([min(c.width, c.height)]))[0])
             scores.setdefault(kind, []).append(score)
             found.setdefault(kind, []).append(score >= need and bin(a.phash ^ c.phash).count("1") <= 6
                                               and near_matchable(c))
@@ -146,9 +147,11 @@ def measure_pixels(images: list[Image.Image], folder: Path, tag: str, copies_of:
     proposed = len([1 for i, j, _ in near_pairs(hashes, hashes, 6, same=True, ok_a=ok, ok_b=ok)])
     t, m = thumbnails([f.thumb for f in originals])
     reencode = np.array([f.reencode for f in originals])
+    sides = np.array([min(f.width, f.height) for f in originals])
 
     def confirm(i, cols):
-        return similarity(t[i], m[i], t[cols], m[cols]) >= required_scores(0.99, reencode[i], reencode[cols])
+        return similarity(t[i], m[i], t[cols], m[cols]) >= required_scores(0.99, reencode[i], reencode[cols],
+                                                                            sides[i], sides[cols])
     groups = copy_groups([f.sha256 for f in originals], hashes, 6, ok, confirm)
     return {"images": len(images), "reencode_score_median": round(float(np.median(reencode)), 4),
             "copies": {k: {"min_score": round(min(v), 4), "reported": round(float(np.mean(found[k])), 3)}

@@ -49,10 +49,11 @@ def find_copies(items, facts, splits: dict[str, list[int]], threshold: int, pixe
     else:
         thumbs, means = thumbnails([facts[i].thumb for i in positions])
         reencode = np.array([facts[i].reencode for i in positions], dtype=np.float64)
+        sides = np.array([min(facts[i].width, facts[i].height) for i in positions])
 
         def confirm(i: int, cols: np.ndarray) -> np.ndarray:
             return (similarity(thumbs[i], means[i], thumbs[cols], means[cols])
-                    >= required_scores(pixel_threshold, reencode[i], reencode[cols]))
+                    >= required_scores(pixel_threshold, reencode[i], reencode[cols], sides[i], sides[cols]))
     groups = copy_groups([facts[i].sha256 for i in positions], hash_array([facts[i].phash for i in positions]),
                          threshold, [near_matchable(facts[i]) for i in positions], confirm)
     names = list(splits)

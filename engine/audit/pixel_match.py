@@ -7,12 +7,14 @@ How high a copy scores depends on the image: a JPEG re-encode of a smooth 32 px 
 noisy 32 px texture 0.77, while two distinct digits reach 0.989. So each image also carries its own score
 against its JPEG (q75) re-encode, its `reencode_score`, and a candidate pair is a copy when
 
-    score >= max(FLOOR, 1 - max(1 - audit.pixel_threshold, SLACK x (1 - the pair's lower reencode_score)))
+    score >= max(FLOOR, 1 - max(allowance, SLACK x (1 - the pair's lower reencode_score)))
 
-that is: at least `audit.pixel_threshold` (0.99) for clean images, and for noisy ones within SLACK times the
-loss a re-encode alone causes, never below FLOOR. Why NCC and not SSIM: SSIM put JPEG q40 copies of digits
-(0.936) below distinct digits (0.944). The figures per kind of copy are in docs/hardening.md
-(`python -m benchmarking.near_threshold --pixels`).
+with allowance = 1 - audit.pixel_threshold (0.01) when the smaller image's shorter side is under
+SMALL_SIDE (where pHash proposes distinct images: 8x8 glyphs scaled up), else LARGE_ALLOWANCE (0.1: pHash
+alone is reliable there, and a 10 % brighter photo, clipped, scores 0.97). That is: at least 0.99 for clean
+small images, within SLACK times the loss a re-encode alone causes for noisy ones, never below FLOOR. Why
+NCC and not SSIM: SSIM put JPEG q40 copies of digits (0.936) below distinct digits (0.944). The figures per
+kind of copy are in docs/hardening.md (`python -m benchmarking.near_threshold --pixels`).
 
 A flat thumbnail (no contrast: NCC undefined) matches another flat one of nearly the same colour only.
 """
@@ -26,6 +28,8 @@ MAX_SHIFT = 2          # thumbnail pixels each way
 FLAT_STD = 1.0         # a thumbnail with less contrast than this (grey levels) is flat
 FLAT_COLOUR_TOLERANCE = 12.0  # flat images match when every channel mean is this close (of 255)
 SLACK = 3.0            # a copy may lose this many times what a JPEG re-encode of the image loses
+SMALL_SIDE = 64        # below this shorter side pHash proposes distinct images: the strict allowance applies
+LARGE_ALLOWANCE = 0.1  # the allowance for larger images
 FLOOR = 0.5            # ... but never score below this
 REENCODE_QUALITY = 75
 REENCODE_MAX_SIDE = 128  # the re-encode is made of the image reduced to this (it is seen as a thumbnail)
@@ -56,10 +60,13 @@ def reencode_score(rgb: Image.Image) -> float:
     return float(similarity(a[0], a_mean[0], b, b_means)[0])
 
 
-def required_scores(strict: float, reencode_a: float, reencode_b: np.ndarray) -> np.ndarray:
-    """The score each candidate pair needs (see the module's doc)."""
+def required_scores(strict: float, reencode_a: float, reencode_b: np.ndarray, side_a: int = 0,
+                    sides_b: np.ndarray = None) -> np.ndarray:
+    """The score each candidate pair needs (see the module's doc); `side_*`: the images' shorter sides."""
     loss = 1.0 - np.minimum(reencode_a, reencode_b)
-    return np.maximum(FLOOR, 1.0 - np.maximum(1.0 - strict, SLACK * loss))
+    sides = np.minimum(side_a, sides_b if sides_b is not None else np.zeros_like(reencode_b))
+    allowance = np.where(sides < SMALL_SIDE, 1.0 - strict, max(1.0 - strict, LARGE_ALLOWANCE))
+    return np.maximum(FLOOR, 1.0 - np.maximum(allowance, SLACK * loss))
 
 
 def thumbnails(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
