@@ -12,6 +12,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
 from engine.runtime.runtime import build_runtime
+from commands.infer_multilabel import check_single_label_flags
 from commands.output_roles import check_eval_outputs
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
@@ -71,6 +72,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
+    check_single_label_flags(loaded.multilabel, **{"--reject-below": reject_below,
+                                                   "--reliability": (outputs or {}).get("--reliability")})
     check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root,
                        getattr(index, "paths", ()))
 

@@ -40,6 +40,14 @@ def check_threshold_flag(threshold: Optional[float], multilabel: bool) -> None:
         raise ConfigError(f"--threshold {threshold}: must be a probability in [0, 1]")
 
 
+def check_single_label_flags(multilabel: bool, **flags) -> None:
+    """ConfigError (exit 2) for a single-label option given with a multi-label model (it was ignored)."""
+    given = [name for name, value in flags.items() if value is not None]
+    if multilabel and given:
+        raise ConfigError(f"{', '.join(given)}: calibration, the reliability diagram and the reject option are "
+                          f"single-label; this model is multi-label (each tag is called at its threshold)")
+
+
 def tag_rows(paths: list[str], preds: TagPredictions, classes: list[str], thresholds: list[float],
              delimiter: str) -> list[dict]:
     """One dict per input file, in input order: `labels` (a list of tags, most probable first), `probs`."""

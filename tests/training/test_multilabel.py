@@ -473,3 +473,13 @@ def test_explain_draws_one_overlay_per_called_tag_and_says_a_one_cell_peak_is_no
 def test_label_delimiter_overrides_are_taken_as_written(raw, delimiter):
     """data.label_delimiter=, was a YAML error on the command line and | became '' (block scalar)."""
     assert load_config("base", [f"data.label_delimiter={raw}"]).data.label_delimiter == delimiter
+
+
+@pytest.mark.slow
+def test_eval_refuses_single_label_options_on_a_multilabel_model(trained, tmp_path):
+    """--reliability and --reject-below were silently ignored on a multi-label model."""
+    _, run = trained
+    for extra in (["--reject-below", "1.0"], ["--reliability", str(tmp_path / "rel.png")]):
+        with pytest.raises(ConfigError, match=f"{extra[0]}: .*single-label"):
+            script_main("eval", "--checkpoint", run / "best.pt", *extra, "data.num_workers=0")
+    assert not (tmp_path / "rel.png").exists()
