@@ -151,7 +151,7 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     the peak is the crop's first pixel, which means nothing."""
     from PIL import Image
 
-    from data.images import load_rgb
+    from data.images import load_rgb, open_image, oriented_size
     from data.transforms import normalize_batch
     from engine.evaluation.explain import (Explainer, crop_geometry, heatmap_on_original, heatmap_peak, to_original,
                                            write_overlay)
@@ -170,14 +170,15 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
             batch = normalize_batch(torch.stack([transform(paths[i]) for i, _ in chunk]), d.mean, d.std)
             cams = explainer.heatmaps(batch, [c for _, c in chunk])
             for (i, c), cam in zip(chunk, cams):
-                image = load_rgb(paths[i])
-                width, height = image.size
+                with open_image(paths[i]) as header:  # the size from the header; a JPEG decodes at the
+                    width, height = oriented_size(header)  # overlay's size (draft), not at 9000 px
+                dw, dh, factor = display_size(width, height)
+                image = load_rgb(paths[i], min_size=(dw, dh))
+                shown = np.asarray(image if image.size == (dw, dh) else image.resize((dw, dh), Image.Resampling.BOX))
                 geometry = crop_geometry(width, height, transform.resize_to, transform.img_size)
                 informative = bool(cam.max() - cam.min() > 1e-6)
                 flat += not informative
                 peak = to_original(*heatmap_peak(cam), geometry, width, height)
-                dw, dh, factor = display_size(width, height)
-                shown = np.asarray(image.resize((dw, dh), Image.Resampling.BOX) if factor < 1 else image)
                 left, top, sx, sy = geometry
                 heat = heatmap_on_original(cam, (left, top, sx / factor, sy / factor), dw, dh)
                 overlay = out / overlay_name(i, paths[i], classes[c] if several else None)

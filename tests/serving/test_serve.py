@@ -186,6 +186,39 @@ def test_a_body_over_max_bytes_is_413_declared_or_streamed(served):
     assert health(served["url"])["status"] == "ok"
 
 
+def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = TIMEOUT) -> bytes:
+    """Send `head` and `body` on one connection and read until the server closes it (or `wait` passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return answer
+
+
+def test_an_oversized_body_from_a_client_that_sends_before_reading_gets_the_413(served):
+    """requests (no Expect: 100-continue) sent 20 MB and got a connection reset: the 413 came before the body
+    was read, and the server closed on the unread rest."""
+    big = os.urandom(20_000_000)
+    for attempt in range(2):  # the connection stays usable: a second one in a row
+        response = post(served["url"], big)
+        assert response.status_code == 413 and "20000000 bytes" in response.json()["detail"]
+    assert health(served["url"])["status"] == "ok"
+
+
+def test_a_body_past_the_drain_bound_or_too_slow_is_answered_and_closed(served):
+    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/octet-stream\r\n").encode()
+    declared = raw_request(served["port"], head + f"Content-Length: {10 * DRAIN_BYTES}\r\n\r\n".encode(), b"x" * 1000)
+    assert declared.startswith(b"HTTP/1.1 413") and b"connection: close" in declared.lower()
+    slow = raw_request(served["port"], head + b"Content-Length: 5000\r\n\r\n", b"x" * 10)  # the rest never comes
+    assert slow.startswith(b"HTTP/1.1 408") and b"body_timeout" in slow
+    assert health(served["url"])["status"] == "ok"
+
+
 @pytest.mark.slow
 def test_the_api_key_is_required_on_predict(served):
     body = served["images"][0].read_bytes()
@@ -298,39 +331,6 @@ def test_batcher_groups_waiting_requests_and_isolates_a_failed_batch():
     assert [len(c) for c in calls[:2]] == [4, 2]   # max_batch, then the rest when the wait ends
     assert isinstance(failed[0], RuntimeError)
     assert after == "yy"
-
-
-def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = TIMEOUT) -> bytes:
-    """Send `head` and `body` on one connection and read until the server closes it (or `wait` passes)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
-        sock.sendall(head + body)
-        answer = b""
-        try:
-            while chunk := sock.recv(65536):
-                answer += chunk
-        except (ConnectionResetError, socket.timeout):
-            pass
-    return answer
-
-
-def test_an_oversized_body_from_a_client_that_sends_before_reading_gets_the_413(served):
-    """requests (no Expect: 100-continue) sent 20 MB and got a connection reset: the 413 came before the body
-    was read, and the server closed on the unread rest."""
-    big = os.urandom(20_000_000)
-    for attempt in range(2):  # the connection stays usable: a second one in a row
-        response = post(served["url"], big)
-        assert response.status_code == 413 and "20000000 bytes" in response.json()["detail"]
-    assert health(served["url"])["status"] == "ok"
-
-
-def test_a_body_past_the_drain_bound_or_too_slow_is_answered_and_closed(served):
-    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/octet-stream\r\n").encode()
-    declared = raw_request(served["port"], head + f"Content-Length: {10 * DRAIN_BYTES}\r\n\r\n".encode(), b"x" * 1000)
-    assert declared.startswith(b"HTTP/1.1 413") and b"connection: close" in declared.lower()
-    slow = raw_request(served["port"], head + b"Content-Length: 5000\r\n\r\n", b"x" * 10)  # the rest never comes
-    assert slow.startswith(b"HTTP/1.1 408") and b"body_timeout" in slow
-    assert health(served["url"])["status"] == "ok"
 
 
 def test_serve_refuses_keys_headers_cannot_carry_and_unbounded_batches():
