@@ -20,7 +20,7 @@ FLAG_KEYS = {"folds": "audit.folds", "fold_epochs": "audit.fold_epochs", "near_t
              "drop_label_issues": "audit.drop_label_issues"}
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done (at least one image could be read), 1 none could "
                                             "be read or a fold's training failed, 2 usage or config error.")
@@ -65,7 +65,7 @@ def main(argv=None, host=None) -> int:
 
     from commands.audit import run_audit
 
-    return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv, host=host)
+    return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)
 
 
 if __name__ == "__main__":

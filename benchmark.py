@@ -17,7 +17,7 @@ from commands.cli import announce, run_main
 from core.errors import ConfigError
 
 
-def main(host=None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML path or a name in configs/ (resnet18, resnet50, quickstart)")
     parser.add_argument("--mode", choices=["loader", "train", "infer", "find-batch", "diagnose"])
@@ -60,11 +60,11 @@ def main(host=None) -> int:
         raise ConfigError("--mode infer times infer.py, which reads files: use a folder or CSV source (or --synthetic)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     announce(f"benchmark.py: --mode {args.mode} with --config {args.config}")
-    print(json.dumps(run_benchmark(cfg, args, host)))
+    print(json.dumps(run_benchmark(cfg, args)))
     return 0
 
 
-def run_benchmark(cfg, args, host=None) -> dict:
+def run_benchmark(cfg, args) -> dict:
     import torch
 
     from benchmarking.loader import bench_loader
@@ -73,7 +73,7 @@ def run_benchmark(cfg, args, host=None) -> dict:
     from data.build import prepare_root, scan_splits
     from engine.runtime.runtime import build_runtime
 
-    runtime = build_runtime(cfg, host)
+    runtime = build_runtime(cfg)
     device, amp_dtype = runtime.device, runtime.amp_dtype
     needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)
     if needs_data:

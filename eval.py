@@ -16,7 +16,7 @@ from commands.cli import announce, finite_float, run_main
 from core.outputs import check_output_file
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
                                                             "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
@@ -31,6 +31,8 @@ def main(argv=None, host=None) -> int:
                                           "file; default class_0, class_1, ...)")
     parser.add_argument("--reliability", metavar="FILE.png", help="draw the reliability diagram (calibrated "
                                                                   "probabilities) here")
+    parser.add_argument("--predictions", metavar="FILE.csv|FILE.json", help="write infer.py's row for every "
+                        "evaluated image here, with its `target` (the Predictor's rows, as infer.py and serve.py give)")
     parser.add_argument("--reject-below", type=finite_float, metavar="X", help="the reject score threshold for the "
                         "'selective' figures (default: the one stored with the model)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -39,18 +41,20 @@ def main(argv=None, host=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
     check_output_file("--json", args.json)
     check_output_file("--reliability", args.reliability, ".png")
+    check_output_file("--predictions", args.predictions)
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
     from commands.evaluate import evaluate_checkpoint
     from commands.reliability_plot import draw_reliability
-    from commands.report import (confusion_png_path, draw_confusion, eval_document, format_eval_table,
-                                 format_multilabel_table, format_trust_line, multilabel_document)
+    from commands.report import confusion_png_path, draw_confusion, format_trust_line
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, host, args.reject_below,
+                                 args.classes, args.reject_below,
                                  outputs={"--json": args.json, "--reliability": args.reliability,
-                                          "--json's confusion PNG": args.json and confusion_png_path(args.json)})
+                                          "--json's confusion PNG": args.json and confusion_png_path(args.json),
+                                          "--predictions": args.predictions})
+    task = result.task
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     fixed = " (fixed by the export)" if s["fixed_batch"] else ""
@@ -60,26 +64,28 @@ def main(argv=None, host=None) -> int:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:
             print(f"  {path}", file=sys.stderr)
-    if result.multilabel:
-        print(format_multilabel_table(result.metrics, result.per_class))
-        if args.json:
-            write_json(multilabel_document(result.metrics, result.per_class, result.classes,
-                                           skipped_files=result.skipped_files, **s), args.json)
-            print(f"wrote {args.json}")
-    else:
-        print(format_eval_table(result.metrics, result.per_class, min(5, len(result.classes))))
+    print(task.eval_table(result.metrics, result.per_class, result.classes))
     if result.trust:
         print(format_trust_line(result.trust))
-    if args.json and not result.multilabel:
-        doc = eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                            skipped_files=result.skipped_files, **(result.trust or {}), **s)
+    if args.json:
+        doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
+                                 skipped_files=result.skipped_files, **(result.trust or {}), **s)
         write_json(doc, args.json)
-        png = draw_confusion(result.confusion, result.classes, confusion_png_path(args.json))
-        print(f"wrote {args.json} and {png}")
+        written = [args.json]
+        if result.confusion is not None:
+            written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(args.json)))
+        print(f"wrote {' and '.join(map(str, written))}")
+    if args.predictions:
+        task.write_rows(result.rows, args.predictions, result.classes, 5, result.delimiter, ["target"])
+        print(f"wrote {args.predictions}")
     if args.reliability and result.trust:
         t = result.trust
         png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])
         print(f"wrote {png}")
+    from tracking.evaluation import log_evaluation
+
+    log_evaluation(args.checkpoint, args.overrides, {**result.metrics, **(result.trust or {})},
+                   [args.json, confusion_png_path(args.json) if args.json else None, args.reliability])
     if result.metrics["num_samples"] == 0:
         print("error: no image in the split could be read", file=sys.stderr)
         return 1

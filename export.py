@@ -19,11 +19,15 @@ import sys
 
 from commands.cli import announce, run_main
 
+# the formats export.py writes, named here so --help needs no torch (a test holds them equal to the registered
+# export formats of engine/model_io/formats/)
+EXPORT_FORMATS = ("onnx", "pt2", "timm")
 
-def main(argv=None, host=None) -> int:
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py")
-    parser.add_argument("--format", required=True, choices=("onnx", "pt2", "timm"), help="what to write")
+    parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")
     parser.add_argument("--output", required=True, help="FILE.onnx, FILE.pt2, or a folder for timm")
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help="onnx/pt2: the fixed batch the model is traced for (default 1)")

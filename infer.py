@@ -30,7 +30,7 @@ def default_workers() -> int:
     return min(8, usable_cpus())
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
     parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, a timm folder "
@@ -72,10 +72,10 @@ def main(argv=None, host=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from commands.infer import run_inference
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
-                         args.compile, args.num_workers, args.device, args.classes, host,
+                         args.compile, args.num_workers, args.device, args.classes,
                          TrustOptions(args.reject, args.reject_below, args.explain), args.threshold)
 
 

@@ -12,9 +12,12 @@ Requests are decoded one by one, then classified together: a batch closes at --m
 body over --max-bytes 413 (read and dropped up to --drain-bytes, so the client reads it; above that the
 connection is closed), a body slower than --body-timeout 408; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
 `Authorization: Bearer KEY` (401 without). SIGTERM stops accepting, answers what is in flight, exits 0.
+--onnx-only (the default where torch is not installed, as in the slim serving image) serves an ONNX export
+with onnxruntime, PIL and NumPy alone: the same rows, on the CPU.
 Exit 2 on a usage error.
 """
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -27,7 +30,7 @@ API_KEY_ENV = "IMGCLS_API_KEY"
 MAX_BATCH_LIMIT = 1024
 
 
-def main(argv=None, host=None) -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
                                                             "a timm folder")
@@ -51,6 +54,9 @@ def main(argv=None, host=None) -> int:
     parser.add_argument("--reject", action="store_true", help="as infer.py: label 'unknown' every image whose "
                         "reject score is below the threshold stored with the model ('predicted': the would-be label)")
     parser.add_argument("--reject-below", type=finite_float, metavar="X", help="--reject with this score threshold")
+    parser.add_argument("--onnx-only", action="store_true",
+                        help="serve an ONNX export without torch (onnxruntime, PIL, NumPy; the CPU); the default "
+                             "where torch is not installed (the slim serving image)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -75,13 +81,20 @@ def main(argv=None, host=None) -> int:
         raise ConfigError(f"--max-batch {args.max_batch}: must be <= {MAX_BATCH_LIMIT} (every power-of-two shape "
                           f"up to it is warmed up before the port opens)")
 
-    from commands.infer_trust import TrustOptions
     from serving.app import ServeSettings
-    from serving.server import serve
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key,
                              args.drain_bytes, args.body_timeout)
-    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device, host,
+    if args.onnx_only or importlib.util.find_spec("torch") is None:
+        from serving.onnx_only.server import serve_onnx
+
+        return serve_onnx(args.checkpoint, args.host, args.port, settings, args.topk, args.device, args.reject,
+                          args.reject_below)
+
+    from engine.prediction.trust import TrustOptions
+    from serving.server import serve
+
+    return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
                  TrustOptions(args.reject, args.reject_below))
 
 

@@ -7,10 +7,10 @@ from commands.cli import announce, run_main
 from core.config import available_configs
 
 
-def main(host=None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, epilog="Every key, its default and what it does: "
                                      "configs/base.yaml. Exit status: 0 done, 1 failed, 2 usage or config "
-                                     "error, 143/130 stopped by SIGTERM/SIGINT after saving last.pt.")
+                                     "error, 143/130/138 stopped by SIGTERM/SIGINT/SIGUSR1 after saving last.pt.")
     parser.add_argument("--config", help=f"a YAML path or a name in configs/ ({', '.join(available_configs())}); "
                         "required unless --resume PATH, which takes the run's recorded config")
     parser.add_argument("--resume", help="last.pt to continue from (alone: with the config it recorded), or 'auto' "
@@ -39,7 +39,7 @@ def main(host=None) -> int:
 
     from engine.run.trainer import run
 
-    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial, host=host)
+    return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import argparse
 from commands.cli import run_main
 
 
-def main(host=None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done, 1 failed, 2 usage or config error, 130 after "
                                             "Ctrl-C, 143 after SIGTERM (the table and JSON of the sizes so far "
@@ -35,7 +35,7 @@ def main(host=None) -> int:
 
     from commands.tune import main as tune
 
-    return tune(args, host)
+    return tune(args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from core.config import eval_size
-from core.host import omp_wait_description
+from engine.runtime.cpu_tuning import omp_wait_description
 from engine.tuning.batch_finder import build_training_probe
 from engine.runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
 from engine.evaluation.evaluate import predict
@@ -35,7 +35,7 @@ def settings(cfg, runtime, batch_size: int, synthetic: bool) -> dict:
             "amp": precision_name(amp_dtype),
             "channels_last": cfg.train.channels_last, "compile": cfg.train.compile,
             "workers": 0 if synthetic else cfg.data.num_workers, "device": str(device), "synthetic": synthetic,
-            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(runtime.host),
+            "torch_threads": torch.get_num_threads(), "omp_wait": omp_wait_description(),
             "reuse_host_memory": cfg.train.reuse_host_memory}
 
 

@@ -2,7 +2,7 @@
 split, and for each reject score (msp, energy, knn, mahalanobis) the share of out-of-distribution images
 rejected at the threshold that keeps `calibration.coverage` of the validation images. The
 out-of-distribution sets are crops of scikit-learn's two sample photos and benchmarking/photos.py's
-generated photos. Prints one JSON object (README, "Can I trust a prediction?").
+generated photos. Prints one JSON object: the figures that chose the reject score checkpoints use.
 
 python -m benchmarking.trust --checkpoint runs/quickstart/best.pt [--images 200] [--coverage 0.95]
 """
@@ -22,11 +22,11 @@ from benchmarking.photos import photo, sample_photo_crop
 from data.build import build_eval_loader_for, scan_splits
 from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from engine.evaluation.outputs import collect_outputs
+from engine.evaluation.split_outputs import collect_outputs
 from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
                                          threshold_for_coverage)
 from engine.evaluation.trust import build_record
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.run.calibrate import bank_index
 from engine.runtime.device import DeviceInput
 

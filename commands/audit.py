@@ -20,7 +20,8 @@ from engine.audit.folds import (align_classes, check_same_classes, cross_validat
 from engine.audit.hashing import compute_facts
 from engine.audit.html_report import render
 from engine.audit.label_issues import find_label_issues
-from engine.audit.sources import read_audit_data
+from engine.audit.audit_data import read_audit_data
+from tasks import task_of
 
 log = logging.getLogger("audit")
 LABELLED_SPLITS = ("train", "val")
@@ -44,11 +45,11 @@ class Progress:
         self.bar.close()
 
 
-def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path, host=None
+def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
                  ) -> tuple[list[dict], Optional[str], str, float]:
     """(label issues named, their source, a note for the reader, seconds)."""
     started = time.perf_counter()
-    if cfg.data.task == "multilabel":
+    if not task_of(cfg).supports("label errors"):
         return [], None, ("not searched: the label-error search (cleanlab on out-of-sample class probabilities) "
                           "is for single-label data; duplicates, leaks, unreadable files and the tag counts are "
                           "checked"), 0.0
@@ -71,7 +72,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
         bar = Progress(cfg, folds, "folds")
         probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
                                       [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
-                                      on_fold=lambda _: bar(), host=host)
+                                      on_fold=lambda _: bar())
         bar.close()
         source = f"{folds}-fold cross-validation, {epochs} epoch(s) per fold"
         note = (f"out-of-sample predictions for the {len(pool)} training and validation images: each from a "
@@ -170,7 +171,7 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int, list[str]]
 
 
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
-              html_path: Optional[str] = None, clean_csv: Optional[str] = None, host=None) -> int:
+              html_path: Optional[str] = None, clean_csv: Optional[str] = None) -> int:
     check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
     from data.build import prepare_root
 
@@ -182,8 +183,8 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         data = read_audit_data(cfg, work / "samples")
         opened = None
         if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
-            opened = open_model(Path(checkpoint), cfg.train.device, host=host)
-            check_checkpoint_task(opened[0].multilabel, cfg.data.task == "multilabel", checkpoint)
+            opened = open_model(Path(checkpoint), cfg.train.device)
+            check_checkpoint_task(opened[0].task, task_of(cfg), checkpoint)
             check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()
@@ -195,7 +196,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         readable = len(data.items) - len(failed)
         issues, source, note, label_s = [], None, "", 0.0
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, opened, work, host)
+            issues, source, note, label_s = label_search(cfg, data, facts, checkpoint, opened, work)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}

@@ -28,10 +28,9 @@ def check_arguments(cfg, checkpoint: Optional[str], clean_csv: Optional[str]) ->
                               f"changes the data: name a new file")
 
 
-def check_checkpoint_task(model_multilabel: bool, data_multilabel: bool, checkpoint: str) -> None:
-    """--checkpoint's model must be of the data's task: a multi-label (sigmoid) model's scores are no class
-    distribution for the single-label label-error search (it named 18 'label errors' from one)."""
-    if model_multilabel != data_multilabel:
-        kinds = {True: "multi-label", False: "single-label"}
-        raise ConfigError(f"--checkpoint {checkpoint}: a {kinds[model_multilabel]} model, but the data is "
-                          f"{kinds[data_multilabel]} (data.task); pass a model trained on this task, or --folds K")
+def check_checkpoint_task(model_task, data_task, checkpoint: str) -> None:
+    """--checkpoint's model must be of the data's task (tasks.Task): a multi-label (sigmoid) model's scores are
+    no class distribution for the single-label label-error search (it named 18 'label errors' from one)."""
+    if model_task.name != data_task.name:
+        raise ConfigError(f"--checkpoint {checkpoint}: a {model_task.title} model, but the data is "
+                          f"{data_task.title} (data.task); pass a model trained on this task, or --folds K")

@@ -1,17 +1,16 @@
 """Entry-script plumbing: run a command's `main` and turn its outcome into an exit status.
 
-Exit status: 0 done; 1 the job failed; 2 usage or config error (before any work); 143 / 130 after a
-SIGTERM / SIGINT made the run save and stop. Nothing here imports torch, so `--help` and usage errors
+Exit status: 0 done; 1 the job failed; 2 usage or config error (before any work); 143 / 130 / 138 after a
+SIGTERM / SIGINT / SIGUSR1 made the run save and stop. Nothing here imports torch, so `--help` and usage errors
 answer before the heavy imports.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Callable
 
 from core.errors import JOB_FAILURES, USAGE_ERRORS
-import core.host
+from engine.runtime.cpu_tuning import tune_process_start
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
@@ -58,13 +57,11 @@ def _reserved_much_larger(message: str) -> bool:
 
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
-    First, before any command imports torch, how OpenMP's waiting threads behave is chosen by the cores'
-    load (`core.host.choose_omp_wait`); a `main` that takes `host=` gets that choice to set up its runtime
-    with."""
-    host = core.host.choose_omp_wait()
-    takes_host = "host" in inspect.signature(main).parameters
+    First, before any command imports torch, the process-start half of the CPU tuning
+    (`engine.runtime.cpu_tuning.tune_process_start`)."""
+    tune_process_start()
     try:
-        code = main(host=host) if takes_host else main()
+        code = main()
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2

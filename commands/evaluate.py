@@ -10,17 +10,15 @@ import torch
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
-from engine.runtime.device import DeviceInput, amp_setting, pin_memory_for
-from engine.runtime.runtime import build_runtime
-from commands.infer_multilabel import check_single_label_flags
+from engine.runtime.device import amp_setting, pin_memory_for
 from commands.output_roles import check_eval_outputs
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
-from engine.evaluation.outputs import OutputRecorder
+from engine.evaluation.split_outputs import OutputRecorder
 from engine.evaluation.trust import trust_metrics
-from engine.evaluation.metrics import per_class_report
-from engine.evaluation.multilabel import DEFAULT_THRESHOLD
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
+from engine.prediction.predictor import Predictor
+from tasks.base import Predictions, Task
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +31,23 @@ class EvalResult:
     classes: list[str]
     skipped_files: list[str]
     settings: dict
+    task: Task
     trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (engine.evaluation.trust)
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
-    multilabel: bool = False   # data.task=multilabel: metrics hold mAP / F1, per_class the per-tag figures
+    rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
+    delimiter: str = " "        # between tags in a multi-label row
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None, host=None, reject_below: float | None = None,
+                        classes_file: str | None = None, reject_below: float | None = None,
                         outputs: dict | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
-    config it records; ONNX in fp32."""
+    config it records; ONNX in fp32. The model is the Predictor's, as trained (BatchNorm not folded)."""
     loaded = load_model_file(checkpoint, overrides, classes_file)
+    task = loaded.task
     cfg = loaded.cfg
     list_arg = data_root is not None and data_root.lower().endswith((".csv", ".tar"))  # a CSV list or shards
     if data_root is not None and not list_arg:
@@ -72,56 +73,75 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
-    check_single_label_flags(loaded.multilabel, **{"--reject-below": reject_below,
-                                                   "--reliability": (outputs or {}).get("--reliability")})
+    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability")}
+    for flag in (name for name, value in given.items() if value is not None):
+        loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
     check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root,
                        getattr(index, "paths", ()))
 
-    runtime = build_runtime(cfg, host, saved_threads=loaded.threads, fp32_only=loaded.fp32_only)
-    device, amp_dtype = runtime.device, runtime.amp_dtype
-    model = loaded.build_model(device, cfg.train.channels_last)
-    transform = loaded.eval_transform()
-    pin = pin_memory_for(cfg.data.pin_memory, device)
+    predictor = Predictor.from_model_file(loaded, None, for_serving=False)
+    model, transform = predictor.model, predictor.transform
+    pin = pin_memory_for(cfg.data.pin_memory, predictor.runtime.device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None
     loader = build_eval_loader_for(index, transform, transform.img_size, cfg.train.batch_size,
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
-    recorder = None if loaded.multilabel else OutputRecorder(model)
+    calibrated = task.supports("calibration")
+    recorder = OutputRecorder(model, with_features=calibrated)
     try:
-        sums, unreadable = evaluate(model, loader, DeviceInput.from_config(cfg, device, amp_dtype), len(loaded.classes),
-                                    tta_flip=tta, on_outputs=recorder,
-                                    classes=loaded.classes if loaded.multilabel else None)
+        sums, unreadable = evaluate(model, loader, predictor.device_input, task, loaded.classes, tta_flip=tta,
+                                    on_outputs=recorder)
     finally:
-        if recorder is not None:
-            recorder.close()
+        recorder.close()
     skipped = [index.paths[i] for i in sorted(unreadable)]
-    settings = {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
-                "data": source.data, "split": source.split, "source": source.described,
-                "batch_size": cfg.train.batch_size, "fixed_batch": loaded.fixed_batch, "amp": amp_setting(amp_dtype),
-                "channels_last": cfg.train.channels_last, "tta": tta, "device": str(device),
-                "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
-                                  "crop_pct": cfg.data.crop_pct,
-                                  "interpolation": cfg.data.interpolation, "mean": list(cfg.data.mean),
-                                  "std": list(cfg.data.std)}}
-    if loaded.multilabel:
-        return multilabel_result(sums, loaded, skipped, settings)
+    settings = evaluation_settings(predictor, source, tta)
     outputs = recorder.outputs()
     trust, reliability = None, None
-    if len(outputs):
+    if calibrated and len(outputs):
         trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
         reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
-    metrics = sums.compute()
-    check_finite_outputs(int(sums.nonfinite), metrics["num_samples"], loaded.path)
-    confusion = sums.confusion.cpu()
-    return EvalResult(metrics, per_class_report(confusion, loaded.classes), confusion, loaded.classes, skipped,
-                      settings, trust, reliability)
+    if not calibrated:
+        settings["thresholds"] = ("tuned in training (recorded in the model)" if loaded.thresholds else
+                                  "0.5 (none recorded)")
+    metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
+    check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
+    rows = prediction_rows(predictor, outputs, index.paths, tta)
+    return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
+                      predictor.delimiter)
 
 
-def multilabel_result(sums, loaded, skipped: list[str], settings: dict) -> EvalResult:
-    """A multi-label evaluation: F1, precision and recall at the model's tuned thresholds (those infer.py
-    applies; 0.5 where the model records none) and at 0.5, mAP over the classes with a positive."""
-    thresholds = loaded.thresholds
-    settings["thresholds"] = "tuned in training (recorded in the model)" if thresholds else "0.5 (none recorded)"
-    metrics = sums.compute(thresholds or [DEFAULT_THRESHOLD] * len(loaded.classes))
-    per_class = metrics.pop("per_class")
-    return EvalResult(metrics, per_class, None, loaded.classes, skipped, settings, multilabel=True)
+def evaluation_settings(predictor: Predictor, source, tta: bool) -> dict:
+    """What the evaluation ran with, as eval.py prints it and its JSON records it."""
+    loaded, transform = predictor.model_file, predictor.transform
+    cfg = loaded.cfg
+    return {"checkpoint": str(loaded.path), "model_format": loaded.kind, "epoch": loaded.epoch,
+            "data": source.data, "split": source.split, "source": source.described,
+            "batch_size": cfg.train.batch_size, "fixed_batch": loaded.fixed_batch,
+            "amp": amp_setting(predictor.runtime.amp_dtype), "channels_last": cfg.train.channels_last, "tta": tta,
+            "device": str(predictor.runtime.device),
+            "preprocessing": {"img_size": transform.img_size, "resize": transform.resize_to,
+                              "crop_pct": cfg.data.crop_pct, "interpolation": cfg.data.interpolation,
+                              "mean": list(cfg.data.mean), "std": list(cfg.data.std)}}
+
+
+def prediction_rows(predictor: Predictor, outputs, paths: list[str], log_probs: bool) -> list[dict]:
+    """The Predictor's rows (infer.py's columns) for the evaluated images in split order, each with its
+    `target` (the label name, or the tag list). `log_probs`: the outputs are --tta's log-probabilities."""
+    order = outputs.indices.argsort()
+    logits, indices = outputs.logits[order], outputs.indices[order]
+    task = predictor.task
+    temperature = None if log_probs else predictor.temperature
+    kept = task.kept_outputs(task.probabilities(logits, temperature), predictor.topk)
+    preds = Predictions(kept, torch.ones(len(indices), dtype=torch.bool))
+    rows = task.rows([paths[i] for i in indices.tolist()], preds, predictor.classes, predictor.thresholds,
+                     predictor.delimiter)
+    for row, target in zip(rows, outputs.labels[order].tolist()):
+        row["target"] = target_name(target, predictor.classes, predictor.delimiter)
+    return rows
+
+
+def target_name(target, classes: list[str], delimiter: str) -> str:
+    """A label index as its name; a multi-hot vector as its tags joined by the delimiter."""
+    if isinstance(target, list):
+        return delimiter.join(name for name, on in zip(classes, target) if on)
+    return classes[target]

@@ -10,27 +10,25 @@ from core.errors import CheckpointError, ConfigError, DataTreeError
 from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
 from engine.model_io.export_target import check_export_target
-from engine.model_io.model_file import KIND_NAMES, ModelFile
-from engine.model_io.model_files import model_file_kind
+from engine.model_io.formats import DEFAULT, FORMATS, format_of
+from engine.model_io.model_file import ModelFile
 
 
 def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], quantize: Optional[str] = None,
                calibration_images: int = 256, min_agreement: float = 0.97, overwrite: bool = False) -> int:
     """Export `checkpoint` as `fmt` to `output` (batch None: any batch size; an existing output only with
     `overwrite`, never in a run directory); returns the exit status."""
-    kind = model_file_kind(checkpoint)
-    if kind != "checkpoint" and Path(checkpoint).exists():
-        raise CheckpointError(f"--checkpoint {checkpoint} is {KIND_NAMES[kind]}; export.py takes a checkpoint "
+    kind = format_of(checkpoint)
+    if kind is not DEFAULT and Path(checkpoint).exists():
+        raise CheckpointError(f"--checkpoint {checkpoint} is {kind.description}; export.py takes a checkpoint "
                               f"written by train.py (best.pt or last.pt)")
     path = check_output_path(fmt, output)
-    check_export_target(fmt, path, overwrite)
-    if fmt == "timm":
+    check_export_target(FORMATS[fmt], path, overwrite)
+    if not FORMATS[fmt].traced:
         batch = None  # weights: any batch
     loaded = read_checkpoint(checkpoint)
-    if quantize == "int8" and loaded.multilabel:
-        raise ConfigError("--quantize int8: its agreement check compares single-label top-1 predictions; a "
-                          "multi-label model is exported in fp32 (drop --quantize)")
     if quantize == "int8":
+        loaded.task.check_supported("--quantize int8")
         return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
     report = export_checkpoint(loaded, fmt, path, batch)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"

@@ -1,4 +1,4 @@
-"""Human- and machine-readable evaluation reports: a text table, the JSON document, a confusion PNG."""
+"""What eval.py draws and prints beside the task's report (tasks/): the calibration line and the confusion PNG."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,33 +6,6 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.evaluation.metrics import top5_label
-
-
-def eval_document(metrics: dict, per_class: dict, confusion: torch.Tensor, classes: list[str], **extra) -> dict:
-    """The eval JSON: INTERFACE keys first, then whatever else the caller records (checkpoint, split...)."""
-    doc = {k: metrics[k] for k in ("top1", "top5", "loss", "mean_class_acc", "num_samples")}
-    doc["top5_k"] = min(5, len(classes))  # top5 is top-k at k = min(5, classes)
-    doc["per_class"] = per_class
-    doc["confusion"] = confusion.to(torch.int64).tolist()
-    doc["classes"] = list(classes)
-    doc.update(extra)
-    return doc
-
-
-def format_eval_table(metrics: dict, per_class: dict, k: int) -> str:
-    lines = [
-        f"top1 {metrics['top1']:.2f}%   {top5_label(k)} {metrics['top5']:.2f}%   loss {metrics['loss']:.4f}   "
-        f"mean class acc {metrics['mean_class_acc']:.2f}%   samples {metrics['num_samples']}",
-        "",
-    ]
-    width = max([len("class")] + [len(name) for name in per_class])
-    header = f"{'class':<{width}}  {'count':>6}  {'acc%':>6}  {'prec%':>6}  {'recall%':>7}  {'f1%':>6}"
-    lines += [header, "-" * len(header)]
-    for name, row in per_class.items():
-        lines.append(f"{name:<{width}}  {row['count']:>6d}  {row['accuracy']:>6.2f}  {row['precision']:>6.2f}  "
-                     f"{row['recall']:>7.2f}  {row['f1']:>6.2f}")
-    return "\n".join(lines)
 
 
 def format_trust_line(trust: dict) -> str:
@@ -97,35 +70,3 @@ def draw_confusion(confusion: torch.Tensor, classes: list[str], path: str | Path
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path
-
-
-# ---------------------------------------------------------------- multi-label (data.task: multilabel)
-
-MULTILABEL_KEYS = ("mAP", "micro_f1", "macro_f1", "precision", "recall", "micro_f1_at_0.5", "macro_f1_at_0.5",
-                   "precision_at_0.5", "recall_at_0.5", "loss", "num_samples")
-
-
-def multilabel_document(metrics: dict, per_class: dict, classes: list[str], **extra) -> dict:
-    """The eval JSON of a multi-label model: mAP, F1 / precision / recall at the model's thresholds and at
-    0.5, `per_class` (name -> ap, f1, precision, recall, threshold, positives), then the caller's extras."""
-    doc = {k: metrics[k] for k in MULTILABEL_KEYS}
-    doc["per_class"] = per_class
-    doc["classes"] = list(classes)
-    doc.update(extra)
-    return doc
-
-
-def format_multilabel_table(metrics: dict, per_class: dict) -> str:
-    m = metrics
-    lines = [f"mAP {m['mAP']:.2f}%   micro F1 {m['micro_f1']:.2f}%   macro F1 {m['macro_f1']:.2f}%   precision "
-             f"{m['precision']:.2f}%   recall {m['recall']:.2f}%   loss {m['loss']:.4f}   samples {m['num_samples']}",
-             f"at threshold 0.5: micro F1 {m['micro_f1_at_0.5']:.2f}%   macro F1 {m['macro_f1_at_0.5']:.2f}%   "
-             f"precision {m['precision_at_0.5']:.2f}%   recall {m['recall_at_0.5']:.2f}%", ""]
-    width = max([len("class")] + [len(name) for name in per_class])
-    header = f"{'class':<{width}}  {'positives':>9}  {'ap%':>6}  {'f1%':>6}  {'prec%':>6}  {'recall%':>7}  {'threshold':>9}"
-    lines += [header, "-" * len(header)]
-    for name, row in per_class.items():
-        ap = "-" if row["ap"] is None else f"{row['ap']:.2f}"
-        lines.append(f"{name:<{width}}  {row['positives']:>9d}  {ap:>6}  {row['f1']:>6.2f}  {row['precision']:>6.2f}  "
-                     f"{row['recall']:>7.2f}  {row['threshold']:>9.4f}")
-    return "\n".join(lines)

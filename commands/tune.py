@@ -64,18 +64,19 @@ def check_arguments(args) -> None:
     check_output_file("--plot", args.plot, ".png", outside_runs=True)
 
 
-def main(args, host=None) -> int:
-    from core.config import load_config
+def main(args) -> int:
+    from core.config import check_tracking_client, load_config
 
     check_arguments(args)
     args.steps = args.steps or DEFAULT_STEPS
     sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
+    check_tracking_client(cfg.tracking)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
     from commands.tune_run import run_lr_test, run_sweep
 
     if lr_range is not None:
-        return run_lr_test(cfg, args, lr_range, host)
-    return run_sweep(cfg, args, sizes, host)
+        return run_lr_test(cfg, args, lr_range)
+    return run_sweep(cfg, args, sizes)

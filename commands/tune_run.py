@@ -12,6 +12,7 @@ from typing import Optional
 from core.config import check_data_root
 from core.errors import ConfigError
 from core.outputs import write_json
+from tracking.tuning import log_tune_run
 from data.build import prepare_root, scan_splits
 from engine.runtime import distributed as dist_utils
 from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
@@ -26,13 +27,13 @@ from models.factory import check_grad_checkpointing, check_model_name
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg, host=None) -> tuple[Runtime, int, int]:
+def prepare(cfg) -> tuple[Runtime, int, int]:
     """(runtime, training images, classes); config errors before any work. The runtime is set up as
     train.py's would be here (the same device, precision and thread count)."""
     check_data_root(cfg)
     check_model_name(cfg.model.name)
     check_grad_checkpointing(cfg.model)
-    runtime = build_runtime(cfg, host, distributed=True)
+    runtime = build_runtime(cfg, distributed=True)
     if runtime.dist.is_main:
         prepare_root(cfg)
     dist_utils.barrier()
@@ -59,8 +60,8 @@ def check_sizes(sizes: list[int], images: int, world: int, norm: str = "batch") 
                               f"{f' over {world} processes' if world > 1 else ''})")
 
 
-def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
-    ctx, images, classes = prepare(cfg, host)
+def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
+    ctx, images, classes = prepare(cfg)
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
     check_sizes(sizes, images, world, cfg.model.norm)
@@ -98,6 +99,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]], host=None) -> int:
             from commands.tune_plot import plot_sweep
 
             plot_sweep(results, target, args.plot)
+        log_tune_run(cfg, "sweep", doc, [args.json, args.plot], world, str(ctx.device))
     dist_utils.shutdown()
     if interrupted:
         return 143 if signalled else 130
@@ -193,11 +195,11 @@ def say(ctx: Runtime, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
+def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     if cfg.train.batch_size == "auto":
         raise ConfigError("--lr-range runs at train.batch_size: give it a number (tune.py's sweep or "
                           "benchmark.py --mode find-batch pick one)")
-    ctx, images, _ = prepare(cfg, host)
+    ctx, images, _ = prepare(cfg)
     check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
     steps = args.steps  # commands/tune.py resolved the default
     low, high = lr_range
@@ -218,6 +220,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float], host=None) -> int:
             from commands.tune_plot import plot_lr_range
 
             plot_lr_range(doc, args.plot)
+        log_tune_run(cfg, "lr_range", doc, [args.json, args.plot], ctx.dist.world_size, str(ctx.device))
     dist_utils.shutdown()
     return 0
 

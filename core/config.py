@@ -88,7 +88,7 @@ class DataConfig:
     val_shards: Union[str, list[str], None] = field(default=None, metadata=FREE)
     shuffle_buffer: int = field(default=1000, metadata=_range(0))
     train_samples: Optional[int] = field(default=None, metadata=_range(1))
-    task: Literal["multiclass", "multilabel"] = "multiclass"
+    task: str = "multiclass"  # a task registered in tasks/ (checked there)
     label_delimiter: str = " "
 
 
@@ -172,7 +172,7 @@ class ScheduleConfig:
 
 @dataclass
 class EarlyStopConfig:
-    metric: Literal["top1", "top5", "loss", "mean_class_acc", "mAP"] = "top1"
+    metric: str = "top1"  # a metric the task declares selectable (tasks/); checked by its Task
     patience: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
     min_delta: float = field(default=0.0, metadata=_range(0.0, resume_free=True))
 
@@ -213,6 +213,16 @@ class AuditConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking (tracking/): where a run's parameters, curves and files are also logged."""
+    backend: Literal["none", "mlflow"] = field(default="none", metadata=FREE)
+    uri: Optional[str] = field(default=None, metadata=FREE)  # null: MLflow's own (MLFLOW_TRACKING_URI, else local)
+    experiment: Optional[str] = field(default=None, metadata=FREE)  # null: the config's name
+    run_name: Optional[str] = field(default=None, metadata=FREE)  # null: output.dir's name
+    log_checkpoints: Union[bool, Literal["best"]] = field(default=False, metadata=FREE)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -224,12 +234,15 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self):
         # Dotted keys that a config file or an override set (not base.yaml, which only restates the
         # defaults): defaults that depend on something else (the pretrained model's preprocessing) leave
         # these alone. Not a config key; never saved.
         self.explicit_keys: set[str] = set()
+        # the --config name it was loaded from (the tracking experiment's default); not a key, never saved
+        self.source_name: Optional[str] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -331,6 +344,7 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
         keys = apply_dict(cfg, read_yaml(path), source=str(name))
         if path.resolve() != (CONFIG_DIR / "base.yaml").resolve():
             cfg.explicit_keys |= keys
+        cfg.source_name = path.stem
     apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg
@@ -544,6 +558,7 @@ def validate(cfg: Config) -> None:
     _check_task(cfg)
     _check_recipe(cfg)
     _check_data_source(d)
+    check_tracking(cfg.tracking)
 
 
 # The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
@@ -591,46 +606,79 @@ def _check_recipe(cfg: Config) -> None:
         raise ConfigError(f"'{key}' needs the weight EMA on: set model.ema_decay (e.g. 0.9998)")
 
 
-MULTICLASS_METRICS = ("top1", "top5", "mean_class_acc")
-
-
 def _check_task(cfg: Config) -> None:
-    """`data.task`: multilabel takes its own defaults (train.loss bce, early_stop.metric mAP) where the keys
-    were left at the multiclass ones; what cannot mean anything for it is refused by name."""
-    d, t, es = cfg.data, cfg.train, cfg.early_stop
-    explicit = getattr(cfg, "explicit_keys", set())
-    if d.task == "multiclass":
-        if t.loss == "asl":
-            raise ConfigError("'train.loss' = asl is the multi-label asymmetric loss; set data.task=multilabel "
-                              "(with CSV or shard tags) or use train.loss=ce / bce")
-        if es.metric == "mAP":
-            raise ConfigError("'early_stop.metric' = mAP needs data.task=multilabel; for one label per image use "
-                              "top1, top5, loss or mean_class_acc")
-        return
-    if not d.label_delimiter:
-        raise ConfigError(f"'data.label_delimiter' = {d.label_delimiter!r}: one or more characters between tags, "
-                          f"e.g. ' ' (the default), ',', ';' or '|'")
-    if t.loss == "ce":
-        if "train.loss" in explicit:
-            raise ConfigError("'train.loss' = ce gives one softmax over the classes, one label per image; "
-                              "data.task=multilabel trains one sigmoid per class: use train.loss=bce or asl")
-        t.loss = "bce"
-    if es.metric in MULTICLASS_METRICS:
-        if "early_stop.metric" in explicit:
-            raise ConfigError(f"'early_stop.metric' = {es.metric} is a one-label-per-image metric; with "
-                              f"data.task=multilabel use mAP (the default there) or loss")
-        es.metric = "mAP"
-    if d.format == "folder":
-        raise ConfigError("'data.task' = multilabel needs tags per image, which a class-folder tree cannot hold: "
-                          "use data.format=csv (a tag column, data.label_delimiter between tags) or webdataset "
-                          "shards written by python -m data.shards --from LIST.csv --multilabel")
-    if t.label_smoothing > 0:
-        raise ConfigError(f"'train.label_smoothing' = {t.label_smoothing} is not defined for data.task=multilabel "
-                          f"(no distribution over classes to smooth towards); set train.label_smoothing=0")
-    if d.sampler == "weighted":
-        raise ConfigError("'data.sampler' = weighted draws images by the inverse frequency of their one class; a "
-                          "multi-label image has several or none. Use data.sampler=random with data.task=multilabel "
-                          "(train.loss=asl down-weights the many easy negatives instead)")
+    """`data.task`: its Task refuses what cannot mean anything for it and fills its own defaults."""
+    from tasks import check_config
+
+    check_config(cfg, getattr(cfg, "explicit_keys", set()))
+
+
+# tracking.uri schemes MLflow serves (a plain path is a local store); anything else is refused before any work
+TRACKING_URI_SCHEMES = ("file", "sqlite", "http", "https", "postgresql", "mysql", "mssql")
+TRACKING_NAME_MAX = 250  # MLflow's limit on experiment and run names
+
+
+def check_tracking(t: TrackingConfig) -> None:
+    """tracking.*: a URI MLflow can use (a known scheme, a host for http(s), no credentials in it: those go in
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN), printable names."""
+    if t.log_checkpoints is True:
+        raise ConfigError("'tracking.log_checkpoints' = true: allowed are false or best (log best.pt at the end)")
+    for key, value in (("tracking.uri", t.uri), ("tracking.experiment", t.experiment),
+                       ("tracking.run_name", t.run_name)):
+        if value is not None and (not value.strip() or not value.isprintable() or len(value) > 2000):
+            raise ConfigError(f"'{key}' = {value!r}: must be non-empty printable text (no control characters)")
+    for key, value in (("tracking.experiment", t.experiment), ("tracking.run_name", t.run_name)):
+        if value is not None and len(value) > TRACKING_NAME_MAX:
+            raise ConfigError(f"'{key}' is {len(value)} characters long; MLflow takes at most {TRACKING_NAME_MAX}")
+    if t.uri is not None:
+        problem = tracking_uri_problem(t.uri)
+        if problem:
+            raise ConfigError(f"'tracking.uri' = {t.uri!r}: {problem}; allowed: null (MLflow's own: "
+                              f"MLFLOW_TRACKING_URI, else a local store), a folder, sqlite:///FILE.db, "
+                              f"http(s)://HOST:PORT, or {', '.join(TRACKING_URI_SCHEMES[4:])}://...")
+
+
+def tracking_client_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlflow") is not None
+
+
+def check_tracking_client(t: TrackingConfig) -> None:
+    """A job that logs (train.py, tune.py) needs the client installed; eval.py and infer.py of a tracked
+    run's checkpoint do not."""
+    if t.backend == "mlflow" and not tracking_client_installed():
+        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
+                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
+
+
+def tracking_uri_problem(uri: str) -> Optional[str]:
+    """What is wrong with a tracking URI (None: nothing). A string without `scheme:` is a folder."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() for c in uri):
+        return "it contains white space"
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if match is None or re.match(r"^[A-Za-z]:[\\/]", uri):  # no scheme, or a Windows drive letter
+        return None
+    scheme = match.group(1).lower()
+    if scheme not in TRACKING_URI_SCHEMES:
+        return f"unknown scheme '{scheme}'"
+    try:
+        parts = urlsplit(uri)
+        port = parts.port
+    except ValueError as err:
+        return f"malformed ({err})"
+    if parts.username is not None or parts.password is not None:
+        return ("it holds credentials, which would be saved in config.yaml and the checkpoints; put them in "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
+    if scheme in ("http", "https") and not parts.hostname:
+        return "no host (http://HOST:PORT)"
+    if scheme == "sqlite" and not uri.lower().startswith("sqlite:///"):
+        return "a SQLite store is sqlite:///RELATIVE.db or sqlite:////ABSOLUTE.db"
+    if port == 0:
+        return "port 0"
+    return None
 
 
 def eval_size(data_cfg: DataConfig) -> int:

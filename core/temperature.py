@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from core.errors import CheckpointError
+
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
 
 
@@ -25,3 +27,20 @@ def reject_threshold_problem(value) -> Optional[str]:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"{value!r} is not a finite number"
     return None
+
+
+def check_calibration_record(record: Optional[dict], path) -> None:
+    """A stored calibration record's numbers (CheckpointError, exit 2, naming the file): the temperature
+    None or a finite number in core.temperature's range, each reject threshold a finite number."""
+    if not record:
+        return
+    t = record.get("temperature")
+    if t is not None and temperature_problem(t):
+        raise CheckpointError(f"{path}: the stored calibration temperature {temperature_problem(t)}; re-export "
+                              f"the model from its checkpoint, or evaluate it again to refit the temperature")
+    thresholds = record.get("thresholds") or {}
+    if not isinstance(thresholds, dict):
+        raise CheckpointError(f"{path}: the stored reject thresholds are not a mapping of score -> number")
+    for method, value in thresholds.items():
+        if reject_threshold_problem(value):
+            raise CheckpointError(f"{path}: the stored reject threshold ({method}) {reject_threshold_problem(value)}")

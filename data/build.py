@@ -14,7 +14,8 @@ from data.loaders import build_eval_loader, build_stream_eval_loader, build_stre
 from data.samplers import TrainSampler
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
 from data.listing.tags import TagIndex, describe_tags
-from data.listing.sources import DataSources, scan_sources
+from data.listing.source import DataSources
+from data.listing.sources import scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,9 @@ class RunData:
     with its loader."""
 
     classes: list[str]
-    train_index: ImageIndex
-    val_index: ImageIndex
-    sampler: TrainSampler
+    train_index: ImageIndex | ShardIndex
+    val_index: ImageIndex | ShardIndex
+    sampler: TrainSampler | ShardTrainStream   # set_epoch(epoch, start_batch) and num_batches() either way
     train_loader: object
     val_loader: object
     sources: DataSources   # the source's identity and split, for the checkpoint and the run directory

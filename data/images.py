@@ -7,11 +7,10 @@ the caller only needs a smaller image.
 """
 from __future__ import annotations
 
+import math
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -121,97 +120,15 @@ def _wide_to_uint8(array: np.ndarray, mode: str) -> np.ndarray:
     return np.clip(array / 257.0, 0, 255).round().astype(np.uint8)
 
 
-# ---------------------------------------------------------------- JPEG headers without PIL
-
-# Start-of-frame markers (baseline, extended, progressive, lossless; Huffman or arithmetic coded).
-_SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
-_STANDALONE_MARKERS = frozenset({0x01, *range(0xD0, 0xD8)})  # no length field
-_EXIF_ID = b"Exif\0\0"
-_XMP_ID = b"http://ns.adobe.com/xap/1.0/\0"
+# An image longer than this many times its short side is cut to that ratio around its centre before the eval
+# resize: the work is bounded by the output size whatever the shape (a 400000x1 PNG of a few KB).
+MAX_EVAL_ASPECT = 16
 
 
-@dataclass(frozen=True)
-class JpegHeader:
-    width: int
-    height: int
-    components: int      # 1 grayscale, 3 YCbCr/RGB, 4 CMYK/YCCK
-    orientation: int     # EXIF orientation, 1 (upright) when absent
-
-    @property
-    def oriented_size(self) -> tuple[int, int]:
-        """(width, height) after the EXIF orientation is applied, as `oriented_size` gives for a PIL image."""
-        return (self.height, self.width) if self.orientation in _TRANSPOSED_ORIENTATIONS else (self.width, self.height)
-
-
-def parse_jpeg_header(buf) -> Optional[JpegHeader]:
-    """Frame size, component count and EXIF orientation read from a JPEG's marker segments (bytes or a uint8
-    memoryview), without decoding pixels: a tenth of the cost of opening the file with PIL.
-
-    Returns None whenever PIL should decide instead: not a JPEG, a malformed or truncated segment list, no frame
-    header before the first scan, an orientation that only XMP carries (PIL reads it, libjpeg-based decoders
-    do not) or an EXIF block this parser does not follow.
-    """
-    n = len(buf)
-    if n < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
-        return None
-    pos, frame, orientation, xmp_orientation = 2, None, None, False
-    while pos + 4 <= n:
-        if buf[pos] != 0xFF:
-            return None
-        marker = buf[pos + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            pos += 1
-            continue
-        if marker in _STANDALONE_MARKERS:
-            pos += 2
-            continue
-        start, end = pos + 4, pos + 2 + ((buf[pos + 2] << 8) | buf[pos + 3])
-        if end < start or end > n:
-            return None
-        if marker == 0xDA:  # start of scan: every header segment has been seen
-            break
-        if marker in _SOF_MARKERS:
-            if frame is not None or end - start < 6:
-                return None
-            frame = (_u16(buf, start + 3, True), _u16(buf, start + 1, True), buf[start + 5])
-        elif marker == 0xE1 and orientation is None and bytes(buf[start:start + 6]) == _EXIF_ID:
-            orientation = _exif_orientation(bytes(buf[start + 6:end]))
-            if orientation is None:
-                return None
-        elif marker == 0xE1 and bytes(buf[start:start + len(_XMP_ID)]) == _XMP_ID:
-            xmp_orientation = b"tiff:Orientation" in bytes(buf[start:end])
-        pos = end
-    else:
-        return None
-    if frame is None or frame[0] == 0 or frame[1] == 0 or (xmp_orientation and not orientation):
-        return None  # (PIL takes XMP's orientation when EXIF has none)
-    return JpegHeader(frame[0], frame[1], frame[2], orientation or 1)
-
-
-def _u16(buf, at: int, big_endian: bool) -> int:
-    return (buf[at] << 8 | buf[at + 1]) if big_endian else (buf[at + 1] << 8 | buf[at])
-
-
-def _u32(buf, at: int, big_endian: bool) -> int:
-    hi, lo = _u16(buf, at, big_endian), _u16(buf, at + 2, big_endian)
-    return (hi << 16 | lo) if big_endian else (lo << 16 | hi)
-
-
-def _exif_orientation(tiff: bytes) -> Optional[int]:
-    """The orientation tag (0x0112) of a TIFF block's first IFD: 0 when absent, 1 when out of range (PIL and
-    libjpeg decoders then leave the image as stored), None when the block is malformed or stores it unusually."""
-    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
-        return None
-    big = tiff[:2] == b"MM"
-    ifd = _u32(tiff, 4, big)
-    if ifd + 2 > len(tiff):
-        return None
-    for entry in range(ifd + 2, ifd + 2 + 12 * _u16(tiff, ifd, big), 12):
-        if entry + 12 > len(tiff):
-            return None
-        if _u16(tiff, entry, big) == 0x0112:
-            if _u16(tiff, entry + 2, big) != 3 or _u32(tiff, entry + 4, big) != 1:  # one SHORT
-                return None
-            value = _u16(tiff, entry + 8, big)
-            return value if 1 <= value <= 8 else 1
-    return 0
+def centre_box(width: int, height: int, max_aspect: float = MAX_EVAL_ASPECT) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the image's centre with its long side at most `max_aspect` times its
+    short side: the whole image unless it is longer than that."""
+    short = min(width, height)
+    keep_w, keep_h = min(width, math.ceil(short * max_aspect)), min(height, math.ceil(short * max_aspect))
+    left, top = (width - keep_w) // 2, (height - keep_h) // 2
+    return left, top, left + keep_w, top + keep_h

@@ -102,13 +102,15 @@ def seed_worker(worker_id: int) -> None:
 
 
 def leave_stop_signals_to_the_main_process() -> None:
-    """In a loader worker: survive a SIGTERM / SIGINT sent to the whole process group (Slurm, Ctrl-C).
+    """In a loader worker: survive a SIGTERM / SIGINT / SIGUSR1 sent to the whole process group (Slurm,
+    Ctrl-C).
 
     The main process then finishes its step, saves last.pt and shuts the workers down; a worker that
     died at once would make it fail with "DataLoader worker killed by signal" instead. A second SIGTERM
     (torch's own clean-up) still ends the worker, and so does the grace period, so nothing can hang.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's warning before the time limit, to the whole job
 
     def on_sigterm(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -40,6 +40,7 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from core.errors import BadDataError, ConfigError, DataTreeError, ImageDecodeError
+from data.listing.labels import FORMATS, ClassLabels, TagLabels
 from data.samplers import mix_seed
 
 log = logging.getLogger(__name__)
@@ -66,43 +67,13 @@ def count_samples(urls: list[str]) -> list[int]:
     return [sum(1 for _ in read_shard(url)) for url in urls]
 
 
-TAGS_KEY = "tags"
-
-
-def sample_tags(sample: dict, position: dict) -> torch.Tensor:
-    """The float multi-hot target of a multi-label sample's `.tags` member; ValueError when it has none or
-    names a class outside data.classes."""
-    if TAGS_KEY not in sample:
-        raise ValueError(f"no .{TAGS_KEY} member in sample {sample.get('__key__')} (multi-label shards: python -m "
-                         f"data.shards --from LIST.csv --multilabel)")
-    names = [line.strip() for line in bytes(sample[TAGS_KEY]).decode().splitlines() if line.strip()]
-    unknown = [name for name in names if name not in position]
-    if unknown:
-        raise ValueError(f"tag '{unknown[0]}' of sample {sample.get('__key__')} is not in data.classes")
-    target = torch.zeros(len(position), dtype=torch.float32)
-    target[[position[name] for name in names]] = 1.0
-    return target
-
-
-def sample_image_and_label(sample: dict, position: dict, multilabel: bool = False):
-    """The image bytes and label of a sample (a multi-hot float vector when `multilabel`); ValueError when it
-    has no image or no usable label."""
+def sample_image_and_label(sample: dict, position: dict, labels: ClassLabels):
+    """The image bytes and label of a sample, as `labels` reads it; ValueError when it has no image or no
+    usable label."""
     image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
     if image is None:
         raise ValueError(f"no image ({', '.join(IMAGE_KEYS)}) in sample {sample.get('__key__')}")
-    if multilabel:
-        return image, sample_tags(sample, position)
-    if "cls" in sample:
-        label = int(bytes(sample["cls"]).decode().strip())
-        if not 0 <= label < len(position):
-            raise ValueError(f"label {label} out of range in sample {sample.get('__key__')}")
-        return image, label
-    if "txt" in sample:
-        name = bytes(sample["txt"]).decode().strip()
-        if name not in position:
-            raise ValueError(f"class '{name}' of sample {sample.get('__key__')} is not in data.classes")
-        return image, position[name]
-    raise ValueError(f"no label (.cls or .txt) in sample {sample.get('__key__')}")
+    return image, labels.read_shard_label(sample, position)
 
 
 class ShardIndex:
@@ -110,9 +81,9 @@ class ShardIndex:
     for sample ids (`paths[id]`, so unreadable samples are reported like files)."""
 
     def __init__(self, classes: list[str], urls: list[str], total: int, counts: Optional[list[int]] = None,
-                 multilabel: bool = False):
+                 labels: Optional[ClassLabels] = None):
         self.classes = classes
-        self.multilabel = multilabel  # samples carry .tags (data.task: multilabel)
+        self.labels = labels or ClassLabels()  # how samples carry their labels (.cls / .txt, or .tags)
         self.urls = urls
         self.total = total
         self.counts = counts
@@ -217,7 +188,7 @@ class ShardTrainStream(IterableDataset):
         for _ in range(MAX_REDRAWS):
             sample_id, sample = item
             try:
-                image_bytes, label = sample_image_and_label(sample, self.position, self.index.multilabel)
+                image_bytes, label = sample_image_and_label(sample, self.position, self.index.labels)
                 with torch.random.fork_rng(devices=[]):
                     torch.default_generator.manual_seed(seed)
                     return self.transform(image_bytes, seed), label, first_unreadable
@@ -257,10 +228,10 @@ class ShardEvalStream(IterableDataset):
 
     def decode(self, sample: dict, sample_id: int):
         try:
-            image_bytes, label = sample_image_and_label(sample, self.position, self.index.multilabel)
+            image_bytes, label = sample_image_and_label(sample, self.position, self.index.labels)
             return self.transform(image_bytes), label, True, sample_id
         except (ImageDecodeError, ValueError, OSError):
-            label = torch.zeros(len(self.position)) if self.index.multilabel else 0
+            label = self.index.labels.placeholder(len(self.position))
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), label, False, sample_id
 
 
@@ -337,7 +308,7 @@ def drop_damaged(urls: list[str], what: str, max_bad_fraction: Optional[float]) 
 
 
 def shard_index(spec, classes: list[str], total: Optional[int], what: str,
-                max_bad_fraction: Optional[float] = None, multilabel: bool = False) -> ShardIndex:
+                max_bad_fraction: Optional[float] = None, labels: Optional[ClassLabels] = None) -> ShardIndex:
     """The index of a shard set, damaged shards left out (`drop_damaged`); without `total`, the shards are read
     once to count their samples."""
     urls = expand_shards(spec)
@@ -354,17 +325,18 @@ def shard_index(spec, classes: list[str], total: Optional[int], what: str,
         log.info("%s: %d samples in %d shard(s), counted by reading them", what, total, len(urls))
     if total == 0:
         raise DataTreeError(f"{what}: the shards {spec!r} hold no samples")
-    return ShardIndex(classes, urls, total, counts, multilabel)
+    return ShardIndex(classes, urls, total, counts, labels)
 
 
 # ---------------------------------------------------------------- the writer
 
 
-def write_shards(paths: list[str], labels: list, classes: list[str], out: Path, shard_size: int,
-                 seed: int = 0, multilabel: bool = False) -> list[str]:
+def write_shards(paths: list[str], listed: list, classes: list[str], out: Path, shard_size: int,
+                 seed: int = 0, labels: Optional[ClassLabels] = None) -> list[str]:
     """Write (path, label) pairs as shards `out/shard-000000.tar`, ... (`.<ext>` image bytes as they are on
-    disk, `.cls` label; `multilabel`: labels are tuples of class positions, written as `.tags`, the names one
-    per line), in a seeded order so every shard mixes the classes; and `out/classes.txt`."""
+    disk, the label as `labels` stores it: `.cls`, or for tags `.tags` with the names one per line), in a
+    seeded order so every shard mixes the classes; and `out/classes.txt`."""
+    labels = labels or ClassLabels()
     out.mkdir(parents=True, exist_ok=True)
     order = list(range(len(paths)))
     random.Random(seed).shuffle(order)
@@ -372,9 +344,8 @@ def write_shards(paths: list[str], labels: list, classes: list[str], out: Path, 
         for n, i in enumerate(order):
             ext = Path(paths[i]).suffix.lower().lstrip(".")
             ext = "jpg" if ext == "jpeg" else ext
-            label = ({TAGS_KEY: "".join(f"{classes[c]}\n" for c in labels[i])} if multilabel else
-                     {"cls": str(labels[i])})
-            writer.write({"__key__": f"{n:09d}", ext: Path(paths[i]).read_bytes(), **label})
+            member = labels.shard_member(listed[i], classes)
+            writer.write({"__key__": f"{n:09d}", ext: Path(paths[i]).read_bytes(), **member})
     (out / "classes.txt").write_text("".join(f"{name}\n" for name in classes))
     return sorted(str(p) for p in out.glob("shard-*.tar"))
 
@@ -410,7 +381,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the seed of the order samples are written in")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards and classes.txt already in "
                         "--to (without it, a --to holding anything is refused)")
-    parser.add_argument("--multilabel", action="store_true", help="a CSV list whose label column holds tags "
+    parser.add_argument("--multilabel", dest="label_format", action="store_const", const=TagLabels.name,
+                        default=ClassLabels.name, help="a CSV list whose label column holds tags "
                                                                   "(data.task=multilabel): written as .tags members")
     parser.add_argument("--label-delimiter", default=" ", help="with --multilabel: what separates the tags "
                                                                "(data.label_delimiter; default a space)")
@@ -423,7 +395,8 @@ def main(argv=None) -> int:
     out = Path(args.to)
     old = writable_output(out, args.overwrite)
     source = Path(args.source)
-    index = source_index(source, args.root, args.multilabel, args.label_delimiter)
+    labels = FORMATS[args.label_format](args.label_delimiter)
+    index = source_index(source, args.root, labels)
     unsupported = sorted({Path(p).suffix for p in index.paths if Path(p).suffix.lower() not in
                           tuple("." + k for k in IMAGE_KEYS)})
     if unsupported:
@@ -431,8 +404,7 @@ def main(argv=None) -> int:
                           f"(one of {', '.join(IMAGE_EXTENSIONS)})")
     for path in old:
         path.unlink()
-    written = write_shards(index.paths, index.labels, index.classes, out, args.shard_size, args.seed,
-                           args.multilabel)
+    written = write_shards(index.paths, index.labels, index.classes, out, args.shard_size, args.seed, labels)
     print(f"wrote {len(index)} samples of {len(index.classes)} classes in {len(written)} shard(s) to {out}: "
           f"{Path(written[0]).name}..{Path(written[-1]).name} and classes.txt"
           + (f" (removed the {len(old)} file(s) there before)" if old else ""))
@@ -465,39 +437,33 @@ def writable_output(out: Path, overwrite: bool) -> list[Path]:
     return ours
 
 
-def source_index(source: Path, root: Optional[str], multilabel: bool = False, delimiter: str = " "):
+def source_index(source: Path, root: Optional[str], labels: Optional[ClassLabels] = None):
     """The samples to write: a class-folder tree, or a CSV list (rows of missing files left out and counted;
-    with `multilabel`, its label column holds tags split by `delimiter`). DataTreeError when none remains,
-    or a class is left without a sample."""
-    if multilabel and source.suffix.lower() != ".csv":
-        raise ConfigError("--multilabel: tags come from a CSV list (--from LIST.csv); a class-folder tree "
-                          "holds one label per image")
-    if source.suffix.lower() == ".csv":
-        from data.listing.csv_list import check_no_empty_classes, csv_index, read_csv_rows
+    its label column read by `labels`: one class, or tags). DataTreeError when none remains, or a class is
+    left without a sample."""
+    labels = labels or ClassLabels()
+    if source.suffix.lower() != ".csv":
+        if not labels.folder_tree:
+            raise ConfigError("--multilabel: tags come from a CSV list (--from LIST.csv); a class-folder tree "
+                              "holds one label per image")
+        from data.listing.folder import scan_split
 
-        base = Path(root) if root else source.parent
-        rows = read_csv_rows(source, "path", "label", allow_empty_label=multilabel)
-        if multilabel:
-            from data.listing.tags import tag_classes, tag_csv_index
+        return scan_split(source)
+    from data.listing.csv_list import read_csv_rows
 
-            classes = tag_classes(rows, delimiter, f"CSV list {source}")
-            index, missing = tag_csv_index(source, base, rows, classes, "tags", delimiter)
-        else:
-            classes = sorted({row.label for row in rows})
-            index, missing = csv_index(source, base, rows, classes, "labels")
-        if missing:
-            log.warning("%d of %d row(s) of %s name files that do not exist, left out: %s", len(missing),
-                        len(rows), source, ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else ""))
-        if not len(index):
-            raise DataTreeError(f"--from {source}: none of its {len(rows)} row(s) names an existing file "
-                                f"(relative paths resolve against {Path(root) if root else source.parent}; "
-                                f"--root sets that folder); nothing written")
-        if not multilabel:  # a tag no image carries is an all-negative class, not a missing folder
-            check_no_empty_classes(source, index, missing)
-        return index
-    from data.listing.folder import scan_split
-
-    return scan_split(source)
+    base = Path(root) if root else source.parent
+    rows = read_csv_rows(source, "path", "label", allow_empty_label=labels.allows_empty_label)
+    classes = labels.classes_of(rows, f"CSV list {source}")
+    index, missing = labels.csv_index(source, base, rows, classes, "labels")
+    if missing:
+        log.warning("%d of %d row(s) of %s name files that do not exist, left out: %s", len(missing),
+                    len(rows), source, ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else ""))
+    if not len(index):
+        raise DataTreeError(f"--from {source}: none of its {len(rows)} row(s) names an existing file "
+                            f"(relative paths resolve against {Path(root) if root else source.parent}; "
+                            f"--root sets that folder); nothing written")
+    labels.check_every_class_present(source, index, missing)
+    return index
 
 
 if __name__ == "__main__":

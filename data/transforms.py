@@ -7,15 +7,18 @@ the shorter side to `size / crop_pct`, centre crop `size` (`data.eval_img_size`,
 return square uint8 tensors; the float cast and normalisation happen once per batch (`normalize_batch`),
 on the training device.
 
-Decode path (measured, benchmark.py --mode loader): the file is read once and its JPEG header parsed
-in Python (`data.images.parse_jpeg_header`, a tenth of the cost of PIL's open); the training crop is
-drawn from that size first. When what is kept still fits at 1/4 or 1/8 scale, PIL's draft decoding
-decodes at that scale; otherwise `torchvision.io.decode_jpeg` decodes the full image (the same
-libjpeg-turbo pixels as PIL, faster, no PIL image copies). The result is resized as a uint8
-channels-last tensor (torch's vectorised antialiased resize, equal to PIL's to +-1). CMYK, XMP-only
-orientation, truncated and non-JPEG files go through PIL (`data.images.decode_rgb`, opened from the bytes
-already read: one open per file), so the pixel policy (EXIF orientation, modes, refusal of broken files)
-holds.
+Decode path (docs/cpu_tuning.md has the measurement): the file is read once and PIL opens it from those
+bytes (the header only: size and EXIF orientation); the training crop is drawn from that size first, and
+a JPEG is decoded at the smallest of PIL's draft scales (1/2, 1/4, 1/8) that still keeps the crop at
+>= img_size pixels. `data.images.decode_rgb` applies the pixel policy (EXIF orientation, modes, refusal
+of broken files). Training resizes the crop as a uint8 channels-last tensor (torch's vectorised
+antialiased resize); evaluation resizes and crops in PIL.
+
+Evaluation bounds its work by its output, whatever the shape: an image whose long side is more than
+`MAX_EVAL_ASPECT` times its short side is first centre-cropped along the long side to that ratio. The
+centre crop the evaluation keeps spans `crop_pct` of the short side, so the cut keeps every pixel it
+looks at (only their sub-pixel placement may differ); without it a 400000x1 PNG would be resized to
+14,400,000 x 36 pixels on the way to a 32 px crop.
 
 Every transform takes a file path or the file's bytes (a WebDataset sample's image): the same decode path
 and pixel policy either way.
@@ -30,16 +33,12 @@ import random
 
 import torch
 from PIL import Image
-try:  # deprecated since torchvision 0.29 (in favour of torchcodec); without it PIL decodes every file
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover
-    decode_jpeg = None
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
-from data.images import JpegHeader, decode_rgb, open_image, oriented_size, parse_jpeg_header, require_regular_file
+from data.images import centre_box, decode_rgb, open_image, oriented_size, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -47,8 +46,19 @@ TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": Interpola
 _TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
 
 
-AUTO_AUGMENT_POLICIES = ("randaugment", "trivialaugment", "autoaugment", "augmix")
 AUGMIX_SEVERITY = (1, 10)  # the range torchvision's AugMix accepts
+
+# data.auto_augment: name -> (magnitude, num_ops, interpolation mode) -> the policy (a new policy is one entry
+# here and one name in core/config.py's data.auto_augment)
+AUTO_AUGMENT_POLICIES = {
+    "randaugment": lambda magnitude, num_ops, mode: v2.RandAugment(num_ops=num_ops, magnitude=magnitude,
+                                                                   interpolation=mode),
+    "trivialaugment": lambda magnitude, num_ops, mode: v2.TrivialAugmentWide(interpolation=mode),
+    "autoaugment": lambda magnitude, num_ops, mode: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET,
+                                                                   interpolation=mode),
+    "augmix": lambda magnitude, num_ops, mode: v2.AugMix(
+        severity=min(max(magnitude, AUGMIX_SEVERITY[0]), AUGMIX_SEVERITY[1]), interpolation=mode),
+}
 
 
 def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpolation: str):
@@ -61,16 +71,9 @@ def auto_augment_policy(name: str | None, magnitude: int, num_ops: int, interpol
     # The policies' affine ops (rotate, shear, translate) take nearest or bilinear on tensors, not bicubic
     # (torchvision's tensor affine): a bicubic run's crops stay bicubic, its policy ops are bilinear.
     mode = TV_INTERPOLATION["bilinear" if interpolation == "bicubic" else interpolation]
-    if name == "randaugment":
-        return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, interpolation=mode)
-    if name == "trivialaugment":
-        return v2.TrivialAugmentWide(interpolation=mode)
-    if name == "autoaugment":
-        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)
-    if name == "augmix":
-        severity = min(max(magnitude, AUGMIX_SEVERITY[0]), AUGMIX_SEVERITY[1])
-        return v2.AugMix(severity=severity, interpolation=mode)
-    raise ValueError(f"unknown auto-augment policy {name!r}; one of {', '.join(AUTO_AUGMENT_POLICIES)}")
+    if name not in AUTO_AUGMENT_POLICIES:
+        raise ValueError(f"unknown auto-augment policy {name!r}; one of {', '.join(AUTO_AUGMENT_POLICIES)}")
+    return AUTO_AUGMENT_POLICIES[name](magnitude, num_ops, mode)
 
 
 class TrainTransform:
@@ -94,14 +97,13 @@ class TrainTransform:
         source = read_source(path)
         width, height = source.size
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
-        # The decoded image only has to keep the crop at >= img_size pixels.
+        # The decoded image only has to keep the crop at >= img_size pixels (a JPEG's draft scale).
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
-        image = None
-        if source.jpeg is not None and not draft_reduces(need, (width, height)):
-            image = decode_jpeg_tensor(source.jpeg, (height, width))
-        if image is None:
-            image = F.pil_to_tensor(source.rgb(min_size=need))
-        out = resized_crop(image, (width, height), (left, top, left + w, top + h), self.img_size, self.interpolation)
+        image = source.rgb(min_size=need)
+        # Only the crop's pixels become a tensor (the copy out of PIL costs as much as the resize).
+        crop = F.pil_to_tensor(image.crop(decoded_box(image.size, (width, height), (left, top, left + w, top + h))))
+        crop_size = (crop.shape[-1], crop.shape[-2])
+        out = resized_crop(crop, crop_size, (0, 0, *crop_size), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
             out = F.horizontal_flip(out)
         if self.auto_augment is not None:
@@ -113,30 +115,15 @@ class TrainTransform:
         return out
 
 
-def draft_reduces(need: tuple[int, int], size: tuple[int, int]) -> bool:
-    """Whether PIL's JPEG draft mode can decode at 1/4 scale or less and still keep `need` pixels.
-
-    At 1/2 scale the draft decode saves too little (the entropy decoding is the same) to pay for PIL's own
-    per-file costs (a second header parse, chunked reads, an RGBX copy): on ImageNet-sized photos the full
-    tensor decode was 4-7% faster per image; from 1/4 scale on the draft wins."""
-    return 4 * need[0] <= size[0] and 4 * need[1] <= size[1]
-
-
-_JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
-
-
 class SourceImage:
-    """An image file read once (one open, one read): the whole file's bytes, its displayed size, and either
-    the bytes as a uint8 tensor with the parsed header (a JPEG the tensor decoder can take) or, for
-    everything else, the file opened by PIL from those bytes (header read, pixels not yet decoded)."""
+    """An image file read once (one open, one read): the whole file's bytes, and the file opened by PIL from
+    those bytes (header read, pixels not yet decoded), with its displayed size."""
 
-    def __init__(self, name, buf, jpeg: torch.Tensor | None, header: JpegHeader | None):
+    def __init__(self, name, buf):
         self.name = name
         self.buf = buf
-        self.jpeg = jpeg
-        self.header = header
-        self._pil = None if header is not None else open_image(io.BytesIO(buf), name=name)
-        self.size = header.oriented_size if header is not None else oriented_size(self._pil)
+        self._pil = open_image(io.BytesIO(buf), name=name)
+        self.size = oriented_size(self._pil)
 
     def rgb(self, min_size: tuple[int, int] | None = None) -> Image.Image:
         """Decode through PIL with the pixel policy (`data.images.decode_rgb`)."""
@@ -158,41 +145,23 @@ def read_source(path) -> SourceImage:
                 buf = memoryview(buf)[:f.readinto(buf) or 0]
         except OSError as err:
             raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
-    jpeg, header = None, None
-    if decode_jpeg is not None and bytes(buf[:2]) == _JPEG_START:
-        parsed = parse_jpeg_header(memoryview(buf))
-        if parsed is not None and parsed.components in (1, 3):
-            # torch.frombuffer wants a writable buffer (a shard's sample arrives as bytes)
-            writable = buf if isinstance(buf, (bytearray, memoryview)) and not memoryview(buf).readonly \
-                else bytearray(buf)
-            jpeg, header = torch.frombuffer(writable, dtype=torch.uint8), parsed
-    return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf, jpeg, header)
+    return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf)
 
 
-def decode_jpeg_tensor(data: torch.Tensor, oriented_hw: tuple[int, int] | None = None) -> torch.Tensor | None:
-    """JPEG bytes (a uint8 tensor) -> uint8 RGB CHW tensor with the EXIF orientation applied, or None where PIL
-    must decide: no end-of-image marker (truncated or trailing data), a decoder error, or a result whose
-    (height, width) is not `oriented_hw` (the header and the decoder read the orientation differently)."""
-    if decode_jpeg is None:
-        return None
-    try:
-        if bytes(data[-2:].numpy()) != _JPEG_END:
-            return None
-        image = decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
-    except (RuntimeError, OSError, ValueError):
-        return None
-    if oriented_hw is not None and tuple(image.shape[-2:]) != tuple(oriented_hw):
-        return None
-    return image
+def decoded_box(decoded_size: tuple[int, int], full_size: tuple[int, int], box) -> tuple[int, int, int, int]:
+    """`box` (left, top, right, bottom in `full_size` pixels) in the pixels of a decode of `decoded_size`
+    (a reduced draft decode, or the full size), at least one pixel each way."""
+    sx, sy = decoded_size[0] / full_size[0], decoded_size[1] / full_size[1]
+    left, top = int(round(box[0] * sx)), int(round(box[1] * sy))
+    right = max(left + 1, min(decoded_size[0], int(round(box[2] * sx))))
+    bottom = max(top + 1, min(decoded_size[1], int(round(box[3] * sy))))
+    return left, top, right, bottom
 
 
 def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int, interpolation) -> torch.Tensor:
     """Crop `box` (left, top, right, bottom in `full_size` pixels) out of `image`, which may be a reduced
     decode of that size, and resize it to size x size (antialiased, uint8 in and out)."""
-    sx, sy = image.shape[-1] / full_size[0], image.shape[-2] / full_size[1]
-    left, top = int(round(box[0] * sx)), int(round(box[1] * sy))
-    right = max(left + 1, min(image.shape[-1], int(round(box[2] * sx))))
-    bottom = max(top + 1, min(image.shape[-2], int(round(box[3] * sy))))
+    left, top, right, bottom = decoded_box((image.shape[-1], image.shape[-2]), full_size, box)
     # A packed channels-last copy of the crop takes torch's vectorised uint8 path: ~20% faster than resizing
     # the strided view, same pixels.
     crop = image[:, top:bottom, left:right].unsqueeze(0).contiguous(memory_format=torch.channels_last)
@@ -202,9 +171,11 @@ def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int
     return F.resize(crop, [size, size], interpolation=interpolation, antialias=True)[0]
 
 
+# The longest side evaluation resizes, in multiples of the short side (a longer one is cut first).
 class EvalTransform:
     """path -> uint8 tensor: shorter side to img_size / crop_pct, then a centre crop of img_size (the eval
-    size: `data.eval_img_size` when set)."""
+    size: `data.eval_img_size` when set). An image longer than `MAX_EVAL_ASPECT` to 1 is first cut to that
+    ratio around its centre, so the work is bounded by the output size whatever the shape."""
 
     def __init__(self, img_size: int, crop_pct: float, interpolation: str):
         self.img_size = img_size
@@ -214,19 +185,16 @@ class EvalTransform:
     def __call__(self, path) -> torch.Tensor:
         source = read_source(path)
         width, height = source.size
+        box = centre_box(width, height)
         short = min(width, height)
-        need = (math.ceil(width * self.resize_to / short), math.ceil(height * self.resize_to / short))
-        if source.jpeg is not None and not draft_reduces(need, (width, height)):
-            image = decode_jpeg_tensor(source.jpeg, (height, width))
-            if image is not None:
-                return self.from_tensor(image)
-        return self.from_image(source.rgb(min_size=need))
-
-    def from_tensor(self, image: torch.Tensor) -> torch.Tensor:
-        """The same resize and crop on a uint8 CHW tensor (torch's antialiased resize matches PIL's to +-1)."""
-        batch = image.unsqueeze(0).contiguous(memory_format=torch.channels_last)
-        batch = F.resize(batch, self.resize_to, interpolation=self.interpolation, antialias=True)
-        return F.center_crop(batch, self.img_size)[0].contiguous()
+        need = (math.ceil((box[2] - box[0]) * self.resize_to / short),
+                math.ceil((box[3] - box[1]) * self.resize_to / short))
+        img = source.rgb(min_size=need)
+        if box != (0, 0, width, height):  # scaled to a draft decode's size
+            sx, sy = img.width / width, img.height / height
+            img = img.crop((math.floor(box[0] * sx), math.floor(box[1] * sy),
+                            max(1, math.ceil(box[2] * sx)), max(1, math.ceil(box[3] * sy))))
+        return self.from_image(img)
 
     def from_image(self, img: Image.Image) -> torch.Tensor:
         img = F.resize(img, self.resize_to, interpolation=self.interpolation, antialias=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's multi-label figures: train.py with train.loss=bce and =asl on the generated tag set of the
+"""The multi-label figures of docs/multilabel.md: train.py with train.loss=bce and =asl on the generated tag set of the
 tests (tests/multilabel_data.py), eval.py's mAP on the held-out files, scikit-learn's mAP on infer.py's
 probabilities for the same files, and a plain PyTorch BCE loop (same model, split, optimizer and epochs) as
 the baseline.

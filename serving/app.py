@@ -17,14 +17,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from serving.batcher import DynamicBatcher
-from serving.model import BadImage, ServedModel
+from serving.errors import BadImage
+
+if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving.onnx_only) has the same methods
+    from serving.model import ServedModel
 
 log = logging.getLogger("serve")
 access_log = logging.getLogger("serve.access")
@@ -102,7 +105,7 @@ def authorized(request: Request, api_key: Optional[str]) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-def create_app(served: ServedModel, settings: ServeSettings) -> FastAPI:
+def create_app(served: "ServedModel", settings: ServeSettings) -> FastAPI:
     batcher = DynamicBatcher(lambda items: served.classify([i for i, _ in items], [n for _, n in items]),
                              served.max_batch, settings.max_wait_ms / 1000.0)
     decoders = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")

@@ -10,7 +10,6 @@ import sys
 import uvicorn
 
 from serving.app import ServeSettings, create_app
-from serving.model import ServedModel
 
 log = logging.getLogger("serve")
 GRACEFUL_SHUTDOWN_S = 30  # the longest SIGTERM waits for requests in flight
@@ -36,8 +35,10 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str,
-          omp_choice=None, trust=None) -> int:
-    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, omp_choice, trust)
+          trust=None) -> int:
+    from serving.model import ServedModel  # torch: imported here, so the ONNX-only server can use GracefulServer
+
+    served = ServedModel.load(checkpoint, topk, settings.max_batch, device, trust)
     settings.max_batch = served.max_batch
     served.warm_up()
     log.info("%s (%s, %d classes) on %s, batches of up to %d (shapes %s), waiting up to %g ms for a batch, "

@@ -115,9 +115,13 @@ def root_logging_restored():
 @pytest.fixture(autouse=True)
 def fresh_cpu_policy():
     """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
-    would read as the user's): each test starts without it."""
+    would read as the user's) and the start load in `engine.runtime.cpu_tuning`: each test starts without them."""
+    from engine.runtime import cpu_tuning
+
     saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    started = cpu_tuning.process_start()
     yield
+    cpu_tuning._process_start = started  # what an in-process run_main chose stays with its test
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

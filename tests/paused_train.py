@@ -14,7 +14,9 @@ python tests/paused_train.py MARKER block_read:N -- TRAIN ARGS  in the N-th vali
 Killed between two saves, a run leaves the same files whatever instant it dies at, so these points
 (plus one inside a save) cover every kill moment.
 
-At the halt it writes MARKER and sleeps; the test kills it. Everything else is the real train.py.
+At the halt it writes MARKER and sleeps; the test kills it. Everything else is the real train.py. A worker
+group that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) or a job that Slurm requeued
+(SLURM_RESTART_COUNT > 0) does not halt: it is the continuation the test checks.
 """
 import os
 import sys
@@ -178,9 +180,13 @@ if __name__ == "__main__":
     marker, point = sys.argv[1], sys.argv[2]
     assert sys.argv[3] == "--"
     kind, n = point.split(":")
-    {"validate": pause_in_validation, "save": pause_in_save, "after_save": pause_after_save,
-     "wait_signal": wait_for_signal_after_save, "block_read": block_reads_in_validation,
-     "val_signal": wait_for_signal_in_validation}[kind](marker, int(n))
+    # a group torchrun restarted, or a job Slurm requeued, runs on to the end
+    restarted = any(os.environ.get(name, "0") not in ("", "0")
+                    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    if not restarted:
+        {"validate": pause_in_validation, "save": pause_in_save, "after_save": pause_after_save,
+         "wait_signal": wait_for_signal_after_save, "block_read": block_reads_in_validation,
+         "val_signal": wait_for_signal_in_validation}[kind](marker, int(n))
     sys.argv = [str(REPO / "train.py"), *sys.argv[4:]]
     import train
 

@@ -9,8 +9,8 @@ import numpy as np
 
 from engine.audit.duplicates import copy_groups, hash_array
 from engine.audit.hashing import ImageFacts
+from engine.audit.audit_data import AuditItem
 from engine.audit.pixel_match import required_scores, similarity, thumbnails
-from engine.audit.sources import AuditItem
 
 SPLIT_ORDER = ("train", "val", "test")
 
@@ -25,7 +25,7 @@ def by_split(items: list[AuditItem], facts: list[ImageFacts]) -> dict[str, list[
 
 
 # Below this shorter side an image matches by content only: pHash upscales it to 32x32, and distinct 8x8
-# digits fell within a few bits of each other (README, "Why a threshold of 6"); 24 px images kept their
+# digits fell within a few bits of each other (python -m benchmarking.near_threshold); 24 px images kept their
 # re-encoded copies within the threshold and distinct images apart.
 NEAR_MIN_SIDE = 16
 

@@ -21,7 +21,7 @@ import torch
 from data.build import eval_transform
 from data.file_list import FileListDataset, build_inference_loader
 from engine.evaluation.evaluate import predict
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.rundir.runlog import setup_logging
 from engine.run.trainer import run as train_run
 from engine.runtime.device import DeviceInput
@@ -85,18 +85,18 @@ def predict_probs(model, model_cfg, files: list[str], batch_size: int, num_worke
     return probs, preds.valid
 
 
-def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = None, host=None):
+def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = None):
     """(ModelFile, model, device, amp dtype) for predictions, set up as eval.py and infer.py set up theirs."""
     loaded = load_model_file(path)
-    runtime = build_runtime(loaded.cfg, host, saved_threads=loaded.threads, device_setting=device_setting,
+    runtime = build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False,
+                            device_setting=device_setting,
                             amp_setting=amp_setting, fp32_only=loaded.fp32_only)
     model = loaded.build_model(runtime.device, loaded.cfg.train.channels_last)
     return loaded, model, runtime.device, runtime.amp_dtype
 
 
 def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: list[str], classes: list[str],
-                          work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None,
-                          host=None) -> torch.Tensor:
+                          work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None) -> torch.Tensor:
     """[N, C] probabilities, row i from the fold model that did not train on file i."""
     fold_of = assign_folds(digests, labels, folds, cfg.audit.seed)
     (work / "classes.txt").write_text("".join(f"{name}\n" for name in classes))
@@ -110,12 +110,12 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         write_list(work / f"fold{fold}_val.csv", [files[i] for i in held], [labels[i] for i in held], classes)
         fold_cfg = fold_config(cfg, work, fold, epochs)
         log.info("audit fold %d/%d: training on %d images, predicting %d", fold + 1, folds, len(rest), len(held))
-        code = train_run(fold_cfg, host=host)
+        code = train_run(fold_cfg)
         setup_logging(None, True)  # the run's file handler points into the fold folder
         if code != 0:
             raise RuntimeError(f"the training run of fold {fold + 1} failed (exit {code}); see the log above")
         loaded, model, device, amp = open_model(Path(fold_cfg.output.dir) / "last.pt", cfg.train.device,
-                                                cfg.train.amp, host)
+                                                cfg.train.amp)
         bs = fold_cfg.train.batch_size if isinstance(fold_cfg.train.batch_size, int) else 64  # resolved by the run
         fold_probs, _ = predict_probs(model, loaded.cfg, [files[i] for i in held], bs, cfg.data.num_workers,
                                       device, amp, len(classes))

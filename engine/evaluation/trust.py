@@ -16,7 +16,7 @@ from core.errors import ConfigError
 from core.temperature import temperature_problem
 from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            selective_report)
-from engine.evaluation.outputs import SplitOutputs
+from engine.evaluation.split_outputs import SplitOutputs
 from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, LOGITS_METHOD, Rejector, energy_score,
                                          knn_score, mahalanobis_fit, mahalanobis_score, msp_score, normalise,
                                          rejector_from_record, seeded_subset, threshold_for_coverage)

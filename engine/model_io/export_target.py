@@ -5,35 +5,34 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import ConfigError
+from engine.model_io.formats.base import ModelFormat
 
 # files a run directory holds (train.py writes them); one of them marks a folder as a run's
 RUN_DIR_MARKERS = (".lock", "last.pt", "best.pt", "summary.json", "metrics.csv")
-# what a timm export folder holds (write_timm_folder), the only files --overwrite replaces there
-TIMM_EXPORT_FILES = ("config.json", "model.safetensors")
 
 
 def run_dir_marker(folder: Path) -> str | None:
     return next((name for name in RUN_DIR_MARKERS if (folder / name).exists()), None)
 
 
-def check_export_target(fmt: str, output: Path, overwrite: bool) -> None:
+def check_export_target(kind: ModelFormat, output: Path, overwrite: bool) -> None:
     """ConfigError (exit 2, before any work) for an export that would land in a run directory, replace an
     existing file without `overwrite`, or (timm) mix with other files in a folder."""
     resolved = output.resolve()  # `run/sub/..` and links name the folder they lead to
-    folder = resolved if fmt == "timm" else resolved.parent
+    folder = resolved if kind.folder else resolved.parent
     marker = run_dir_marker(folder) if folder.is_dir() else None
     if marker:
         raise ConfigError(f"--output {output}: {folder} is a run directory (it holds {marker}); an export never "
                           f"goes among a run's files: name a path outside it")
-    if fmt != "timm":
+    if not kind.folder:
         if output.exists() and not overwrite:
             raise ConfigError(f"--output {output} exists; pass --overwrite to replace it, or name a new file")
         return
     present = sorted(p.name for p in resolved.iterdir()) if resolved.is_dir() else []
-    others = [name for name in present if name not in TIMM_EXPORT_FILES]
+    others = [name for name in present if name not in kind.folder_files]
     if others:
-        raise ConfigError(f"--output {output}: the folder holds other files ({', '.join(others[:5])}); a timm "
-                          f"export goes into a new or empty folder")
+        raise ConfigError(f"--output {output}: the folder holds other files ({', '.join(others[:5])}); a "
+                          f"{kind.name} export goes into a new or empty folder")
     if present and not overwrite:
-        raise ConfigError(f"--output {output} holds a timm export ({', '.join(present)}); pass --overwrite to "
-                          f"replace it, or name a new folder")
+        raise ConfigError(f"--output {output} holds a {kind.name} export ({', '.join(present)}); pass --overwrite "
+                          f"to replace it, or name a new folder")

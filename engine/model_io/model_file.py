@@ -10,37 +10,18 @@ from typing import Callable, Optional
 import torch
 
 from core.config import Config
-from core.errors import CheckpointError
-from core.temperature import reject_threshold_problem, temperature_problem
+from core.temperature import check_calibration_record
 from data.build import eval_transform
 from data.transforms import EvalTransform
-
-KIND_NAMES = {"checkpoint": "a checkpoint", "onnx": "an ONNX model", "pt2": "a torch.export program",
-              "timm": "a timm model folder"}
-
-
-def check_calibration_record(record: Optional[dict], path) -> None:
-    """A stored calibration record's numbers (CheckpointError, exit 2, naming the file): the temperature
-    None or a finite number in core.temperature's range, each reject threshold a finite number."""
-    if not record:
-        return
-    t = record.get("temperature")
-    if t is not None and temperature_problem(t):
-        raise CheckpointError(f"{path}: the stored calibration temperature {temperature_problem(t)}; re-export "
-                              f"the model from its checkpoint, or evaluate it again to refit the temperature")
-    thresholds = record.get("thresholds") or {}
-    if not isinstance(thresholds, dict):
-        raise CheckpointError(f"{path}: the stored reject thresholds are not a mapping of score -> number")
-    for method, value in thresholds.items():
-        if reject_threshold_problem(value):
-            raise CheckpointError(f"{path}: the stored reject threshold ({method}) {reject_threshold_problem(value)}")
+from tasks import task_of
+from tasks.base import Task
 
 
 @dataclass
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # checkpoint | onnx | pt2 | timm
+    kind: str                       # its format's name (engine/model_io/formats/): checkpoint | onnx | pt2 | timm
     path: Path
     cfg: Config
     classes: list[str]
@@ -52,14 +33,14 @@ class ModelFile:
     data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
-    thresholds: Optional[list] = None   # data.task=multilabel: per-class thresholds tuned in training
+    thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
 
     def __post_init__(self):
         check_calibration_record(self.calibration, self.path)
 
     @property
-    def multilabel(self) -> bool:
-        return self.cfg.data.task == "multilabel"
+    def task(self) -> Task:
+        return task_of(self.cfg)
 
     @property
     def fp32_only(self) -> bool:

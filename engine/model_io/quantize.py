@@ -24,7 +24,7 @@ from data.file_list import FileListDataset, build_inference_loader
 from data.transforms import normalize_batch
 from engine.evaluation.evaluate import predict
 from engine.model_io.model_file import ModelFile
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from engine.runtime.device import DeviceInput
 
 log = logging.getLogger("export")

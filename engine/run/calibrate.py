@@ -16,12 +16,13 @@ from core.safe_load import load_checkpoint
 from data.build import build_eval_loader_for, eval_transform
 from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from engine.evaluation.outputs import SplitOutputs, collect_outputs, gather_outputs
+from engine.evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
 from engine.evaluation.rejection import BANK_SIZE, seeded_subset
 from engine.evaluation.trust import build_record
 from engine.rundir.atomic_files import save_atomic
 from engine.runtime import distributed as dist_utils
 from engine.runtime.device import DeviceInput
+from tasks import task_of
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     """Load best.pt's weights into `eval_model` (training is over), gather its outputs, and on rank 0 add
     the `calibration` record to best.pt. Call on every rank. Returns the record (rank 0) or None."""
     best_path = run_dir / "best.pt"
-    if cfg.data.task == "multilabel":
-        log.info("calibration: single-label models only; a multi-label model calls each tag at the threshold "
-                 "tuned on validation (best.pt 'thresholds')")
+    task = task_of(cfg)
+    if not task.supports("calibration"):
+        log.info("calibration: %s", task.unsupported["calibration"])
         return None
     dist_utils.barrier()
     if not best_path.exists():

@@ -13,7 +13,8 @@ from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
-from engine.evaluation.metrics import nonfinite_metrics, top5_label
+from tasks import task_of
+from tasks.metric import nonfinite_metrics
 from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
@@ -36,6 +37,7 @@ class RunReporter:
         self.step_lines = 0
         self.wait_warned = False
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
+        self.task = task_of(cfg)
 
     def log_startup(self, data, runtime, plan) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
@@ -51,11 +53,7 @@ class RunReporter:
                  "warmup steps %d | peak lr %.6g (%s scaling of %.6g at batch %d)", plan.effective_batch,
                  plan.batch_size, plan.accum_steps, plan.world_size, plan.steps_per_epoch, plan.total_steps,
                  plan.warmup_steps, plan.peak_lr, cfg.optim.lr_scaling, cfg.optim.lr, cfg.optim.base_batch_size)
-        if cfg.data.task == "multilabel":
-            log.info("task: multilabel, one sigmoid per class (tags split by %r); validation mAP, F1 at per-class "
-                     "thresholds tuned for F1 on the validation split (stored in best.pt); best.pt by %s",
-                     cfg.data.label_delimiter, cfg.early_stop.metric)
-        for line in recipe_lines(cfg, plan):
+        for line in [*self.task.startup_lines(cfg), *recipe_lines(cfg, plan)]:
             log.info("%s", line)
         for warning in schedule_warnings(cfg, plan):
             log.warning("%s", warning)
@@ -129,35 +127,24 @@ class RunReporter:
         epoch without validation)."""
         cfg, es = self.cfg, self.cfg.early_stop
         train_loss = counters.mean_loss()
-        multilabel = cfg.data.task == "multilabel"
-        scalar_keys = MULTILABEL_SCALARS if multilabel else ("top1", "top5", "loss", "mean_class_acc")
         progress = "best" if improved else f"no improvement for {state.bad_epochs} validation(s)"
         if metrics is None:
             log.info("epoch %d/%d  train loss %.4f  %.0f img/s  (no validation: train.val_interval=%d)", epoch + 1,
                      cfg.train.epochs, train_loss, samples_per_s, cfg.train.val_interval)
-            metrics = dict.fromkeys((*scalar_keys, "num_samples"))
-        elif multilabel:
-            log.info("epoch %d/%d  train loss %.4f  %s  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss,
-                     multilabel_summary(metrics), samples_per_s, progress)
+            metrics = {}
         else:
-            log.info("epoch %d/%d  train loss %.4f  val top1 %.2f  %s %.2f  loss %.4f  mean class acc %.2f  "
-                     "(%d samples)  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss, metrics["top1"],
-                     top5_label(self.top5_k), metrics["top5"], metrics["loss"], metrics["mean_class_acc"],
-                     metrics["num_samples"],
-                     samples_per_s, "best" if improved else f"no improvement for {state.bad_epochs} validation(s)")
+            log.info("epoch %d/%d  train loss %.4f  %s  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss,
+                     self.task.epoch_text(metrics, self.top5_k), samples_per_s, progress)
             self._warn_nonfinite(epoch, metrics, state)
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)
-        self.runlog.scalars({f"val/{k}": metrics[k] for k in scalar_keys} |
+        self.runlog.scalars({f"val/{k}": metrics.get(k) for k in self.task.scalar_names()} |
                             {"train/epoch_loss": train_loss, "train/epoch_samples_per_s": samples_per_s}, state.step)
         self.runlog.epoch_row({
             "epoch": epoch + 1, "step": state.step, "lr": lr, "train_loss": train_loss,
             "train_samples_per_s": samples_per_s, "data_wait_frac": wait_frac, "epoch_time_s": seconds,
-            "val_top1": metrics.get("top1"), "val_top5": metrics.get("top5"), "val_loss": metrics["loss"],
-            "val_mean_class_acc": metrics.get("mean_class_acc"), "val_num_samples": metrics["num_samples"],
-            "skipped_files": len(state.skipped_files), "val_mAP": metrics.get("mAP"),
-            "val_micro_f1": metrics.get("micro_f1"), "val_macro_f1": metrics.get("macro_f1")})
+            "skipped_files": len(state.skipped_files), **{f"val_{k}": v for k, v in metrics.items()}})
         self.runlog.flush()
 
     def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
@@ -206,9 +193,8 @@ class RunReporter:
         if not state.best_metrics:
             return "no best.pt (no epoch was validated with finite numbers)"
         metric = self.cfg.early_stop.metric
-        value = state.best_metrics[metric]
-        return (f"best epoch {state.best_epoch}: {metric} {value:.4f}" if metric == "loss" else
-                f"best epoch {state.best_epoch}: {metric} {value:.2f}") + f" ({Path(run_dir) / 'best.pt'})"
+        value = self.task.metric(metric).format(state.best_metrics[metric])
+        return f"best epoch {state.best_epoch}: {metric} {value} ({Path(run_dir) / 'best.pt'})"
 
     def log_done(self, state, run_dir, wall_s: float) -> None:
         """The run's last line: what it reached, where the files are, how long it took (the whole process,
@@ -225,18 +211,6 @@ class RunReporter:
         log.info("the run in %s is complete (%s): %s. Nothing to resume. To train further: --finetune %s with a "
                  "new output.dir (a new schedule from these weights), or a larger train.epochs with a new "
                  "output.dir (a new run)", run_dir, done, self._best_text(state, run_dir), Path(run_dir) / "best.pt")
-
-
-# the validation numbers of a multi-label run that go to TensorBoard (val/<name>)
-MULTILABEL_SCALARS = ("mAP", "micro_f1", "macro_f1", "precision", "recall", "micro_f1_at_0.5", "macro_f1_at_0.5",
-                      "loss")
-
-
-def multilabel_summary(metrics: dict) -> str:
-    """A multi-label validation in one line: mAP, and F1 at the tuned thresholds and at 0.5."""
-    return (f"val mAP {metrics['mAP']:.2f}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
-            f"{metrics['micro_f1_at_0.5']:.2f})  macro F1 {metrics['macro_f1']:.2f} (at 0.5: "
-            f"{metrics['macro_f1_at_0.5']:.2f})  loss {metrics['loss']:.4f}  ({metrics['num_samples']} samples)")
 
 
 def format_duration(seconds: float) -> str:

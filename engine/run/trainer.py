@@ -16,8 +16,7 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, check_data_root
-from core.host import OmpWaitChoice
+from core.config import Config, check_data_root, check_tracking_client
 from core.errors import BadDataError, ConfigError, DiskFullError, ImageDecodeError, NonFiniteError, StopRequested
 from data.build import RunData, build_run_data
 from data.datasets import failure_reason
@@ -28,6 +27,9 @@ from engine.runtime import distributed as dist_utils
 from engine.rundir.resume_hint import continue_command
 from engine.rundir.checkpoints import Checkpointer, TrainingParts
 from engine.rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from engine.rundir.restart import check_own_checkpoint, plan_resume
+from engine.rundir.shared_view import check_shared_checkpoint
+from engine.runtime.launcher import launch_info
 from engine.model_io.checkpoint_files import recorded_threads
 from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import DeviceInput, pin_memory_for
@@ -45,14 +47,16 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
+from tasks import task_of
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
+from tracking.training import TrainingTracking, open_training_tracking
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-                 finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None):
+                 finetune_partial: bool = False):
         if resume and finetune:
             raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
                               f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
@@ -64,7 +68,6 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.state = TrainState()
         # runtime: device, precision, processes, CPU threads (engine.runtime.runtime)
-        self.host = host
         self.runtime = Runtime(torch.device("cpu"), None)
         self.run_dir = Path(cfg.output.dir)
         self.run_lock: Optional[RunDirLock] = None  # rank 0's lock on the run directory, held for the run
@@ -90,6 +93,7 @@ class Trainer:
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
         self.val_batches = None  # the next validation's batches, when they were started ahead
+        self.tracking: Optional[TrainingTracking] = None  # tracking.*: the run's experiment-tracking run
 
     # ------------------------------------------------------------ set-up
 
@@ -100,19 +104,29 @@ class Trainer:
         self.train_model = wrap_for_training(self.model, self.cfg, self.runtime.dist, self.runtime.device)
         self._setup_optimisation()
         self._start_or_restore(resume_ckpt)
+        self._open_tracking(resume_ckpt, finetune_ckpt)
         self.reporter.log_startup(self.data, self.runtime, self.plan)
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
         check_data_root(cfg)
+        check_tracking_client(cfg.tracking)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
-        self.runtime = start_runtime(cfg, self.host, distributed=True)
+        self.runtime = start_runtime(cfg, distributed=True)
         self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
         setup_logging(self.run_dir, self.runtime.dist.is_main)
+        launch = launch_info()
+        # a torchrun restart continues from last.pt; rank 0 decides, so that every rank asks for the same files
+        plan = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: plan_resume(self.resume, self.run_dir, launch),
+                                      share_result=True)
+        self.resume = plan.resume
+        check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist)
         claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
+        if plan.must_own:
+            check_own_checkpoint(resume_ckpt, self.run_dir, launch)
         self.runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, recorded_threads(resume_ckpt),
                                       agree_over_ranks=True)
         finetune_ckpt = load_finetune_source(self.finetune) if self.finetune else None
@@ -174,6 +188,17 @@ class Trainer:
             write_run_files(self.run_dir, cfg, self.data, self.runlog,
                             self.state.epoch if resume_ckpt is not None else None)
 
+    def _open_tracking(self, resume_ckpt: Optional[dict], finetune_ckpt: Optional[dict]) -> None:
+        dist = self.runtime.dist
+        self.tracking = open_training_tracking(self.cfg, self.run_dir, dist.is_main, dist.world_size,
+                                               str(self.runtime.device), self.fingerprint, resume_ckpt,
+                                               finetune_ckpt, self.finetune)
+        self.checkpointer.tracking_run_id = self.tracking.run_id_for_checkpoint
+
+    def _log_step(self, step: int, values: dict) -> None:
+        self.reporter.log_step(step, values)
+        self.tracking.log_step(step, values)
+
     # ------------------------------------------------------------ the run
 
     def fit(self) -> int:
@@ -181,6 +206,7 @@ class Trainer:
         try:
             return self._fit()
         except StopRequested:
+            self.tracking.status = "KILLED"
             log.warning("stopped by %s; last.pt holds epoch %d batch %d (step %d); continue with: %s",
                         self.stop_signal.name(), self.state.epoch + 1, self.state.batch_in_epoch,
                         self.state.step, continue_command(self.run_dir / "last.pt", self.runtime.dist.world_size))
@@ -206,6 +232,8 @@ class Trainer:
     def close(self) -> None:
         """End the loader workers now (a failing run's would otherwise wait for interpreter exit) and let the
         run directory go; safe to call more than once."""
+        if self.tracking is not None:
+            self.tracking.close()
         if self.data is not None:
             shutdown_workers(self.data.train_loader, self.data.val_loader)
         if self.run_lock is not None:
@@ -215,11 +243,12 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         hooks = StepHooks(checkpoint_due=lambda step: every > 0 and step % every == 0,
                           stop_requested=lambda step: self.stop_signal.agreed(step, self.runtime.dist, self.runtime.device), save=self._save_mid_epoch,
-                          log_step=self.reporter.log_step, log_interval=self.cfg.output.log_interval)
+                          log_step=self._log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
             if not best_is_calibrated(self.run_dir):  # the run ended before its calibration was written
                 self._calibrate()
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
+            self.tracking.status = "FINISHED"
             return 0
         next_batches = None
         self.val_batches = validation_batches_at_start(self.data.val_loader)
@@ -249,6 +278,8 @@ class Trainer:
         self._calibrate()
         self.write_summary()
         self.reporter.log_done(self.state, self.run_dir, time.perf_counter() - self.started)
+        self.tracking.finish(self.state.step)
+        self.tracking.status = "FINISHED"
         dist_utils.barrier()
         return 0
 
@@ -274,9 +305,9 @@ class Trainer:
             batches = calling_at(batches, counters.batches_done, self.plan.batches_per_epoch - 1,
                                  self._start_validation)
         self.reporter.open_bar(epoch, counters.batches_done)
-        hooks.on_batch = self.reporter.on_batch()
         try:
-            train_one_epoch(self.step, batches, self.plan.batches_per_epoch, counters, self.state, hooks)
+            train_one_epoch(self.step, batches, self.plan.batches_per_epoch, counters, self.state, hooks,
+                            self.reporter.on_batch())
         finally:
             self.reporter.close_bar()
         seconds = time.perf_counter() - start
@@ -319,9 +350,8 @@ class Trainer:
         batches = self.val_batches if self.val_batches is not None else self.data.val_loader
         self.val_batches = None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
-            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, len(self.classes),
-                                        on_batch=on_batch, should_stop=should_stop,
-                                        classes=self.classes if self.cfg.data.task == "multilabel" else None)
+            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, task_of(self.cfg), self.classes,
+                                        on_batch=on_batch, should_stop=should_stop)
         sums.all_reduce()
         metrics = sums.compute()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
@@ -347,6 +377,7 @@ class Trainer:
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
         self.save_last()
+        self.tracking.log_epochs()  # the row, now that last.pt holds its epoch
         self.write_summary()
 
     def write_summary(self) -> None:
@@ -393,8 +424,8 @@ def record_unreadable(state: TrainState, data: RunData, indices: list[int], max_
 
 
 def run(cfg: Config, resume: Optional[str] = None, finetune: Optional[str] = None,
-        finetune_partial: bool = False, host: Optional[OmpWaitChoice] = None) -> int:
-    trainer = Trainer(cfg, resume, finetune, finetune_partial, host)
+        finetune_partial: bool = False) -> int:
+    trainer = Trainer(cfg, resume, finetune, finetune_partial)
     try:
         trainer.setup()
         return trainer.fit()

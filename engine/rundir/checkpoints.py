@@ -5,8 +5,9 @@ loading last.pt's state back into the run. (What may change on resume, and the r
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
-`train_state`, `world_size`, `data_fingerprint` (`data.fingerprint`), and with EMA `model_ema`. Both record
-`data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists' digests). best.pt: the
+`train_state`, `world_size`, under torchrun `elastic_run_id`, `data_fingerprint` (`data.fingerprint`), and with
+EMA `model_ema`. Both record `data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists'
+digests), and with tracking on `tracking_run_id` (the tracking run --resume reopens and eval.py adds to). best.pt: the
 evaluated weights (the EMA when on) under `model`, with the same metadata and no training state.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -23,8 +24,12 @@ from core.config import Config
 from core.errors import CheckpointError, DiskFullError, NonFiniteError
 from engine.model_io.checkpoint_files import preprocessing_record
 from engine.rundir.atomic_files import bare_state_dict, rng_state, save_atomic, set_rng_state
+from engine.rundir.restart import run_id_fields
 from engine.rundir.state import TrainState
+from engine.runtime.launcher import launch_info
 from engine.runtime.distributed import run_on_main
+from tasks import task_of
+from tracking.training import RUN_ID_KEY
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class Checkpointer:
         self.data_source = data_source
         self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
+        self.tracking_run_id: Callable[[], Optional[str]] = lambda: None  # the tracking run, once it exists
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -64,14 +70,16 @@ class Checkpointer:
                 "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
                 # the CPU threads the run computed with: a resume, eval.py and infer.py take the same by
                 # default, since sums over another thread count round differently in the last digits
-                "threads": torch.get_num_threads(), **data_source_fields(self.data_source)}
+                "threads": torch.get_num_threads(), **data_source_fields(self.data_source),
+                **({RUN_ID_KEY: run_id} if (run_id := self.tracking_run_id()) else {})}
 
     def last_contents(self, state: TrainState) -> dict:
         p = self.parts
         ckpt = self._common(p.model, state, None)
         ckpt.update({"batch_in_epoch": state.batch_in_epoch, "optimizer": p.optimizer.state_dict(),
                      "scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict(), "rng": rng_state(),
-                     "train_state": dataclasses.asdict(state), "world_size": self.world_size})
+                     "train_state": dataclasses.asdict(state), "world_size": self.world_size,
+                     **run_id_fields(launch_info())})
         if self.fingerprint is not None:
             ckpt["data_fingerprint"] = self.fingerprint
         if p.ema is not None:
@@ -80,10 +88,7 @@ class Checkpointer:
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:
-        ckpt = self._common(self.parts.eval_model, state, metrics)
-        if "thresholds" in metrics:  # data.task=multilabel: per-class thresholds tuned on this validation
-            ckpt["thresholds"] = [float(t) for t in metrics["thresholds"]]
-        return ckpt
+        return self._common(self.parts.eval_model, state, metrics) | task_of(self.cfg).model_file_extras(metrics)
 
     def save_last(self, state: TrainState) -> None:
         """Call on every rank at the same point: all agree on refusing non-finite weights, and all stop when

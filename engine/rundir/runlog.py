@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 from core.outputs import write_json
+from tasks import csv_metric_columns
 
 log = logging.getLogger(__name__)
 
-METRICS_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s",
-                   "val_top1", "val_top5", "val_loss", "val_mean_class_acc", "val_num_samples", "skipped_files",
-                   "val_mAP", "val_micro_f1", "val_macro_f1"]  # the last three: data.task=multilabel
+# metrics.csv: the run's columns, then every task's validation metrics (tasks/: those declared in_csv)
+RUN_COLUMNS = ["epoch", "step", "lr", "train_loss", "train_samples_per_s", "data_wait_frac", "epoch_time_s"]
+METRICS_COLUMNS = RUN_COLUMNS + csv_metric_columns() + ["skipped_files"]
 
 
 def setup_logging(run_dir: Path | None, is_main: bool) -> None:
@@ -56,12 +57,14 @@ class RunLog:
         if not self.enabled:
             return
         path = self.run_dir / "metrics.csv"
-        new = not path.exists()
+        columns = existing_columns(path)
+        new = columns is None
+        columns = columns or METRICS_COLUMNS
         with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS, lineterminator="\n")
+            writer = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
             if new:
                 writer.writeheader()
-            writer.writerow({k: _fmt(row.get(k)) for k in METRICS_COLUMNS})
+            writer.writerow({k: _fmt(row.get(k)) for k in columns})
 
     def drop_epochs_from(self, epoch: int) -> None:
         """On resume: forget rows of epochs that will be run again (written after the checkpoint)."""
@@ -69,10 +72,12 @@ class RunLog:
         if not self.enabled or not path.exists():
             return
         with path.open(newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("epoch") and int(r["epoch"]) < epoch]
+            reader = csv.DictReader(f)
+            rows = [r for r in reader if r.get("epoch") and int(r["epoch"]) < epoch]
+            columns = reader.fieldnames or METRICS_COLUMNS
         tmp = path.with_name(".metrics.csv.tmp")
         with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRICS_COLUMNS, lineterminator="\n")
+            writer = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
         os.replace(tmp, path)
@@ -88,6 +93,15 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def existing_columns(path: Path) -> list[str] | None:
+    """The header of a metrics.csv already there (a resumed run keeps the columns it started with, whatever
+    this version would write), or None."""
+    if not path.exists():
+        return None
+    with path.open(newline="") as f:
+        return next(csv.reader(f), None)
 
 
 def _fmt(value):

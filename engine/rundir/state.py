@@ -10,16 +10,10 @@ from typing import Optional
 import torch
 
 from core.errors import NonFiniteError
-from engine.evaluation.metrics import is_improvement, nonfinite_metrics
+from tasks import best_record, is_improvement
+from tasks.metric import nonfinite_metrics
 
 log = logging.getLogger(__name__)
-
-# the validation metrics summary.json and best.pt keep as `best`
-BEST_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
-# and those of a multi-label run (data.task: multilabel); the per-class thresholds go into best.pt
-MULTILABEL_BEST_KEYS = ("mAP", "micro_f1", "macro_f1", "precision", "recall", "micro_f1_at_0.5", "macro_f1_at_0.5",
-                        "loss", "num_samples")
-
 
 @dataclass
 class EpochCounters:
@@ -72,8 +66,7 @@ class EpochCounters:
     @classmethod
     def restore(cls, saved: dict) -> "EpochCounters":
         values = dict(saved)
-        # checkpoints written before the rename call the unreadable-file indices `bad_indices`
-        values["unreadable"] = set(values.pop("unreadable", values.pop("bad_indices", [])))
+        values["unreadable"] = set(values.get("unreadable", []))
         return cls(**values)
 
 
@@ -104,8 +97,7 @@ class TrainState:
                                                                      min_delta)
         if improved:
             self.best_value, self.best_epoch, self.bad_epochs = metrics[metric], epoch + 1, 0
-            keys = MULTILABEL_BEST_KEYS if "mAP" in metrics else BEST_KEYS
-            self.best_metrics = {k: metrics[k] for k in keys}
+            self.best_metrics = best_record(metrics)
         else:
             self.bad_epochs += 1
             if patience is not None and self.bad_epochs >= patience:
@@ -114,11 +106,8 @@ class TrainState:
 
     @classmethod
     def from_saved(cls, saved: dict) -> "TrainState":
-        """The state last.pt recorded (checkpoints written before the rename call the snapshot `progress`)."""
-        values = dict(saved)
-        if "progress" in values:
-            values["epoch_snapshot"] = values.pop("progress")
-        return cls(**values)
+        """The state last.pt recorded."""
+        return cls(**saved)
 
     def epoch_counters(self) -> EpochCounters:
         """The counters to continue the current epoch with (fresh at an epoch start)."""

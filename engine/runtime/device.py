@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from core.errors import ConfigError
-from core.host import (OmpWaitChoice, busy_cores_of_others, choose_threads, keep_freed_memory,
-                       omp_wait_description, usable_cpus)
 from data.transforms import normalize_batch
 
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -79,23 +76,6 @@ def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
 def pin_memory_for(setting: Optional[bool], device: torch.device) -> bool:
     """`data.pin_memory`: null means pinned exactly when the batches go to a CUDA device."""
     return setting if setting is not None else device.type == "cuda"
-
-
-def apply_cpu_policy(threads_setting, reuse_host_memory: bool = True, host: Optional[OmpWaitChoice] = None,
-                     saved_threads: Optional[int] = None) -> tuple[int, str]:
-    """Set torch's intra-op threads by `core.host.choose_threads` (with `saved_threads`, the count a
-    checkpoint's run computed with, for a resume, eval.py and infer.py) and, with `reuse_host_memory`
-    (`train.reuse_host_memory`), keep freed host memory for reuse (`core.host.keep_freed_memory`);
-    returns (threads, where the count came from, how idle threads wait and what memory does). `host` is
-    the entry script's OpenMP wait choice with the load it measured at start; `idle_cores` measures the
-    load here when none was measured."""
-    busy = host.busy_cores if host is not None else None
-    if threads_setting == "idle_cores" and busy is None:
-        busy = busy_cores_of_others()
-    threads, source = choose_threads(threads_setting, usable_cpus(), os.environ, busy, saved_threads)
-    torch.set_num_threads(threads)
-    memory = "freed memory kept for reuse" if reuse_host_memory and keep_freed_memory() else "malloc's defaults"
-    return threads, f"{source}; {omp_wait_description(host)}; {memory}"
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from core.errors import ConfigError, DistributedSetupError
+from engine.runtime.launcher import LaunchInfo, launch_info
 
 
 @dataclass
@@ -60,7 +62,11 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     try:
-        dist.init_process_group(backend=backend, init_method="env://")
+        store = restart_store(world, launch_info())
+        if store is None:
+            dist.init_process_group(backend=backend, init_method="env://")
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     except Exception as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DistributedSetupError(
@@ -68,6 +74,18 @@ def init_distributed(device_type: str) -> DistInfo:
             f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}, "
             f"RANK={rank}): {reason}. Start the run with torchrun, or unset WORLD_SIZE for one process") from err
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world)
+
+
+def restart_store(world: int, launch: LaunchInfo):
+    """The process group's store for a worker group that torchrun restarted: the agent's store (the same
+    server across restarts, so it still holds the keys the previous group published, among them its ranks'
+    addresses, which a new rank may read before they are overwritten and then fail to connect; pytorch
+    issue 167288), under a prefix of its own per restart. None for a first start (plain env://)."""
+    if not launch.restarted or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"imgcls/restart_{launch.restart_count}", store)
 
 
 def is_initialized() -> bool:
@@ -120,6 +138,15 @@ def union_of_lists(items: list) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, list(items))
     return sorted({item for part in gathered for item in part})
+
+
+def all_gather_objects(item) -> list:
+    """Every rank's `item` (it must pickle), in rank order; `[item]` in a single process."""
+    if not is_initialized():
+        return [item]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, item)
+    return gathered
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

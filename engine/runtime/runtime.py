@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from core.host import OmpWaitChoice
 from engine.runtime import distributed as dist_utils
-from engine.runtime.device import apply_cpu_policy, enable_cudnn_autotune, resolve_amp, select_device
+from engine.runtime.cpu_tuning import apply_cpu_policy
+from engine.runtime.device import enable_cudnn_autotune, resolve_amp, select_device
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +25,15 @@ class Runtime:
     device: torch.device
     amp_dtype: Optional[torch.dtype]          # autocast dtype (None: full precision)
     dist: dist_utils.DistInfo = field(default_factory=dist_utils.DistInfo)
-    host: Optional[OmpWaitChoice] = None      # the entry script's OpenMP wait choice and start load
     threads: int = 0                          # intra-op threads of this process (0: not set yet)
     threads_source: str = ""                  # where the count came from, how idle threads wait, memory
 
     def apply_cpu_policy(self, threads_setting, reuse_host_memory: bool, saved_threads: Optional[int] = None,
                          agree_over_ranks: bool = False) -> None:
-        """Set the thread count (`engine.runtime.device.apply_cpu_policy`); with `agree_over_ranks`, every
+        """Set the thread count (`engine.runtime.cpu_tuning.apply_cpu_policy`); with `agree_over_ranks`, every
         rank takes the fewest any rank chose (the checkpoint records one count). A resume whose recorded
         count (`saved_threads`) cannot be kept warns: sums over another count round differently."""
-        threads, source = apply_cpu_policy(threads_setting, reuse_host_memory, self.host, saved_threads)
+        threads, source = apply_cpu_policy(threads_setting, reuse_host_memory, saved_threads)
         if agree_over_ranks:
             agreed = dist_utils.min_over_ranks(threads, self.device)
             if agreed != threads:
@@ -47,7 +46,7 @@ class Runtime:
         self.threads, self.threads_source = threads, source
 
 
-def start_runtime(cfg, host: Optional[OmpWaitChoice] = None, distributed: bool = False,
+def start_runtime(cfg, distributed: bool = False,
                   device_setting: Optional[str] = None, amp_setting: Optional[str] = None,
                   fp32_only: bool = False) -> Runtime:
     """The device (`train.device`, or `device_setting`), the precision (`train.amp`, or `amp_setting`;
@@ -61,14 +60,16 @@ def start_runtime(cfg, host: Optional[OmpWaitChoice] = None, distributed: bool =
         dist_utils.check_sync_bn(cfg.model.sync_bn, device.type, world)
     dist = dist_utils.init_distributed(device.type) if distributed else dist_utils.DistInfo()
     enable_cudnn_autotune(device)
-    return Runtime(device, amp_dtype, dist, host)
+    return Runtime(device, amp_dtype, dist)
 
 
-def build_runtime(cfg, host: Optional[OmpWaitChoice] = None, saved_threads: Optional[int] = None,
-                  distributed: bool = False, **settings) -> Runtime:
+def build_runtime(cfg, saved_threads: Optional[int] = None,
+                  distributed: bool = False, training: bool = True, **settings) -> Runtime:
     """`start_runtime`, then the CPU threads: `saved_threads` is the count a checkpoint's run used (eval.py
-    and infer.py keep it: their sums then round as validation's did)."""
-    runtime = start_runtime(cfg, host, distributed, **settings)
-    runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory, saved_threads,
+    and infer.py keep it: their sums then round as validation's did). `train.reuse_host_memory` applies
+    only with `training`: predictions gained nothing from it (docs/cpu_tuning.md), and a server would
+    keep what it freed."""
+    runtime = start_runtime(cfg, distributed, **settings)
+    runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory and training, saved_threads,
                              agree_over_ranks=distributed)
     return runtime

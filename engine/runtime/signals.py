@@ -1,5 +1,5 @@
-"""Stop signals: the first SIGTERM / SIGINT is remembered, and the run saves last.pt and exits at the
-next optimizer step. Inside an `interruptible()` block (single-process validation) it raises StopRequested
+"""Stop signals: the first SIGTERM / SIGINT / SIGUSR1 (Slurm's warning before the time limit) is remembered,
+and the run saves last.pt and exits at the next optimizer step (143 / 130 / 138). Inside an `interruptible()` block (single-process validation) it raises StopRequested
 at once instead, which also ends a read that blocks; under DDP validation asks at agreed batches."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 STEP_STOP_EVERY = 10  # under DDP, optimizer steps between the ranks' agreements on a stop signal
 VAL_STOP_EVERY = 10   # under DDP, validation batches between them
-EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
+EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGUSR1: 138}
+STOP_SIGNALS = tuple(EXIT_SIGNAL)
 
 
 class StopSignal:
@@ -30,7 +31,7 @@ class StopSignal:
         return self.signum is not None
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:

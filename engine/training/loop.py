@@ -27,7 +27,6 @@ class StepHooks:
     save: Callable[[dict], None]              # gets EpochCounters.snapshot() of the epoch so far
     log_step: Callable[[int, dict], None]
     log_interval: int = 10**9
-    on_batch: Optional[Callable[[], None]] = None  # after every micro-batch (a progress bar)
     log_epoch_end: bool = True  # also log each epoch's last step, however short the epoch
 
     def logs_at(self, step: int, epoch_end: bool = False) -> bool:
@@ -108,11 +107,12 @@ class IntervalMeter:
 
 
 def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCounters, state,
-                    hooks: StepHooks) -> None:
+                    hooks: StepHooks, on_batch: Optional[Callable[[], None]] = None) -> None:
     """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps (applied
-    or skipped), `state.skipped_steps` the skipped ones, and `state.epoch` is the epoch (0-based) being trained."""
+    or skipped), `state.skipped_steps` the skipped ones, and `state.epoch` is the epoch (0-based) being trained.
+    `on_batch` runs after every micro-batch (a progress bar)."""
     step.model.train()
-    step.window_ok = None  # a window never spans epochs
+    step.start_epoch()
     sums = EpochSums(step.input.device)
     meter = IntervalMeter(sums, counters)
     batch_index = counters.batches_done
@@ -125,17 +125,16 @@ def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCo
         counters.data_time += waited
         counters.note_unreadable(replaced)
         images, targets = step.input.prepare(images), step.input.labels(targets)
-        is_update = step.window_ends_at(batch_index, num_batches)
 
-        loss = step.accumulate(images, targets, batch_index, num_batches, state.epoch, state.step + 1)
+        loss, is_update = step.accumulate(images, targets, batch_index, num_batches, state.epoch, state.step + 1)
 
         batch = images.shape[0]
         sums.add_loss(loss, batch)
         counters.samples += batch
         meter.samples += batch
         batch_index += 1
-        if hooks.on_batch is not None:
-            hooks.on_batch()
+        if on_batch is not None:
+            on_batch()
 
         if is_update:
             number = state.step + 1  # steps are numbered from 1, as in the log lines ("step k/N")

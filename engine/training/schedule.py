@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
-from engine.evaluation.metrics import is_improvement
+from tasks import is_improvement
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from timm.utils import unwrap_model
 
 from engine.runtime.device import DeviceInput
 from engine.runtime.distributed import all_ranks_true
-from engine.training.losses import build_criterion
+from tasks import task_of
 from engine.training.mixing import BatchMixing
 from engine.training.optim import base_lr, build_optimizer
 from engine.training.schedule import build_scheduler, observe_epoch, schedule_from_config, window_length
@@ -81,18 +81,23 @@ class TrainStep:
         """Whether micro-batch `batch_index` ends an accumulation window (the epoch's last batch ends a short one)."""
         return (batch_index + 1) % self.accum_steps == 0 or batch_index + 1 == num_batches
 
+    def start_epoch(self) -> None:
+        """A window never spans epochs."""
+        self.window_ok = None
+
     def accumulate(self, images: torch.Tensor, targets: torch.Tensor, batch_index: int, num_batches: int,
-                   epoch: int, step_number: int) -> torch.Tensor:
+                   epoch: int, step_number: int) -> tuple[torch.Tensor, bool]:
         """Micro-batch `batch_index` (of the epoch's `num_batches`) of optimizer step `step_number`: erased and
         mixed, forward and backward, its gradient divided by its window's length (the epoch's last window
         may be short) and added; whether its loss was finite joins the window's. Returns the loss
-        (detached, on the device)."""
+        (detached, on the device) and whether the micro-batch ends its window (`finish_window` is due)."""
+        ends_window = self.window_ends_at(batch_index, num_batches)
         images, targets = self.mix(images, targets, epoch, step_number, batch_index % self.accum_steps)
         loss = self.forward_backward(images, targets, window_length(batch_index, num_batches, self.accum_steps),
-                                     sync_gradients=self.window_ends_at(batch_index, num_batches))
+                                     sync_gradients=ends_window)
         finite = torch.isfinite(loss)
         self.window_ok = finite if self.window_ok is None else self.window_ok & finite
-        return loss
+        return loss, ends_window
 
     def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
         """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
@@ -183,7 +188,7 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
     if mixing is not None and mixing.mixes and not num_classes:
         raise ValueError("build_train_step: mixup / CutMix need num_classes")
     t = cfg.train
-    return TrainStep(model=train_model if train_model is not None else model, criterion=build_criterion(t),
+    return TrainStep(model=train_model if train_model is not None else model, criterion=task_of(cfg).criterion(t),
                      optimizer=optimizer, scheduler=scheduler, scaler=scaler, input=device_input,
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,

@@ -74,7 +74,6 @@ def test_out_of_range_is_refused_naming_the_key(override, key):
     assert f"'{key}'" in str(err.value)
 
 
-@pytest.mark.slow
 def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "quickstart", "train.epochs=0",
                                      f"output.dir={tmp_path / 'run'}")
@@ -85,7 +84,6 @@ def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def test_missing_data_root_exits_2_naming_the_path(monkeypatch, capsys, tmp_path):
     missing = tmp_path / "no" / "such" / "images"
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet18", f"data.root={missing}",
@@ -94,7 +92,6 @@ def test_missing_data_root_exits_2_naming_the_path(monkeypatch, capsys, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def test_data_root_without_val_split_exits_2_naming_the_split(monkeypatch, capsys, tmp_path):
     (tmp_path / "data" / "train" / "a").mkdir(parents=True)
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet18", f"data.root={tmp_path / 'data'}",
@@ -102,30 +99,9 @@ def test_data_root_without_val_split_exits_2_naming_the_split(monkeypatch, capsy
     assert code == 2 and "val/" in err
 
 
-@pytest.mark.slow
 def test_unset_data_root_exits_2_saying_how_to_set_it(monkeypatch, capsys, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "resnet50", f"output.dir={tmp_path / 'run'}")
     assert code == 2 and "data.root" in err
-
-
-@pytest.mark.slow
-def test_yaml_with_python_tag_is_refused_and_runs_nothing(tmp_path):
-    marker = tmp_path / "pwned"
-    path = tmp_path / "evil.yaml"
-    path.write_text(f"train:\n  epochs: !!python/object/apply:os.system ['touch {marker}']\n")
-    result = run_script("train.py", "--config", str(path), f"output.dir={tmp_path / 'run'}")
-    assert result.returncode == 2
-    assert str(path) in result.stderr and "Traceback" not in result.stderr
-    assert not marker.exists()
-    with pytest.raises(ConfigError, match="not plain YAML"):
-        read_yaml(path)
-
-
-def test_python_tag_in_an_override_is_refused(tmp_path):
-    marker = tmp_path / "pwned"
-    with pytest.raises(ConfigError):
-        load_config("quickstart", [f"train.epochs=!!python/object/apply:os.system ['touch {marker}']"])
-    assert not marker.exists()
 
 
 def test_config_names_resolve(tmp_path):
@@ -200,7 +176,6 @@ def test_resolved_config_round_trips(tmp_path):
     assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
 
 
-@pytest.mark.slow
 def test_min_lr_above_the_scaled_peak_exits_2(monkeypatch, capsys, tiny_tree, tmp_path):
     # peak = 0.05 x 8 / 256 = 0.0015625 after linear scaling; a min_lr above it would make the cosine rise
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
@@ -228,7 +203,6 @@ def test_bad_recipe_combinations_are_refused_naming_the_keys(overrides, names):
     assert all(name in str(err.value) for name in names), str(err.value)
 
 
-@pytest.mark.slow
 def test_a_bad_recipe_combination_exits_2_through_train_py(monkeypatch, capsys, tiny_tree, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
                                      *tiny_overrides(tiny_tree, tmp_path / "run"), "schedule.name=multistep",

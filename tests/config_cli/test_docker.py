@@ -1,4 +1,4 @@
-"""The Dockerfile (no Docker engine here, so it is checked statically): hadolint passes, it runs as a
+"""The Dockerfile, checked statically (tests/container builds and runs it): hadolint passes, it runs as a
 non-root user, `python` is the entrypoint in /app, the base image carries the pinned torch, torch is not
 reinstalled over the base's, and .dockerignore keeps data, runs and environments out of the image."""
 from __future__ import annotations
@@ -74,7 +74,10 @@ def test_python_is_the_entrypoint_in_app():
 
 def test_base_image_carries_the_pinned_torch():
     pinned = re.search(r"^torch==([\d.]+)", (REPO / "requirements.txt").read_text(), re.M).group(1)
-    image = last("FROM")
+    # the training image (the last stage) is built FROM the BASE_IMAGE build argument, whose default is CUDA's
+    assert last("FROM").split()[0] == "${BASE_IMAGE}"
+    image = next(rest.partition("=")[2] for word, rest in instructions()
+                 if word == "ARG" and rest.startswith("BASE_IMAGE="))
     repository, _, tag = image.partition(":")
     assert repository == "pytorch/pytorch"
     assert tag.startswith(f"{pinned}-cuda") and tag.endswith("-runtime"), tag

@@ -8,9 +8,9 @@ from pathlib import Path
 from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
-LEVELS = ["core", "data", "models", "engine.runtime", "engine.evaluation", "engine.model_io", "engine.rundir",
-          "engine.training", "engine.tuning", "engine.run", "engine.audit", "commands", "benchmarking",
-          "serving"]
+LEVELS = ["core", "tasks", "data", "models", "tracking", "engine.runtime", "engine.evaluation", "engine.model_io",
+          "engine.prediction", "engine.rundir", "engine.training", "engine.tuning", "engine.run", "engine.audit",
+          "commands", "benchmarking", "serving"]
 LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
 
 
@@ -20,6 +20,8 @@ def level_of(module: str) -> int | None:
     matches = [i for i, name in enumerate(LEVELS) if module == name or module.startswith(name + ".")]
     if module.startswith("data.") or module.startswith("models."):  # data and models sit side by side
         return LEVELS.index("data")
+    if module == "tasks" or module.startswith("tasks."):  # so do core and tasks (config validation asks the task)
+        return LEVELS.index("core")
     return max(matches) if matches else None
 
 
@@ -57,3 +59,17 @@ def test_layers_and_rooms_import_only_downwards_and_no_two_modules_import_each_o
               and not (level_of(name) == LEVELS.index("data") and level_of(target) == LEVELS.index("data"))]
     mutual = sorted({" <-> ".join(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph[b]})
     assert upward == [] and mutual == []
+
+
+def test_only_the_task_package_and_config_validation_ask_which_kind_of_label_this_is():
+    """The rest of the code asks the Task (tasks/), never `data.task`: no conditional on `data.task` or on a
+    `multilabel` flag outside tasks/ and core/config.py."""
+    import re
+
+    asks = re.compile(r"\b(if|elif)\b.*(\.task\s*[!=]=|data\.task\b|\bmultilabel\b|\bmulticlass\b)")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for name, path in project_modules().items() if not (name == "tasks" or name.startswith("tasks."))
+             and name != "core.config"
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if asks.search(line.split("#")[0]) and not line.strip().startswith(("#", '"', "'"))]
+    assert found == [], "\n".join(found)

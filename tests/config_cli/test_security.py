@@ -115,9 +115,8 @@ def test_entry_scripts_refuse_a_hostile_checkpoint(data_root, tmp_path, marker):
 YAML_PAYLOAD = "train:\n  epochs: !!python/object/apply:os.system ['touch {marker}']\n"
 
 
-@pytest.mark.slow
 def test_a_yaml_config_with_python_tags_exits_2_and_runs_nothing(data_root, tmp_path, marker, monkeypatch, capsys):
-    """In-process through train.py's main (tests/config_cli/test_config.py runs the same through a subprocess)."""
+    """In-process through train.py's main: refused while the config is read, before any work."""
     import train
 
     config = tmp_path / "hostile.yaml"

@@ -297,7 +297,7 @@ def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
 def test_images_too_small_for_phash_match_by_content_only():
     from engine.audit.findings import find_copies
     from engine.audit.hashing import ImageFacts
-    from engine.audit.sources import AuditItem
+    from engine.audit.audit_data import AuditItem
 
     def item(name, split):
         return AuditItem(name=name, file=name, label=0, split=split)
@@ -543,7 +543,8 @@ def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
     """A multi-label (sigmoid) model gave 18 'label errors' on single-label data."""
     from commands.audit_args import check_checkpoint_task
     from core.errors import ConfigError
+    from tasks import get_task
 
-    check_checkpoint_task(False, False, "m.pt")
+    check_checkpoint_task(get_task("multiclass"), get_task("multiclass"), "m.pt")
     with pytest.raises(ConfigError, match="--checkpoint m.pt: a multi-label model, but the data is single-label"):
-        check_checkpoint_task(True, False, "m.pt")
+        check_checkpoint_task(get_task("multilabel"), get_task("multiclass"), "m.pt")

@@ -1,4 +1,4 @@
-"""The fast uint8 training pipeline keeps the pixel policy: the same pixels as a plain full decode where no
+"""The uint8 training pipeline keeps the pixel policy: the same pixels as a plain full decode where no
 reduced (draft) decode applies, close to them where it does, EXIF and modes as in data/images.py."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torchvision.transforms.v2 import functional as F
 from data.datasets import TrainDataset
 from data.listing.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
-from data.images import open_image, oriented_size, parse_jpeg_header
-from data.transforms import TrainTransform, decode_jpeg_tensor, normalize_batch, read_source
+from data.images import open_image, oriented_size
+from data.transforms import TrainTransform, normalize_batch, read_source
 from benchmarking.photos import photo
 
 
@@ -45,14 +45,12 @@ def _whole_image_transform(img_size):
 
 
 @pytest.mark.parametrize("mode,orientation", [("RGB", None), ("L", None), ("RGB", 6), ("RGB", 3)])
-def test_tensor_decode_gives_the_same_pixels_as_pil(tmp_path, mode, orientation):
+def test_jpeg_decode_gives_the_same_pixels_as_pil(tmp_path, mode, orientation):
     path = _jpeg(tmp_path / "a.jpg", (96, 72), mode, orientation)
-    source = read_source(path)
-    data, header = source.jpeg, source.header
-    assert header is not None and header.components == (1 if mode == "L" else 3)
-    decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
-    assert decoded is not None and decoded.dtype == torch.uint8
-    assert torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
+    with open_image(path) as pil:
+        assert read_source(path).size == oriented_size(pil)
+    decoded = F.pil_to_tensor(read_source(path).rgb())
+    assert decoded.dtype == torch.uint8 and torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
 
 
 def test_no_reduction_same_pixels_as_full_decode(tmp_path):
@@ -85,9 +83,6 @@ def test_truncated_jpeg_is_still_refused(tmp_path):
     path = _jpeg(tmp_path / "a.jpg", (96, 72))
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    source = read_source(path)
-    data, header = source.jpeg, source.header
-    assert header is not None and decode_jpeg_tensor(data) is None  # left to PIL, which refuses it
     with pytest.raises(ImageDecodeError):
         _whole_image_transform(64)(path)
 
@@ -116,7 +111,7 @@ def test_normalize_batch_matches_the_formula_and_layout():
 
 @pytest.mark.parametrize("orientation", [None, 1, 2, 3, 4, 5, 6, 7, 8, 9])
 @pytest.mark.parametrize("mode,progressive", [("RGB", False), ("L", False), ("RGB", True), ("CMYK", False)])
-def test_jpeg_header_parser_agrees_with_pil(tmp_path, orientation, mode, progressive):
+def test_the_displayed_size_and_pixels_agree_with_pil(tmp_path, orientation, mode, progressive):
     path = tmp_path / "a.jpg"
     img = Image.fromarray(photo(np.random.default_rng(0), 50, 30)).convert(mode)
     kwargs = {"quality": 85, "progressive": progressive}
@@ -126,50 +121,27 @@ def test_jpeg_header_parser_agrees_with_pil(tmp_path, orientation, mode, progres
         exif[0x010F] = "maker"  # a second tag, so the orientation is not the only IFD entry
         kwargs["exif"] = exif
     img.save(path, **kwargs)
-    header = parse_jpeg_header(path.read_bytes())
     with open_image(path) as pil:
-        assert header is not None
-        assert (header.width, header.height) == pil.size
-        assert header.components == len(pil.getbands())
-        assert header.oriented_size == oriented_size(pil)
-    if mode != "CMYK":  # the tensor decoder's orientation agrees with the header's
-        data = read_source(path).jpeg
-        decoded = decode_jpeg_tensor(data, header.oriented_size[::-1])
-        assert decoded is not None and torch.equal(decoded, F.pil_to_tensor(load_rgb(path)))
-    else:
-        source = read_source(path)
-        assert (source.jpeg, source.header) == (None, None)
+        assert read_source(path).size == oriented_size(pil)
+    assert torch.equal(F.pil_to_tensor(read_source(path).rgb()), F.pil_to_tensor(load_rgb(path)))
 
 
-def test_jpeg_header_parser_leaves_odd_files_to_pil(tmp_path):
+def test_an_orientation_only_xmp_carries_is_applied(tmp_path):
     good = tmp_path / "a.jpg"
     Image.fromarray(photo(np.random.default_rng(0), 40, 30)).save(good, quality=85)
     data = good.read_bytes()
-    assert parse_jpeg_header(data) is not None
-    assert parse_jpeg_header(b"") is None
-    assert parse_jpeg_header(b"\x89PNG\r\n\x1a\n" + data[8:]) is None
-    assert parse_jpeg_header(data[:20]) is None                   # cut inside the header segments
-    assert parse_jpeg_header(data[:2] + b"\xff\xe0\xff\xff" + data[6:]) is None  # a length past the end
-    # orientation only in XMP: PIL rotates, libjpeg decoders do not; leave it to PIL
     xmp = b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta><rdf:Description tiff:Orientation=\"6\"/></x:xmpmeta>"
     segment = b"\xff\xe1" + (len(xmp) + 2).to_bytes(2, "big") + xmp
     rotated = tmp_path / "xmp.jpg"
     rotated.write_bytes(data[:2] + segment + data[2:])
-    assert parse_jpeg_header(rotated.read_bytes()) is None
-    # EXIF without an orientation tag, XMP with one: PIL still takes XMP's, so the parser still defers
-    exif = Image.Exif()
-    exif[0x010F] = "maker"
-    with_exif = tmp_path / "exif.jpg"
-    Image.fromarray(photo(np.random.default_rng(0), 40, 30)).save(with_exif, quality=85, exif=exif)
-    exif_data = with_exif.read_bytes()
-    assert parse_jpeg_header(exif_data) is not None
-    assert parse_jpeg_header(exif_data[:2] + segment + exif_data[2:]) is None
+    assert read_source(rotated).size == (30, 40)                  # PIL reads XMP's orientation: upright
+    assert tuple(F.pil_to_tensor(read_source(rotated).rgb()).shape) == (3, 40, 30)
     out = TrainTransform(16, (1.0, 1.0), (4 / 3, 4 / 3), 0.0, 0.0, "bilinear")(rotated)
     assert out.shape == (3, 16, 16)
 
 
 @pytest.mark.parametrize("size", [(120, 90), (90, 120), (97, 61)])
-def test_eval_tensor_path_matches_the_pil_resize(tmp_path, size):
+def test_eval_transform_is_the_pil_resize_and_centre_crop(tmp_path, size):
     from data.transforms import EvalTransform
 
     path = _jpeg(tmp_path / "a.jpg", size)
@@ -177,7 +149,7 @@ def test_eval_tensor_path_matches_the_pil_resize(tmp_path, size):
     out = transform(path)
     reference = transform.from_image(load_rgb(path))  # PIL: resize the shorter side, centre crop
     assert out.shape == reference.shape == (3, 48, 48) and out.dtype == torch.uint8
-    assert (out.int() - reference.int()).abs().max() <= 1
+    assert torch.equal(out, reference)
 
 
 def test_sample_crop_boxes_follow_scale_and_ratio():

@@ -26,6 +26,7 @@ from engine.runtime.distributed import check_sync_bn, convert_sync_bn
 from engine.runtime.device import DeviceInput
 from engine.evaluation.evaluate import evaluate
 from models.factory import create_model
+from tasks import get_task
 
 # 17 validation images: not a multiple of world size x batch (2 x 2), and the two ranks get different
 # numbers of batches (9 samples -> 5 batches, 8 samples -> 4 batches). 120 training images: 60 per rank,
@@ -77,7 +78,7 @@ def evaluate_checkpoint(path: Path, data: Path, limit_samples=None, unreadable=(
                           pre["img_size"])
     loader = build_eval_loader(dataset, 5, 0, False, limit_samples=limit_samples)
     sums, bad = evaluate(model, loader, DeviceInput(torch.device("cpu"), pre["mean"], pre["std"], False, None),
-                         len(ckpt["classes"]))
+                         get_task("multiclass"), ckpt["classes"])
     assert bad == list(unreadable)
     return sums.compute()
 
@@ -346,7 +347,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""
     from data.listing.folder import scan_split
     from engine.evaluation.calibration import fit_temperature
-    from engine.evaluation.outputs import collect_outputs
+    from engine.evaluation.split_outputs import collect_outputs
     from engine.evaluation.rejection import normalise
 
     out, result = ddp_run

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IN_PROCESS, REPO, HalfWriter, exit_code, make_cfg, class_image, make_tree, run_script, tiny_overrides, wait_for
-from commands.infer import format_predictions_table
+from tasks.single_label_rows import format_predictions_table
 from core.config import ConfigError, load_config, read_yaml
 from core.safe_load import load_checkpoint
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs

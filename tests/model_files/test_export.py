@@ -21,7 +21,8 @@ from data.listing.folder import list_images
 from data.transforms import normalize_batch
 from engine.model_io import export as engine_export
 from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
+from engine.model_io.formats import base as export_formats_base
 
 CLASSES = ["a", "b", "c"]
 # (format, output name, batch option): a fixed-batch ONNX, a dynamic-batch program, a timm folder
@@ -300,7 +301,7 @@ class GatedNet(torch.nn.Module):
 @pytest.mark.slow
 def test_an_unexportable_model_exits_1_naming_the_layer(trained, tmp_path, capsys, monkeypatch):
     _, checkpoint, _ = trained
-    monkeypatch.setattr(engine_export, "build_eval_model", lambda *a, **k: GatedNet().eval())
+    monkeypatch.setattr(export_formats_base, "build_eval_model", lambda *a, **k: GatedNet().eval())
     code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", "pt2", "--output",
                                      str(tmp_path / "gated.pt2")], capsys)
     assert code == 1 and line.startswith("error: pt2 export failed: ")
@@ -317,7 +318,7 @@ def test_an_export_that_disagrees_fails(trained, monkeypatch):
 
 @pytest.mark.slow
 def test_training_and_checkpoint_inference_never_import_onnx():
-    code = ("import sys, train, engine.run.trainer, commands.infer, commands.evaluate, engine.model_io.model_files; "
+    code = ("import sys, train, engine.run.trainer, commands.infer, commands.evaluate, engine.model_io.loading; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'onnxruntime', 'onnxscript', 'onnx_ir'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -382,3 +383,12 @@ def test_an_export_never_lands_on_its_own_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="--output .*is the checkpoint"):
         check_export_outputs(str(run / "best.pt"), str(run / "best.pt"), folder_output=False)
     check_export_outputs(str(run / "best.pt"), str(tmp_path / "model.onnx"), folder_output=False)
+
+
+def test_export_offers_every_registered_export_format():
+    """export.py lists its --format choices without importing torch (--help is instant); they are the formats
+    registered with a writer."""
+    import export
+    from engine.model_io.formats import export_formats
+
+    assert list(export.EXPORT_FORMATS) == export_formats()

@@ -19,7 +19,7 @@ import infer
 from conftest import train_tiny
 from core.errors import ConfigError, ExportError
 from engine.model_io import quantize
-from engine.model_io.model_files import load_model_file
+from engine.model_io.loading import load_model_file
 from serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]

@@ -11,7 +11,7 @@ import torch
 from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            reliability_bins, selective_report)
 from engine.evaluation.explain import crop_geometry, heatmap_peak, to_original
-from engine.evaluation.outputs import SplitOutputs, gather_outputs
+from engine.evaluation.split_outputs import SplitOutputs, gather_outputs
 from engine.evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
                                          seeded_subset, threshold_for_coverage)
 from engine.evaluation.trust import build_record, export_record, trust_metrics
@@ -148,7 +148,7 @@ def test_the_temperature_range_is_one_rule_for_config_fit_and_stored_records():
     from core.config import ConfigError, load_config
     from core.errors import CheckpointError
     from core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE, temperature_problem
-    from engine.model_io.model_file import check_calibration_record
+    from core.temperature import check_calibration_record
 
     for bad in ("1e-300", "0", "-1", "21", ".nan", ".inf"):
         with pytest.raises(ConfigError, match="calibration.temperature"):
@@ -166,8 +166,11 @@ def test_the_temperature_range_is_one_rule_for_config_fit_and_stored_records():
 
 
 def test_infer_json_never_holds_a_bare_nan(tmp_path):
-    from commands.infer import write_rows
+    from tasks.multi_label_rows import write_tag_rows
+    from tasks.single_label_rows import write_rows
 
     out = tmp_path / "rows.json"
     write_rows([{"path": "a.png", "label": "x", "prob": float("nan"), "error": None}], out, 0)
     assert json.loads(out.read_text())[0]["prob"] is None and "NaN" not in out.read_text()
+    write_tag_rows([{"path": "a.png", "labels": ["x"], "probs": {"x": float("nan")}, "error": None}], out, ["x"], " ")
+    assert json.loads(out.read_text())[0]["probs"] == {"x": None} and "NaN" not in out.read_text()

@@ -10,7 +10,7 @@ from timm.data.mixup import one_hot as timm_one_hot
 from timm.loss import BinaryCrossEntropy as TimmBCE
 from timm.loss import SoftTargetCrossEntropy
 
-from engine.training.losses import BinaryCrossEntropy
+from tasks.losses import BinaryCrossEntropy
 from engine.training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
 
 H = W = 16

@@ -24,9 +24,9 @@ from core.errors import USAGE_ERRORS, ConfigError, DataTreeError
 from data.listing.sources import scan_sources
 from data.listing.tag_split import tag_split_positions
 from data.listing.tags import parse_tags
-from commands.infer_multilabel import check_threshold_flag
-from engine.evaluation.multilabel import (average_precision, multilabel_metrics, predicted, tune_thresholds)
-from engine.training.losses import AsymmetricLoss, BinaryCrossEntropy
+from tasks import get_task
+from tasks.multi_label_metrics import (average_precision, multilabel_metrics, predicted, tune_thresholds)
+from tasks.losses import AsymmetricLoss, BinaryCrossEntropy
 from engine.training.mixing import MixDraw, apply_mix
 from multilabel_data import TAGS, make_tag_list
 
@@ -103,6 +103,7 @@ def test_unknown_tag_stops_with_the_row_and_the_close_match(images):
 def test_shards_carry_the_tags(images, tmp_path):
     """python -m data.shards --from LIST.csv --multilabel writes .tags members; the eval stream reads them back
     as the CSV's multi-hot targets (an untagged image all zeros)."""
+    from data.listing.labels import TagLabels
     from data.shards import ShardEvalStream, main as write_shards_main, shard_index
     from data.transforms import EvalTransform
 
@@ -112,7 +113,7 @@ def test_shards_carry_the_tags(images, tmp_path):
                               "--label-delimiter", ","]) == 0
     classes = (tmp_path / "classes.txt").read_text().split()
     assert classes == ["cloud", "road", "water"]
-    index = shard_index(str(tmp_path / "shard-{000000..000001}.tar"), classes, None, "shards", multilabel=True)
+    index = shard_index(str(tmp_path / "shard-{000000..000001}.tar"), classes, None, "shards", labels=TagLabels(","))
     got = sorted(tuple(target.tolist()) for _, target, valid, _ in ShardEvalStream(index, EvalTransform(16, 0.875,
                                                                                                       "bilinear"), 16))
     assert got == sorted([(1.0, 1.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0)])
@@ -300,14 +301,14 @@ def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
     with pytest.raises(ConfigError, match="--threshold 1.5"):
         script_main("infer", paths[0], "--checkpoint", run / "best.pt", "--threshold", 1.5, "--num-workers", 0)
     with pytest.raises(ConfigError, match="multi-label model"):
-        check_threshold_flag(0.5, multilabel=False)
+        get_task("multiclass").check_supported("--threshold")
 
 
 @pytest.mark.slow
 def test_serve_answers_the_tag_rows_infer_writes(trained, tmp_path):
     """serve.py's model on a multi-label checkpoint: the same tags and probabilities as infer.py's JSON rows;
     the reject option is refused for it."""
-    from commands.infer_trust import TrustOptions
+    from engine.prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     train_csv, run = trained
@@ -407,12 +408,13 @@ def test_tags_that_break_infer_columns_or_split_class_lists_exit_2(images, label
 
 
 def test_shard_writer_refuses_a_tag_with_a_newline(images, tmp_path):
+    from data.listing.labels import TagLabels
     from data.shards import source_index
 
     listing = write_list(images / "newline.csv", [("images/list_0000.png", "cloud\nroad"),
                                                   ("images/list_0001.png", "water")])
     with pytest.raises(DataTreeError, match="control character"):
-        source_index(listing, str(images), multilabel=True)
+        source_index(listing, str(images), TagLabels())
 
 
 def test_nfc_and_nfd_spellings_of_a_tag_are_one_class(images):

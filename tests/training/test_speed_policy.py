@@ -7,7 +7,9 @@ import torch
 
 from conftest import make_tree, tiny_overrides
 from core.config import load_config
-from core.host import SHORT_OMP_SPIN, busy_cores_of_others, choose_omp_wait, choose_threads, cpu_jiffies, omp_wait_for
+from core.host import busy_cores_of_others, cpu_jiffies
+from engine.runtime import cpu_tuning
+from engine.runtime.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
 from engine.training.schedule import validation_due
 from engine.run.trainer import Trainer, run
 
@@ -155,11 +157,11 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
 
     from conftest import REPO
 
-    probe = ("import os, sys; sys.argv = ['train.py', '--help']; from commands.cli import run_main; import core.host; "
-             "import train; real = train.main; seen = []; "
-             "train.main = lambda host=None: seen.append(host) or real(host=host); "
+    probe = ("import os, sys; sys.argv = ['train.py', '--help']; from commands.cli import run_main; "
+             "from engine.runtime import cpu_tuning; import train; real = train.main; seen = []; "
+             "train.main = lambda: seen.append(cpu_tuning.process_start()) or real(); "
              "import atexit; atexit.register(lambda: print('chosen', seen[0] is not None, "
-             "os.environ.get('GOMP_SPINCOUNT') in (None, core.host.SHORT_OMP_SPIN), 'torch' in sys.modules)); "
+             "os.environ.get('GOMP_SPINCOUNT') in (None, cpu_tuning.SHORT_OMP_SPIN), 'torch' in sys.modules)); "
              "run_main(train.main)")
     env = {k: v for k, v in __import__('os').environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, env=env).stdout
@@ -173,38 +175,38 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
     whatever the load. A run that started with two keeps both on resume though the load changed (sums over
     another thread count round differently: no bitwise resume otherwise); eval.py and infer.py take the
     checkpoint's count too."""
-    import engine.runtime.device
-    from core.host import OmpWaitChoice
-    from engine.runtime.device import apply_cpu_policy
+    from engine.runtime.cpu_tuning import OmpWaitChoice, apply_cpu_policy
 
     def start_load(busy):
-        return OmpWaitChoice({}, "test", busy)
+        """What the process start measured (`cpu_tuning.tune_process_start`)."""
+        monkeypatch.setattr(cpu_tuning, "_process_start", OmpWaitChoice({}, "test", busy))
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(engine.runtime.device, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_tuning, "usable_cpus", lambda: 2)
     before = torch.get_num_threads()
     try:
         busy_run = tmp_path / "busy"
-        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run, **{"train.threads": "idle_cores"})),
-                host=start_load(1.0)).setup()
+        start_load(1.0)
+        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run, **{"train.threads": "idle_cores"}))).setup()
         assert torch.get_num_threads() == 1
         assert "1 CPU thread(s) (idle_cores: 2 usable core(s), 1.0 kept busy" in (busy_run / "train.log").read_text()
         auto_run = tmp_path / "auto"
-        Trainer(load_config("base", tiny_overrides(tiny_tree, auto_run)), host=start_load(1.0)).setup()
+        Trainer(load_config("base", tiny_overrides(tiny_tree, auto_run))).setup()
         assert torch.get_num_threads() == 2
         assert "2 CPU thread(s) (auto: 2 usable core(s); test;" in (auto_run / "train.log").read_text()
 
         out = tmp_path / "run"
-        assert run(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
-                   host=start_load(0.0)) == 0
+        start_load(0.0)
+        assert run(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1}))) == 0
         assert torch.load(out / "last.pt", weights_only=True)["threads"] == 2
 
         resumed = load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1, "train.threads": "idle_cores"}))
-        Trainer(resumed, resume=str(out / "last.pt"), host=start_load(1.0)).setup()
+        start_load(1.0)
+        Trainer(resumed, resume=str(out / "last.pt")).setup()
         assert torch.get_num_threads() == 2
         assert "2 CPU thread(s) (idle_cores: the checkpoint's run used 2" in (out / "train.log").read_text()
-        assert apply_cpu_policy("idle_cores", host=start_load(1.0), saved_threads=2)[0] == 2 == torch.get_num_threads()
-        assert apply_cpu_policy("idle_cores", host=start_load(1.0), saved_threads=None)[0] == 1
+        assert apply_cpu_policy("idle_cores", saved_threads=2)[0] == 2 == torch.get_num_threads()
+        assert apply_cpu_policy("idle_cores", saved_threads=None)[0] == 1
         assert "not bitwise" not in (out / "train.log").read_text()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the environment wins: the resume says what it costs
         Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
@@ -258,7 +260,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
     from conftest import REPO
 
     # page faults over 10 training steps of a small conv net (after 3 warm-up steps), with and without
-    probe = ("import resource, sys, torch; from core.host import keep_freed_memory; "
+    probe = ("import resource, sys, torch; from engine.runtime.cpu_tuning import keep_freed_memory; "
              "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None; torch.manual_seed(0); "
              "net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), "
              "torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU()); "
@@ -277,7 +279,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
-    from engine.runtime.device import apply_cpu_policy
+    from engine.runtime.cpu_tuning import apply_cpu_policy
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
     assert threads == 1 and description.startswith("train.threads; ") and description.endswith("malloc's defaults")

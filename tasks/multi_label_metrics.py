@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from tasks.gather import all_reduce_sum, gather_rows
+
 DEFAULT_THRESHOLD = 0.5
 
 
@@ -112,25 +114,6 @@ def multilabel_metrics(scores: torch.Tensor, targets: torch.Tensor, classes: lis
             "thresholds": thresholds, "per_class": per_class}
 
 
-def gather_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows, rank 0's first (a single process: `rows`). Ranks may hold different counts: each
-    pads to the largest for the all_gather and the padding is cut off again."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return rows
-    world = dist.get_world_size()
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    sizes = [int(c) for c in counts]
-    padded = torch.zeros((max(sizes), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    padded[: rows.shape[0]] = rows
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
-
-
 class MultiLabelSums:
     """The evaluation pass's record for multi-label data: this rank's probabilities and targets (kept on the
     device until the end) and the BCE loss sum; `compute` gives `multilabel_metrics`."""
@@ -163,8 +146,6 @@ class MultiLabelSums:
 
     def all_reduce(self) -> None:
         """Every rank's rows and the summed loss on every rank (a no-op in a single process)."""
-        from engine.runtime.distributed import all_reduce_sum
-
         scores, targets = self._rows()
         self.scores, self.targets = gather_rows(scores), gather_rows(targets)
         all_reduce_sum(self.loss_sum)

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import DataTreeError
-from data.listing.csv_list import csv_index
+from data.listing.labels import label_format
 from data.listing.folder import ImageIndex, scan_split
 from data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
-from data.listing.sources import csv_base, read_list, scan_sources
+from data.listing.source_csv import csv_base, read_list
+from data.listing.sources import scan_sources
 from data.listing.split import relative_key
 
 log = logging.getLogger("audit")
@@ -40,9 +41,6 @@ class AuditData:
     unreadable: list[dict] = field(default_factory=list)   # {"path", "split", "reason"} found while listing
     base: Path | None = None                                # what training-split names are relative to
 
-    def split_names(self) -> list[str]:
-        return list(dict.fromkeys(item.split for item in self.items))
-
 
 def _file_items(index: ImageIndex, base: Path, split: str) -> list[AuditItem]:
     return [AuditItem(relative_key(p, base), p, label, split) for p, label in zip(index.paths, index.labels)]
@@ -57,8 +55,7 @@ def _skipped(index, base: Path, split: str) -> list[dict]:
     return out
 
 
-def _shard_items(index: ShardIndex, split: str, scratch: Path, multilabel: bool = False
-                 ) -> tuple[list[AuditItem], list[dict]]:
+def _shard_items(index: ShardIndex, split: str, scratch: Path) -> tuple[list[AuditItem], list[dict]]:
     """Every sample of a shard set as a file in `scratch`; samples without a usable image or label are listed."""
     position = {name: i for i, name in enumerate(index.classes)}
     items, bad = [], []
@@ -68,9 +65,8 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path, multilabel: bool 
         for n, sample in enumerate(read_shard(url)):
             name = index.paths[(shard << POSITION_BITS) | n]
             try:
-                image, label = sample_image_and_label(sample, position, multilabel)
-                if multilabel:  # a multi-hot vector: the tuple of class positions, as a tag list's label
-                    label = tuple(int(c) for c in label.nonzero().flatten())
+                image, label = sample_image_and_label(sample, position, index.labels)
+                label = index.labels.as_listed(label)
             except ValueError as err:
                 bad.append({"path": name, "split": split, "reason": str(err)})
                 continue
@@ -83,12 +79,7 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path, multilabel: bool 
 
 def _csv_missing(d, csv_path: str, classes: list[str], split: str) -> list[dict]:
     base = csv_base(d, csv_path)
-    if d.task == "multilabel":
-        from data.listing.tags import tag_csv_index
-
-        _, missing = tag_csv_index(csv_path, base, read_list(d, csv_path), classes, "classes", d.label_delimiter)
-    else:
-        _, missing = csv_index(csv_path, base, read_list(d, csv_path), classes, "classes")
+    _, missing = label_format(d).csv_index(csv_path, base, read_list(d, csv_path), classes, "classes")
     return [{"path": relative_key(p, base), "split": split, "reason": "no such file (named in the CSV list)"}
             for p in missing]
 
@@ -102,7 +93,7 @@ def read_audit_data(cfg, scratch: Path) -> AuditData:
     if d.format == "webdataset":
         data = AuditData(classes, [])
         for split, index in splits.items():
-            items, bad = _shard_items(index, split, scratch, d.task == "multilabel")
+            items, bad = _shard_items(index, split, scratch)
             data.items += items
             data.unreadable += bad
         return data

@@ -1,13 +1,13 @@
-"""Sample-weighted classification metrics.
+"""Sample-weighted single-label metrics (one class per image).
 
 `MetricSums` keeps per-sample sums on the device (no host sync per batch); `reduce_metrics` turns the
 sums into numbers. Under DDP the sums are all-reduced before reducing, so every sample counts once.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from tasks.gather import all_reduce_sum
 
 
 class MetricSums:
@@ -45,8 +45,6 @@ class MetricSums:
 
     def all_reduce(self) -> None:
         """Sum over processes (a no-op in a single process), so every sample counts once."""
-        from engine.runtime.distributed import all_reduce_sum
-
         for t in (self.loss_sum, self.top1, self.topk, self.confusion, self.nonfinite):
             all_reduce_sum(t)
 
@@ -92,23 +90,6 @@ def per_class_report(confusion: torch.Tensor, classes: list[str]) -> dict:
         report[name] = {"accuracy": 100.0 * recall, "precision": 100.0 * precision, "recall": 100.0 * recall,
                         "f1": 100.0 * f1, "count": int(count[i])}
     return report
-
-
-def nonfinite_metrics(metrics: dict) -> list[str]:
-    """The names of a validation's numbers that are NaN or infinite (a diverged model): such a validation is
-    never the best, whatever its chosen metric says."""
-    return [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-
-
-def is_improvement(value: float, best: float | None, metric: str, min_delta: float) -> bool:
-    """A NaN or infinite value is never an improvement (NaN compares false, -inf would be a loss of all bests)."""
-    if not math.isfinite(value):
-        return False
-    if best is None:
-        return True
-    if metric == "loss":
-        return value < best - min_delta
-    return value > best + min_delta
 
 
 def top5_label(k: int) -> str:

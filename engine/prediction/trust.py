@@ -1,4 +1,4 @@
-"""infer.py's trust options: the reject option (`--reject`, `--reject-below X`) and Grad-CAM explanations
+"""The trust options of infer.py and serve.py: the reject option (`--reject`, `--reject-below X`) and Grad-CAM explanations
 (`--explain DIR`), kept apart from the prediction pass; the scoring itself is engine.evaluation's.
 
 Rows gain `predicted` (the would-be label, also for kept images), `score` (the reject score) and, with
@@ -18,12 +18,12 @@ import torch
 from core.errors import ConfigError
 from engine.evaluation.rejection import FeatureTap, LOGITS_METHOD, Rejector
 from engine.evaluation.trust import usable_rejector
+from tasks.single_label_rows import EXPLAIN_COLUMNS
 
 log = logging.getLogger(__name__)
 
 UNKNOWN = "unknown"
 REJECT_COLUMNS = ["predicted", "score"]
-EXPLAIN_COLUMNS = ["explain_peak", "explain_overlay"]
 EXPLAIN_BATCH = 16
 OVERLAY_MAX_SIDE = 1024  # an overlay's longer side, in pixels (the original scaled down to it when larger)
 
@@ -114,15 +114,14 @@ def apply_reject(rows: list[dict], scores: torch.Tensor, rejector: Rejector) -> 
     return rejected
 
 
-def explain_items(rows: list[dict], classes: list[str], wanted=None) -> list[tuple[int, int]]:
-    """(row position, class index) of every overlay to draw: each classified row's predicted class (the
-    would-be label of a rejected one), or `wanted(row)` -> class names (a multi-label row's called tags)."""
+def explain_items(rows: list[dict], classes: list[str], task) -> list[tuple[int, int]]:
+    """(row position, class index) of every overlay to draw: the classes `task.explained_labels` names in each
+    classified row (the predicted class, the would-be label of a rejected one; a multi-label row's called tags)."""
     items = []
     for i, row in enumerate(rows):
         if row.get("error") is not None:
             continue
-        names = wanted(row) if wanted is not None else [row.get("predicted") or row["label"]]
-        items += [(i, classes.index(name)) for name in names]
+        items += [(i, classes.index(name)) for name in task.explained_labels(row)]
     return items
 
 
@@ -143,9 +142,9 @@ def display_size(width: int, height: int, max_side: int = OVERLAY_MAX_SIDE) -> t
     return max(1, round(width * factor)), max(1, round(height * factor)), factor
 
 
-def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str], out_dir: str, wanted=None) -> None:
-    """Grad-CAM for each classified row's predicted class, or for each class `wanted(row)` names (a
-    multi-label row's tags): an overlay PNG in `out_dir` (longer side at most OVERLAY_MAX_SIDE) and
+def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str], out_dir: str) -> None:
+    """Grad-CAM for each class the model's task explains in a classified row (the predicted class; each of a
+    multi-label row's called tags, the overlay named by the tag): an overlay PNG in `out_dir` (longer side at most OVERLAY_MAX_SIDE) and
     `explain` = [{"label", "peak": [x, y], "peak_informative", "overlay"}], peak in the original's pixels.
     A flat heatmap (a feature map of one cell, as at 32 px) has no peak: `peak_informative` is false and
     the peak is the crop's first pixel, which means nothing."""
@@ -160,8 +159,8 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     log.info("--explain: Grad-CAM on layer '%s'", explainer.layer_name)
     transform = loaded.eval_transform()
     d = loaded.cfg.data
-    items = explain_items(rows, classes, wanted)
-    several = wanted is not None
+    items = explain_items(rows, classes, loaded.task)
+    several = loaded.task.explains_each_label
     out = Path(out_dir)
     flat = 0
     try:

@@ -1,0 +1,80 @@
+"""infer.py's and serve.py's rows for a single-label model: `path`, `label`, `prob`, the top-k labels and
+probabilities, `error`; the table on stdout and the CSV / JSON files."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from core.outputs import finite_or_null
+
+# --explain's CSV columns; the JSON keeps `explain` as a list instead
+EXPLAIN_COLUMNS = ["explain_peak", "explain_overlay"]
+
+
+def result_columns(k: int) -> list[str]:
+    columns = ["path", "label", "prob"]
+    for j in range(1, k + 1):
+        columns += [f"top{j}_label", f"top{j}_prob"]
+    return columns + ["error"]
+
+
+def result_rows(paths: list[str], preds, classes: list[str]) -> list[dict]:
+    """One dict per input file, in input order; unreadable files get `error` and no prediction."""
+    top_probs, top_indices = preds.kept["top_probs"], preds.kept["top_indices"]
+    k = top_probs.shape[1] if top_probs.ndim == 2 else 0
+    probs = top_probs.tolist()
+    labels = top_indices.tolist()
+    valid = preds.valid.tolist()
+    rows = []
+    for i, path in enumerate(paths):
+        row = dict.fromkeys(result_columns(k))
+        row["path"] = path
+        if valid[i]:
+            row["label"], row["prob"] = classes[labels[i][0]], probs[i][0]
+            for j in range(k):
+                row[f"top{j + 1}_label"] = classes[labels[i][j]]
+                row[f"top{j + 1}_prob"] = probs[i][j]
+        else:
+            row["error"] = preds.errors.get(i, "could not be read")
+        rows.append(row)
+    return rows
+
+
+def table_text(text: str) -> str:
+    """A name as one table cell: quoted with escapes (Python's repr) when it holds a newline, a tab or
+    another unprintable character, so one row stays one line."""
+    return text if text.isprintable() else repr(text)
+
+
+def format_predictions_table(rows: list[dict]) -> str:
+    paths = [table_text(r["path"]) for r in rows]
+    width = max([len("path")] + [len(p) for p in paths])
+    label_width = max([len("label")] + [len(r["label"]) for r in rows if r["label"] is not None])
+    lines = [f"{'path':<{width}}  {'label':<{label_width}}  {'prob':>6}"]
+    for path, r in zip(paths, rows):
+        if r["error"] is None:
+            lines.append(f"{path:<{width}}  {r['label']:<{label_width}}  {r['prob']:>6.4f}")
+        else:
+            lines.append(f"{path:<{width}}  {'-':<{label_width}}  {'-':>6}  error: {table_text(r['error'])}")
+    return "\n".join(lines)
+
+
+def write_rows(rows: list[dict], path: str | Path, k: int, extra: list[str] = ()) -> None:
+    """`extra`: columns after the standard ones (infer_trust's); the JSON keeps `explain` as a list instead
+    of the CSV's flat explain columns."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".json":
+        json_rows = [{key: value for key, value in row.items() if key not in EXPLAIN_COLUMNS} for row in rows]
+        path.write_text(json.dumps(finite_or_null(json_rows), indent=1, allow_nan=False) + "\n")
+        return
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=result_columns(k) + list(extra), lineterminator="\n",
+                                extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "" if value is None else value for key, value in row.items()})
+
+
+

@@ -1,0 +1,256 @@
+"""The README and the documentation site say what the code does: the site builds with `mkdocs build --strict`
+(a broken link, anchor or missing page fails it), the configuration reference is what configs/base.yaml gives,
+and every command line they show uses flags the scripts accept and config keys and values the config accepts,
+so a renamed flag or key breaks the build instead of the reader. All in-process: nothing trains, no process
+starts."""
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import io
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from core.config import ConfigError, all_keys, load_config
+
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+ENTRY_SCRIPTS = ("train.py", "eval.py", "infer.py", "export.py", "tune.py", "audit.py", "serve.py", "benchmark.py")
+CONFIG_COMMANDS = ("train.py", "audit.py", "tune.py", "benchmark.py")  # --config CONFIG [KEY=VALUE ...]
+FENCE = re.compile(r"```(?:bash|sh)?\n(.*?)```", re.S)
+INLINE = re.compile(r"`(python [^`]+)`")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$")  # data.num_workers=W: the reader puts a value there
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", REPO / "docs" / "gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the site ---------------------------------------------------------------------------------------------
+
+def test_mkdocs_build_strict_builds_every_page(tmp_path, monkeypatch):
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config as load_mkdocs_config
+
+    monkeypatch.setenv("NO_MKDOCS_2_WARNING", "1")
+    monkeypatch.chdir(REPO)
+    config = load_mkdocs_config(str(REPO / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True)
+    build(config)  # strict: any warning (broken link or anchor, a page outside the nav) raises Abort
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    pages = [next(iter(entry.values())) for entry in nav]
+    assert set(pages) == {p.name for p in (REPO / "docs").glob("*.md")}, "every docs page is in the nav"
+    for page in pages:
+        built = tmp_path / "site" / ("index.html" if page == "index.md" else f"{page[:-3]}/index.html")
+        assert built.is_file(), page
+
+
+def test_readme_links_point_at_files_and_headings():
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", text)
+    assert links
+    for target, anchor in links:
+        if target.startswith(("http://", "https://")):
+            continue
+        path = REPO / target
+        assert path.exists(), f"README links to {target}, which does not exist"
+        if anchor:
+            slugs = {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in slugs, f"README links to {target}#{anchor}; its headings give {sorted(slugs)}"
+
+
+def slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    return re.sub(r"[-\s]+", "-", text).strip("-")
+
+
+def test_readme_is_short_and_keeps_the_commands_ci_runs():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 210
+    assert "python train.py --config quickstart" in text
+    assert "pip install -r requirements-dev.txt && python -m pytest -q" in text  # what .ci/run installs and runs
+    first_screen = "\n".join(text.splitlines()[:60])
+    for command in ("python train.py", "python infer.py", "python serve.py"):
+        assert command in first_screen
+
+
+# --- the configuration reference -------------------------------------------------------------------------
+
+def test_configuration_reference_is_what_base_yaml_gives():
+    gen = load_generator()
+    page = gen.render((REPO / "configs" / "base.yaml").read_text())
+    assert (REPO / "docs" / "configuration.md").read_text() == page, \
+        "docs/configuration.md is stale: run python docs/gen_config_reference.py"
+
+
+def test_configuration_reference_lists_every_key_the_config_has():
+    page = (REPO / "docs" / "configuration.md").read_text()
+    listed = set(re.findall(r"^\| `([a-z_]+\.[a-z_.]+)` \|", page, re.M))
+    assert listed == set(all_keys())
+
+
+def test_the_generator_reads_continuations_quotes_and_new_sections():
+    gen = load_generator()
+    text = ("# The header.\n\n"
+            "data:\n"
+            "  root: null      # the folder\n"
+            "                  # (continued here)\n"
+            "  delim: \" # \"   # a quoted hash is a value\n"
+            "tracking:         # a new section\n"
+            "  backend: none   # none | mlflow\n")
+    page = gen.render(text)
+    assert "| `data.root` | `null` | the folder (continued here) |" in page
+    assert '| `data.delim` | `" # "` | a quoted hash is a value |' in page
+    assert "## `tracking`\n\na new section\n" in page
+    assert "| `tracking.backend` | `none` | none \\| mlflow |" in page
+    with pytest.raises(ValueError, match="cannot read"):
+        gen.render("data:\n  - a list item\n")
+
+
+def test_check_mode_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
+    gen = load_generator()
+    stale = tmp_path / "configuration.md"
+    stale.write_text("# Configuration reference\n")
+    monkeypatch.setattr(gen, "PAGE", stale)
+    monkeypatch.setattr(gen, "REPO", tmp_path)
+    assert gen.main(["--check"]) == 1
+    assert "python docs/gen_config_reference.py" in capsys.readouterr().err
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+
+
+# --- the command lines shown -----------------------------------------------------------------------------
+
+def shown_commands() -> list[tuple[str, list[str]]]:
+    """(file name, argv after `python`) for every `python SCRIPT ...` / `python -m MODULE ...` / `torchrun ...
+    SCRIPT ...` command in a fenced shell block or an inline code span of the README and the docs."""
+    found = []
+    for doc in DOC_FILES:
+        text = doc.read_text()
+        lines = []
+        for block in FENCE.findall(text):
+            lines += block.replace("\\\n", " ").splitlines()
+        lines += INLINE.findall(FENCE.sub("", text))
+        for line in lines:
+            for part in re.split(r"&&|;|\|\s|\bdo\b|\bthen\b", line.split(" #")[0]):
+                try:
+                    words = [unbracket(w) for w in shlex.split(part, comments=True)]
+                except ValueError:  # an inline span cut inside quotes
+                    continue
+                while words and words[0] not in ("python", "torchrun"):
+                    words.pop(0)
+                if words[:1] == ["torchrun"]:
+                    scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
+                    words = ["python", *words[scripts[0]:]] if scripts else []
+                if len(words) >= 2:
+                    found.append((doc.name, words[1:]))
+    return found
+
+
+def unbracket(word: str) -> str:
+    """`[--flag` / `value]` of a usage line's optional parts without the brackets; `key=[a,b]` kept whole."""
+    return word if "=" in word else word.strip("[]")
+
+
+def script_flags(argv0: list[str]) -> set[str] | None:
+    """The flags a shown command's program accepts, or None for a program that is not ours."""
+    if argv0[0] == "-m":
+        path = REPO / (argv0[1].replace(".", "/") + ".py")
+    else:
+        path = REPO / argv0[0]
+    if not path.is_file():
+        return None
+    if path.name in ENTRY_SCRIPTS and path.parent == REPO:
+        return help_flags(path)
+    return parsed_flags(path)
+
+
+_HELP_CACHE: dict[Path, set[str]] = {}
+
+
+def help_flags(script: Path) -> set[str]:
+    """The flags in the script's own `--help` (its main() run in-process: the entry scripts parse their arguments
+    before importing torch)."""
+    if script not in _HELP_CACHE:
+        main = runpy.run_path(str(script), run_name="docs_check")["main"]
+        out, argv = io.StringIO(), sys.argv
+        sys.argv = [script.name, "--help"]
+        try:
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+                main()
+        finally:
+            sys.argv = argv
+        assert done.value.code == 0
+        assert "usage:" in out.getvalue()
+        _HELP_CACHE[script] = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.getvalue()))
+    return _HELP_CACHE[script]
+
+
+def parsed_flags(module: Path) -> set[str]:
+    """The flags a module's argparse parser declares, read from its source (these modules import torch first)."""
+    flags = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return flags | {"--help"}
+
+
+def test_the_docs_show_commands_of_every_entry_script():
+    shown = {argv[0] for _, argv in shown_commands()}
+    assert set(ENTRY_SCRIPTS) <= shown
+    assert {"-m"} <= shown
+
+
+def test_every_flag_shown_is_accepted():
+    checked = 0
+    for doc, argv in shown_commands():
+        accepted = script_flags(argv)
+        if accepted is None:
+            continue
+        rest = argv[2:] if argv[0] == "-m" else argv[1:]
+        for word in rest:
+            flag = word.split("=")[0]
+            if flag.startswith("--"):
+                assert flag in accepted, f"{doc}: `python {' '.join(argv)}` uses {flag}, which {argv[0]} " \
+                                         f"{argv[1] if argv[0] == '-m' else ''} does not accept"
+                checked += 1
+    assert checked > 100
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    return [w for w in argv if re.match(r"^[a-z_]+\.[a-z_.]+=", w) and "$" not in w]
+
+
+def test_every_config_key_shown_exists():
+    keys = set(all_keys())
+    for doc, argv in shown_commands():
+        if argv[0] in ENTRY_SCRIPTS:
+            for override in overrides_of(argv):
+                assert override.split("=")[0] in keys, f"{doc}: `python {' '.join(argv)}`: no key {override}"
+
+
+def test_the_configs_and_overrides_shown_validate():
+    """`--config NAME KEY=VALUE ...` as train.py, audit.py, tune.py and benchmark.py read it: the config loads and
+    validates (data paths are checked later, when the run starts, so /data/x placeholders are fine here)."""
+    validated = 0
+    for doc, argv in shown_commands():
+        if argv[0] not in CONFIG_COMMANDS or "--config" not in argv:
+            continue
+        name = argv[argv.index("--config") + 1]
+        if "$" in name or name.isupper():  # a shell variable, or a usage line's CONFIG
+            continue
+        try:
+            load_config(name, [o for o in overrides_of(argv) if not PLACEHOLDER.match(o.split("=", 1)[1])])
+        except ConfigError as err:
+            pytest.fail(f"{doc}: `python {' '.join(argv)}`: {err}")
+        validated += 1
+    assert validated > 30

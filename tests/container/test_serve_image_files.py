@@ -1,0 +1,103 @@
+"""The slim serving image's contents without Docker: its requirements agree with requirements.txt, and the
+files its Dockerfile stage copies run serve.py on an ONNX export with torch and torchvision unimportable,
+answering the torch path's rows over HTTP and exiting 0 on SIGTERM."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+import export as export_script
+from conftest import REPO, train_tiny, wait_for
+
+SERVE_REQUIREMENTS = REPO / "docker" / "requirements-serve.txt"
+NO_TORCH = ("import runpy, sys; sys.modules.update(torch=None, torchvision=None); "
+            "sys.argv = ['serve.py', *sys.argv[1:]]; runpy.run_path('serve.py', run_name='__main__')")
+
+
+def requirement_lines(path: Path) -> dict[str, str]:
+    """package name (lower case) -> its requirement, comments dropped."""
+    lines = {}
+    for line in path.read_text().splitlines():
+        requirement = line.split("#")[0].strip()
+        if requirement:
+            lines[re.split(r"[<>=!~ ;\[]", requirement)[0].lower()] = requirement
+    return lines
+
+
+def test_serve_requirements_have_the_bounds_of_requirements_txt():
+    slim, full = requirement_lines(SERVE_REQUIREMENTS), requirement_lines(REPO / "requirements.txt")
+    assert set(slim) == {"onnxruntime", "pillow", "numpy", "fastapi", "uvicorn", "python-multipart"}
+    assert {name: full[name] for name in slim} == slim
+    assert not {"torch", "torchvision"} & set(slim)
+
+
+def serve_stage_copies() -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY in the Dockerfile's `serve` stage."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    stage = text.split(" AS serve")[1].split("\nFROM ")[0]
+    copies = []
+    for line in stage.splitlines():
+        if line.startswith("COPY "):
+            words = [w for w in shlex.split(line)[1:] if not w.startswith("--")]
+            copies.append((words[:-1], words[-1]))
+    return copies
+
+
+def copy_serve_image_files(target: Path) -> None:
+    for sources, destination in serve_stage_copies():
+        if destination.startswith("/"):
+            continue  # the requirements file
+        for source in sources:
+            origin, folder = REPO / source, target / destination
+            if origin.is_dir():
+                shutil.copytree(origin, folder, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                assert destination.endswith("/"), destination  # a file is copied into a named folder
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copy(origin, folder)
+
+
+@pytest.mark.slow
+def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
+    from serving.model import ServedModel
+
+    _, checkpoint = train_tiny(tmp_path / "train", {name: (8, 4) for name in ("a", "b", "c")})
+    model = tmp_path / "model.onnx"
+    assert export_script.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--dynamic-batch", "--output",
+                               str(model)]) == 0
+    app = tmp_path / "app"
+    app.mkdir()
+    copy_serve_image_files(app)
+    assert not (app / "train.py").exists() and (app / "serving" / "onnx_only" / "model.py").exists()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", NO_TORCH, "--checkpoint", str(model), "--port", "0",
+                                 "--max-batch", "4"], cwd=app, stdout=log, stderr=log, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=""))
+        try:
+            wait_for(proc, lambda: "listening on" in log_path.read_text(), "the server listening", timeout=120)
+            port = int(re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_path.read_text()).group(1))
+            url = f"http://127.0.0.1:{port}"
+            assert requests.get(f"{url}/health", timeout=30).json()["runtime"] == "onnxruntime"
+            files = sorted((tmp_path / "train" / "data" / "val").rglob("*.png"))
+            torch_model = ServedModel.load(str(model), 5, 4, "cpu")
+            for path in files[:6]:
+                got = requests.post(f"{url}/predict", data=path.read_bytes(), timeout=60).json()
+                want = torch_model.classify([torch_model.decode(path.read_bytes())], [None])[0]
+                assert got["label"] == want["label"] and got["prob"] == pytest.approx(want["prob"], abs=1e-5)
+            bad = requests.post(f"{url}/predict", data=b"not an image", timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"] == "not_an_image"
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    assert code == 0, log_path.read_text()[-3000:]
+    assert "torch" not in log_path.read_text().replace("no torch", "")

@@ -1,0 +1,143 @@
+"""The tracking room's pieces without a store: the tracking.* keys and URIs (exit 2 before any work), the
+metrics.csv points, the once-a-minute warning, and the sender's never-blocking queue and backlog."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from core.config import ConfigError, load_config, tracking_uri_problem
+from tracking.backlog import Backlog, read_backlog
+from tracking.run_tags import config_params, fingerprint_digest
+from tracking.sender import RateLimitedWarning, Sender
+from tracking.training import metrics_csv_points
+
+
+@pytest.mark.parametrize("uri", [None, "runs/mlruns", "/abs/mlruns", "file:///tmp/mlruns", "sqlite:///mlflow.db",
+                                 "sqlite:////tmp/x.db", "http://127.0.0.1:5000", "https://mlflow.example.com"])
+def test_usable_tracking_uris_are_accepted(uri):
+    cfg = load_config("base", ["tracking.backend=mlflow"] + ([f"tracking.uri={uri}"] if uri else []))
+    assert cfg.tracking.uri == uri
+
+
+@pytest.mark.parametrize("uri, reason", [
+    ("ftp://host/x", "unknown scheme 'ftp'"), ("javascript:alert(1)", "unknown scheme"),
+    ("http://", "no host"), ("http://host:99999", "malformed"), ("http://user:secret@host:5000", "credentials"),
+    ("sqlite://relative.db", "sqlite:///"), ("runs/a b", "white space"), ("http://host:0", "port 0")])
+def test_broken_or_hostile_uris_are_config_errors(uri, reason):
+    assert reason in tracking_uri_problem(uri)
+    with pytest.raises(ConfigError, match="tracking.uri"):
+        load_config("base", ["tracking.backend=mlflow", f"tracking.uri={uri}"])
+
+
+def test_other_tracking_keys_are_checked():
+    with pytest.raises(ConfigError, match="tracking.backend"):
+        load_config("base", ["tracking.backend=wandb"])
+    with pytest.raises(ConfigError, match="tracking.log_checkpoints"):
+        load_config("base", ["tracking.log_checkpoints=true"])
+    with pytest.raises(ConfigError, match="tracking.run_name"):
+        load_config("base", ["tracking.run_name=" + "x" * 251])
+    assert load_config("base", ["tracking.log_checkpoints=best"]).tracking.log_checkpoints == "best"
+    assert load_config("quickstart").source_name == "quickstart"
+
+
+def test_train_with_a_bad_uri_exits_2_before_any_work(tmp_path):
+    from conftest import run_script
+
+    out = tmp_path / "run"
+    done = run_script("train.py", "--config", "quickstart", f"output.dir={out}", "tracking.backend=mlflow",
+                      "tracking.uri=gopher://host/x", timeout=120)
+    assert done.returncode == 2
+    assert "tracking.uri" in done.stderr and "unknown scheme 'gopher'" in done.stderr
+    assert not out.exists() and "loading torch" not in done.stderr
+
+
+def test_metrics_csv_points_are_the_rows_after_a_step(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,step,lr,train_loss,val_top1,val_mAP\n1,4,0.1,1.5,33.3333,\n2,8,0,1.25,50,\n")
+    assert metrics_csv_points(path, -1) == [(4, {"epoch": 1.0, "lr": 0.1, "train_loss": 1.5, "val_top1": 33.3333}),
+                                            (8, {"epoch": 2.0, "lr": 0.0, "train_loss": 1.25, "val_top1": 50.0})]
+    assert [step for step, _ in metrics_csv_points(path, 4)] == [8]
+    assert metrics_csv_points(tmp_path / "missing.csv", -1) == []
+
+
+def test_config_params_are_dotted_keys():
+    params = config_params(load_config("quickstart").to_dict())
+    assert params["model.name"] == "resnet18" and params["data.scale"] == "[0.7, 1.0]"
+    assert params["tracking.backend"] == "none" and params["train.epochs"] == "12"
+    assert fingerprint_digest({"train": {"digest": "a"}}) == fingerprint_digest({"train": {"digest": "a"}})
+    assert fingerprint_digest(None) is None
+
+
+def test_the_warning_comes_at_most_once_a_minute(caplog):
+    now = [0.0]
+    warning = RateLimitedWarning(60.0, clock=lambda: now[0])
+    shown = []
+    for t in (0, 1, 30, 59, 61, 62, 125):
+        now[0] = t
+        shown.append(warning.warn("store down"))
+    assert shown == [True, False, False, False, True, False, True]
+    assert "3 more such warning(s) held back" in caplog.records[1].getMessage()
+
+
+class SlowFailingStore:
+    """A store that hangs `delay` seconds on every call and then fails, as a black-holed server does."""
+
+    def __init__(self, delay: float, fail: bool = True):
+        self.delay, self.fail, self.run_id, self.calls = delay, fail, None, 0
+
+    def apply(self, record):
+        self.calls += 1
+        time.sleep(self.delay)
+        if self.fail:
+            raise ConnectionError("connection refused")
+        if record["op"] == "start":
+            self.run_id = "abc"
+
+
+def test_submit_never_waits_for_the_store_and_failures_go_to_the_backlog(tmp_path):
+    backlog = Backlog(tmp_path / "tracking_backlog.jsonl")
+    store = SlowFailingStore(0.2)
+    sender = Sender(store, backlog, queue_size=4, attempts=2, retry_wait_s=0.01, down_for_s=60)
+    started = time.perf_counter()
+    sender.submit({"op": "start", "run_id": None, "experiment": "e", "run_name": "r", "tags": {}})
+    for step in range(20):
+        sender.submit({"op": "metrics", "step": step, "timestamp": 0, "metrics": {"loss": float(step)}})
+    assert time.perf_counter() - started < 0.15  # 20 submits while one call alone takes 0.2 s
+    sender.close(timeout_s=5)
+    records = read_backlog(backlog.path)
+    # every record is kept, in the backlog: the run was never created, so none carries a run id
+    assert [r["op"] for r in records].count("start") == 1
+    assert sorted(r["step"] for r in records if r["op"] == "metrics") == list(range(20))
+    assert all(r.get("run_id") is None for r in records)
+    assert store.calls == 2  # the start was tried twice; after it failed nothing more was tried
+
+
+def test_a_hanging_store_at_close_leaves_the_rest_in_the_backlog(tmp_path):
+    backlog = Backlog(tmp_path / "tracking_backlog.jsonl")
+    store = SlowFailingStore(3.0, fail=False)
+    sender = Sender(store, backlog)
+    for step in range(3):
+        sender.submit({"op": "metrics", "step": step, "timestamp": 0, "metrics": {"loss": 1.0}})
+    started = time.perf_counter()
+    sender.close(timeout_s=0.5)
+    assert time.perf_counter() - started < 2.0
+    assert sorted(r["step"] for r in read_backlog(backlog.path)) == [0, 1, 2]
+
+
+def test_a_cut_short_backlog_line_is_left_out(tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"op": "metrics", "step": 1, "metrics": {}}) + "\n{\"op\": \"metr")
+    assert [r["step"] for r in read_backlog(path)] == [1]
+
+
+def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatch):
+    import core.config as config
+
+    cfg = load_config("base", ["tracking.backend=mlflow"])
+    monkeypatch.setattr(config, "tracking_client_installed", lambda: False)
+    config.validate(cfg)  # eval.py / infer.py of a tracked run's checkpoint: no MLflow needed
+    with pytest.raises(ConfigError, match="pip install mlflow"):
+        config.check_tracking_client(cfg.tracking)
+    config.check_tracking_client(load_config("base").tracking)  # backend none
