@@ -200,6 +200,19 @@ class CalibrationConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation from a frozen teacher (engine/distill). Another setting is another training, so
+    --resume refuses it; the teacher is compared by its identity (file or weight digest, recorded in last.pt),
+    not its path, so a moved copy of the same teacher resumes."""
+    # our checkpoint (best.pt), a timm folder (local-dir:PATH or a folder path), or a timm / hf-hub: model name
+    teacher: Optional[str] = field(default=None, metadata=FREE)
+    type: Literal["soft", "hard", "feature"] = "soft"
+    temperature: float = field(default=4.0, metadata=_range(0.0, 100.0, lo_open=True))
+    alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    feature_loss: Literal["cosine", "mse"] = "cosine"
+
+
+@dataclass
 class AuditConfig:
     """audit.py's knobs (never read by training; free to change on --resume)."""
     folds: int = field(default=4, metadata=_range(0, 100, resume_free=True))
@@ -233,6 +246,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -554,6 +568,9 @@ def validate(cfg: Config) -> None:
     if cfg.audit.folds == 1:
         raise ConfigError("'audit.folds' = 1: cross-validation needs at least 2 folds (each image is predicted by a "
                           "model trained on the others); use 2 or more, or 0 to skip the label-issue search")
+    if cfg.distill.teacher is not None and not cfg.distill.teacher.strip():
+        raise ConfigError("'distill.teacher' = '': name a teacher (a best.pt, a timm folder or local-dir:PATH, a timm "
+                          "model name) or null to train without distillation")
     _check_optimizer_options(cfg.optim)
     _check_task(cfg)
     _check_recipe(cfg)

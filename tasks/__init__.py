@@ -6,7 +6,7 @@ from typing import Optional
 
 from core.errors import ConfigError
 from tasks.base import Task
-from tasks.metric import Metric
+from tasks.metric import LOSS, SHARED_METRICS, Metric
 from tasks.multi_label import MultiLabel
 from tasks.single_label import SingleLabel
 
@@ -51,6 +51,12 @@ def is_improvement(value: float, best: Optional[float], metric: str, min_delta: 
     return metric_named(metric).is_improvement(value, best, min_delta)
 
 
+def deciding_metric(metrics: dict, metric: str) -> str:
+    """The metric that chooses best.pt and drives early stopping and the plateau schedule: `metric`, or the loss
+    where `metric` is undefined for the split (None: multi-label mAP of a split where no image carries a tag)."""
+    return metric if metrics.get(metric) is not None else LOSS.name
+
+
 def best_record(metrics: dict) -> dict:
     """summary.json's and best.pt's `best`: the declared metrics of a validation that are kept there."""
     kept = [m.name for task in TASKS.values() for m in task.metrics if m.in_best]
@@ -60,6 +66,7 @@ def best_record(metrics: dict) -> dict:
 def csv_metric_columns() -> list[str]:
     """metrics.csv's validation columns: every task's, each named once, in registration order."""
     names = [m.name for task in TASKS.values() for m in task.metrics if m.in_csv]
+    names += [m.name for m in SHARED_METRICS if m.in_csv]
     return [f"val_{name}" for name in dict.fromkeys(names)]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from core.errors import ConfigError
-from tasks.metric import Metric
+from tasks.metric import SHARED_METRICS, Metric
 
 if TYPE_CHECKING:  # the task registry loads without torch (config validation, --help)
     import torch
@@ -37,6 +37,7 @@ class Task:
     title: str = ""                      # the kind of model in messages: single-label | multi-label
     explains_each_label: bool = False    # --explain draws one overlay per called label (named by it)
     label_format: str = ""               # how samples carry labels (data/listing/labels.py): class | tags
+    activation: str = ""                 # what turns its logits into probabilities: softmax | sigmoid
     metrics: tuple[Metric, ...] = ()     # every validation number, declared once (tasks/metric.py)
     default_metric: str = ""             # early_stop.metric when left at another task's default
     # features this kind of label does not have, with what to say when one is asked for ("--reject", ...)
@@ -70,7 +71,8 @@ class Task:
         return [m.name for m in self.metrics if m.selectable]
 
     def scalar_names(self) -> list[str]:
-        return [m.name for m in self.metrics if m.scalar]
+        """TensorBoard's val/<name> scalars: this task's metrics and the shared ones (when a room gives them)."""
+        return [m.name for m in (*self.metrics, *SHARED_METRICS) if m.scalar]
 
     def model_file_extras(self, metrics: dict) -> dict:
         """What best.pt carries for this task beside `best` (multi-label: the tuned thresholds)."""
@@ -100,6 +102,10 @@ class Task:
 
     def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
         """What infer.py reports as probabilities for `logits` ([N, C] float)."""
+        raise NotImplementedError
+
+    def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """Per image, whether two models' logits give the same prediction (a bool vector)."""
         raise NotImplementedError
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:

@@ -37,6 +37,11 @@ LOSS = Metric("loss", higher_is_better=False, percent=False)
 NUM_SAMPLES = Metric("num_samples", percent=False, selectable=False, scalar=False)
 
 
+# metrics of any task, reported when a room provides them (engine/distill: the share of validation images on
+# which the student and its teacher agree)
+SHARED_METRICS = (Metric("teacher_agreement", selectable=False, in_best=False),)
+
+
 def nonfinite_metrics(metrics: dict) -> list[str]:
     """The names of a validation's numbers that are NaN or infinite (a diverged model): such a validation is
     never the best, whatever its chosen metric says."""

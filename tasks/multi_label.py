@@ -22,6 +22,7 @@ class MultiLabel(Task):
     name = "multilabel"
     title = "multi-label"
     label_format = "tags"
+    activation = "sigmoid"
     explains_each_label = True
     metrics = (Metric("mAP"), _figure("micro_f1"), _figure("macro_f1"), _figure("precision", in_csv=False),
                _figure("recall", in_csv=False), _figure("micro_f1_at_0.5", in_csv=False),
@@ -99,12 +100,17 @@ class MultiLabel(Task):
 
     def epoch_text(self, metrics: dict, top5_k: int) -> str:
         """A multi-label validation in one line: mAP, and F1 at the tuned thresholds and at 0.5."""
-        return (f"val mAP {metrics['mAP']:.2f}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
+        mean_ap = "undefined (no tag in the split)" if metrics["mAP"] is None else f"{metrics['mAP']:.2f}"
+        return (f"val mAP {mean_ap}  micro F1 {metrics['micro_f1']:.2f} (at 0.5: "
                 f"{metrics['micro_f1_at_0.5']:.2f})  macro F1 {metrics['macro_f1']:.2f} (at 0.5: "
                 f"{metrics['macro_f1_at_0.5']:.2f})  loss {metrics['loss']:.4f}  ({metrics['num_samples']} samples)")
 
     def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
         return logits.sigmoid()
+
+    def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """The same tags at probability 0.5."""
+        return ((logits > 0) == (other > 0)).all(dim=1)
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
         return {"probs": probs}

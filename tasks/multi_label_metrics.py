@@ -108,7 +108,8 @@ def multilabel_metrics(scores: torch.Tensor, targets: torch.Tensor, classes: lis
     per_class = {name: {"ap": 100 * aps[c] if not math.isnan(aps[c]) else None, "f1": per["f1"][c],
                         "precision": per["precision"][c], "recall": per["recall"][c], "threshold": thresholds[c],
                         "positives": int(counts[c])} for c, name in enumerate(classes)}
-    return {"mAP": 100 * sum(present) / len(present) if present else 0.0, **overall,
+    # no class with a positive: mAP is undefined (None), not 0 (best.pt is then chosen by loss: tasks.deciding_metric)
+    return {"mAP": 100 * sum(present) / len(present) if present else None, **overall,
             **{f"{k}_at_0.5": v for k, v in at_half.items()},
             "loss": loss_sum / n if n else float("nan"), "num_samples": n,
             "thresholds": thresholds, "per_class": per_class}

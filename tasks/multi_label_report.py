@@ -14,7 +14,8 @@ def multilabel_document(keys: list[str], metrics: dict, per_class: dict, classes
 
 def format_multilabel_table(metrics: dict, per_class: dict) -> str:
     m = metrics
-    lines = [f"mAP {m['mAP']:.2f}%   micro F1 {m['micro_f1']:.2f}%   macro F1 {m['macro_f1']:.2f}%   precision "
+    mean_ap = "undefined (no tag in the split)" if m["mAP"] is None else f"{m['mAP']:.2f}%"
+    lines = [f"mAP {mean_ap}   micro F1 {m['micro_f1']:.2f}%   macro F1 {m['macro_f1']:.2f}%   precision "
              f"{m['precision']:.2f}%   recall {m['recall']:.2f}%   loss {m['loss']:.4f}   samples {m['num_samples']}",
              f"at threshold 0.5: micro F1 {m['micro_f1_at_0.5']:.2f}%   macro F1 {m['macro_f1_at_0.5']:.2f}%   "
              f"precision {m['precision_at_0.5']:.2f}%   recall {m['recall_at_0.5']:.2f}%", ""]

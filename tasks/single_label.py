@@ -17,6 +17,7 @@ class SingleLabel(Task):
     name = "multiclass"
     title = "single-label"
     label_format = "class"
+    activation = "softmax"
     metrics = (Metric("top1"), Metric("top5"), LOSS, Metric("mean_class_acc"), NUM_SAMPLES)
     default_metric = "top1"
     unsupported = {"--threshold": "applies to a multi-label model (data.task=multilabel); this model gives one "
@@ -52,6 +53,9 @@ class SingleLabel(Task):
 
     def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
         return (logits if temperature is None else logits / temperature).softmax(1)
+
+    def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=1) == other.argmax(dim=1)
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
         top = probs.topk(topk, dim=1)

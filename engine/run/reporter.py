@@ -13,7 +13,7 @@ from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import process_age_s, usable_cpus
 from core.config import OPTIMIZER_OPTIONS
-from tasks import task_of
+from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from engine.runtime.device import precision_name
 from engine.rundir.runlog import RunLog
@@ -38,6 +38,8 @@ class RunReporter:
         self.wait_warned = False
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
         self.task = task_of(cfg)
+        self.step_extras = None   # () -> dict of more step-line values (distillation: the teacher's time share)
+        self.teacher: Optional[dict] = None  # distill.teacher: its identity and validation (summary.json)
 
     def log_startup(self, data, runtime, plan) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
@@ -105,14 +107,18 @@ class RunReporter:
     def log_step(self, step: int, values: dict) -> None:
         """A step line in the log (whether or not a bar is shown), its TensorBoard scalars, the bar's numbers."""
         values["train/samples_per_s"] *= self.world_size  # the whole job's rate
+        if self.step_extras is not None:
+            values.update(self.step_extras())
         self.runlog.scalars(values, step)
         wait = values["train/data_wait_frac"]
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {values['train/loss']:.4f}, data wait {100 * wait:.0f}%")
         grad_norm, skipped = values["train/grad_norm"], values.get("train/skipped_steps")
-        log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%%s", step,
+        teacher = values.get("train/teacher_time_frac")
+        log.info("step %d/%d  loss %.4f  lr %.4g  grad norm %s  %.0f img/s  data wait %.0f%%%s%s", step,
                  self.total_steps, values["train/loss"], values["train/lr"],
                  "-" if grad_norm is None else f"{grad_norm:.3g}", values["train/samples_per_s"], 100 * wait,
+                 "" if teacher is None else f"  teacher {100 * teacher:.0f}% of step time",
                  f"  ({skipped} skipped)" if skipped else "")
         self.step_lines += 1
         # the first two intervals include the loader's start-up
@@ -136,6 +142,9 @@ class RunReporter:
             log.info("epoch %d/%d  train loss %.4f  %s  %.0f img/s  %s", epoch + 1, cfg.train.epochs, train_loss,
                      self.task.epoch_text(metrics, self.top5_k), samples_per_s, progress)
             self._warn_nonfinite(epoch, metrics, state)
+        if metrics.get("teacher_agreement") is not None:
+            log.info("epoch %d/%d  teacher agreement %.2f%% of validation images", epoch + 1, cfg.train.epochs,
+                     metrics["teacher_agreement"])
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)
@@ -146,6 +155,13 @@ class RunReporter:
             "train_samples_per_s": samples_per_s, "data_wait_frac": wait_frac, "epoch_time_s": seconds,
             "skipped_files": len(state.skipped_files), **{f"val_{k}": v for k, v in metrics.items()}})
         self.runlog.flush()
+
+    def set_teacher(self, summary: dict) -> None:
+        """distill.teacher: its identity and validation, logged once and kept for summary.json's `teacher`."""
+        self.teacher = summary
+        figures = ", ".join(f"{k} {summary[k]:.2f}" for k in ("top1", "top5", "mAP") if k in summary)
+        log.info("distill: teacher %s validated: %s (%s samples)", summary["source"], figures,
+                 summary.get("num_samples"))
 
     def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
         """After a failed save: metrics.csv and summary.json describe `saved` (what last.pt holds), as a resume
@@ -174,6 +190,7 @@ class RunReporter:
             "classes": list(classes),
             "effective_batch": plan.effective_batch,
             "peak_lr": plan.peak_lr,
+            **({"teacher": self.teacher} if self.teacher is not None else {}),
         })
 
     def train_rate(self, state) -> float:
@@ -192,7 +209,7 @@ class RunReporter:
     def _best_text(self, state, run_dir) -> str:
         if not state.best_metrics:
             return "no best.pt (no epoch was validated with finite numbers)"
-        metric = self.cfg.early_stop.metric
+        metric = deciding_metric(state.best_metrics, self.cfg.early_stop.metric)
         value = self.task.metric(metric).format(state.best_metrics[metric])
         return f"best epoch {state.best_epoch}: {metric} {value} ({Path(run_dir) / 'best.pt'})"
 

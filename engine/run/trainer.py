@@ -35,6 +35,8 @@ from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import DeviceInput, pin_memory_for
 from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
+from engine.distill.distiller import (AgreementProbe, Distiller, build_distiller, check_resume_teacher,
+                                     teacher_summary, validate_teacher)
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
 from engine.run.calibrate import best_is_calibrated, calibrate_best
@@ -47,7 +49,7 @@ from engine.runtime.signals import StopSignal
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import TrainStep, build_train_step
 from models.ema import create_ema
-from tasks import task_of
+from tasks import deciding_metric, task_of
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
 from tracking.training import TrainingTracking, open_training_tracking
 
@@ -83,6 +85,7 @@ class Trainer:
         self.ema: Optional[torch.nn.Module] = None
         self.eval_model: Optional[torch.nn.Module] = None
         self.train_model: Optional[torch.nn.Module] = None
+        self.distiller: Optional[Distiller] = None  # distill.teacher: the frozen teacher and its loss term
         # optimisation
         self.plan: Optional[RunPlan] = None
         self.step: Optional[TrainStep] = None
@@ -93,6 +96,7 @@ class Trainer:
         self.val_skipped_files: list[str] = []
         self.epoch_wait_frac: Optional[float] = None
         self.val_batches = None  # the next validation's batches, when they were started ahead
+        self.warned_undefined_metric = False  # said once: early_stop.metric is undefined on the validation split
         self.tracking: Optional[TrainingTracking] = None  # tracking.*: the run's experiment-tracking run
 
     # ------------------------------------------------------------ set-up
@@ -159,6 +163,10 @@ class Trainer:
         m = self.cfg.model
         self.ema = create_ema(self.model, m.ema_decay, m.ema_every_steps, m.ema_warmup) if m.ema_decay else None
         self.eval_model = self.ema.module if self.ema is not None else self.model
+        if self.cfg.distill.teacher:  # distillation (engine/distill): the teacher is loaded and checked here
+            self.distiller = build_distiller(self.cfg, self.classes, self.model, self.runtime.device)
+        if resume_ckpt is not None:
+            check_resume_teacher(resume_ckpt, self.distiller)
 
     def _setup_optimisation(self) -> None:
         cfg = self.cfg
@@ -167,7 +175,8 @@ class Trainer:
                                      self.plan.peak_lr, self.plan.warmup_steps, self.plan.total_steps,
                                      train_model=self.train_model, ema=self.ema, distributed=self.runtime.dist.enabled,
                                      num_classes=len(self.classes), steps_per_epoch=self.plan.steps_per_epoch,
-                                     rank=self.runtime.dist.rank, accum_steps=self.plan.accum_steps)
+                                     rank=self.runtime.dist.rank, accum_steps=self.plan.accum_steps,
+                                     distiller=self.distiller)
         if cfg.optim.layer_decay is not None or cfg.optim.head_lr_scale != 1.0:
             log.info("optim: %s (layer_decay %s, head_lr_scale %g)", describe_groups(self.step.optimizer),
                      cfg.optim.layer_decay, cfg.optim.head_lr_scale)
@@ -179,11 +188,17 @@ class Trainer:
         parts = TrainingParts(self.model, self.eval_model, step.optimizer, step.scheduler, step.scaler, self.ema)
         self.checkpointer = Checkpointer(self.run_dir, self.runtime.dist.is_main, cfg, self.classes, self.runtime.dist.world_size,
                                          parts, self.data.sources.identity, self.fingerprint)
+        if self.distiller is not None:  # last.pt records the teacher (and the feature projection)
+            self.checkpointer.last_extras = lambda: {"distill": self.distiller.checkpoint_record()}
         if resume_ckpt is not None:
             self.state = self.checkpointer.restore(resume_ckpt)
+            if self.distiller is not None:
+                self.distiller.restore(resume_ckpt)
         self.runlog = RunLog(self.run_dir, self.runtime.dist.is_main, cfg.output.tensorboard)
         self.reporter = RunReporter(cfg, self.runlog, self.runtime.dist.is_main, self.runtime.dist.world_size,
                                      self.plan.total_steps, self.plan.batches_per_epoch)
+        if self.distiller is not None:
+            self.reporter.step_extras = self.distiller.step_values
         if self.runtime.dist.is_main:
             write_run_files(self.run_dir, cfg, self.data, self.runlog,
                             self.state.epoch if resume_ckpt is not None else None)
@@ -250,6 +265,11 @@ class Trainer:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             self.tracking.status = "FINISHED"
             return 0
+        if self.distiller is not None:  # the teacher is validated once per run, before the first step
+            if self.distiller.teacher_metrics is None:
+                self.distiller.teacher_metrics = validate_teacher(self.distiller, self.data.val_loader,
+                                                                  self.step.input, self.classes)
+            self.reporter.set_teacher(teacher_summary(self.distiller))
         next_batches = None
         self.val_batches = validation_batches_at_start(self.data.val_loader)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
@@ -349,11 +369,15 @@ class Trainer:
                                                                   self.runtime.device)
         batches = self.val_batches if self.val_batches is not None else self.data.val_loader
         self.val_batches = None
+        probe = AgreementProbe(self.eval_model, self.distiller) if self.distiller is not None else None
         with stopping, self.reporter.validation(self.data.val_loader) as on_batch:
-            sums, unreadable = evaluate(self.eval_model, batches, self.step.input, task_of(self.cfg), self.classes,
-                                        on_batch=on_batch, should_stop=should_stop)
+            sums, unreadable = evaluate(probe or self.eval_model, batches, self.step.input, task_of(self.cfg),
+                                        self.classes, on_batch=on_batch, should_stop=should_stop,
+                                        on_outputs=probe.count if probe is not None else None)
         sums.all_reduce()
         metrics = sums.compute()
+        if probe is not None:
+            metrics["teacher_agreement"] = probe.read()
         paths = [self.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
         check_validation_files(paths, len(self.data.val_index), metrics["num_samples"], self.cfg.data.max_bad_fraction)
         metrics["skipped_files"] = len(paths)
@@ -368,10 +392,14 @@ class Trainer:
                                                                          es.patience)
         if improved:
             self.checkpointer.save_best(self.state, metrics)
-        if metrics is not None and self.step.end_epoch(metrics[self.cfg.early_stop.metric], self.cfg.early_stop.metric):
+        deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
+        if deciding != es.metric and not self.warned_undefined_metric:
+            self.warned_undefined_metric = True
+            log.warning("validation %s is undefined on this split (no validation image carries a tag): best.pt, "
+                        "early stopping and the plateau schedule go by the validation loss", es.metric)
+        if metrics is not None and self.step.end_epoch(metrics[deciding], deciding):
             log.info("schedule plateau: %s has not improved for %d validations; LR now %.6g",
-                     self.cfg.early_stop.metric, self.cfg.schedule.plateau_patience,
-                     base_lr(self.step.optimizer))
+                     deciding, self.cfg.schedule.plateau_patience, base_lr(self.step.optimizer))
         self.reporter.report_epoch(epoch, self.state, metrics, counters, samples_per_s, seconds, improved,
                                    base_lr(self.step.optimizer), self.epoch_wait_frac)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first

@@ -63,6 +63,7 @@ class Checkpointer:
         self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
         self.tracking_run_id: Callable[[], Optional[str]] = lambda: None  # the tracking run, once it exists
+        self.last_extras: Optional[Callable[[], dict]] = None  # more of last.pt (distillation: the teacher's record)
 
     def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
         return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
@@ -85,6 +86,8 @@ class Checkpointer:
         if p.ema is not None:
             # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
             ckpt["model_ema"] = bare_state_dict(p.ema.module)
+        if self.last_extras is not None:
+            ckpt.update(self.last_extras())
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:

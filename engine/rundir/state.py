@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from core.errors import NonFiniteError
-from tasks import best_record, is_improvement
+from tasks import best_record, deciding_metric, is_improvement
 from tasks.metric import nonfinite_metrics
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class TrainState:
                           patience: Optional[int]) -> bool:
         """Best-metric and early-stopping bookkeeping after validating epoch `epoch` (0-based); True when it is
         the best so far (the caller saves best.pt). Patience counts validations; a validation with a non-finite
-        number (a diverged model) is never the best."""
+        number (a diverged model) is never the best; where `metric` is undefined for the split, the loss decides."""
+        metric = deciding_metric(metrics, metric)
         improved = not nonfinite_metrics(metrics) and is_improvement(metrics[metric], self.best_value, metric,
                                                                      min_delta)
         if improved:

@@ -55,6 +55,7 @@ class TrainStep:
     mixing: Optional[BatchMixing] = None   # data.random_erasing, mixup / CutMix (None: all off)
     nonfinite_reaches_weights: bool = True  # a non-finite gradient makes the optimizer's update non-finite
     window_ok: Optional[torch.Tensor] = None  # device bool: the open window's losses were finite (None: none yet)
+    distiller: Optional[torch.nn.Module] = None  # distill.teacher: engine.distill.Distiller (its loss term)
 
     @property
     def fp16(self) -> bool:
@@ -116,6 +117,8 @@ class TrainStep:
             with self.input.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, targets)
+                if self.distiller is not None:  # the teacher's term (engine/distill), under the same autocast
+                    loss = self.distiller.loss(logits, images, loss)
             self.scaler.scale(loss / window).backward()
         return loss.detach()
 
@@ -126,6 +129,8 @@ class TrainStep:
                                                                                  device=self.input.device)
         self.window_ok = None
         grad_norm = None
+        if self.distiller is not None and self.distributed:  # its projection is outside DDP
+            self.distiller.all_reduce_gradients()
         if self.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
@@ -169,13 +174,17 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
                      warmup_steps: int = 0, total_steps: Optional[int] = None,
                      train_model: Optional[torch.nn.Module] = None, ema: Optional[torch.nn.Module] = None,
                      distributed: bool = False, accum_steps: Optional[int] = None,
-                     num_classes: Optional[int] = None, steps_per_epoch: int = 1, rank: int = 0) -> TrainStep:
+                     num_classes: Optional[int] = None, steps_per_epoch: int = 1, rank: int = 0,
+                     distiller: Optional[torch.nn.Module] = None) -> TrainStep:
     """The optimizer, LR schedule, GradScaler, loss and batch mixing of `cfg` around `model` (the bare model,
     whose parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
     `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
     accumulation; what measuring a step needs. `num_classes` is needed when mixing is on;
     `steps_per_epoch` converts the schedule's epochs to steps."""
     optimizer = build_optimizer(model, cfg.optim, peak_lr, fused=cfg.model.freeze is None)
+    if distiller is not None and any(True for _ in distiller.parameters()):  # distill.type=feature's projection
+        optimizer.add_param_group({"params": list(distiller.parameters()), "lr": peak_lr, "lr_scale": 1.0,
+                                   "weight_decay": cfg.optim.weight_decay})
     if total_steps is None:
         scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
     else:
@@ -193,4 +202,4 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
                      max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing,
-                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS)
+                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS, distiller=distiller)

@@ -32,6 +32,7 @@ from engine.runtime.memory import (MemoryBreakdown, available_memory_bytes, brea
                            gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
 from engine.training.schedule import ceil_div
 from engine.training.step import build_train_step
+from engine.distill.distiller import build_distiller
 from engine.tuning.timing import synthetic_batch, time_train_steps
 from engine.tuning.arithmetic import throughput_knee
 from core.errors import ModelError
@@ -273,8 +274,10 @@ def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype,
     measuring what a training step costs."""
     model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
     train_model = torch.compile(model, dynamic=False) if compile_model else model
+    # distill.teacher: the teacher's forward and memory are part of what a step costs
+    distiller = build_distiller(cfg, None, model, device) if cfg.distill.teacher else None
     return build_train_step(cfg, model, DeviceInput.from_config(cfg, device, amp_dtype), cfg.optim.lr,
-                            train_model=train_model, accum_steps=1, num_classes=num_classes)
+                            train_model=train_model, accum_steps=1, num_classes=num_classes, distiller=distiller)
 
 
 def target_effective_batch(cfg) -> int:

@@ -23,6 +23,7 @@ from engine.runtime.memory import peak_memory_bytes, reset_peak_memory
 from engine.training.schedule import scaled_lr
 from engine.rundir.state import EpochCounters, TrainState
 from engine.training.step import build_train_step
+from engine.distill.distiller import build_distiller
 from engine.tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 
@@ -80,9 +81,11 @@ def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
     if ctx.dist.enabled:
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    # distill.teacher: the sweep trains (and times) the student with its teacher, as train.py would
+    distiller = build_distiller(cfg, data.classes, model, ctx.device) if cfg.distill.teacher else None
     step = build_train_step(cfg, model, DeviceInput.from_config(cfg, ctx.device, ctx.amp_dtype), peak_lr,
                             warmup_steps=warmup, total_steps=steps, train_model=train_model,
-                            distributed=ctx.dist.enabled, accum_steps=cfg.train.accum_steps)
+                            distributed=ctx.dist.enabled, accum_steps=cfg.train.accum_steps, distiller=distiller)
     return step, data
 
 

@@ -9,8 +9,8 @@ from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
 LEVELS = ["core", "tasks", "data", "models", "tracking", "engine.runtime", "engine.evaluation", "engine.model_io",
-          "engine.prediction", "engine.rundir", "engine.training", "engine.tuning", "engine.run", "engine.audit",
-          "commands", "benchmarking", "serving"]
+          "engine.prediction", "engine.rundir", "engine.distill", "engine.training", "engine.tuning", "engine.run",
+          "engine.audit", "commands", "benchmarking", "serving"]
 LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
 
 

@@ -1,0 +1,363 @@
+"""Distillation (engine/distill): the loss terms against hand computations, the teacher's input conversion,
+the teacher frozen and outside every state_dict, the class check; and whole runs (marked slow): the teacher
+validated and the agreement recorded, last.pt / best.pt without the teacher, another teacher or class list
+refused (exit 2)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tree, run_script, tiny_overrides
+from core.config import load_config
+from engine.distill.conversion import InputConversion
+from engine.distill.distiller import AgreementProbe, Distiller
+from engine.distill.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
+from tasks import get_task
+from engine.distill.teacher import Teacher, class_mismatch, freeze
+
+S = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
+T = torch.tensor([[1.0, 3.0, 0.0], [-0.5, 0.0, 2.5]])
+
+
+def softmax_list(row, t):
+    e = [math.exp(v / t) for v in row]
+    return [v / sum(e) for v in e]
+
+
+def test_soft_kl_is_the_tempered_kl_times_t_squared():
+    temperature = 4.0
+    expected = 0.0
+    for s, t in zip(S.tolist(), T.tolist()):
+        p, q = softmax_list(t, temperature), softmax_list(s, temperature)
+        expected += sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q))
+    expected = expected / len(S) * temperature ** 2
+    assert soft_kl(S, T, temperature).item() == pytest.approx(expected, rel=1e-6)
+    assert soft_kl(T, T, temperature).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_hard_ce_is_cross_entropy_on_the_teachers_top_class():
+    # the teacher's top classes are 1 and 2
+    expected = -(math.log(softmax_list(S[0].tolist(), 1)[1]) + math.log(softmax_list(S[1].tolist(), 1)[2])) / 2
+    assert hard_ce(S, T).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_multilabel_terms_are_bce_against_the_teachers_sigmoids():
+    temperature = 2.0
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    soft = [-(sig(t / temperature) * math.log(sig(s / temperature))
+              + (1 - sig(t / temperature)) * math.log(1 - sig(s / temperature)))
+            for srow, trow in zip(S.tolist(), T.tolist()) for s, t in zip(srow, trow)]
+    assert soft_bce(S, T, temperature).item() == pytest.approx(sum(soft) / len(soft) * temperature ** 2, rel=1e-6)
+    hard = [-(math.log(sig(s)) if t > 0 else math.log(1 - sig(s)))
+            for srow, trow in zip(S.tolist(), T.tolist()) for s, t in zip(srow, trow)]
+    assert hard_bce(S, T).item() == pytest.approx(sum(hard) / len(hard), rel=1e-6)
+
+
+def test_feature_distances_by_hand():
+    a = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    b = torch.tensor([[0.0, 2.0], [2.0, 2.0]])
+    # cosine: orthogonal (1 - 0) and parallel (1 - 1): mean 0.5
+    assert feature_distance(a, b, "cosine").item() == pytest.approx(0.5)
+    assert feature_distance(a, b, "mse").item() == pytest.approx((1 + 4 + 1 + 1) / 4)
+
+
+def test_agreement_counts_same_top_class_and_same_tag_sets():
+    assert get_task("multiclass").predicts_same(S, T).tolist() == [False, True]
+    assert get_task("multilabel").predicts_same(S, T).tolist() == [True, False]  # tags {0, 1} both; {0, 1, 2} vs {2}
+    assert get_task("multilabel").predicts_same(T, T * 2).tolist() == [True, True]
+
+
+def test_conversion_gives_what_the_teachers_own_normalisation_and_resize_give():
+    torch.manual_seed(0)
+    raw = torch.randint(0, 256, (2, 3, 12, 12)).float() / 255
+    s_mean, s_std, t_mean, t_std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3], [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    student = (raw - torch.tensor(s_mean).view(1, 3, 1, 1)) / torch.tensor(s_std).view(1, 3, 1, 1)
+    teacher = (raw - torch.tensor(t_mean).view(1, 3, 1, 1)) / torch.tensor(t_std).view(1, 3, 1, 1)
+    same_size = InputConversion(s_mean, s_std, t_mean, t_std, 12, 12)
+    assert torch.allclose(same_size(student), teacher, atol=1e-5)
+    larger = InputConversion(s_mean, s_std, t_mean, t_std, 12, 20)
+    expected = F.interpolate(teacher, size=(20, 20), mode="bilinear", align_corners=False)
+    assert larger(student).shape == (2, 3, 20, 20) and torch.allclose(larger(student), expected, atol=1e-5)
+    identity = InputConversion(s_mean, s_std, s_mean, s_std, 12, 12)
+    assert identity.identity_affine and identity(student) is student
+
+
+def tiny_teacher(classes, outputs=None) -> Teacher:
+    import timm
+
+    torch.manual_seed(1)
+    model = timm.create_model("test_resnet", num_classes=outputs or len(classes))
+    freeze(model)
+    identity = {"source": "t.pt", "kind": "checkpoint", "sha256": "0" * 64, "num_outputs": outputs or len(classes)}
+    return Teacher(model, list(classes), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], 16, identity)
+
+
+@pytest.mark.parametrize("kind", ["soft", "hard", "feature"])
+def test_distiller_loss_weights_the_terms_and_the_teacher_gets_no_gradient(kind):
+    import timm
+
+    torch.manual_seed(0)
+    student = timm.create_model("test_resnet", num_classes=3)
+    teacher = tiny_teacher(["a", "b", "c"])
+    conversion = InputConversion([0.5] * 3, [0.25] * 3, teacher.mean, teacher.std, 12, 16)
+    distiller = Distiller(teacher, conversion, kind, 4.0, 0.25, get_task("multiclass"), student, "cosine")
+    images, targets = torch.randn(4, 3, 12, 12), torch.tensor([0, 1, 2, 0])
+    logits = student(images)
+    task = F.cross_entropy(logits, targets)
+    loss = distiller.loss(logits, images, task)
+    with torch.no_grad():
+        teacher_logits = teacher.model(conversion(images))
+    if kind != "feature":  # the feature term is checked by its parts below
+        term = soft_kl(logits, teacher_logits, 4.0) if kind == "soft" else hard_ce(logits, teacher_logits)
+        assert loss.item() == pytest.approx((0.75 * task + 0.25 * term).item(), rel=1e-5)
+    loss.backward()
+    assert all(p.grad is None and not p.requires_grad for p in teacher.model.parameters())
+    assert not teacher.model.training
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+    # the teacher is never part of the distiller's (or anything's) state_dict; the projection is
+    assert not any(k.startswith("teacher") for k in distiller.state_dict())
+    if kind == "feature":
+        assert set(distiller.state_dict()) == {"projection.weight", "projection.bias"}
+        assert distiller.projection.weight.grad is not None
+        features = student.forward_head(student.forward_features(images), pre_logits=True)
+        with torch.no_grad():
+            teacher_features = teacher.model.forward_head(teacher.model.forward_features(conversion(images)),
+                                                          pre_logits=True)
+        by_hand = (1 - F.cosine_similarity(distiller.projection(features), teacher_features, dim=1)).mean()
+        assert loss.item() == pytest.approx((0.75 * task + 0.25 * by_hand).item(), rel=1e-5)
+    else:
+        assert distiller.state_dict() == {}
+
+
+def test_agreement_probe_counts_only_readable_images():
+    import timm
+
+    torch.manual_seed(0)
+    student = timm.create_model("test_resnet", num_classes=3).eval()
+    teacher = tiny_teacher(["a", "b", "c"])
+    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
+    distiller = Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
+    probe = AgreementProbe(student, distiller)
+    images = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        logits = probe(images)
+        probe.count(logits, None, torch.tensor([True, True, True, False]), None)
+        same = (student(images).argmax(1) == teacher.model(images).argmax(1))[:3]
+    assert probe.read() == pytest.approx(100.0 * same.sum().item() / 3)
+
+
+def test_class_mismatch_names_the_first_difference_and_another_head_size():
+    assert class_mismatch(tiny_teacher(["a", "b", "c"]), ["a", "b", "c"]) is None
+    assert "class 1 is 'c' for the teacher and 'b'" in class_mismatch(tiny_teacher(["a", "c", "b"]), ["a", "b", "c"])
+    assert "4 outputs, the student's 3 classes" in class_mismatch(tiny_teacher(["a", "b", "c", "d"]), ["a", "b", "c"])
+    nameless = tiny_teacher(["a", "b", "c"])
+    nameless.classes = None
+    assert "records no class names" in class_mismatch(nameless, ["a", "b", "c"])
+
+
+@pytest.mark.parametrize("override, key", [("distill.type=logit", "distill.type"),
+                                           ("distill.temperature=0", "distill.temperature"),
+                                           ("distill.alpha=1.5", "distill.alpha"),
+                                           ("distill.feature_loss=l1", "distill.feature_loss"),
+                                           ("distill.teacher=''", "distill.teacher")])
+def test_bad_distill_values_are_config_errors_naming_the_key(override, key):
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("base", [override])
+
+
+# ---------------------------------------------------------------- whole runs (slow)
+
+COUNTS = {"a": (12, 3), "b": (12, 3), "c": (12, 3)}
+TEACHER = {"model.name": "test_resnet", "train.epochs": 1, "output.tensorboard": "true"}
+# the student at another input size and normalisation than the teacher: the conversion is on the path
+STUDENT = {"model.name": "test_resnet", "data.img_size": 12, "data.mean": "[0.5,0.5,0.5]", "data.std": "[0.25,0.25,0.25]",
+           "output.tensorboard": "true"}
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(data root, the teacher's best.pt), 1 epoch at 16 px."""
+    base = tmp_path_factory.mktemp("distill")
+    data = make_tree(base / "data", COUNTS)
+    result = run_script("train.py", "--config", "base", *tiny_overrides(data, base / "teacher", **TEACHER))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return data, base / "teacher" / "best.pt"
+
+
+@pytest.fixture(scope="module")
+def student_run(teacher_run, tmp_path_factory) -> tuple[Path, str]:
+    data, teacher = teacher_run
+    out = tmp_path_factory.mktemp("student") / "run"
+    result = run_script("train.py", "--config", "base",
+                        *tiny_overrides(data, out, **STUDENT, **{"distill.teacher": str(teacher)}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out, result.stderr
+
+
+def copy_checkpoint(source: Path, target: Path, **changes) -> Path:
+    ckpt = torch.load(source, map_location="cpu", weights_only=True)
+    ckpt.update(changes)
+    torch.save(ckpt, target)
+    return target
+
+
+@pytest.mark.slow
+def test_distilled_run_logs_the_teacher_and_the_agreement_everywhere(student_run, teacher_run):
+    out, log = student_run
+    summary = json.loads((out / "summary.json").read_text())
+    teacher = summary["teacher"]
+    import hashlib
+    assert teacher["source"] == str(teacher_run[1]) and teacher["kind"] == "checkpoint"
+    assert teacher["sha256"] == hashlib.sha256(teacher_run[1].read_bytes()).hexdigest()
+    assert 0 <= teacher["top1"] <= 100 and teacher["num_samples"] == 9
+    assert f"teacher {teacher_run[1]} validated: top1 {teacher['top1']:.2f}" in log
+    assert "mean/std converted, resized to 16 px" in log
+    assert "of step time" in log and "teacher agreement" in log
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    agreement = [float(r["val_teacher_agreement"]) for r in rows]
+    assert len(agreement) == 2 and all(0 <= a <= 100 for a in agreement)
+    assert all(a * 9 / 100 == pytest.approx(round(a * 9 / 100)) for a in agreement)  # a share of 9 images
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("val/teacher_agreement")] == pytest.approx(agreement, abs=1e-4)
+    assert events.Scalars("train/teacher_time_frac")
+
+
+@pytest.mark.slow
+def test_the_teacher_is_in_neither_last_pt_nor_best_pt(student_run, teacher_run):
+    import timm
+
+    out, _ = student_run
+    student_keys = set(timm.create_model("test_resnet", num_classes=3).state_dict())
+    last = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    best = torch.load(out / "best.pt", map_location="cpu", weights_only=True)
+    assert set(last["model"]) == set(best["model"]) == student_keys
+    assert set(last["distill"]) == {"teacher", "teacher_metrics"}  # identity and figures; no tensors (soft)
+    assert "distill" not in best
+    teacher_weights = torch.load(teacher_run[1], map_location="cpu", weights_only=True)["model"]
+    # the student was trained: none of its tensors is the teacher's
+    assert not all(torch.equal(best["model"][k], teacher_weights[k]) for k in student_keys
+                   if best["model"][k].is_floating_point())
+    # the exported student is any model: eval.py reads best.pt without the teacher
+    gone = copy_checkpoint(out / "best.pt", out.parent / "moved.pt")
+    result = run_script("eval.py", "--checkpoint", str(gone), "--data", str(teacher_run[0]),
+                        "--json", str(out.parent / "eval.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_another_teacher_or_distill_setting_is_refused_on_resume(student_run, teacher_run, tmp_path):
+    """The teacher is compared by its digest: other weights are refused (exit 2), a moved copy resumes."""
+    out, _ = student_run
+    data, teacher = teacher_run
+
+    def resume(**distill):
+        args = tiny_overrides(data, out, **STUDENT, **{f"distill.{k}": v for k, v in distill.items()})
+        return run_script("train.py", "--config", "base", *args, "--resume", "auto")
+
+    weights = torch.load(teacher, map_location="cpu", weights_only=True)["model"]
+    other = copy_checkpoint(teacher, tmp_path / "other.pt",
+                            model={k: (v + 0.01 if v.is_floating_point() else v) for k, v in weights.items()})
+    result = resume(teacher=str(other))
+    assert result.returncode == 2 and "another teacher than the checkpoint's" in result.stderr
+    result = resume(teacher="null")
+    assert result.returncode == 2 and f"the checkpoint was distilled from {teacher}" in result.stderr
+    result = resume(teacher=str(teacher), alpha=0.3)
+    assert result.returncode == 2 and "distill.alpha: 0.5 -> 0.3" in result.stderr
+    moved = tmp_path / "moved.pt"
+    moved.write_bytes(teacher.read_bytes())
+    result = resume(teacher=str(moved))
+    assert result.returncode == 0 and "is complete" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_teacher_with_other_classes_exits_2_naming_the_first_difference(teacher_run, tmp_path):
+    data, teacher = teacher_run
+    other = copy_checkpoint(teacher, tmp_path / "other_classes.pt", classes=["a", "x", "c"])
+    result = run_script("train.py", "--config", "base",
+                        *tiny_overrides(data, tmp_path / "run", **STUDENT, **{"distill.teacher": str(other)}))
+    assert result.returncode == 2
+    assert "class 1 is 'x' for the teacher and 'b' for the student" in result.stderr
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_timm_folder_teacher_trains_a_feature_student(teacher_run, tmp_path):
+    """The teacher exported as a timm folder (export.py --format timm) teaches through `local-dir:`; the
+    feature projection is in last.pt and the optimizer, never in best.pt."""
+    data, teacher = teacher_run
+    folder = tmp_path / "teacher_timm"
+    result = run_script("export.py", "--checkpoint", str(teacher), "--format", "timm", "--output", str(folder))
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = tmp_path / "run"
+    result = run_script("train.py", "--config", "base",
+                        *tiny_overrides(data, out, **STUDENT, **{"distill.teacher": f"local-dir:{folder}",
+                                                                 "distill.type": "feature", "train.epochs": 1}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "timm folder teacher local-dir:" in result.stderr
+    last = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    best = torch.load(out / "best.pt", map_location="cpu", weights_only=True)
+    assert set(last["distill"]["projection"]) == {"weight", "bias"}
+    assert len(last["optimizer"]["param_groups"]) == 3  # decayed, not decayed, the projection
+    assert not any("projection" in k for k in best["model"]) and "distill" not in best
+
+
+def test_tune_measures_steps_with_the_teacher(tmp_path):
+    """tune.py's batch finder and sweep build their step with the teacher: its forward is in what they time
+    and its weights and activations in the memory they measure."""
+    from conftest import write_pretrained_folder
+    from engine.tuning.batch_finder import TrainingStepProbe
+
+    folder = tmp_path / "teacher"
+    write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])
+    cfg = load_config("base", [f"distill.teacher=local-dir:{folder}", "model.name=test_resnet", "data.img_size=16",
+                               "train.device=cpu", "train.amp=none"])
+    probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None, steps=1, warmup=0)
+    assert probe.step.distiller is not None and probe.step.distiller.teacher.size == 160
+    calls = []
+    real = probe.step.distiller.teacher_forward
+    probe.step.distiller.teacher_forward = lambda images: calls.append(images.shape) or real(images)
+    assert probe(2).seconds > 0
+    assert calls and calls[0] == (2, 3, 16, 16)
+
+
+def test_the_agreement_probe_leaves_the_student_in_its_mode():
+    import timm
+
+    from engine.evaluation.evaluate import evaluate
+    from engine.runtime.device import DeviceInput
+
+    student = timm.create_model("test_resnet", num_classes=3).eval()  # an EMA copy stays in eval mode
+    teacher = tiny_teacher(["a", "b", "c"])
+    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
+    probe = AgreementProbe(student, Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student))
+    batch = (torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1]),
+             torch.tensor([True, True]), torch.tensor([0, 1]))
+    device_input = DeviceInput(torch.device("cpu"), tuple(teacher.mean), tuple(teacher.std), False, None)
+    sums, _ = evaluate(probe, [batch], device_input, get_task("multiclass"), ["a", "b", "c"], on_outputs=probe.count)
+    assert not student.training and not teacher.model.training
+    assert sums.compute()["num_samples"] == 2 and 0 <= probe.read() <= 100
+
+
+def test_the_teachers_time_share_is_over_training_time_only():
+    from engine.distill.distiller import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    assert timer.take_share() is None  # no teacher forward yet
+    mark = timer.start()
+    timer.stop(mark)
+    share = timer.take_share()
+    assert share is not None and 0 <= share <= 1
+    timer.pause()  # a validation pass follows: its time is not in the next share
+    assert timer.take_share() is None
