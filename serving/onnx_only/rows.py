@@ -1,5 +1,5 @@
-"""serve.py's rows from an export's logits, in NumPy: the torch path's (commands.infer.result_rows with
-engine.evaluation.evaluate.predict; commands.infer_multilabel.tag_rows; commands.infer_trust.apply_reject)
+"""serve.py's rows from an export's logits, in NumPy: the torch path's (tasks/single_label_rows.result_rows with
+engine.evaluation.evaluate.predict; tasks/multi_label_rows.tag_rows; engine.prediction.trust.apply_reject)
 in the same float32 arithmetic, so labels agree and probabilities agree to float32 rounding."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-UNKNOWN = "unknown"   # a rejected image's label (commands.infer_trust.UNKNOWN)
+UNKNOWN = "unknown"   # a rejected image's label (engine.prediction.trust.UNKNOWN)
 
 
 def softmax(logits: np.ndarray, temperature: Optional[float] = None) -> np.ndarray:

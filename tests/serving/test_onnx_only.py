@@ -124,7 +124,7 @@ def exports(tmp_path_factory):
     assert export_script.main(["--checkpoint", str(run / "best.pt"), "--format", "onnx", "--dynamic-batch",
                                "--output", str(files["tags"])]) == 0
     bodies = {f"val_{p.parent.name}_{p.name}": p.read_bytes() for p in sorted((data / "val").rglob("*.png"))}
-    bodies.update({name: body for name, body in sample_images().items() if not tensor_decoded(name)})
+    bodies.update(sample_images())
     tag_bodies = {p.name: p.read_bytes() for p in sorted((tags_root / "images").glob("*.png"))[:12]}
     return {"files": files, "bodies": bodies, "tag_bodies": tag_bodies}
 
@@ -135,7 +135,7 @@ def both_rows(path: Path, bodies: dict[str, bytes], max_batch: int = 8, **trust)
     from engine.prediction.trust import TrustOptions
     from serving.model import ServedModel
 
-    torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", None, TrustOptions(**trust))
+    torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", TrustOptions(**trust))
     slim_model = OnnxServedModel.load(str(path), 5, max_batch, **trust)
     names = list(bodies)
     torch_rows, slim_rows = [], []
