@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     from commands.audit_args import check_arguments
 
     check_arguments(cfg, args.checkpoint, args.write_clean_csv)
+    from commands.output_roles import check_audit_outputs
+
+    check_audit_outputs(cfg, args.checkpoint, {"--json": args.json, "--html": args.html,
+                                               "--write-clean-csv": args.write_clean_csv})
 
     from commands.cli import announce
 

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from commands.cli import announce, run_main
+from commands.cli import announce, finite_float, run_main
 from core.outputs import check_output_file
 
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
                                                                   "probabilities) here")
     parser.add_argument("--predictions", metavar="FILE.csv|FILE.json", help="write infer.py's row for every "
                         "evaluated image here, with its `target` (the Predictor's rows, as infer.py and serve.py give)")
-    parser.add_argument("--reject-below", type=float, metavar="X", help="the reject score threshold for the "
+    parser.add_argument("--reject-below", type=finite_float, metavar="X", help="the reject score threshold for the "
                         "'selective' figures (default: the one stored with the model)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     from core.outputs import write_json
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
-                                 args.classes, args.reject_below)
+                                 args.classes, args.reject_below,
+                                 outputs={"--json": args.json, "--reliability": args.reliability,
+                                          "--json's confusion PNG": args.json and confusion_png_path(args.json),
+                                          "--predictions": args.predictions})
     task = result.task
     s = result.settings
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "

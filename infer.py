@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from commands.cli import announce, run_main
+from commands.cli import announce, finite_float, run_main
 from core.outputs import check_output_file
 from core.errors import ConfigError
 from core.host import usable_cpus
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reject", action="store_true", help="label 'unknown' every image whose reject score is "
                         "below the threshold stored with the model (kept: calibration.coverage of the validation "
                         "images); the would-be label goes to 'predicted'")
-    parser.add_argument("--reject-below", type=float, metavar="X", help="--reject with this score threshold "
+    parser.add_argument("--reject-below", type=finite_float, metavar="X", help="--reject with this score threshold "
                         "instead of the stored one")
     parser.add_argument("--explain", metavar="DIR", help="write a Grad-CAM overlay PNG per image into DIR and its "
                         "heatmap peak (original pixels) into the rows (checkpoints only)")

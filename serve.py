@@ -9,7 +9,8 @@ POST /predict with the image as the body (or as a multipart field named `file`) 
 row for it (label, prob, top-k); GET /health answers the model, its classes and its preprocessing.
 Requests are decoded one by one, then classified together: a batch closes at --max-batch images or
 --max-wait-ms after its first one. An unreadable image gets 400 with a JSON error naming the problem, a
-body over --max-bytes 413; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
+body over --max-bytes 413 (read and dropped up to --drain-bytes, so the client reads it; above that the
+connection is closed), a body slower than --body-timeout 408; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
 `Authorization: Bearer KEY` (401 without). SIGTERM stops accepting, answers what is in flight, exits 0.
 --onnx-only (the default where torch is not installed, as in the slim serving image) serves an ONNX export
 with onnxruntime, PIL and NumPy alone: the same rows, on the CPU.
@@ -21,11 +22,12 @@ import logging
 import os
 import sys
 
-from commands.cli import run_main
+from commands.cli import finite_float, run_main
 from core.errors import ConfigError
 from core.host import usable_cpus
 
 API_KEY_ENV = "IMGCLS_API_KEY"
+MAX_BATCH_LIMIT = 1024
 
 
 def main(argv=None) -> int:
@@ -40,13 +42,18 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=min(8, usable_cpus()),
                         help="threads decoding request images (default: one per usable core, at most 8)")
     parser.add_argument("--max-bytes", type=int, default=10_000_000, help="largest request body accepted (413 above)")
+    parser.add_argument("--drain-bytes", type=int, default=64_000_000, help="a body over --max-bytes but within "
+                        "this is read and dropped before the 413 (clients that send before reading see it); above "
+                        "it: 413 and the connection closed")
+    parser.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to "
+                        "arrive (408 and the connection closed after)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on /predict (default: ${API_KEY_ENV})")
     parser.add_argument("--topk", type=int, default=5, help="labels and probabilities per image (as infer.py)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--reject", action="store_true", help="as infer.py: label 'unknown' every image whose "
                         "reject score is below the threshold stored with the model ('predicted': the would-be label)")
-    parser.add_argument("--reject-below", type=float, metavar="X", help="--reject with this score threshold")
+    parser.add_argument("--reject-below", type=finite_float, metavar="X", help="--reject with this score threshold")
     parser.add_argument("--onnx-only", action="store_true",
                         help="serve an ONNX export without torch (onnxruntime, PIL, NumPy; the CPU); the default "
                              "where torch is not installed (the slim serving image)")
@@ -54,19 +61,30 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--workers", args.workers, 1),
-                             ("--max-bytes", args.max_bytes, 1), ("--topk", args.topk, 1), ("--port", args.port, 0)):
+                             ("--max-bytes", args.max_bytes, 1), ("--drain-bytes", args.drain_bytes, 0),
+                             ("--topk", args.topk, 1), ("--port", args.port, 0)):
         if value < low:
             raise ConfigError(f"{flag} {value}: must be >= {low}")
     if args.port > 65535:
         raise ConfigError(f"--port {args.port}: must be <= 65535")
     if not 0 <= args.max_wait_ms <= 10_000:
         raise ConfigError(f"--max-wait-ms {args.max_wait_ms}: must be between 0 and 10000")
+    if not 0 < args.body_timeout <= 3600:
+        raise ConfigError(f"--body-timeout {args.body_timeout}: must be above 0 and at most 3600 (seconds)")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key == args.api_key.strip()):
+        raise ConfigError(f"--api-key / ${API_KEY_ENV}: printable ASCII without surrounding spaces is needed (an "
+                          f"HTTP header carries no other key intact, so every request would get 401)")
+    if args.max_batch > MAX_BATCH_LIMIT:
+        raise ConfigError(f"--max-batch {args.max_batch}: must be <= {MAX_BATCH_LIMIT} (every power-of-two shape "
+                          f"up to it is warmed up before the port opens)")
 
     from serving.app import ServeSettings
 
-    settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key)
+    settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key,
+                             args.drain_bytes, args.body_timeout)
     if args.onnx_only or importlib.util.find_spec("torch") is None:
         from serving.onnx_only.server import serve_onnx
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from commands.audit_args import check_arguments
+from commands.audit_args import check_arguments, check_checkpoint_task
 from core.outputs import write_json
 from engine.audit import stats as stats_mod
-from engine.audit.findings import by_split, clean_training_names, find_duplicates, find_leaks
+from engine.audit.findings import by_split, clean_training_names, find_copies
 from engine.audit.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
                                 predict_probs, unseen_by_checkpoint)
 from engine.audit.hashing import compute_facts
@@ -94,10 +94,14 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
 
 def summary_lines(report: dict) -> list[str]:
     leaks, dups, issues = report["leaks"], report["duplicates"], report["label_issues"]
-    lines = [f"{len(leaks)} leak(s) across splits"
+    conflicts = report["label_conflicts"]
+    lines = [f"{len(leaks)} leak group(s) across splits ({sum(g['count'] for g in leaks)} images)"
              + (": the same image in training and validation makes the validation accuracy a lie; remove one "
                 "copy (--write-clean-csv drops the training side)" if leaks else ""),
              f"{len(dups)} duplicate group(s) inside splits ({sum(len(g['paths']) - 1 for g in dups)} extra copies)",
+             f"{len(conflicts)} label conflict(s)" + (": copies of one image filed under different labels; decide "
+                                                       "each one's label (--write-clean-csv leaves them out)"
+                                                       if conflicts else ""),
              f"{len(issues)} likely label error(s)" + (f" ({report['label_issues_source']}); check the first ones "
                                                        f"and fix their labels" if issues else
                                                        "" if report["label_issues_source"] else
@@ -109,8 +113,8 @@ def summary_lines(report: dict) -> list[str]:
 def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timings) -> dict:
     splits = by_split(data.items, facts)
     threshold = cfg.audit.near_threshold
-    duplicates = find_duplicates(data.items, facts, splits, threshold)
-    leaks = find_leaks(data.items, facts, splits, threshold)
+    duplicates, leaks, conflicts = find_copies(data.items, facts, splits, threshold, cfg.audit.pixel_threshold,
+                                               lambda item: label_text(cfg, data, item.label))
     unreadable = data.unreadable + extra_unreadable
     labels_by_split: dict[str, list[int]] = {}
     for item in data.items:
@@ -122,9 +126,10 @@ def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timin
                                         [facts[i].mode for i in readable], [facts[i].format for i in readable],
                                         [data.items[i].name for i in readable], cfg.data.img_size)
     report = {"unreadable": [u["path"] for u in unreadable], "unreadable_details": unreadable,
-              "duplicates": duplicates, "leaks": leaks, "label_issues": issues, "label_issues_source": source,
+              "duplicates": duplicates, "leaks": leaks, "label_conflicts": conflicts, "label_issues": issues, "label_issues_source": source,
               "label_issues_note": note, "class_counts": counts, "balance": balance, "image_stats": image_stats,
-              "near_threshold": threshold, "classes": data.classes, "timings": timings}
+              "near_threshold": threshold, "pixel_threshold": cfg.audit.pixel_threshold, "classes": data.classes,
+              "timings": timings}
     report["advice"] = stats_mod.advice(balance, image_stats, cfg.data.img_size)
     report["summary"] = summary_lines(report)
     return report
@@ -138,24 +143,39 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int]:
+def label_text(cfg, data, label) -> str:
+    """A label as the lists write it: the class name, or (multi-label) the tags joined by data.label_delimiter."""
+    if isinstance(label, tuple):
+        return cfg.data.label_delimiter.join(data.classes[c] for c in label)
+    return data.classes[label]
+
+
+def emptied_classes(data, facts, kept) -> list[str]:
+    """Classes with readable training images of which the clean list keeps none."""
+    def tags(label):
+        return set(label) if isinstance(label, tuple) else {label}
+
+    had = set().union(*[tags(item.label) for item, f in zip(data.items, facts)
+                        if item.split == "train" and f.error is None] or [set()])
+    left = set().union(*[tags(item.label) for item in kept] or [set()])
+    return [data.classes[c] for c in sorted(had - left)]
+
+
+def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int, list[str]]:
+    """(the CSV text, rows kept, the classes it leaves without a training image)."""
     import csv
     import io
 
     dropped = [i["path"] for i in report["label_issues"] if i["split"] == "train"][:cfg.audit.drop_label_issues]
-    kept = clean_training_names(data.items, facts, report["duplicates"], report["leaks"], dropped)
+    kept = clean_training_names(data.items, facts, report["duplicates"], report["leaks"], dropped,
+                                report["label_conflicts"])
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["path", "label"])
     # relative to data.root when there is one (use the list with the same data.root), else absolute paths
-    def label_text(label) -> str:
-        if isinstance(label, tuple):  # multi-label: the tags joined as data.label_delimiter reads them
-            return cfg.data.label_delimiter.join(data.classes[c] for c in label)
-        return data.classes[label]
-
-    writer.writerows((item.name if cfg.data.root else os.path.abspath(item.file), label_text(item.label))
+    writer.writerows((item.name if cfg.data.root else os.path.abspath(item.file), label_text(cfg, data, item.label))
                      for item in kept)
-    return buf.getvalue(), len(kept)
+    return buf.getvalue(), len(kept), emptied_classes(data, facts, kept)
 
 
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
@@ -172,6 +192,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         opened = None
         if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
             opened = open_model(Path(checkpoint), cfg.train.device)
+            check_checkpoint_task(opened[0].task, task_of(cfg), checkpoint)
             check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()
@@ -194,16 +215,21 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
                                        f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "
                                        f"or fix them (or use --write-clean-csv)")
+        kept, emptied, text = None, [], None
+        if clean_csv:
+            text, kept, emptied = clean_csv_text(cfg, data, facts, report)
+            report["clean_csv"] = {"path": clean_csv, "rows": kept, "classes_left_empty": emptied}
         write_json(report, json_path)
         if html_path:
             files = {item.name: item.file for item in data.items}
             write_text_atomic(html_path, render(report, files, f"Data audit: {len(data.items)} images, "
                                                               f"{len(data.classes)} classes"))
-        kept = None
         if clean_csv:
-            text, kept = clean_csv_text(cfg, data, facts, report)
             write_text_atomic(clean_csv, text)
     print_summary(report, json_path, html_path, clean_csv, kept, cfg)
+    if emptied:
+        print(f"warning: {clean_csv} holds no training image of class(es) {', '.join(emptied)}: every one was a "
+              f"leak, a copy or a label conflict; training on it would not know these classes", file=sys.stderr)
     if not readable:
         print("error: no image could be read", file=sys.stderr)
         return 1
@@ -216,8 +242,12 @@ def print_summary(report: dict, json_path, html_path, clean_csv, kept: Optional[
     for line in report["summary"]:
         print(f"  {line}", file=out)
     for leak in report["leaks"][:5]:
-        a, b = leak["splits"]
-        print(f"    leak: {leak[a]}  ==  {leak[b]}  (distance {leak['distance']})", file=out)
+        sides = "  ==  ".join(f"{s}: {', '.join(leak[s][:3])}{' ...' if len(leak[s]) > 3 else ''}"
+                              for s in leak["splits"])
+        print(f"    leak: {sides}  ({leak['count']} images, distance {leak['distance']})", file=out)
+    for conflict in report["label_conflicts"][:5]:
+        pairs = ", ".join(f"{p} ({label})" for p, label in list(zip(conflict["paths"], conflict["labels"]))[:4])
+        print(f"    conflict: {pairs}{' ...' if len(conflict['paths']) > 4 else ''}", file=out)
     for issue in report["label_issues"][:5]:
         print(f"    label: {issue['path']}  given {issue['given']}, suggested {issue['suggested']} "
               f"(p={issue['score']:.3f})", file=out)

@@ -26,3 +26,11 @@ def check_arguments(cfg, checkpoint: Optional[str], clean_csv: Optional[str]) ->
         if os.path.realpath(clean_csv) in lists:
             raise ConfigError(f"--write-clean-csv {clean_csv} is one of the data's own lists; the audit never "
                               f"changes the data: name a new file")
+
+
+def check_checkpoint_task(model_task, data_task, checkpoint: str) -> None:
+    """--checkpoint's model must be of the data's task (tasks.Task): a multi-label (sigmoid) model's scores are
+    no class distribution for the single-label label-error search (it named 18 'label errors' from one)."""
+    if model_task.name != data_task.name:
+        raise ConfigError(f"--checkpoint {checkpoint}: a {model_task.title} model, but the data is "
+                          f"{data_task.title} (data.task); pass a model trained on this task, or --folds K")

@@ -91,3 +91,17 @@ def _is_out_of_memory(err: Exception) -> bool:
 
         return is_out_of_memory(err)
     return "out of memory" in str(err).lower()
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (nan and inf are refused, exit 2: a NaN threshold rejects nothing)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number is needed")
+    return value

@@ -12,6 +12,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from engine.runtime.device import amp_setting, pin_memory_for
 from commands.eval_errors import misclassified
+from commands.output_roles import check_eval_outputs
 from engine.evaluation.calibration import apply_temperature, reliability_bins
 from engine.evaluation.evaluate import check_finite_outputs, evaluate
 from engine.evaluation.split_outputs import OutputRecorder
@@ -41,7 +42,8 @@ class EvalResult:
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
-                        classes_file: str | None = None, reject_below: float | None = None) -> EvalResult:
+                        classes_file: str | None = None, reject_below: float | None = None,
+                        outputs: dict | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -73,6 +75,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
+    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability")}
+    for flag in (name for name, value in given.items() if value is not None):
+        loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
+    check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root,
+                       getattr(index, "paths", ()))
 
     predictor = Predictor.from_model_file(loaded, None, for_serving=False)
     model, transform = predictor.model, predictor.transform
@@ -90,19 +97,19 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
         recorder.close()
     skipped = [index.paths[i] for i in sorted(unreadable)]
     settings = evaluation_settings(predictor, source, tta)
-    outputs = recorder.outputs()
+    recorded = recorder.outputs()
     trust, reliability = None, None
-    if calibrated and len(outputs):
-        trust = trust_metrics(outputs, loaded.calibration, reject_below, log_probs=tta)
-        reliability = reliability_bins(apply_temperature(outputs.logits, trust["temperature"]), outputs.labels)
+    if calibrated and len(recorded):
+        trust = trust_metrics(recorded, loaded.calibration, reject_below, log_probs=tta)
+        reliability = reliability_bins(apply_temperature(recorded.logits, trust["temperature"]), recorded.labels)
     if not calibrated:
         settings["thresholds"] = ("tuned in training (recorded in the model)" if loaded.thresholds else
                                   "0.5 (none recorded)")
-    errors = (misclassified(outputs, getattr(index, "paths", None), loaded.classes, trust and trust["temperature"])
+    errors = (misclassified(recorded, getattr(index, "paths", None), loaded.classes, trust and trust["temperature"])
               if task.supports("misclassified images") else None)
     metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
-    rows = prediction_rows(predictor, outputs, index.paths, tta)
+    rows = prediction_rows(predictor, recorded, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
                       predictor.delimiter, errors)
 

@@ -11,6 +11,7 @@ from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.prediction.predictor import Predictor
 from engine.prediction.trust import TrustOptions, explain_rows, extra_columns
 from engine.runtime.device import amp_setting
+from commands.output_roles import check_infer_outputs
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     else:
         print(f"checkpoint: {checkpoint}", file=sys.stderr)
     trust = trust or TrustOptions()
+    check_infer_outputs(inputs, paths, checkpoint, classes_file, output, trust.explain_dir)
     predictor = Predictor.open(checkpoint, device_setting, amp, topk, trust, threshold, classes_file,
                                compile_model=compile_model)
     loaded = predictor.model_file
@@ -73,7 +75,8 @@ def report_trust(predictor: Predictor, paths: list[str], rows: list[dict], trust
               f"{rejector.threshold:.4g})", file=sys.stderr)
     if trust.explain_dir:
         explain_rows(predictor.model_file, paths, rows, predictor.classes, trust.explain_dir)
-        print(f"wrote Grad-CAM overlays to {trust.explain_dir}", file=sys.stderr)
+        each = " (one per called tag)" if predictor.task.explains_each_label else ""
+        print(f"wrote Grad-CAM overlays{each} to {trust.explain_dir}", file=sys.stderr)
 
 
 def fixed_batch_size(loaded, asked: Optional[int]) -> int:

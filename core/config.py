@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from core.errors import ConfigError
+from core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
 from core.paths import not_a_regular_file
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -195,8 +196,8 @@ class OutputConfig:
 @dataclass
 class CalibrationConfig:
     # auto: fit one temperature on the validation split after training; none: plain softmax; a number: that T
-    temperature: Union[float, Literal["auto", "none"]] = field(default="auto", metadata=_range(0.0, 100.0, lo_open=True,
-                                                                                                 resume_free=True))
+    temperature: Union[float, Literal["auto", "none"]] = field(default="auto", metadata=_range(
+        MIN_TEMPERATURE, MAX_TEMPERATURE, resume_free=True))
     coverage: float = field(default=0.95, metadata=_range(0.0, 1.0, lo_open=True, resume_free=True))
 
 
@@ -219,6 +220,8 @@ class AuditConfig:
     folds: int = field(default=4, metadata=_range(0, 100, resume_free=True))
     fold_epochs: Optional[int] = field(default=None, metadata=_range(1, resume_free=True))
     near_threshold: int = field(default=6, metadata=_range(0, 64, resume_free=True))
+    # a pHash candidate is a copy when its 32x32 thumbnails' aligned NCC reaches this (null: pHash alone)
+    pixel_threshold: Optional[float] = field(default=0.99, metadata=_range(-1.0, 1.0, resume_free=True))
     min_class_images: int = field(default=20, metadata=_range(0, resume_free=True))
     drop_label_issues: int = field(default=0, metadata=_range(0, resume_free=True))
     seed: int = field(default=0, metadata=_range(0, SEED_LIMIT, resume_free=True))
@@ -322,11 +325,18 @@ def check_expanded_size(value: Any, source: str) -> None:
             stack.extend((v, depth + 1) for v in item)
 
 
+# keys whose override value is taken as written (unless quoted): YAML reads ',' as an error and '|' as an
+# empty block scalar, though both are delimiters people use
+LITERAL_STRING_KEYS = ("data.label_delimiter",)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like KEY=VALUE (for example train.epochs=3)")
     key, raw = text.split("=", 1)
     key = key.strip()
+    if key in LITERAL_STRING_KEYS and raw and not (len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\""):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:

@@ -58,3 +58,43 @@ def check_output_file(flag: str, path: Optional[str], suffix: Optional[str] = No
     if outside_runs and any((target.parent / marker).exists() for marker in RUN_DIR_MARKERS):
         raise ConfigError(f"{flag} {path}: {target.parent} is a run directory; this command writes nothing "
                           f"into runs, choose another folder")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_outputs_apart(outputs: dict, input_files: dict, input_dirs: dict = None, output_dirs: dict = None
+                        ) -> None:
+    """ConfigError (exit 2) before any work when a command would write over what it reads. `outputs`:
+    flag -> output file; `output_dirs`: flag -> a folder the command writes files into; `input_files`: role ->
+    the files it reads (an input image or list, the classes file, the checkpoint); `input_dirs`: role -> the
+    folders it reads from (the data root, an input folder). Refused: an output file that is an input file or
+    lies inside an input folder; an output folder that holds an input file or overlaps an input folder.
+    Paths compare resolved (symlinks followed, relative to the working directory)."""
+    real = os.path.realpath
+    files = [(role, f, real(f)) for role, paths in input_files.items() for f in (paths or ()) if f]
+    dirs = [(role, d, real(d)) for role, paths in (input_dirs or {}).items() for d in (paths or ()) if d]
+    for flag, out in outputs.items():
+        if not out:
+            continue
+        target = real(out)
+        for role, f, rf in files:
+            if target == rf:
+                raise ConfigError(f"{flag} {out}: is the {role} {f}, which this command reads; name a new file")
+        for role, d, rd in dirs:
+            if _inside(target, rd):
+                raise ConfigError(f"{flag} {out}: lies inside the {role} {d}, which this command reads from; "
+                                  f"write it elsewhere")
+    for flag, out in (output_dirs or {}).items():
+        if not out:
+            continue
+        target = real(out)
+        for role, f, rf in files:
+            if _inside(rf, target):
+                raise ConfigError(f"{flag} {out}: holds the {role} {f}, which this command reads; name a folder "
+                                  f"that holds no input")
+        for role, d, rd in dirs:
+            if _inside(target, rd) or _inside(rd, target):
+                raise ConfigError(f"{flag} {out}: overlaps the {role} {d}, which this command reads from; name a "
+                                  f"folder outside it")

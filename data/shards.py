@@ -453,7 +453,7 @@ def source_index(source: Path, root: Optional[str], labels: Optional[ClassLabels
 
     base = Path(root) if root else source.parent
     rows = read_csv_rows(source, "path", "label", allow_empty_label=labels.allows_empty_label)
-    classes = labels.classes_of(rows)
+    classes = labels.classes_of(rows, f"CSV list {source}")
     index, missing = labels.csv_index(source, base, rows, classes, "labels")
     if missing:
         log.warning("%d of %d row(s) of %s name files that do not exist, left out: %s", len(missing),

@@ -1,6 +1,10 @@
 """The HTTP API (FastAPI): `POST /predict` takes an image as the raw body or as a multipart `file` field
-and answers infer.py's JSON row for it; `GET /health` describes the loaded model. Bodies over `max_bytes`
-get 413 before they are read whole; an image that cannot be decoded gets 400 with a JSON error naming the
+and answers infer.py's JSON row for it; `GET /health` describes the loaded model. A body over `max_bytes`
+gets 413 after the rest of it is read and thrown away (kept: at most `max_bytes`), so a client that sends
+its whole body before reading (no `Expect: 100-continue`: urllib, requests) reads the 413 instead of a
+reset; a body (or a declared length) over `drain_bytes` gets 413 at once and the connection is closed. A
+body that has not arrived within `body_timeout_s` gets 408 and the connection is closed (a slow client
+holds no connection longer). An image that cannot be decoded gets 400 with a JSON error naming the
 problem; with an API key, `/predict` wants `Authorization: Bearer KEY` (401). One access-log line per
 request with its status and latency.
 """
@@ -36,28 +40,41 @@ class ServeSettings:
     decode_workers: int = 2
     max_bytes: int = 10_000_000
     api_key: Optional[str] = None
+    drain_bytes: int = 64_000_000   # an oversized body up to this is read and discarded before the 413
+    body_timeout_s: float = 30.0    # the whole body must arrive within this (408 and close after)
 
 
 class BodyTooLarge(Exception):
-    pass
+    """args: (bytes seen or declared, whether the body was read to its end)."""
 
 
 def error(status: int, kind: str, detail: str) -> JSONResponse:
     return JSONResponse({"error": kind, "detail": detail}, status_code=status)
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, or BodyTooLarge as soon as it (or its declared length) passes `max_bytes`."""
+async def read_body(request: Request, max_bytes: int, drain_bytes: int) -> bytes:
+    """The whole body, or BodyTooLarge when it passes `max_bytes`: after reading (and dropping) the rest of
+    it when it ends within `drain_bytes`, at once (not read to its end) when it, or its declared length,
+    passes `drain_bytes`. At most `max_bytes` are kept in memory."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(int(declared))
+    if declared is not None and declared.isdigit() and int(declared) > max(max_bytes, drain_bytes):
+        raise BodyTooLarge(int(declared), False)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLarge(size)
-        chunks.append(chunk)
+        if size > max(max_bytes, drain_bytes):
+            raise BodyTooLarge(size, False)
+        if size <= max_bytes:
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise BodyTooLarge(size, True)
     return b"".join(chunks)
+
+
+def closing(response: JSONResponse) -> JSONResponse:
+    """The response, with the connection closed after it (a body left unread cannot be skipped)."""
+    response.headers["Connection"] = "close"
+    return response
 
 
 async def multipart_file(request: Request, body: bytes) -> tuple[bytes, Optional[str]]:
@@ -129,10 +146,16 @@ def create_app(served: "ServedModel", settings: ServeSettings) -> FastAPI:
     @app.post("/predict")
     async def predict(request: Request):
         try:
-            body = await read_body(request, settings.max_bytes)
+            body = await asyncio.wait_for(read_body(request, settings.max_bytes, settings.drain_bytes),
+                                          settings.body_timeout_s)
         except BodyTooLarge as err:
-            return error(413, "too_large", f"the body has {err.args[0]} bytes, above --max-bytes "
-                                           f"{settings.max_bytes}")
+            size, drained = err.args
+            response = error(413, "too_large", f"the body has {'' if drained else 'at least '}{size} bytes, above "
+                                               f"--max-bytes {settings.max_bytes}")
+            return response if drained else closing(response)
+        except (asyncio.TimeoutError, TimeoutError):
+            return closing(error(408, "body_timeout", f"the body did not arrive within --body-timeout "
+                                                      f"{settings.body_timeout_s:g} s"))
         try:
             name = None
             if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):

@@ -88,7 +88,8 @@ class ServedModel:
     def health(self) -> dict:
         cfg = self.model_file.cfg
         return {"status": "ok", "model": cfg.model.name, "model_format": self.model_file.kind,
-                "checkpoint": str(self.model_file.path), "epoch": self.model_file.epoch,
+                "checkpoint": self.model_file.path.name,  # the name only: /health needs no key
+                "epoch": self.model_file.epoch,
                 "num_classes": len(self.classes), "classes": list(self.classes), "topk": self.predictor.topk,
                 "preprocessing": preprocessing_record(cfg), "device": str(self.device_input.device),
                 "precision": precision_name(self.device_input.amp_dtype), "batch_shapes": self.shapes}

@@ -34,6 +34,8 @@ class Predictions:
 
 class Task:
     name: str = ""                       # the data.task value
+    title: str = ""                      # the kind of model in messages: single-label | multi-label
+    explains_each_label: bool = False    # --explain draws one overlay per called label (named by it)
     label_format: str = ""               # how samples carry labels (data/listing/labels.py): class | tags
     activation: str = ""                 # what turns its logits into probabilities: softmax | sigmoid
     metrics: tuple[Metric, ...] = ()     # every validation number, declared once (tasks/metric.py)
@@ -51,6 +53,11 @@ class Task:
         """ConfigError naming `feature` (a flag or key) when this task does not have it."""
         if feature in self.unsupported:
             raise ConfigError(f"{feature}: {self.unsupported[feature]}")
+
+    def explained_labels(self, row: dict) -> list[str]:
+        """The class names --explain draws an overlay for in a classified row: the predicted class (the
+        would-be label of a rejected image)."""
+        return [row.get("predicted") or row["label"]]
 
     def supports(self, feature: str) -> bool:
         return feature not in self.unsupported

@@ -20,8 +20,10 @@ def _figure(name: str, **kw) -> Metric:
 
 class MultiLabel(Task):
     name = "multilabel"
+    title = "multi-label"
     label_format = "tags"
     activation = "sigmoid"
+    explains_each_label = True
     metrics = (Metric("mAP"), _figure("micro_f1"), _figure("macro_f1"), _figure("precision", in_csv=False),
                _figure("recall", in_csv=False), _figure("micro_f1_at_0.5", in_csv=False),
                _figure("macro_f1_at_0.5", in_csv=False),
@@ -67,6 +69,10 @@ class MultiLabel(Task):
             raise ConfigError("'data.sampler' = weighted draws images by the inverse frequency of their one class; a "
                               "multi-label image has several or none. Use data.sampler=random with data.task=multilabel "
                               "(train.loss=asl down-weights the many easy negatives instead)")
+
+    def explained_labels(self, row: dict) -> list[str]:
+        """Each called tag of the row (one overlay per tag)."""
+        return list(row["labels"])
 
     def model_file_extras(self, metrics: dict) -> dict:
         return {"thresholds": [float(t) for t in metrics["thresholds"]]}

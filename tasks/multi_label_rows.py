@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from core.outputs import finite_or_null
 from tasks.multi_label_metrics import DEFAULT_THRESHOLD, predicted
+from tasks.single_label_rows import EXPLAIN_COLUMNS
 
 
 def applied_thresholds(recorded: Optional[list[float]], override: Optional[float], count: int) -> list[float]:
@@ -54,12 +56,14 @@ def format_tag_table(rows: list[dict], delimiter: str) -> str:
 
 def write_tag_rows(rows: list[dict], path: str | Path, classes: list[str], delimiter: str,
                    extra: list[str] = ()) -> None:
-    """`extra`: columns after `error` (eval.py's `target`)."""
+    """`extra`: columns after `error` (eval.py's `target`, --explain's peak and overlay); the JSON keeps
+    `explain` as a list instead of the CSV's flat explain columns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
-        doc = [{k: r.get(k) for k in ("path", "labels", "probs", "error", *extra)} for r in rows]
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        keys = ("path", "labels", "probs", "error", *(k for k in extra if k not in EXPLAIN_COLUMNS))
+        doc = [{k: r.get(k) for k in keys} | ({"explain": r["explain"]} if "explain" in r else {}) for r in rows]
+        path.write_text(json.dumps(finite_or_null(doc), indent=1, allow_nan=False) + "\n")
         return
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")

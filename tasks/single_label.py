@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the task registry loads without torch (config validation, -
 
 class SingleLabel(Task):
     name = "multiclass"
+    title = "single-label"
     label_format = "class"
     activation = "softmax"
     metrics = (Metric("top1"), Metric("top5"), LOSS, Metric("mean_class_acc"), NUM_SAMPLES)

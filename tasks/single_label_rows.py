@@ -6,6 +6,8 @@ import csv
 import json
 from pathlib import Path
 
+from core.outputs import finite_or_null
+
 # --explain's CSV columns; the JSON keeps `explain` as a list instead
 EXPLAIN_COLUMNS = ["explain_peak", "explain_overlay"]
 
@@ -72,7 +74,7 @@ def write_rows(rows: list[dict], path: str | Path, k: int, extra: list[str] = ()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
         json_rows = [{key: value for key, value in row.items() if key not in EXPLAIN_COLUMNS} for row in rows]
-        path.write_text(json.dumps(json_rows, indent=1) + "\n")
+        path.write_text(json.dumps(finite_or_null(json_rows), indent=1, allow_nan=False) + "\n")
         return
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=result_columns(k) + list(extra), lineterminator="\n",

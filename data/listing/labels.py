@@ -14,7 +14,7 @@ import torch
 from data.listing.csv_list import check_no_empty_classes, csv_index
 from data.listing.split import index_from_record, split_index
 from data.listing.tag_split import split_tag_index, tag_index_from_record
-from data.listing.tags import tag_classes, tag_csv_index
+from data.listing.tags import check_tag_names, tag_classes, tag_csv_index
 from tasks import get_task
 
 TAGS_KEY = "tags"
@@ -29,9 +29,13 @@ class ClassLabels:
     def __init__(self, delimiter: str = " "):
         self.delimiter = delimiter  # between tags (formats with tags only)
 
-    def classes_of(self, rows) -> list[str]:
+    def classes_of(self, rows, where: str = "the training list") -> list[str]:
         """The class list of a CSV list's rows (without data.classes): its sorted labels."""
         return sorted({row.label for row in rows})
+
+    def check_class_names(self, names: list[str], where: str) -> list[str]:
+        """`names` (data.classes) as they may name classes of this format; DataTreeError naming `where`."""
+        return names
 
     def csv_index(self, csv_path, base: Path, rows, classes: list[str], known_as: str):
         """(index, missing files) of a CSV list's rows."""
@@ -82,8 +86,12 @@ class TagLabels(ClassLabels):
     classes_from = "tags of the training list"
     folder_tree = False
 
-    def classes_of(self, rows) -> list[str]:
-        return tag_classes(rows, self.delimiter)
+    def classes_of(self, rows, where: str = "the training list") -> list[str]:
+        return tag_classes(rows, self.delimiter, where)
+
+    def check_class_names(self, names: list[str], where: str) -> list[str]:
+        """No control character, none of infer.py's own CSV columns (data.listing.tags.check_tag_names)."""
+        return check_tag_names(names, where)
 
     def csv_index(self, csv_path, base: Path, rows, classes: list[str], known_as: str):
         return tag_csv_index(csv_path, base, rows, classes, known_as, self.delimiter)

@@ -53,10 +53,11 @@ def load_csv_list(d, csv_path: str, rows: list[CsvRow], classes: list[str], know
 def csv_classes(d, train_rows: list[CsvRow]) -> tuple[list[str], str]:
     """The class list of a CSV source and how to name it in messages: `data.classes`, or the sorted set of
     the training list's labels."""
-    if d.classes:
-        return read_class_list(Path(d.classes).expanduser()), f"classes in {d.classes}"
     labels = label_format(d)
-    return labels.classes_of(train_rows), labels.classes_from
+    if d.classes:
+        names = labels.check_class_names(read_class_list(Path(d.classes).expanduser()), f"'data.classes' = {d.classes}")
+        return names, f"classes in {d.classes}"
+    return labels.classes_of(train_rows, f"CSV list {d.train_csv}"), labels.classes_from
 
 
 def scan_csv(d) -> DataSources:

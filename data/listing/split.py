@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import DataTreeError
+
 from data.listing.folder import ImageIndex
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,22 @@ class SplitRecord:
         return dict(self.__dict__)
 
 
+def check_split_sides(train: list, val: list, fraction: float) -> None:
+    """DataTreeError (exit 2, before training) when a hold-out split leaves either side empty."""
+    if not train or not val:
+        empty = "validation" if not val else "training"
+        raise DataTreeError(f"data.val_fraction={fraction}: the split of {len(train) + len(val)} image(s) leaves "
+                            f"the {empty} side empty; use more images, another data.val_fraction, or a "
+                            f"validation list (data.val_csv)")
+
+
 def split_index(index: ImageIndex, base: Path, fraction: float, seed: int
                 ) -> tuple[ImageIndex, ImageIndex, SplitRecord]:
     """Split `index` (paths under `base`) into training and validation indexes and their record. A class with
-    a single file stays in training, named in a warning."""
+    a single file stays in training, named in a warning; a side left empty is a DataTreeError."""
     keys = [relative_key(p, base) for p in index.paths]
     train, val = split_positions(keys, index.labels, fraction, seed)
+    check_split_sides(train, val, fraction)
     singles = [name for name, n in zip(index.classes, index.class_counts()) if n == 1]
     if singles:
         log.warning("data.val_fraction: %d class(es) have a single image, kept for training and absent from "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.listing.split import SplitRecord, relative_key
+from data.listing.split import SplitRecord, check_split_sides, relative_key
 from data.listing.tags import TagIndex
 
 
@@ -24,6 +24,8 @@ def tag_split_positions(keys: list[str], labels: list[tuple], num_classes: int, 
     from iterstrat.ml_stratifiers import MultilabelStratifiedShuffleSplit
 
     n = len(keys)
+    if n < 2:
+        check_split_sides(list(range(n)), [], fraction)
     order = sorted(range(n), key=lambda p: hashlib.sha256(f"{seed}\0{keys[p]}".encode()).digest())
     matrix = np.zeros((n, num_classes), dtype=np.int64)
     for row, p in enumerate(order):
@@ -42,6 +44,7 @@ def split_tag_index(index: TagIndex, base: Path, fraction: float, seed: int
     lists of class positions, what a checkpoint can hold)."""
     keys = [relative_key(p, base) for p in index.paths]
     train, val = tag_split_positions(keys, index.labels, len(index.classes), fraction, seed)
+    check_split_sides(train, val, fraction)
 
     def side(positions):
         return TagIndex(index.root, list(index.classes), [index.paths[p] for p in positions],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +23,16 @@ from core.errors import DataTreeError
 from data.listing.folder import ImageIndex
 
 
+# infer.py's CSV columns beside the one per class: a class of one of these names would be read as the other
+RESERVED_TAGS = ("path", "labels", "probs", "error")
+
+
 def parse_tags(text: str, delimiter: str) -> list[str]:
-    """The tags of one label field, in order, each once; [] for an empty field."""
+    """The tags of one label field, in order, each once; [] for an empty field. Tags are compared in Unicode
+    NFC form, so the composed and decomposed spellings of one tag (e with an acute accent typed either way)
+    are one class."""
     tags: list[str] = []
-    for piece in text.split(delimiter):
+    for piece in unicodedata.normalize("NFC", text).split(delimiter):
         tag = piece.strip()
         if tag and tag not in tags:
             tags.append(tag)
@@ -60,9 +67,29 @@ class TagIndex(ImageIndex):
         return self.delimiter.join(self.classes[c] for c in label)
 
 
-def tag_classes(rows, delimiter: str) -> list[str]:
-    """The sorted union of the tags of `rows` (the class list when `data.classes` is not set)."""
-    return sorted({tag for row in rows for tag in parse_tags(row.label, delimiter)})
+def check_tag_names(tags: list[str], where: str) -> list[str]:
+    """`tags` as they may name classes, or DataTreeError (exit 2) naming `where` they came from: a tag with a
+    control character (a newline split the shard writer's classes.txt into one class more than the data has)
+    or one of RESERVED_TAGS (infer.py's CSV has a column of that name already)."""
+    for tag in tags:
+        if any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in tag):
+            raise DataTreeError(f"{where}: tag {tag!r} holds a control character (a newline, a tab, ...); tags "
+                                f"are printable names")
+        if tag in RESERVED_TAGS:
+            raise DataTreeError(f"{where}: tag '{tag}' is reserved ({', '.join(RESERVED_TAGS)} are infer.py's "
+                                f"CSV columns beside one column per class); rename it")
+    return tags
+
+
+def tag_classes(rows, delimiter: str, where: str = "the training list") -> list[str]:
+    """The sorted union of the tags of `rows` (the class list when `data.classes` is not set); DataTreeError
+    when there is none (an all-negative list names its classes in data.classes) or a tag cannot be a class
+    name (`check_tag_names`)."""
+    tags = sorted({tag for row in rows for tag in parse_tags(row.label, delimiter)})
+    if not tags:
+        raise DataTreeError(f"{where}: no row has a tag, so the classes are unknown; an all-negative list needs "
+                            f"the class names in data.classes (one per line)")
+    return check_tag_names(tags, where)
 
 
 def unknown_tag_message(csv_path, line: int, tag: str, classes: list[str], known_as: str) -> str:

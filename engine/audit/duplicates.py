@@ -1,13 +1,14 @@
-"""Exact and near duplicates inside a split, and leaks across splits: pure functions of the hashes.
+"""Groups of copies among the images: pure functions of the hashes (and a confirmation callback).
 
-Near means a perceptual-hash Hamming distance up to a threshold; exact means the same SHA-256 of the file's
-bytes. Pairs are found by comparing every hash with every other in blocks (XOR and a bit count over uint64
-arrays): exact and fast up to some 10^5 images per split.
+Near means a perceptual-hash Hamming distance up to a threshold, confirmed pixel by pixel
+(engine.audit.pixel_match); exact means the same SHA-256 of the file's bytes. Candidates are found by
+comparing every hash with every other in blocks (XOR and a bit count over uint64 arrays): exact and fast up
+to some 10^5 images.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -42,54 +43,47 @@ def exact_groups(digests: list[str]) -> list[list[int]]:
     return [members for members in by_digest.values() if len(members) > 1]
 
 
-def connected_groups(n: int, pairs: list[tuple[int, int, int]]) -> list[list[int]]:
-    """The connected components (two or more members, sorted) of the graph whose edges are `pairs`."""
-    parent = list(range(n))
+def copy_groups(digests: list[str], hashes: np.ndarray, threshold: int, near_ok: list[bool],
+                confirm: Optional[Callable[[int, np.ndarray], np.ndarray]] = None) -> list[dict]:
+    """Groups of copies among all the images, whatever their split: {"members": sorted positions, "exact":
+    all members share one SHA-256, "distance": the largest pHash distance of an edge that joined them}.
+    Byte-identical files always join; a pHash candidate (within `threshold` bits, both `near_ok`) joins only
+    when `confirm(i, candidates)` (a bool per candidate j) says it is a copy. Nothing grows with the square of
+    the copies: the candidates are found block by block, and a candidate already in i's group is skipped
+    before any confirmation, so a cluster of k near-identical images costs about k confirmations per row,
+    and the groups are held as one label per image."""
+    n = len(digests)
+    group = np.arange(n)
+    largest: dict[int, int] = {}
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def join(i: int, others: np.ndarray, distances: np.ndarray) -> None:
+        labels = np.unique(np.concatenate(([group[i]], group[others])))
+        target = int(labels.min())
+        far = max([largest.pop(int(g), 0) for g in labels] + [int(distances.max()) if len(distances) else 0])
+        if len(labels) > 1:
+            group[np.isin(group, labels)] = target
+        largest[target] = far
 
-    for i, j, _ in pairs:
-        ri, rj = find(i), find(j)
-        if ri != rj:
-            parent[max(ri, rj)] = min(ri, rj)
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i in range(n):
-        groups[find(i)].append(i)
-    return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: g[0])
-
-
-def duplicate_groups(digests: list[str], hashes: np.ndarray, threshold: int,
-                     near_ok: Optional[list[bool]] = None) -> list[dict]:
-    """Groups of copies inside one split: {"members": positions, "kind": "exact" | "near", "distance": the
-    largest pairwise pHash distance that joined them}. A group is exact when all its members share one SHA-256."""
-    pairs = near_pairs(hashes, hashes, threshold, same=True, ok_a=near_ok, ok_b=near_ok)
-    for group in exact_groups(digests):  # byte-identical files always group, whatever the threshold
-        pairs += [(group[0], other, 0) for other in group[1:]]
-    largest: dict[int, int] = defaultdict(int)
-    groups = connected_groups(len(digests), pairs)
-    root_of = {i: g[0] for g in groups for i in g}
-    for i, j, d in pairs:
-        largest[root_of[i]] = max(largest[root_of[i]], d)
-    return [{"members": g, "kind": "exact" if len({digests[i] for i in g}) == 1 else "near",
-             "distance": largest[g[0]]} for g in groups]
-
-
-def leak_pairs(digests_a: list[str], hashes_a: np.ndarray, digests_b: list[str], hashes_b: np.ndarray,
-               threshold: int, near_ok_a: Optional[list[bool]] = None,
-               near_ok_b: Optional[list[bool]] = None) -> list[dict]:
-    """Every pair (a in one split, b in another) that is a copy: {"a", "b", "distance", "exact"}, exact
-    first, then by distance."""
-    found = {(i, j): d for i, j, d in near_pairs(hashes_a, hashes_b, threshold, same=False, ok_a=near_ok_a,
-                                                ok_b=near_ok_b)}
-    by_digest: dict[str, list[int]] = defaultdict(list)
-    for j, digest in enumerate(digests_b):
-        by_digest[digest].append(j)
-    for i, digest in enumerate(digests_a):
-        for j in by_digest.get(digest, ()):
-            found[(i, j)] = 0
-    leaks = [{"a": i, "b": j, "distance": d, "exact": digests_a[i] == digests_b[j]} for (i, j), d in found.items()]
-    return sorted(leaks, key=lambda x: (not x["exact"], x["distance"], x["a"], x["b"]))
+    for members in exact_groups(digests):
+        join(members[0], np.array(members[1:]), np.zeros(0, dtype=np.int64))
+    ok = np.asarray(near_ok, dtype=bool)
+    for start in range(0, n, BLOCK):
+        block = hashes[start:start + BLOCK]
+        dist = np.bitwise_count(block[:, None] ^ hashes[None, :])
+        for r in range(len(block)):
+            i = start + r
+            if not ok[i]:
+                continue
+            cols = np.nonzero((dist[r, i + 1:] <= threshold) & ok[i + 1:])[0] + i + 1
+            cols = cols[group[cols] != group[i]]
+            if not len(cols):
+                continue
+            if confirm is not None:
+                cols = cols[confirm(i, cols)]
+            if len(cols):
+                join(i, cols, dist[r, cols].astype(np.int64))
+    by_label: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(group.tolist()):
+        by_label[g].append(i)
+    return [{"members": m, "exact": len({digests[i] for i in m}) == 1, "distance": largest.get(g, 0)}
+            for g, m in sorted(by_label.items()) if len(m) > 1]

@@ -1,6 +1,7 @@
 """Per-image facts for the audit, computed in DataLoader workers: the SHA-256 of the file's bytes (exact
 copies), a 64-bit perceptual hash (imagehash's pHash of the image decoded exactly as training decodes it:
-EXIF orientation, 16-bit and alpha handling, by `data.images`), and the stored size, mode and format.
+EXIF orientation, 16-bit and alpha handling, by `data.images`), a 32x32 grayscale thumbnail that confirms
+near matches pixel by pixel (engine.audit.pixel_match), and the stored size, mode and format.
 
 A file that cannot be opened or decoded gets its reason instead (the message training would log).
 """
@@ -14,6 +15,7 @@ import imagehash
 from torch.utils.data import DataLoader, Dataset
 
 from data.file_list import describe_failure
+from engine.audit.pixel_match import reencode_score, thumbnail
 from data.images import ImageDecodeError, decode_rgb, open_image, oriented_size
 
 
@@ -26,6 +28,8 @@ class ImageFacts:
     mode: str = ""          # as stored ('RGB', 'L', 'RGBA', 'I;16', ...)
     format: str = ""
     error: Optional[str] = None
+    thumb: bytes = b""      # engine.audit.pixel_match.thumbnail: confirms a pHash candidate pixel by pixel
+    reencode: float = 1.0   # engine.audit.pixel_match.reencode_score: what a harmless copy of it scores
 
 
 def image_facts(path: str) -> ImageFacts:
@@ -37,7 +41,8 @@ def image_facts(path: str) -> ImageFacts:
         rgb = decode_rgb(img, path)
     except (ImageDecodeError, OSError) as err:
         return ImageFacts(error=describe_failure(path, err))
-    return ImageFacts(digest, int(str(imagehash.phash(rgb)), 16), width, height, mode, fmt)
+    return ImageFacts(digest, int(str(imagehash.phash(rgb)), 16), width, height, mode, fmt, thumb=thumbnail(rgb),
+                      reencode=reencode_score(rgb))
 
 
 class FactsDataset(Dataset):

@@ -61,14 +61,19 @@ def render(report: dict, files: dict[str, str], title: str) -> str:
 
     leaks = report["leaks"][:MAX_SHOWN]
     leak_rows = []
-    for leak in leaks:
-        a, b = leak["splits"]
+    for leak in leaks:  # one group: up to 4 members of each split it spans
         identical = " (identical bytes)" if leak["exact"] else ""
-        leak_rows.append(f'<div class="row leak">{fig(leak[a], a)}{fig(leak[b], b)}'
-                         f'<span class="note">distance {leak["distance"]}{identical}</span></div>')
+        shown = "".join(fig(p, s) for s in leak["splits"] for p in leak[s][:4])
+        leak_rows.append(f'<div class="row leak">{shown}<span class="note">{leak["count"]} images, distance '
+                         f'{leak["distance"]}{identical}</span></div>')
     dup_rows = [f'<div class="row dup"><span class="note">{html.escape(g["split"])}, {g["kind"]}, '
                 f'distance up to {g["distance"]}</span>{"".join(fig(p) for p in g["paths"][:12])}</div>'
                 for g in report["duplicates"][:MAX_SHOWN]]
+    conflict_rows = []
+    for conflict in report.get("label_conflicts", [])[:MAX_SHOWN]:
+        shown = list(zip(conflict["paths"], conflict["labels"]))[:12]
+        conflict_rows.append('<div class="row conflict">' + "".join(fig(p, "label: " + label) for p, label in shown)
+                             + "</div>")
     issue_rows = [f'<div class="row issue">{fig(i["path"], "given: " + i["given"])}<span class="note">suggested: '
                   f'<b>{html.escape(i["suggested"])}</b>, p(given) = {i["score"]:.3f}</span></div>'
                   for i in report["label_issues"][:MAX_SHOWN]]
@@ -87,6 +92,8 @@ def render(report: dict, files: dict[str, str], title: str) -> str:
         _section("Leaks: the same image in two splits", leak_rows, len(report["leaks"]), "no leaks found",
                  "the most serious finding: a validation image that training also sees inflates the accuracy"),
         _section("Duplicates inside a split", dup_rows, len(report["duplicates"]), "no duplicates found"),
+        _section("Label conflicts: one image, different labels", conflict_rows,
+                 len(report.get("label_conflicts", [])), "no label conflicts found"),
         _section("Likely label errors", issue_rows, len(report["label_issues"]),
                  "no likely label errors found" if report["label_issues_source"] else "label issues not searched",
                  report.get("label_issues_note", "")),

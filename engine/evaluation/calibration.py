@@ -13,10 +13,11 @@ from typing import Optional
 
 import torch
 
+from core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
+
 ECE_BINS = 15
-# the fitted temperature stays within these bounds (log-space search); a split too small or too easy to
-# pin it down (every sample right with any confidence) ends at a bound rather than at 0 or infinity
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
+# the fitted temperature stays within core.temperature's bounds (log-space search); a split too small or too
+# easy to pin it down (every sample right with any confidence) ends at a bound rather than at 0 or infinity
 # below this many validation images the fitted temperature is reported as uncertain
 MIN_CALIBRATION_SAMPLES = 100
 # a temperature below 1 (sharper than the plain softmax) needs at least this many validation errors to rest on
@@ -54,7 +55,7 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
         return loss
     optimizer.step(closure)
     t = float(log_t.detach().exp())
-    if not math.isfinite(t):
+    if not math.isfinite(t):  # NaN logits or labels the NLL cannot fit: the plain softmax
         return 1.0
     return min(max(t, MIN_TEMPERATURE), MAX_TEMPERATURE)
 

@@ -14,6 +14,8 @@ from typing import Optional, Union
 
 import torch
 
+from core.errors import ConfigError
+from core.temperature import temperature_problem
 from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from engine.evaluation.split_outputs import SplitOutputs
@@ -25,13 +27,18 @@ from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBI
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
     """calibration.temperature: `auto` fits on the validation outputs (`calibrated_temperature`'s rule, with
-    its notes), `none` is None, a number is itself."""
-    if setting == "auto":
-        fit = calibrated_temperature(val.logits, val.labels)
-        return fit.temperature, fit.notes
+    its notes), `none` is None, a number is itself; either way within core.temperature's range (the config's
+    check and the fit's clamp keep to it; a stored record is checked too)."""
     if setting == "none":
         return None, []
-    return float(setting), []
+    if setting == "auto":
+        fit = calibrated_temperature(val.logits, val.labels)
+        t, notes = fit.temperature, fit.notes
+    else:
+        t, notes = float(setting), []
+    if temperature_problem(t):
+        raise ConfigError(f"calibration.temperature: {temperature_problem(t)}")
+    return t, notes
 
 
 def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:

@@ -10,10 +10,12 @@ from typing import Callable, Optional
 import torch
 
 from core.config import Config
+from core.temperature import check_calibration_record
 from data.build import eval_transform
 from data.transforms import EvalTransform
 from tasks import task_of
 from tasks.base import Task
+
 
 @dataclass
 class ModelFile:
@@ -32,6 +34,9 @@ class ModelFile:
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (engine.evaluation.trust); exports: numbers only
     thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
+
+    def __post_init__(self):
+        check_calibration_record(self.calibration, self.path)
 
     @property
     def task(self) -> Task:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 UNKNOWN = "unknown"
 REJECT_COLUMNS = ["predicted", "score"]
 EXPLAIN_BATCH = 16
+OVERLAY_MAX_SIDE = 1024  # an overlay's longer side, in pixels (the original scaled down to it when larger)
 
 
 @dataclass
@@ -113,36 +114,84 @@ def apply_reject(rows: list[dict], scores: torch.Tensor, rejector: Rejector) -> 
     return rejected
 
 
+def explain_items(rows: list[dict], classes: list[str], task) -> list[tuple[int, int]]:
+    """(row position, class index) of every overlay to draw: the classes `task.explained_labels` names in each
+    classified row (the predicted class, the would-be label of a rejected one; a multi-label row's called tags)."""
+    items = []
+    for i, row in enumerate(rows):
+        if row.get("error") is not None:
+            continue
+        items += [(i, classes.index(name)) for name in task.explained_labels(row)]
+    return items
+
+
+def overlay_name(position: int, path: str, tag: Optional[str]) -> str:
+    """`00007_stem.png`, or `00007_stem.tag.png` for one of several tags (the tag's unsafe characters as _):
+    the position keeps two inputs of one name apart; the folder holds no input (core.outputs)."""
+    stem = Path(path).stem
+    if tag is None:
+        return f"{position:05d}_{stem}.png"
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tag)
+    return f"{position:05d}_{stem}.{safe}.png"
+
+
+def display_size(width: int, height: int, max_side: int = OVERLAY_MAX_SIDE) -> tuple[int, int, float]:
+    """(width, height, factor) of the overlay: the original scaled down so its longer side is at most
+    `max_side` (a 9000 px photo made a 142 MB overlay and gigabytes of float canvases)."""
+    factor = min(1.0, max_side / max(width, height))
+    return max(1, round(width * factor)), max(1, round(height * factor)), factor
+
+
 def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str], out_dir: str) -> None:
-    """Grad-CAM for each classified row's predicted class (the would-be label of a rejected one): an overlay
-    PNG in `out_dir` and `explain` = [{"label", "peak": [x, y], "overlay"}], peak in the original's pixels."""
-    from data.images import load_rgb
+    """Grad-CAM for each class the model's task explains in a classified row (the predicted class; each of a
+    multi-label row's called tags, the overlay named by the tag): an overlay PNG in `out_dir` (longer side at most OVERLAY_MAX_SIDE) and
+    `explain` = [{"label", "peak": [x, y], "peak_informative", "overlay"}], peak in the original's pixels.
+    A flat heatmap (a feature map of one cell, as at 32 px) has no peak: `peak_informative` is false and
+    the peak is the crop's first pixel, which means nothing."""
+    from PIL import Image
+
+    from data.images import load_rgb, open_image, oriented_size
     from data.transforms import normalize_batch
     from engine.evaluation.explain import (Explainer, crop_geometry, heatmap_on_original, heatmap_peak, to_original,
                                            write_overlay)
-
     model = loaded.build_model(torch.device("cpu"), channels_last=False)
     explainer = Explainer(model)
     log.info("--explain: Grad-CAM on layer '%s'", explainer.layer_name)
     transform = loaded.eval_transform()
     d = loaded.cfg.data
-    todo = [i for i, row in enumerate(rows) if row.get("error") is None]
+    items = explain_items(rows, classes, loaded.task)
+    several = loaded.task.explains_each_label
     out = Path(out_dir)
+    flat = 0
     try:
-        for start in range(0, len(todo), EXPLAIN_BATCH):
-            chunk = todo[start:start + EXPLAIN_BATCH]
-            batch = normalize_batch(torch.stack([transform(paths[i]) for i in chunk]), d.mean, d.std)
-            wanted = [classes.index(rows[i].get("predicted") or rows[i]["label"]) for i in chunk]
-            cams = explainer.heatmaps(batch, wanted)
-            for i, cam, c in zip(chunk, cams, wanted):
-                original = np.asarray(load_rgb(paths[i]))
-                height, width = original.shape[:2]
+        for start in range(0, len(items), EXPLAIN_BATCH):
+            chunk = items[start:start + EXPLAIN_BATCH]
+            batch = normalize_batch(torch.stack([transform(paths[i]) for i, _ in chunk]), d.mean, d.std)
+            cams = explainer.heatmaps(batch, [c for _, c in chunk])
+            for (i, c), cam in zip(chunk, cams):
+                with open_image(paths[i]) as header:  # the size from the header; a JPEG decodes at the
+                    width, height = oriented_size(header)  # overlay's size (draft), not at 9000 px
+                dw, dh, factor = display_size(width, height)
+                image = load_rgb(paths[i], min_size=(dw, dh))
+                shown = np.asarray(image if image.size == (dw, dh) else image.resize((dw, dh), Image.Resampling.BOX))
                 geometry = crop_geometry(width, height, transform.resize_to, transform.img_size)
+                informative = bool(cam.max() - cam.min() > 1e-6)
+                flat += not informative
                 peak = to_original(*heatmap_peak(cam), geometry, width, height)
-                overlay = out / f"{i:05d}_{Path(paths[i]).stem}.png"
-                write_overlay(original, heatmap_on_original(cam, geometry, width, height), overlay, peak)
-                rows[i]["explain"] = [{"label": classes[c], "peak": peak, "overlay": str(overlay)}]
-                rows[i]["explain_peak"] = f"{peak[0]} {peak[1]}"
-                rows[i]["explain_overlay"] = str(overlay)
+                left, top, sx, sy = geometry
+                heat = heatmap_on_original(cam, (left, top, sx / factor, sy / factor), dw, dh)
+                overlay = out / overlay_name(i, paths[i], classes[c] if several else None)
+                write_overlay(shown, heat, overlay, [round(peak[0] * factor), round(peak[1] * factor)]
+                              if informative else None)
+                rows[i].setdefault("explain", []).append({"label": classes[c], "peak": peak,
+                                                          "peak_informative": informative, "overlay": str(overlay)})
+        for row in rows:
+            if row.get("explain"):
+                row["explain_peak"] = " | ".join(f"{e['peak'][0]} {e['peak'][1]}" for e in row["explain"])
+                row["explain_overlay"] = " | ".join(e["overlay"] for e in row["explain"])
     finally:
         explainer.close()
+    if flat:
+        log.warning("--explain: %d of %d heatmap(s) are flat (the model's last feature map has one cell at "
+                    "this input size, or the class gets no gradient): their peak carries no information "
+                    "(peak_informative false)", flat, len(items))

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 from core.errors import CheckpointError
+from core.temperature import check_calibration_record
 from tasks import TASKS
 from tasks.base import Task
 from serving.onnx_only.preprocess import PREPROCESSING_KEYS
@@ -90,6 +91,7 @@ class OnnxExport:
         config = metadata.get("config") or {}
         data = config.get("data") or {}
         calibration = metadata.get("calibration") or {}
+        check_calibration_record(calibration, path)
         thresholds = metadata.get("thresholds")
         if thresholds is not None and (not isinstance(thresholds, list) or len(thresholds) != len(classes)):
             raise CheckpointError(f"{path}: 'thresholds' must be {len(classes)} numbers in [0, 1], one per class")

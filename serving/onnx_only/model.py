@@ -77,7 +77,7 @@ class OnnxServedModel:
 
     def health(self) -> dict:
         e = self.export
-        return {"status": "ok", "model": e.model_name, "model_format": "onnx", "checkpoint": str(e.path),
+        return {"status": "ok", "model": e.model_name, "model_format": "onnx", "checkpoint": e.path.name,
                 "epoch": e.epoch, "num_classes": len(self.classes), "classes": list(self.classes), "topk": self.topk,
                 "preprocessing": e.preprocessing, "device": "cpu", "precision": "fp32", "batch_shapes": self.shapes,
                 "runtime": "onnxruntime"}

@@ -233,3 +233,12 @@ def test_infer_inputs_take_a_csv_lists_paths(csv_data):
     listed = [str(csv_data / path) for path, _ in read_list(csv_data / "val.csv")]
     assert expand_inputs([str(csv_data / "val.csv"), str(csv_data / "images" / "000_0.png")]) == listed + [
         str(csv_data / "images" / "000_0.png")]
+
+
+def test_a_val_fraction_split_with_no_validation_image_exits_2_before_training(tmp_path):
+    """One image per class stays in training: the split held out nothing and a full run trained before the
+    empty validation failed it."""
+    data = make_tree(tmp_path / "data", {"a": 1, "b": 1, "c": 1}, splits=("all",)) / "all"
+    cfg = load_config("base", [f"data.root={data}", "data.val_fraction=0.2"])
+    with pytest.raises(DataTreeError, match="data.val_fraction=0.2: .*validation side empty"):
+        scan_sources(cfg)

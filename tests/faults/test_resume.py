@@ -195,3 +195,50 @@ def test_a_stop_signal_during_a_validation_pass_blocked_in_a_read_saves_and_resu
     done = run_to_end(train_cmd(data_root, run, "checkpoint.every_steps=0", "--resume", "auto"))
     assert "resumed at epoch 1, batch 4, optimizer step 4" in done.stderr
     assert_same_result(run, reference)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_resume_right_after_sigkill_of_the_main_process_while_its_loader_workers_live(data_root, reference,
+                                                                                      tmp_path):
+    """kill -9 of the run alone (its persistent loader workers orphaned, still alive): the directory is free
+    at once, and a resume started right away runs to the end (the flock was shared with the workers: 'in use
+    by another run' naming the dead pid)."""
+    from engine.rundir.run_lock import open_run_dir
+
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    proc = start(train_cmd(data_root, run, "data.persistent_workers=true",
+                           script=paused(marker, f"after_save:{STEPS_PER_EPOCH + 2}")))
+    wait_for(proc, marker.exists, "the pause point")
+    workers = _children(proc.pid)
+    assert len(workers) >= 2, workers
+    os.kill(proc.pid, signal.SIGKILL)  # the main process only
+    proc.wait(timeout=TIMEOUT)
+    marker.unlink()
+    try:
+        alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+        lock = open_run_dir(run)  # taken while the orphans still hold the inherited descriptor
+        assert lock is not None
+        lock.release()
+        assert alive, "the workers had already gone: the check proves nothing"
+        done = run_to_end(train_cmd(data_root, run, "data.persistent_workers=true", "--resume", "auto"))
+        assert "resumed at epoch 2, batch 1, optimizer step 5" in done.stderr
+        assert_same_result(run, reference)
+    finally:
+        for w in workers:
+            try:
+                os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

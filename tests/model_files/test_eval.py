@@ -190,3 +190,31 @@ def test_infer_agrees_with_eval(trained, tmp_path):
         true = reference.classes.index(row["path"].split("/")[-2])
         confusion[true, reference.classes.index(row["label"])] += 1
     assert confusion.tolist() == reference.confusion.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["json_is_the_list", "reliability_is_a_val_image", "json_in_the_root",
+                                  "json_is_the_checkpoint"])
+def test_an_output_over_an_input_exits_2_naming_both_roles(trained, tmp_path, case):
+    """--json onto the evaluated list, --reliability onto a validation image: written over, exit 0."""
+    data, run_dir = trained
+    listing = tmp_path / "list.csv"
+    val_images = sorted((data / "val").rglob("*.png"))
+    listing.write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in val_images))
+    image = tmp_path / "copy.png"
+    shutil.copy(val_images[0], image)
+    listing.write_text(listing.read_text() + f"{image},{val_images[0].parent.name}\n")
+    best = run_dir / "best.pt"
+    args, words = {
+        "json_is_the_list": (["--data", str(listing), "--json", str(listing)], ["--json", "data list"]),
+        "reliability_is_a_val_image": (["--data", str(listing), "--reliability", str(image)],
+                                       ["--reliability", "evaluated image"]),
+        "json_in_the_root": (["--json", str(data / "val" / "report.json")], ["--json", "data root"]),
+        "json_is_the_checkpoint": (["--json", str(best)], ["--json", "checkpoint"]),
+    }[case]
+    before = {p: p.read_bytes() for p in (listing, image, best)}
+    result = run_script("eval.py", "--checkpoint", str(best), *args, "data.num_workers=0")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert all(w in result.stderr for w in words), result.stderr[-2000:]
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (data / "val" / "report.json").exists()

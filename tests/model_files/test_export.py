@@ -341,6 +341,50 @@ def test_pt2_garbage_and_missing_export_are_usage_errors(tmp_path):
         load_model_file(tmp_path / "missing.onnx")
 
 
+@pytest.mark.slow
+def test_onnx_metadata_naming_fewer_classes_than_outputs_exits_2(trained, tmp_path, capsys):
+    """imgcls.classes shorter than the model's output: an IndexError traceback in infer.py."""
+    data, _, exports = trained
+    model = onnx.load(str(exports["onnx"]))
+    for prop in model.metadata_props:
+        if prop.key == "imgcls.classes":
+            prop.value = json.dumps(CLASSES[:2])
+    short = tmp_path / "short.onnx"
+    onnx.save(model, str(short))
+    for main, args in ((infer.main, [str(data / "val" / "b"), "--num-workers", "0"]), (eval_script.main, [])):
+        code, line = _exit(main, [*args, "--checkpoint", str(short)], capsys)
+        assert code == 2 and "names 2 class(es), but the model has 3 outputs" in line
+
+
+@pytest.mark.slow
+def test_a_timm_export_onto_a_full_disk_is_one_line(trained, tmp_path, capsys, monkeypatch):
+    """safetensors' SafetensorError (no space left) was a traceback; the ONNX path said it in one line."""
+    import safetensors.torch
+
+    _, checkpoint, _ = trained
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                          "message: \"No space left on device\" })")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", "timm", "--output",
+                                     str(tmp_path / "timm_out")], capsys)
+    assert code == 1 and line.startswith("error: timm export to ") and "No space left on device" in line
+
+
+def test_an_export_never_lands_on_its_own_checkpoint(tmp_path):
+    from commands.output_roles import check_export_outputs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "best.pt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="--output .*holds the checkpoint"):
+        check_export_outputs(str(run / "best.pt"), str(run), folder_output=True)
+    with pytest.raises(ConfigError, match="--output .*is the checkpoint"):
+        check_export_outputs(str(run / "best.pt"), str(run / "best.pt"), folder_output=False)
+    check_export_outputs(str(run / "best.pt"), str(tmp_path / "model.onnx"), folder_output=False)
+
+
 def test_export_offers_every_registered_export_format():
     """export.py lists its --format choices without importing torch (--help is instant); they are the formats
     registered with a writer."""

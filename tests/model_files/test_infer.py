@@ -294,3 +294,48 @@ def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, im
             probs = (logits / temperature).softmax(1)[0]
             assert row["top1_label"] == loaded.classes[int(probs.argmax())]
             assert row["top1_prob"] == pytest.approx(float(probs.max()), abs=1e-4)
+
+
+# ---------------------------------------------------------------- outputs never written over inputs
+
+
+@pytest.mark.parametrize("case", ["output_is_list", "output_in_input_folder", "explain_is_input_folder",
+                                  "explain_holds_input", "output_is_checkpoint", "output_is_image"])
+def test_outputs_over_inputs_exit_2_naming_both_roles_before_any_work(checkpoint, images, tmp_path, case):
+    listing = tmp_path / "list.csv"
+    listing.write_text("path\n" + "\n".join(f"images/{p.name}" for p in sorted(images.iterdir())) + "\n")
+    first = sorted(images.iterdir())[0]
+    args, words = {
+        "output_is_list": ([str(listing), "--output", str(listing)], ["--output", "input list"]),
+        "output_in_input_folder": ([str(images), "--output", str(images / "sub" / "rows.json")],
+                                   ["--output", "input folder"]),
+        "explain_is_input_folder": ([str(images), "--explain", str(images)], ["--explain", "input"]),
+        "explain_holds_input": ([str(first), "--explain", str(tmp_path)], ["--explain", "input image"]),
+        "output_is_checkpoint": ([str(first), "--output", str(tmp_path / "x.csv")], None),
+        "output_is_image": ([str(images), str(tmp_path / "list.csv"), "--output", str(first.with_suffix(".csv"))],
+                            ["--output", "input folder"]),
+    }[case]
+    if words is None:  # the model file itself as the output (a .csv name is all --output takes: link it)
+        link = tmp_path / "model.csv"
+        link.symlink_to(checkpoint)
+        args, words = [str(first), "--output", str(link)], ["--output", "checkpoint"]
+    before = {p.name: p.read_bytes() for p in images.iterdir()}
+    listed = listing.read_bytes()
+    done = run_script("infer.py", *args, "--checkpoint", str(checkpoint), "--num-workers", "0")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert all(w in done.stderr for w in words), done.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in images.iterdir()} == before and listing.read_bytes() == listed
+    assert checkpoint.stat().st_size > 1000
+
+
+def test_check_outputs_apart_compares_resolved_paths(tmp_path):
+    from core.outputs import check_outputs_apart
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "a.png").write_bytes(b"x")
+    (tmp_path / "alias").symlink_to(tmp_path / "root")
+    check_outputs_apart({"--json": str(tmp_path / "rootx.json")}, {}, {"data root": [str(tmp_path / "root")]})
+    with pytest.raises(ConfigError, match="--json .*data root"):
+        check_outputs_apart({"--json": str(tmp_path / "alias" / "r.json")}, {}, {"data root": [str(tmp_path / "root")]})
+    with pytest.raises(ConfigError, match="--explain .*input image"):
+        check_outputs_apart({}, {"input image": [str(tmp_path / "alias" / "a.png")]}, {}, {"--explain": str(tmp_path)})

@@ -271,3 +271,86 @@ def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path)
     assert a["score_scales"] == b["score_scales"]
     for key in ("feature_bank", "class_means_l2", "precision_l2"):
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, float("inf"), -1.0, 1e-300, "1.5", [1.0]])
+def test_a_stored_temperature_outside_its_range_exits_2_naming_the_file(trained, tmp_path, capsys, bad):
+    """NaN / 0 / inf labelled every image alike at prob nan (bare NaN in the JSON), -1 inverted the ranking,
+    a string or list was a TypeError traceback."""
+    _, _, best = trained
+    ckpt = torch.load(best, map_location="cpu", weights_only=True)
+    ckpt["calibration"]["temperature"] = bad
+    edited = tmp_path / "edited.pt"
+    torch.save(ckpt, edited)
+    photos = write_photos(tmp_path / "photos", 1)
+    for script, args in (("infer", [*photos, "--num-workers", "0"]), ("eval", ["data.num_workers=0"]),
+                         ("export", ["--format", "onnx", "--output", str(tmp_path / "m.onnx")])):
+        code, err = call(script, *args, "--checkpoint", str(edited), capsys=capsys)
+        assert code == 2 and str(edited) in err and "temperature" in err and "Traceback" not in err, (script, err)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_an_onnx_file_with_a_nan_temperature_or_threshold_exits_2(trained, tmp_path, capsys):
+    import onnx
+
+    _, _, best = trained
+    good = tmp_path / "model.onnx"
+    code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(good), capsys=capsys)
+    assert code == 0, err[-2000:]
+    photos = write_photos(tmp_path / "photos", 1)
+    for field, value in (("temperature", float("nan")), ("thresholds", {"energy": float("nan")})):
+        model = onnx.load(str(good))
+        for prop in model.metadata_props:
+            if prop.key == "imgcls.calibration":  # the stored record (not the config's calibration section)
+                doc = json.loads(prop.value)
+                doc[field] = value
+                prop.value = json.dumps(doc)
+        bad = tmp_path / f"bad_{field}.onnx"
+        onnx.save(model, str(bad))
+        code, err = call("infer", *photos, "--checkpoint", str(bad), "--num-workers", "0", capsys=capsys)
+        assert code == 2 and str(bad) in err and ("temperature" if field == "temperature" else "reject") in err, err
+
+
+def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
+    _, _, best = trained
+    photos = write_photos(tmp_path / "photos", 1)
+    for value in ("nan", "inf", "-inf"):
+        code, err = call("infer", *photos, "--checkpoint", str(best), "--reject-below", value, capsys=capsys)
+        assert code == 2 and "--reject-below" in err
+        code, err = call("eval", "--checkpoint", str(best), "--reject-below", value, capsys=capsys)
+        assert code == 2 and "--reject-below" in err
+
+
+def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pixels(trained, tmp_path, capsys):
+    """A 9000x9000 JPEG took 5.6 GB and wrote a 142 MB overlay: the overlay's longer side is now at most
+    OVERLAY_MAX_SIDE, the peak still in the original's pixels."""
+    from engine.prediction.trust import OVERLAY_MAX_SIDE
+
+    _, _, best = trained
+    rows = write_squares(tmp_path / "squares", 1, seed=3)
+    path, _, corner = rows[0]
+    big = tmp_path / "big.png"
+    Image.open(path).resize((3000, 2000), Image.NEAREST).save(big)
+    out, folder = tmp_path / "rows.json", tmp_path / "cams"
+    code, err = call("infer", str(big), "--checkpoint", str(best), "--explain", str(folder), "--output", str(out),
+                     "--num-workers", "0", capsys=capsys)
+    assert code == 0, err[-2000:]
+    (explained,) = json.loads(out.read_text())[0]["explain"]
+    assert Image.open(explained["overlay"]).size == (OVERLAY_MAX_SIDE, round(2000 * OVERLAY_MAX_SIDE / 3000))
+    x, y = explained["peak"]
+    assert 0 <= x < 3000 and 0 <= y < 2000 and explained["peak_informative"] is True
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 3_000_000
+
+
+def test_overlay_geometry_and_names():
+    from engine.prediction.trust import display_size, explain_items, overlay_name
+    from tasks import get_task
+
+    assert display_size(9000, 9000) == (1024, 1024, 1024 / 9000) and display_size(300, 200) == (300, 200, 1.0)
+    assert overlay_name(7, "/d/a.png", None) == "00007_a.png"
+    assert overlay_name(7, "/d/a.png", "sea lion/x") == "00007_a.sea_lion_x.png"
+    rows = [{"label": "b", "error": None}, {"label": None, "error": "bad"}, {"label": "unknown", "predicted": "a",
+                                                                            "error": None}]
+    assert explain_items(rows, ["a", "b"], get_task("multiclass")) == [(0, 1), (2, 0)]
+    assert explain_items([{"labels": ["b", "a"], "error": None}], ["a", "b"], get_task("multilabel")) == [(0, 1),
+                                                                                                          (0, 0)]

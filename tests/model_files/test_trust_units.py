@@ -1,6 +1,7 @@
 """Calibration, reject scores and Grad-CAM geometry as pure functions (no training)."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -142,3 +143,35 @@ def test_peak_maps_back_to_the_original_pixels(size, resize_to, img_size):
         x, y = to_original(*heatmap_peak(cam), geometry, width, height)
         want_x, want_y = cropped[0, cy, cx].item(), cropped[1, cy, cx].item()
         assert abs(x - want_x) <= 1.0 and abs(y - want_y) <= 1.0
+
+
+def test_the_temperature_range_is_one_rule_for_config_fit_and_stored_records():
+    from core.config import ConfigError, load_config
+    from core.errors import CheckpointError
+    from core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE, temperature_problem
+    from core.temperature import check_calibration_record
+
+    for bad in ("1e-300", "0", "-1", "21", ".nan", ".inf"):
+        with pytest.raises(ConfigError, match="calibration.temperature"):
+            load_config("base", [f"calibration.temperature={bad}"])
+    assert load_config("base", ["calibration.temperature=0.05"]).calibration.temperature == 0.05
+    assert [temperature_problem(t) is None for t in (MIN_TEMPERATURE, 1, MAX_TEMPERATURE, 0.049, True, "1")] == \
+        [True, True, True, False, False, False]
+    logits, labels = overconfident_split()
+    assert temperature_problem(fit_temperature(logits * 1e6, labels)) is None  # a fit that runs off: clamped
+    check_calibration_record({"temperature": None, "thresholds": {"energy": 1.5}}, "m.pt")
+    for record in ({"temperature": float("nan")}, {"temperature": -1.0}, {"temperature": "2"},
+                   {"temperature": 1.0, "thresholds": {"energy": float("nan")}}):
+        with pytest.raises(CheckpointError, match="m.pt"):
+            check_calibration_record(record, "m.pt")
+
+
+def test_infer_json_never_holds_a_bare_nan(tmp_path):
+    from tasks.multi_label_rows import write_tag_rows
+    from tasks.single_label_rows import write_rows
+
+    out = tmp_path / "rows.json"
+    write_rows([{"path": "a.png", "label": "x", "prob": float("nan"), "error": None}], out, 0)
+    assert json.loads(out.read_text())[0]["prob"] is None and "NaN" not in out.read_text()
+    write_tag_rows([{"path": "a.png", "labels": ["x"], "probs": {"x": float("nan")}, "error": None}], out, ["x"], " ")
+    assert json.loads(out.read_text())[0]["probs"] == {"x": None} and "NaN" not in out.read_text()

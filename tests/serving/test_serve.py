@@ -30,6 +30,7 @@ from serving.model import batch_shapes, classify_decode_error, padded_size
 CLASSES = ["a", "b", "c"]
 API_KEY = "test-key-27"
 MAX_BYTES = 60_000
+DRAIN_BYTES = 30_000_000
 TIMEOUT = 60  # seconds, every HTTP call
 
 
@@ -48,7 +49,8 @@ def served(tmp_path_factory):
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", IMGCLS_API_KEY=API_KEY)
     proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", "0",
-                             "--max-batch", "8", "--max-wait-ms", "100", "--max-bytes", str(MAX_BYTES)],
+                             "--max-batch", "8", "--max-wait-ms", "100", "--max-bytes", str(MAX_BYTES),
+                             "--drain-bytes", str(DRAIN_BYTES), "--body-timeout", "3"],
                             cwd=REPO, stdout=log, stderr=log, env=env, start_new_session=True)
     rows_file = base / "rows.json"  # while the server starts
     result = run_script("infer.py", *map(str, images), "--checkpoint", str(checkpoint), "--output", str(rows_file),
@@ -98,6 +100,7 @@ def test_health_describes_the_model_without_a_token(served):
     assert body["num_classes"] == 3 and body["classes"] == CLASSES
     assert body["preprocessing"]["img_size"] == 16 and body["preprocessing"]["mean"] == [0.485, 0.456, 0.406]
     assert body["batch_shapes"] == [1, 2, 4, 8]
+    assert body["checkpoint"] == "best.pt"  # the name, not where it lies on the server
 
 
 @pytest.mark.slow
@@ -180,6 +183,39 @@ def test_a_body_over_max_bytes_is_413_declared_or_streamed(served):
     assert response.status_code == 413 and response.json()["error"] == "too_large"
     chunked = post(served["url"], iter([big[:40_000], big[40_000:]]))  # no Content-Length: counted as it comes
     assert chunked.status_code == 413
+    assert health(served["url"])["status"] == "ok"
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = TIMEOUT) -> bytes:
+    """Send `head` and `body` on one connection and read until the server closes it (or `wait` passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return answer
+
+
+def test_an_oversized_body_from_a_client_that_sends_before_reading_gets_the_413(served):
+    """requests (no Expect: 100-continue) sent 20 MB and got a connection reset: the 413 came before the body
+    was read, and the server closed on the unread rest."""
+    big = os.urandom(20_000_000)
+    for attempt in range(2):  # the connection stays usable: a second one in a row
+        response = post(served["url"], big)
+        assert response.status_code == 413 and "20000000 bytes" in response.json()["detail"]
+    assert health(served["url"])["status"] == "ok"
+
+
+def test_a_body_past_the_drain_bound_or_too_slow_is_answered_and_closed(served):
+    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/octet-stream\r\n").encode()
+    declared = raw_request(served["port"], head + f"Content-Length: {10 * DRAIN_BYTES}\r\n\r\n".encode(), b"x" * 1000)
+    assert declared.startswith(b"HTTP/1.1 413") and b"connection: close" in declared.lower()
+    slow = raw_request(served["port"], head + b"Content-Length: 5000\r\n\r\n", b"x" * 10)  # the rest never comes
+    assert slow.startswith(b"HTTP/1.1 408") and b"body_timeout" in slow
     assert health(served["url"])["status"] == "ok"
 
 
@@ -295,3 +331,17 @@ def test_batcher_groups_waiting_requests_and_isolates_a_failed_batch():
     assert [len(c) for c in calls[:2]] == [4, 2]   # max_batch, then the rest when the wait ends
     assert isinstance(failed[0], RuntimeError)
     assert after == "yy"
+
+
+def test_serve_refuses_keys_headers_cannot_carry_and_unbounded_batches():
+    for key in ("caf\u00e9", " key", "key ", "tab\tkey"):
+        with pytest.raises(ConfigError, match="--api-key"):
+            serve.main(["--checkpoint", "x.pt", "--api-key", key])
+    with pytest.raises(ConfigError, match="--max-batch"):
+        serve.main(["--checkpoint", "x.pt", "--max-batch", "100000"])
+    for value in ("0", "nan", "-1"):
+        with pytest.raises(ConfigError, match="--body-timeout"):
+            serve.main(["--checkpoint", "x.pt", "--body-timeout", value])
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--checkpoint", "x.pt", "--reject-below", "nan"])
+    assert exited.value.code == 2

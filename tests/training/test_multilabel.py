@@ -385,3 +385,102 @@ def test_ddp_map_equals_single_process_eval(trained, tmp_path):
     assert doc["num_samples"] == 16
     assert doc["mAP"] == pytest.approx(best["metrics"]["mAP"], abs=1e-6)
     assert doc["micro_f1"] == pytest.approx(best["metrics"]["micro_f1"], abs=1e-6)
+
+
+# ---------------------------------------------------------------- tags that cannot be class names, splits that cannot be
+
+
+@pytest.mark.parametrize("label, words", [
+    ("cloud path", "tag 'path' is reserved"), ("labels water", "tag 'labels' is reserved"),
+    ("error", "tag 'error' is reserved"), ("cloud\nroad", "control character"), ("tab\tbed", "control character")])
+def test_tags_that_break_infer_columns_or_split_class_lists_exit_2(images, label, words):
+    """A tag named path / labels / error made infer.py's CSV header ambiguous; a tag holding a newline became
+    two lines of the shard writer's classes.txt (12 classes where the report said 11)."""
+    rows = [("images/list_0000.png", label), ("images/list_0001.png", "cloud")]
+    delimiter = [] if "\t" not in label else ["data.label_delimiter=;"]
+    with pytest.raises(DataTreeError, match=words):
+        scan(write_list(images / "bad.csv", rows), *delimiter)
+    classes = images / "reserved_classes.txt"
+    classes.write_text("cloud\npath\n")
+    with pytest.raises(DataTreeError, match="'path' is reserved"):
+        scan(write_list(images / "ok.csv", [("images/list_0000.png", "cloud")]), f"data.classes={classes}")
+
+
+def test_shard_writer_refuses_a_tag_with_a_newline(images, tmp_path):
+    from data.listing.labels import TagLabels
+    from data.shards import source_index
+
+    listing = write_list(images / "newline.csv", [("images/list_0000.png", "cloud\nroad"),
+                                                  ("images/list_0001.png", "water")])
+    with pytest.raises(DataTreeError, match="control character"):
+        source_index(listing, str(images), TagLabels())
+
+
+def test_nfc_and_nfd_spellings_of_a_tag_are_one_class(images):
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    rows = [("images/list_0000.png", composed), ("images/list_0001.png", f"{decomposed} road")]
+    index = scan(write_list(images / "accents.csv", rows)).train_index
+    assert index.classes == [composed, "road"] and index.labels == [(0,), (0, 1)]
+
+
+def test_an_all_negative_list_without_data_classes_exits_2(images):
+    rows = [("images/list_0000.png", ""), ("images/list_0001.png", "")]
+    with pytest.raises(DataTreeError, match="data.classes"):
+        scan(write_list(images / "negative.csv", rows))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_val_fraction_split_that_leaves_a_side_empty_exits_2(images, n):
+    """A one-row list crashed the stratifier (ValueError traceback); unique tags per image held out nothing."""
+    rows = [(f"images/list_{i:04d}.png", ["cloud", "road"][i]) for i in range(n)]
+    cfg = load_config("base", [f"data.train_csv={write_list(images / f'tiny{n}.csv', rows)}", "data.format=csv",
+                               "data.task=multilabel", "data.val_fraction=0.01"])
+    if n == 2:  # two images, 1 % held out: the stratifier keeps at least one; check the rule itself
+        from data.listing.split import check_split_sides
+
+        with pytest.raises(DataTreeError, match="validation side empty"):
+            check_split_sides([0, 1], [], 0.01)
+        return
+    with pytest.raises(DataTreeError, match="data.val_fraction"):
+        scan_sources(cfg)
+
+
+@pytest.mark.slow
+def test_explain_draws_one_overlay_per_called_tag_and_says_a_one_cell_peak_is_no_information(trained, tmp_path,
+                                                                                              caplog):
+    """--explain on a multi-label model exited 2; at 16 px the heatmap is one cell and the peak was reported as
+    if it meant something (the crop's top-left corner)."""
+    train_csv, run = trained
+    paths, _ = held_out_paths(run, train_csv)
+    out, folder = tmp_path / "pred.json", tmp_path / "cams"
+    assert script_main("infer", *paths[:3], "--checkpoint", run / "best.pt", "--output", out, "--threshold", 0,
+                       "--explain", folder, "--num-workers", 0) == 0
+    rows = json.loads(out.read_text())
+    for row in rows:  # --threshold 0: every tag is called, so every tag gets its overlay
+        assert [e["label"] for e in row["explain"]] == row["labels"] and len(row["explain"]) == len(TAGS)
+        assert len({e["overlay"] for e in row["explain"]}) == len(TAGS)
+        assert all(Path(e["overlay"]).is_file() and e["peak_informative"] is False for e in row["explain"])
+    assert len(list(folder.iterdir())) == 3 * len(TAGS)
+    assert "peak carries no information" in caplog.text
+    csv_out = tmp_path / "pred.csv"
+    assert script_main("infer", paths[0], "--checkpoint", run / "best.pt", "--output", csv_out, "--threshold", 0,
+                       "--explain", tmp_path / "cams_csv", "--num-workers", 0) == 0
+    with csv_out.open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["explain_overlay"].count(" | ") == len(TAGS) - 1
+
+
+@pytest.mark.parametrize("raw, delimiter", [(",", ","), ("|", "|"), (";", ";"), ("' '", " "), ("'|'", "|")])
+def test_label_delimiter_overrides_are_taken_as_written(raw, delimiter):
+    """data.label_delimiter=, was a YAML error on the command line and | became '' (block scalar)."""
+    assert load_config("base", [f"data.label_delimiter={raw}"]).data.label_delimiter == delimiter
+
+
+@pytest.mark.slow
+def test_eval_refuses_single_label_options_on_a_multilabel_model(trained, tmp_path):
+    """--reliability and --reject-below were silently ignored on a multi-label model."""
+    _, run = trained
+    for extra in (["--reject-below", "1.0"], ["--reliability", str(tmp_path / "rel.png")]):
+        with pytest.raises(ConfigError, match=f"{extra[0]}: .*(single|multi)-label"):
+            script_main("eval", "--checkpoint", run / "best.pt", *extra, "data.num_workers=0")
+    assert not (tmp_path / "rel.png").exists()

@@ -82,6 +82,11 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
     metadata = metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
     if metadata is not None:
         cfg, classes, saved_val_limit = from_metadata(metadata, path, overrides)
+        outputs = _onnx_class_count(session, fixed_batch or 1, cfg.data.img_size)
+        if outputs != len(classes):
+            raise CheckpointError(f"{path}: its imgcls.classes names {len(classes)} class(es), but the model has "
+                                  f"{outputs} outputs; the file was altered after export.py wrote it: export it "
+                                  f"again")
     else:
         cfg, saved_val_limit = eval_config({}, _foreign_onnx_preprocessing(shape, path), overrides, str(path))
         classes = numbered_classes(_onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), path)

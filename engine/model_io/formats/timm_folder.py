@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from core.config import Config
-from core.errors import CheckpointError, ConfigError
+from core.errors import CheckpointError, ConfigError, ExportError
 from engine.model_io.checkpoint_files import build_eval_model, check_class_names, eval_config, preprocessing_record
 from engine.model_io.formats.base import ModelFormat
 from engine.model_io.metadata import TIMM_METADATA_KEY, metadata_thresholds, numbered_classes
@@ -85,8 +85,13 @@ def write_timm_folder(loaded: ModelFile, folder: Path, batch: Optional[int], met
     data_config = {"input_size": (3, p["img_size"], p["img_size"]), "interpolation": p["interpolation"],
                    "mean": tuple(p["mean"]), "std": tuple(p["std"]), "crop_pct": p["crop_pct"], "crop_mode": "center"}
     ours = {key: metadata[key] for key in ("format_version", "config", "epoch", "calibration", "thresholds")}
-    save_for_hf(model, str(folder), model_config={"label_names": list(loaded.classes), TIMM_METADATA_KEY: ours},
-                safe_serialization=True, data_config=data_config)
+    try:
+        save_for_hf(model, str(folder), model_config={"label_names": list(loaded.classes), TIMM_METADATA_KEY: ours},
+                    safe_serialization=True, data_config=data_config)
+    except Exception as err:  # safetensors raises its own SafetensorError for a full disk; OSError for the JSON
+        reason = " ".join(str(err).split())[:300]
+        raise ExportError(f"timm export to {folder} failed ({type(err).__name__}: {reason}); a full disk or a "
+                          f"folder that cannot be written: free space or choose another --output") from err
 
 
 FORMAT = ModelFormat("timm", "a timm model folder", open_timm_folder, folder=True, write=write_timm_folder,
