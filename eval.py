@@ -45,49 +45,15 @@ def main(argv=None) -> int:
     check_output_file("--predictions", args.predictions)
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
-    from commands.evaluate import evaluate_checkpoint
-    from commands.reliability_plot import draw_reliability
-    from commands.report import confusion_png_path, draw_confusion, format_trust_line
-    from core.outputs import write_json
+    from commands.evaluate import evaluate_checkpoint, report_evaluation
+    from commands.report import confusion_png_path
 
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes, args.reject_below,
                                  outputs={"--json": args.json, "--reliability": args.reliability,
                                           "--json's confusion PNG": args.json and confusion_png_path(args.json),
                                           "--predictions": args.predictions})
-    task = result.task
-    s = result.settings
-    kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
-    fixed = " (fixed by the export)" if s["fixed_batch"] else ""
-    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}{fixed}, "
-          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
-    if result.skipped_files:
-        print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
-        for path in result.skipped_files:
-            print(f"  {path}", file=sys.stderr)
-    print(task.eval_table(result.metrics, result.per_class, result.classes))
-    if result.trust:
-        print(format_trust_line(result.trust))
-    if args.json:
-        doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                                 skipped_files=result.skipped_files, **(result.trust or {}), **s)
-        write_json(doc, args.json)
-        written = [args.json]
-        if result.confusion is not None:
-            written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(args.json)))
-        print(f"wrote {' and '.join(map(str, written))}")
-        if result.errors is not None:
-            from commands.eval_errors import write_errors
-
-            errors_csv, errors_html = write_errors(result.errors, args.json)
-            print(f"wrote {len(result.errors)} misclassified image(s) to {errors_csv} and {errors_html}")
-    if args.predictions:
-        task.write_rows(result.rows, args.predictions, result.classes, 5, result.delimiter, ["target"])
-        print(f"wrote {args.predictions}")
-    if args.reliability and result.trust:
-        t = result.trust
-        png = draw_reliability(result.reliability, args.reliability, t["ece"], t["ece_uncalibrated"], t["temperature"])
-        print(f"wrote {png}")
+    report_evaluation(result, args.json, args.reliability, args.predictions)
     from tracking.evaluation import log_evaluation
 
     log_evaluation(args.checkpoint, args.overrides, {**result.metrics, **(result.trust or {})},

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +150,47 @@ def target_name(target, classes: list[str], delimiter: str) -> str:
     if isinstance(target, list):
         return delimiter.join(name for name, on in zip(classes, target) if on)
     return classes[target]
+
+
+def report_evaluation(result: EvalResult, json_path: str | None, reliability_path: str | None,
+                      predictions_path: str | None) -> None:
+    """eval.py's output: the settings line, the unreadable files, the task's table and the calibration line on
+    the terminal; the JSON with the confusion PNG and the misclassified images, the prediction rows and the
+    reliability diagram where asked for."""
+    from commands.reliability_plot import draw_reliability
+    from commands.report import confusion_png_path, draw_confusion, format_trust_line
+    from core.outputs import write_json
+
+    task = result.task
+    s = result.settings
+    kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
+    fixed = " (fixed by the export)" if s["fixed_batch"] else ""
+    print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}{fixed}, "
+          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
+    if result.skipped_files:
+        print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
+        for path in result.skipped_files:
+            print(f"  {path}", file=sys.stderr)
+    print(task.eval_table(result.metrics, result.per_class, result.classes))
+    if result.trust:
+        print(format_trust_line(result.trust))
+    if json_path:
+        doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
+                                 skipped_files=result.skipped_files, **(result.trust or {}), **s)
+        write_json(doc, json_path)
+        written = [json_path]
+        if result.confusion is not None:
+            written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(json_path)))
+        print(f"wrote {' and '.join(map(str, written))}")
+        if result.errors is not None:
+            from commands.eval_errors import write_errors
+
+            errors_csv, errors_html = write_errors(result.errors, json_path)
+            print(f"wrote {len(result.errors)} misclassified image(s) to {errors_csv} and {errors_html}")
+    if predictions_path:
+        task.write_rows(result.rows, predictions_path, result.classes, 5, result.delimiter, ["target"])
+        print(f"wrote {predictions_path}")
+    if reliability_path and result.trust:
+        t = result.trust
+        png = draw_reliability(result.reliability, reliability_path, t["ece"], t["ece_uncalibrated"], t["temperature"])
+        print(f"wrote {png}")
