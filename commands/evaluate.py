@@ -79,8 +79,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability")}
     for flag in (name for name, value in given.items() if value is not None):
         loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
-    check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root,
-                       getattr(index, "paths", ()))
+    check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root, index.files)
 
     predictor = Predictor.from_model_file(loaded, None, for_serving=False)
     model, transform = predictor.model, predictor.transform

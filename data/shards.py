@@ -92,6 +92,12 @@ class ShardIndex:
     def __len__(self) -> int:
         return self.total
 
+    @property
+    def files(self) -> list[str]:
+        """The shard files on this machine the index reads (what no command may write over); `paths` names
+        samples, one per id, and is not a list to walk."""
+        return [path for path in map(local_path, self.urls) if path is not None]
+
 
 class _SampleNames:
     def __init__(self, urls: list[str]):

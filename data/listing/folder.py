@@ -32,6 +32,11 @@ class ImageIndex:
     def __len__(self) -> int:
         return len(self.paths)
 
+    @property
+    def files(self) -> list[str]:
+        """The files on disk the index reads (what no command may write over)."""
+        return self.paths
+
     def class_counts(self) -> list[int]:
         counts = [0] * len(self.classes)
         for label in self.labels:
