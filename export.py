@@ -58,9 +58,6 @@ def main(argv=None) -> int:
     if args.quantize and not 0.0 <= args.min_agreement <= 1.0:
         raise ConfigError(f"--min-agreement {args.min_agreement}: must be between 0 and 1 (a fraction of images)")
 
-    from commands.output_roles import check_export_outputs
-
-    check_export_outputs(args.checkpoint, args.output, args.format == "timm")
     announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
     from commands.export import run_export
 

@@ -9,6 +9,7 @@ from typing import Optional
 from core.errors import CheckpointError, ConfigError, DataTreeError
 from engine.model_io.checkpoint_files import read_checkpoint
 from engine.model_io.export import check_output_path, export_checkpoint
+from commands.output_roles import check_export_outputs
 from engine.model_io.export_target import check_export_target
 from engine.model_io.formats import DEFAULT, FORMATS, format_of
 from engine.model_io.model_file import ModelFile
@@ -23,7 +24,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
         raise CheckpointError(f"--checkpoint {checkpoint} is {kind.description}; export.py takes a checkpoint "
                               f"written by train.py (best.pt or last.pt)")
     path = check_output_path(fmt, output)
-    check_export_target(FORMATS[fmt], path, overwrite)
+    check_export_target(FORMATS[fmt], path, overwrite)  # a run directory is named as such first
+    check_export_outputs(checkpoint, output, FORMATS[fmt].folder)
     if not FORMATS[fmt].traced:
         batch = None  # weights: any batch
     loaded = read_checkpoint(checkpoint)
