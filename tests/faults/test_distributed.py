@@ -145,7 +145,7 @@ def test_only_rank_zero_writes(ddp_run):
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     events = [f for f in files if "tfevents" in f]
     assert len(events) == 1 and events[0].startswith("tensorboard/")
-    assert sorted(set(files) - set(events)) == ["best.pt", "config.yaml", "last.prev.pt", "last.pt", "metrics.csv",
+    assert sorted(set(files) - set(events)) == ["best.pt", "config.yaml", "curves.png", "last.prev.pt", "last.pt", "metrics.csv",
                                                 "summary.json", "train.log"]
     log = (out / "train.log").read_text()
     assert log.count("epoch 1/2 ") == 1 and log.count("epoch 2/2 ") == 1
