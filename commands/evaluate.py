@@ -89,7 +89,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
     calibrated = task.supports("calibration")
-    recorder = OutputRecorder(model, with_features=calibrated)
+    recorder = OutputRecorder(model, with_features=calibrated,
+                              layers=(loaded.calibration or {}).get("layer_names") if calibrated else None)
     try:
         sums, unreadable = evaluate(model, loader, predictor.device_input, task, loaded.classes, tta_flip=tta,
                                     on_outputs=recorder)

@@ -15,7 +15,7 @@ import torch
 from core.errors import ConfigError
 from data.transforms import EvalTransform
 from engine.evaluation.evaluate import check_finite_outputs, predict
-from engine.evaluation.rejection import Rejector, classifier_name
+from engine.evaluation.rejection import Rejector, classifier_name, has_modules
 from engine.model_io.formats import FORMATS
 from engine.model_io.model_file import ModelFile
 from engine.model_io.loading import load_model_file
@@ -79,9 +79,10 @@ class Predictor:
             channels_last = True if for_serving else loaded.cfg.train.channels_last
         model = loaded.build_model(device, channels_last=channels_last)
         head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
-        if for_serving:
-            model = folded(model)
-        rejector = build_rejector(loaded, trust, head_name is not None)
+        stages = (loaded.calibration or {}).get("layer_names") or []
+        rejector = build_rejector(loaded, trust, head_name is not None, has_modules(model, stages))
+        if for_serving and not (rejector is not None and rejector.needs_layers):
+            model = folded(model)  # folding traces the stages into one graph, where their outputs cannot be tapped
         # the recorder's feature tap goes on before compiling
         scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
         if compile_model:
