@@ -273,9 +273,11 @@ def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path)
     a = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     b = torch.load(run / "best.pt", map_location="cpu", weights_only=True)["calibration"]
     assert a["temperature"] == b["temperature"] and a["thresholds"] == b["thresholds"]
-    assert a["score_scales"] == b["score_scales"]
+    assert a["layer_names"] == b["layer_names"] and a["layer_scales"] == b["layer_scales"]
     for key in ("feature_bank", "class_means_l2", "precision_l2"):
         assert torch.equal(a[key], b[key]), key
+    for key in ("layer_means", "layer_precisions"):
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), key
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, float("inf"), -1.0, 1e-300, "1.5", [1.0]])
