@@ -1,8 +1,9 @@
 """The reject option measured in every direction: a photos-like model and a digit-like model, each trained
 here on generated data, each shown the other's images and two more kinds of foreign image (line sketches and
-noise), with every reject score at the threshold that keeps `--coverage` of its own validation images.
-Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON object; docs/advice.md
-holds the table it measured.
+noise), with every reject score at the threshold that keeps `--coverage` of its own validation images:
+the penultimate-feature scores, each stage's pooled-statistics score alone (`layer0`...) and the
+multi-layer ones. Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON
+object; docs/advice.md holds the tables it measured (--seed 0 and 1).
 
 python -m benchmarking.reject_matrix --out /tmp/reject [--epochs 6] [--images 150] [--coverage 0.95]
 """
