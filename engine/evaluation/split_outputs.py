@@ -1,6 +1,7 @@
 """Every sample's logits (and penultimate features, and the stages' pooled statistics) over a labelled split,
-kept rather than summed: what the temperature fit, the reject threshold and the feature bank need. Under DDP each rank passes over its
-own shard (no padding) and the results are gathered by sample index, so every sample counts once.
+kept rather than summed: what the temperature fit, the reject threshold and the feature bank need. Under
+DDP each rank passes over its own shard (no padding) and the results are gathered by sample index, so every
+sample counts once.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def gather_outputs(outputs: SplitOutputs) -> SplitOutputs:
             return outputs
         features = torch.cat([p.features for p in parts]) if all(p.features is not None for p in parts) else None
         outputs = SplitOutputs(torch.cat([p.logits for p in parts]), torch.cat([p.labels for p in parts]),
-                               torch.cat([p.indices for p in parts]), features, joined_layers([p.layers for p in parts]))
+                               torch.cat([p.indices for p in parts]), features,
+                               joined_layers([p.layers for p in parts]))
     order = outputs.indices.argsort()
     return SplitOutputs(outputs.logits[order], outputs.labels[order], outputs.indices[order],
                         outputs.features[order] if outputs.features is not None else None,
