@@ -1,8 +1,9 @@
 """The reject option measured in every direction: a photos-like model and a digit-like model, each trained
 here on generated data, each shown the other's images and two more kinds of foreign image (line sketches and
-noise), with every reject score at the threshold that keeps `--coverage` of its own validation images.
-Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON object; docs/advice.md
-holds the table it measured.
+noise), with every reject score at the threshold that keeps `--coverage` of its own validation images:
+the penultimate-feature scores, each stage's pooled-statistics score alone (`layer0`...) and the
+multi-layer ones. Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON
+object; docs/advice.md holds the tables it measured (--seed 0 and 1).
 
 python -m benchmarking.reject_matrix --out /tmp/reject [--epochs 6] [--images 150] [--coverage 0.95]
 """
@@ -24,9 +25,9 @@ from data.build import build_eval_loader_for, scan_splits
 from data.listing.builtin import ensure_builtin
 from data.listing.folder import ImageIndex
 from engine.evaluation.split_outputs import collect_outputs
-from engine.evaluation.rejection import (combined_score, energy_score, knn_score, mahalanobis_fit,
-                                         mahalanobis_score, msp_score, normalise, score_scale,
-                                         threshold_for_coverage)
+from engine.evaluation.rejection import (combined_score, energy_score, knn_score, layer_fits, layer_names,
+                                         layer_scores, mahalanobis_fit, mahalanobis_score, msp_score,
+                                         multilayer_score, normalise, score_scale, threshold_for_coverage)
 from engine.evaluation.trust import feature_bank
 from engine.model_io.loading import load_model_file
 from engine.run.calibrate import bank_index
@@ -112,21 +113,29 @@ def train(data: Path, out: Path, epochs: int, seed: int) -> Path:
     return out / "best.pt"
 
 
-# the combinations measured for `combined` (the production one is rejection.COMBINED_OF)
+# the combinations measured for `combined` (rejection.COMBINED_OF was the default before mahalanobis_layers)
 COMBINATIONS = (("mahalanobis", "energy"), ("mahalanobis_l2", "energy"), ("mahalanobis", "mahalanobis_l2"),
-                ("mahalanobis", "mahalanobis_l2", "energy"))
+                ("mahalanobis", "mahalanobis_l2", "energy"), ("mahalanobis_layers", "energy"),
+                ("mahalanobis_layers", "mahalanobis_l2", "energy"))
 
 
 def all_scores(out, bank, val_ref=None) -> dict:
     """Every candidate score of `out`; the fits come from the training bank, the scales of the combinations
-    from `val_ref` (the validation scores; None: `out` is the validation split itself)."""
+    and of the stages from `val_ref` (the validation scores; None: `out` is the validation split itself).
+    `mahalanobis_layers_min` takes the lowest standardised stage score where mahalanobis_layers averages them."""
     raw_means, raw_precision = mahalanobis_fit(bank.features, bank.labels, bank.num_classes)
     l2_means, l2_precision = mahalanobis_fit(normalise(bank.features), bank.labels, bank.num_classes)
     scores = {"msp": msp_score(out.logits), "energy": energy_score(out.logits),
               "knn": knn_score(out.features, bank.stored.float()),
               "mahalanobis": mahalanobis_score(out.features, raw_means, raw_precision),
               "mahalanobis_l2": mahalanobis_score(normalise(out.features), l2_means, l2_precision)}
+    per_layer = layer_scores(out.layers, bank.layer_fits)
+    for i, part in enumerate(per_layer):
+        scores[f"layer{i}"] = part
     ref = val_ref or scores
+    layer_scales = [score_scale(ref[f"layer{i}"]) for i in range(len(per_layer))]
+    scores["mahalanobis_layers"] = multilayer_score(per_layer, layer_scales)
+    scores["mahalanobis_layers_min"] = combined_score(per_layer, layer_scales)
     for parts in COMBINATIONS:
         scores["+".join(parts)] = combined_score([scores[p] for p in parts], [score_scale(ref[p]) for p in parts])
     return scores
@@ -141,16 +150,17 @@ def measure_model(checkpoint: Path, foreign: dict[str, list[str]], coverage: flo
 
     def outputs(index):
         loader = build_eval_loader_for(index, loaded.eval_transform(), cfg.data.img_size, 64, 0, False)
-        return collect_outputs(model, loader, device_input, with_features=True)
+        return collect_outputs(model, loader, device_input, with_features=True, with_layers=True)
     val = outputs(val_index)
     bank = outputs(bank_index(train_index, cfg.train.seed))
     bank.num_classes, bank.stored = len(loaded.classes), feature_bank(bank, cfg.train.seed)
+    bank.layer_fits = layer_fits(bank.layers, bank.labels, bank.num_classes)
     val_scores = all_scores(val, bank)
     thresholds = {n: threshold_for_coverage(s, coverage) for n, s in val_scores.items()}
     halves = [torch.arange(0, len(val), 2), torch.arange(1, len(val), 2)]
     kept = {n: sum(100.0 * float((s[b] >= threshold_for_coverage(s[a], coverage)).double().mean())
                    for a, b in (halves, halves[::-1])) / 2 for n, s in val_scores.items()}
-    result = {"checkpoint": str(checkpoint), "val_images": len(val),
+    result = {"checkpoint": str(checkpoint), "val_images": len(val), "layers": layer_names(model),
               "val_top1": 100.0 * float((val.logits.argmax(1) == val.labels).double().mean()),
               "val_kept_held_out": kept, "rejected": {}}
     for name, paths in foreign.items():

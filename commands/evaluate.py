@@ -89,7 +89,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                                    cfg.data.num_workers, pin, prefetch_factor=cfg.data.prefetch_factor,
                                    limit_samples=limit)
     calibrated = task.supports("calibration")
-    recorder = OutputRecorder(model, with_features=calibrated)
+    recorder = OutputRecorder(model, with_features=calibrated,
+                              layers=(loaded.calibration or {}).get("layer_names") if calibrated else None)
     try:
         sums, unreadable = evaluate(model, loader, predictor.device_input, task, loaded.classes, tta_flip=tta,
                                     on_outputs=recorder)
@@ -165,7 +166,8 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
     kind = "" if s["model_format"] == "checkpoint" else f"{s['model_format']}, "
     fixed = " (fixed by the export)" if s["fixed_batch"] else ""
     print(f"checkpoint {s['checkpoint']} ({kind}epoch {s['epoch']}) on {s['source']}: batch {s['batch_size']}{fixed}, "
-          f"precision {s['amp']}, channels_last {s['channels_last']}, tta {s['tta']}, device {s['device']}")
+          f"precision {'fp32' if s['amp'] == 'none' else s['amp']}, channels_last {s['channels_last']}, "
+          f"tta {s['tta']}, device {s['device']}")
     if result.skipped_files:
         print(f"{len(result.skipped_files)} file(s) could not be read and were left out:", file=sys.stderr)
         for path in result.skipped_files:

@@ -10,7 +10,7 @@ from data.file_list import FileListDataset, build_inference_loader, expand_input
 from engine.model_io.checkpoint_files import find_newest_checkpoint
 from engine.prediction.predictor import Predictor
 from engine.prediction.trust import TrustOptions, explain_rows, extra_columns
-from engine.runtime.device import amp_setting
+from engine.runtime.device import precision_name
 from commands.output_roles import check_infer_outputs
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     batch_size = fixed_batch_size(loaded, batch_size)
     log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
              " (fixed by the export)" if loaded.fixed_batch else "", predictor.runtime.device,
-             amp_setting(predictor.runtime.amp_dtype))
+             precision_name(predictor.runtime.amp_dtype))
     if threshold is not None or loaded.thresholds:
         source = (f"--threshold {threshold}" if threshold is not None else
                   "the per-class thresholds tuned in training")

@@ -12,11 +12,16 @@ Scores (higher: more in-distribution):
 - mahalanobis_l2: the same on L2-normalised features (the feature norm of a foreign image can be small,
   which puts it near the class means before normalisation);
 - combined: the lowest of the COMBINED_OF scores, each standardised by its spread on the validation split
-  (`score_scale`): an image is as foreign as its most foreign-looking score says, so the checkpoint
-  rejects what its export (energy only) rejects as well.
-The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by combined
-(docs/advice.md: the measurements that chose it, python -m benchmarking.reject_matrix); exports by energy,
-computed from the logits that are their only output.
+  (`score_scale`): an image is as foreign as its most foreign-looking score says (the default of
+  checkpoints calibrated before mahalanobis_layers);
+- mahalanobis_layers: multi-layer feature Mahalanobis (Lee et al., 2018): each stage's output pooled to its
+  per-channel mean and standard deviation (`pooled_statistics`), L2-normalised, scored like mahalanobis_l2
+  against that stage's own fit, standardised on the validation split, and averaged over the stages: the
+  early stages see colour, texture and smoothness, which tell an upscaled 8x8 grey digit from a photo when
+  the penultimate features do not.
+The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by
+mahalanobis_layers (docs/advice.md: the measurements that chose it, python -m benchmarking.reject_matrix);
+exports by energy, computed from the logits that are their only output.
 """
 from __future__ import annotations
 
@@ -25,17 +30,20 @@ from typing import Optional
 
 import torch
 
-METHODS = ("msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined")
-FEATURE_METHODS = ("knn", "mahalanobis", "mahalanobis_l2", "combined")
+METHODS = ("msp", "energy", "knn", "mahalanobis", "mahalanobis_l2", "combined", "mahalanobis_layers")
+FEATURE_METHODS = ("knn", "mahalanobis", "mahalanobis_l2", "combined", "mahalanobis_layers")
+LAYERS_METHOD = "mahalanobis_layers"
 # the scores `combined` takes the lowest of (standardised): chosen by measurement (docs/advice.md)
 COMBINED_OF = ("mahalanobis_l2", "energy")
 # the method the checkpoint's reject option uses: chosen by measurement (docs/advice.md, python -m
 # benchmarking.reject_matrix)
-DEFAULT_METHOD = "combined"
+DEFAULT_METHOD = LAYERS_METHOD
 # what an exported model's reject option uses: its output is the logits only
 LOGITS_METHOD = "energy"
 KNN_K = 1
 BANK_SIZE = 2048   # training features used (and kept in the checkpoint, fp16: 2048 x 512 is 2 MB)
+MAX_LAYERS = 5         # stages the multi-layer score pools (a ViT's 12 blocks: 5 of them, evenly spread)
+LAYER_CHANNELS = 128   # channels per stage after group averaging: a stage's fit is at most 256 x 256 (256 KB)
 
 
 def classifier_name(model: torch.nn.Module) -> Optional[str]:
@@ -78,6 +86,82 @@ class FeatureTap:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+def layer_names(model: torch.nn.Module, most: int = MAX_LAYERS) -> list[str]:
+    """The modules whose outputs the multi-layer score pools: a timm model's stages (`feature_info`), at most
+    `most` of them spread evenly from the first to the last; [] for a model without them."""
+    info = getattr(model, "feature_info", None)
+    try:
+        stages = [(entry["module"], int(entry["num_chs"])) for entry in info] if info else []
+    except (TypeError, KeyError):
+        return []
+    if len(stages) > most:
+        stages = [stages[round(i * (len(stages) - 1) / max(most - 1, 1))] for i in range(most)]
+    return [name for name, _ in stages]
+
+
+def has_modules(model: torch.nn.Module, names: list[str]) -> bool:
+    """Whether `model` (or the model a compiled one wraps) has a submodule of every one of `names` (at least one)."""
+    model = getattr(model, "_orig_mod", model)
+    try:
+        return bool(names) and all(model.get_submodule(name) is not None for name in names)
+    except AttributeError:
+        return False
+
+
+def pooled_statistics(activation: torch.Tensor, channels: int = LAYER_CHANNELS) -> torch.Tensor:
+    """[N, 2G] per-channel mean and standard deviation over the positions of a stage's output [N, C, ...]
+    (channels first: LayerTap moves a channels-last one), the C channels averaged into at most `channels`
+    groups G first (which bounds the stage's fit). The standard deviation keeps the low-level statistics
+    (colour, texture, smoothness) that a global average alone loses."""
+    x = activation.detach().float()
+    x = x.flatten(2) if x.dim() > 2 else x[:, :, None]                    # [N, C, P]
+    if x.shape[1] > channels:
+        x = torch.nn.functional.adaptive_avg_pool1d(x.transpose(1, 2), channels).transpose(1, 2)
+    return torch.cat([x.mean(dim=2), x.std(dim=2, unbiased=False)], dim=1)
+
+
+class LayerTap:
+    """Records `pooled_statistics` of the named modules' outputs on every forward (the first forward since the
+    last take, like FeatureTap). `available` is False when a name is missing from the model. A channels-last
+    output (timm's NHWC stages, a ViT's tokens) is put channels-first by the stage's `num_chs`."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]):
+        self.names = list(names)
+        self.layers: dict[str, torch.Tensor] = {}
+        self._handles = []
+        model = getattr(model, "_orig_mod", model)  # a compiled model's stages are its original's
+        channels = {e["module"]: int(e["num_chs"]) for e in (getattr(model, "feature_info", None) or [])
+                    if isinstance(e, dict) and "module" in e}
+        self.available = has_modules(model, self.names)
+        if self.available:
+            for name in self.names:
+                module = model.get_submodule(name)
+                self._handles.append(module.register_forward_hook(self._recorder(name, channels.get(name))))
+
+    def _recorder(self, name: str, num_chs: Optional[int]):
+        def record(module, inputs, output) -> None:
+            if name in self.layers:
+                return
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            if num_chs is not None and x.dim() > 2 and x.shape[1] != num_chs and x.shape[-1] == num_chs:
+                x = x.movedim(-1, 1)
+            self.layers[name] = pooled_statistics(x)
+        return record
+
+    def take(self) -> Optional[list[torch.Tensor]]:
+        """The pooled statistics of the last forward, one [N, D_l] per name (then forgotten); None when a
+        named module did not run (a model traced into one graph by BatchNorm folding)."""
+        layers, self.layers = self.layers, {}
+        if not self.available or any(name not in layers for name in self.names):
+            return None
+        return [layers[name] for name in self.names]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def threshold_for_coverage(scores: torch.Tensor, coverage: float) -> float:
@@ -147,8 +231,30 @@ def score_scale(scores: torch.Tensor) -> tuple[float, float]:
 
 def combined_score(parts: list[torch.Tensor], scales: list[tuple[float, float]]) -> torch.Tensor:
     """The lowest of the standardised scores (score - centre) / spread: the most foreign-looking view wins."""
-    standardised = [(p.double() - c) / s for p, (c, s) in zip(parts, scales)]
-    return torch.stack(standardised).min(dim=0).values.float()
+    return torch.stack([standardised(p, s) for p, s in zip(parts, scales)]).min(dim=0).values.float()
+
+
+def layer_fits(layers: list[torch.Tensor], labels: torch.Tensor,
+               num_classes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One `mahalanobis_fit` per stage, on the L2-normalised pooled statistics."""
+    return [mahalanobis_fit(normalise(x), labels, num_classes) for x in layers]
+
+
+def layer_scores(layers: list[torch.Tensor], fits: list) -> list[torch.Tensor]:
+    """Each stage's Mahalanobis score (minus the distance to the nearest class mean) under its own fit."""
+    return [mahalanobis_score(normalise(x), means.to(x.device), precision.to(x.device))
+            for x, (means, precision) in zip(layers, fits)]
+
+
+def standardised(score: torch.Tensor, scale: tuple[float, float]) -> torch.Tensor:
+    centre, spread = scale
+    return (score.double() - centre) / spread
+
+
+def multilayer_score(per_layer: list[torch.Tensor], scales: list[tuple[float, float]]) -> torch.Tensor:
+    """mahalanobis_layers: the mean of the stages' scores, each standardised by its validation spread (the
+    mean had the better worst case than the lowest over two trainings: docs/advice.md)."""
+    return torch.stack([standardised(p, s) for p, s in zip(per_layer, scales)]).mean(dim=0).float()
 
 
 def seeded_subset(n: int, size: int, seed: int) -> list[int]:
@@ -163,29 +269,43 @@ class Rejector:
     """The stored reject record (`calibration` in best.pt) as a scorer: `scores(logits, features)`,
     `rejected(scores)`. `threshold` may be replaced by hand (`--reject-below`). `fits`: name -> (class means,
     precision) of `mahalanobis` (raw features) and `mahalanobis_l2`; `scales`: name -> (centre, spread) of the
-    parts of `combined`, which are `combined_of`."""
+    parts of `combined`, which are `combined_of`; `layers`: the stage names, their fits and validation scales
+    of `mahalanobis_layers`."""
 
     def __init__(self, method: str, threshold: float, temperature: Optional[float] = None,
                  bank: Optional[torch.Tensor] = None, k: int = KNN_K, fits: Optional[dict] = None,
-                 scales: Optional[dict] = None, combined_of: tuple = COMBINED_OF):
+                 scales: Optional[dict] = None, combined_of: tuple = COMBINED_OF, layers: Optional[dict] = None):
         if method not in METHODS:
             raise ValueError(f"unknown reject method {method!r}; one of {METHODS}")
         self.method, self.threshold, self.temperature = method, float(threshold), temperature
         self.bank = bank.float() if bank is not None else None
         self.k, self.fits, self.scales, self.combined_of = k, fits or {}, scales or {}, tuple(combined_of)
+        layers = layers or {}
+        self.layer_names = list(layers.get("names", []))
+        self.layer_fits, self.layer_scales = list(layers.get("fits", [])), list(layers.get("scales", []))
 
     @property
     def needs_features(self) -> bool:
         return self.method in FEATURE_METHODS
 
-    def scores(self, logits: torch.Tensor, features: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.score(self.method, logits, features)
+    @property
+    def needs_layers(self) -> bool:
+        return self.method == LAYERS_METHOD
 
-    def score(self, name: str, logits: torch.Tensor, features: Optional[torch.Tensor]) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, features: Optional[torch.Tensor] = None,
+               layers: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        return self.score(self.method, logits, features, layers)
+
+    def score(self, name: str, logits: torch.Tensor, features: Optional[torch.Tensor],
+              layers: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         if name == "msp":
             return msp_score(logits, self.temperature)
         if name == "energy":
             return energy_score(logits)
+        if name == LAYERS_METHOD:
+            if layers is None:
+                raise ValueError(f"the {name} score needs the pooled outputs of the stages {self.layer_names}")
+            return multilayer_score(layer_scores(layers, self.layer_fits), [tuple(s) for s in self.layer_scales])
         if features is None:
             raise ValueError(f"the {name} score needs penultimate features")
         if name == "knn":
@@ -206,6 +326,10 @@ def rejector_from_record(record: dict, method: Optional[str] = None) -> Rejector
     fits = {name: (record[means], record[precision]) for name, means, precision in
             (("mahalanobis", "class_means", "precision"), ("mahalanobis_l2", "class_means_l2", "precision_l2"))
             if record.get(means) is not None}
+    layers = {"names": record.get("layer_names", []),
+              "fits": list(zip(record.get("layer_means", []), record.get("layer_precisions", []))),
+              "scales": record.get("layer_scales", [])}
     return Rejector(method, record["thresholds"][method], record.get("temperature"),
                     bank=record.get("feature_bank"), k=int(record.get("knn_k", KNN_K)), fits=fits,
-                    scales=record.get("score_scales"), combined_of=tuple(record.get("combined_of", COMBINED_OF)))
+                    scales=record.get("score_scales"), combined_of=tuple(record.get("combined_of", COMBINED_OF)),
+                    layers=layers)

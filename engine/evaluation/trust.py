@@ -6,7 +6,10 @@ score used), `thresholds` (method -> the score that keeps `coverage` of the vali
 `num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
 score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
 raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `combined` also stores
-`combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split).
+`combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split);
+`mahalanobis_layers` stores `layer_names` (the stages), `layer_means` and `layer_precisions` (one fit per
+stage) and `layer_scales` (per stage [centre, spread] on the validation split), and the `mahalanobis_l2`
+fit (audit.py's outlier score, and the score where the stages cannot be tapped).
 """
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from core.temperature import temperature_problem
 from engine.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from engine.evaluation.split_outputs import SplitOutputs
-from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LOGITS_METHOD,
-                                         Rejector, combined_score, energy_score, knn_score, mahalanobis_fit,
-                                         mahalanobis_score, msp_score, normalise, rejector_from_record, score_scale,
-                                         seeded_subset, threshold_for_coverage)
+from engine.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
+                                         Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
+                                         mahalanobis_fit, mahalanobis_score, msp_score, multilayer_score, normalise,
+                                         rejector_from_record, score_scale, seeded_subset, threshold_for_coverage)
 
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
@@ -48,9 +51,10 @@ def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.
 
 
 def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union[str, float], coverage: float,
-                 seed: int, method: str = DEFAULT_METHOD) -> dict:
-    """The checkpoint's `calibration` record. Without features (a model without a timm classifier, or no
-    training features) the reject option falls back to the energy score."""
+                 seed: int, method: str = DEFAULT_METHOD, layer_names: Optional[list[str]] = None) -> dict:
+    """The checkpoint's `calibration` record. Without the stages' statistics (`layer_names` and the outputs'
+    `layers`: a timm model without `feature_info`) mahalanobis_layers falls back to combined; without features
+    (a model without a timm classifier, or no training features) the reject option falls back to energy."""
     temperature, notes = resolve_temperature(setting, val)
     scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
@@ -67,8 +71,18 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
         scales = {name: score_scale(scores[name]) for name in COMBINED_OF}
         scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
                                             [scales[name] for name in COMBINED_OF])
+        layers = bool(layer_names) and val.layers is not None and bank.layers is not None
+        if method == LAYERS_METHOD and layers:
+            fitted = layer_fits(bank.layers, bank.labels, classes)
+            per_layer = layer_scores(val.layers, fitted)
+            layer_scales = [score_scale(x) for x in per_layer]
+            scores[LAYERS_METHOD] = multilayer_score(per_layer, layer_scales)
+            record.update(layer_names=list(layer_names), layer_means=[m for m, _ in fitted],
+                          layer_precisions=[p for _, p in fitted], layer_scales=[list(x) for x in layer_scales])
+        elif method == LAYERS_METHOD:
+            method = "combined"
         record["feature_bank"] = stored
-        needed = COMBINED_OF if method == "combined" else (method,)
+        needed = {"combined": COMBINED_OF, LAYERS_METHOD: ("mahalanobis_l2",)}.get(method, (method,))
         if "mahalanobis" in needed:
             record["class_means"], record["precision"] = fits["mahalanobis"]
         if "mahalanobis_l2" in needed:
@@ -108,11 +122,12 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
               "temperature": temperature,
               "calibration_notes": list(record.get("temperature_notes", [])) if record else []}
-    rejector = usable_rejector(record, outputs.features is not None, method) if record else None
+    rejector = (usable_rejector(record, outputs.features is not None, method, outputs.layers is not None)
+                if record else None)
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):
         if threshold is not None:
             rejector.threshold = threshold
-        scores = rejector.scores(outputs.logits, outputs.features)
+        scores = rejector.scores(outputs.logits, outputs.features, outputs.layers)
         selective = selective_report(scores, correct, rejector.threshold)
         selective["method"] = rejector.method
     else:  # no stored threshold, or none that applies: everything kept
@@ -122,9 +137,14 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
     return result
 
 
-def usable_rejector(record: dict, have_features: bool, method: Optional[str] = None) -> Rejector:
-    """The record's reject scorer, or its logits-only one where no features can be had."""
+def usable_rejector(record: dict, have_features: bool, method: Optional[str] = None,
+                    have_layers: bool = True) -> Rejector:
+    """The record's reject scorer; mahalanobis_l2 where the stages' statistics cannot be had, the logits-only
+    one where no features can be had."""
     method = method or record["method"]
-    if method in ("knn", "mahalanobis") and (not have_features or method not in record["thresholds"]):
+    if method == LAYERS_METHOD and not have_layers:
+        method = "mahalanobis_l2" if record.get("class_means_l2") is not None else LOGITS_METHOD
+    if method in ("knn", "mahalanobis", "mahalanobis_l2", LAYERS_METHOD) and (
+            not have_features or method not in record["thresholds"]):
         method = LOGITS_METHOD
     return rejector_from_record(record, method)

@@ -1,7 +1,8 @@
 """`Predictor`: one model file (a checkpoint or an export) to result rows, for infer.py, serve.py and
 eval.py alike. It opens the file, sets up the runtime (device, precision, the recorded thread count),
-builds the model (BatchNorm folded and channels_last for infer.py and serve.py; as trained for eval.py,
-which reproduces training's validation to the last digit), and runs padded fixed-shape batches through it:
+builds the model (BatchNorm folded and channels_last for infer.py and serve.py, unfolded where the reject
+score reads the stages; as trained for eval.py, which reproduces training's validation to the last digit),
+and runs padded fixed-shape batches through it:
 the task's probabilities (calibrated by the stored temperature), the reject scores, the task's rows.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from core.errors import ConfigError
 from data.transforms import EvalTransform
 from engine.evaluation.evaluate import check_finite_outputs, predict
-from engine.evaluation.rejection import Rejector, classifier_name
+from engine.evaluation.rejection import Rejector, classifier_name, has_modules
 from engine.model_io.formats import FORMATS
 from engine.model_io.model_file import ModelFile
 from engine.model_io.loading import load_model_file
@@ -79,9 +80,13 @@ class Predictor:
             channels_last = True if for_serving else loaded.cfg.train.channels_last
         model = loaded.build_model(device, channels_last=channels_last)
         head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
-        if for_serving:
+        stages = (loaded.calibration or {}).get("layer_names") or []
+        rejector = build_rejector(loaded, trust, head_name is not None, has_modules(model, stages))
+        if for_serving and rejector is not None and rejector.needs_layers:
+            # folding traces the stages into one graph, where their outputs cannot be tapped
+            log.info("--reject: BatchNorm left unfolded (the %s score reads the model's stages)", rejector.method)
+        elif for_serving:
             model = folded(model)
-        rejector = build_rejector(loaded, trust, head_name is not None)
         # the recorder's feature tap goes on before compiling
         scores = ScoreRecorder(model, rejector, head_name) if rejector is not None else None
         if compile_model:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from core.errors import ConfigError
-from engine.evaluation.rejection import FeatureTap, LOGITS_METHOD, Rejector
+from engine.evaluation.rejection import FeatureTap, LayerTap, LOGITS_METHOD, Rejector
 from engine.evaluation.trust import usable_rejector
 from tasks.single_label_rows import EXPLAIN_COLUMNS
 
@@ -57,14 +57,15 @@ def check_trust_options(loaded, options: TrustOptions) -> None:
                           f"({LOGITS_METHOD} score: logsumexp of the logits) or use best.pt")
 
 
-def build_rejector(loaded, options: TrustOptions, model_has_features: bool) -> Optional[Rejector]:
+def build_rejector(loaded, options: TrustOptions, model_has_features: bool,
+                   model_has_layers: bool = True) -> Optional[Rejector]:
     """The reject scorer: the stored method where its inputs can be had (an export has logits only: energy),
     with `--reject-below` replacing the threshold."""
     if not options.rejecting:
         return None
     record = loaded.calibration
     if record and record.get("thresholds"):
-        rejector = usable_rejector(record, model_has_features)
+        rejector = usable_rejector(record, model_has_features, have_layers=model_has_layers)
         if rejector.method != record["method"]:
             log.info("--reject: %s gives no penultimate features; using the %s score (threshold %.4g)",
                      loaded.path, rejector.method, rejector.threshold)
@@ -81,12 +82,15 @@ class ScoreRecorder:
     def __init__(self, model: torch.nn.Module, rejector: Rejector, head_name: Optional[str] = None):
         self.rejector = rejector
         self.tap = FeatureTap(model, head_name) if rejector.needs_features else None
+        self.layer_tap = LayerTap(model, rejector.layer_names) if rejector.needs_layers else None
         self.scores: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, n: int) -> None:
         features = self.tap.take() if self.tap is not None else None
         features = features[:n].float() if features is not None else None
-        self.scores.append(self.rejector.scores(logits[:n].float(), features).cpu())
+        layers = self.layer_tap.take() if self.layer_tap is not None else None
+        layers = [x[:n] for x in layers] if layers is not None else None
+        self.scores.append(self.rejector.scores(logits[:n].float(), features, layers).cpu())
 
     def all_scores(self) -> torch.Tensor:
         return torch.cat(self.scores) if self.scores else torch.zeros(0)
@@ -96,8 +100,9 @@ class ScoreRecorder:
         self.scores.clear()
 
     def close(self) -> None:
-        if self.tap is not None:
-            self.tap.close()
+        for tap in (self.tap, self.layer_tap):
+            if tap is not None:
+                tap.close()
 
 
 def apply_reject(rows: list[dict], scores: torch.Tensor, rejector: Rejector) -> int:

@@ -17,7 +17,7 @@ from data.build import build_eval_loader_for, eval_transform
 from data.listing.folder import ImageIndex
 from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from engine.evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
-from engine.evaluation.rejection import BANK_SIZE, seeded_subset
+from engine.evaluation.rejection import BANK_SIZE, layer_names, seeded_subset
 from engine.evaluation.trust import build_record
 from engine.rundir.atomic_files import save_atomic
 from engine.runtime import distributed as dist_utils
@@ -61,17 +61,18 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
         return None
     best = load_checkpoint(best_path)
     eval_model.load_state_dict(best["model"])
-    val = gather_outputs(collect_outputs(eval_model, val_loader, device_input, with_features=True))
+    val = gather_outputs(collect_outputs(eval_model, val_loader, device_input, with_features=True, with_layers=True))
     bank = None
     subset = bank_index(train_index, cfg.train.seed)
     if subset is not None and val.features is not None:
         d = cfg.data
         loader = build_eval_loader_for(subset, eval_transform(d), eval_size(d), cfg.train.batch_size, d.num_workers,
                                        False, dist.rank, dist.world_size)
-        bank = gather_outputs(collect_outputs(eval_model, loader, device_input, with_features=True))
+        bank = gather_outputs(collect_outputs(eval_model, loader, device_input, with_features=True, with_layers=True))
     record = None
     if dist.is_main and len(val):
-        record = build_record(val, bank, cfg.calibration.temperature, cfg.calibration.coverage, cfg.train.seed)
+        record = build_record(val, bank, cfg.calibration.temperature, cfg.calibration.coverage, cfg.train.seed,
+                              layer_names=layer_names(eval_model))
         best["calibration"] = record
         save_atomic(best, best_path)
         log_record(record, val)

@@ -364,8 +364,14 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     def outputs(split):
         index = scan_split(data_root / split, classes=best["classes"])
         loader = build_eval_loader(EvalDataset(index, transform, pre["img_size"]), 5, 0, False)
-        return collect_outputs(model, loader, device_input, with_features=True)
+        return collect_outputs(model, loader, device_input, with_features=True, with_layers=True)
     val, train = outputs("val"), outputs("train")
     fit = calibrated_temperature(val.logits, val.labels)
     assert record["temperature"] == pytest.approx(fit.temperature, rel=1e-3)
     assert torch.allclose(record["feature_bank"].float(), normalise(train.features), atol=2e-3)
+    # the stages' statistics are gathered too: the per-stage class means of the multi-layer reject score
+    from engine.evaluation.rejection import layer_fits
+
+    fits = layer_fits(train.layers, train.labels, len(best["classes"]))
+    assert len(record["layer_means"]) == len(fits) == 5
+    assert all(torch.allclose(stored, means, atol=2e-3) for stored, (means, _) in zip(record["layer_means"], fits))

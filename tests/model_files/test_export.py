@@ -189,11 +189,12 @@ def test_eval_and_infer_state_the_batch_a_fixed_batch_export_runs(trained, capsy
     assert eval_script.main(["--checkpoint", str(exports["onnx"]), "--batch-size", "5", "data.num_workers=0"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert ": batch 4 (fixed by the export)," in header
+    assert ", precision fp32," in header            # full precision named as such, not by train.amp's `none`
     assert "exported for a fixed batch of 4: using --batch-size 4, not 5" in caplog.text
     caplog.clear()
     with caplog.at_level("INFO"):
         assert infer.main([str(data / "val"), "--checkpoint", str(exports["onnx"]), "--num-workers", "0"]) == 0
-    assert "classifying 12 file(s) in batches of 4 (fixed by the export)" in caplog.text
+    assert "classifying 12 file(s) in batches of 4 (fixed by the export) on cpu (fp32)" in caplog.text
 
 
 @pytest.mark.slow

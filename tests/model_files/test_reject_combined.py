@@ -1,6 +1,7 @@
 """The combined reject score (issue 34): an image is rejected when either of its standardised scores
 (Mahalanobis on L2-normalised features, energy) looks foreign, so the checkpoint rejects what its export
-(energy) rejects and what the feature score rejects."""
+(energy) rejects and what the feature score rejects; and the multi-layer score (mahalanobis_layers, the
+default since), which averages the stages' standardised scores."""
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,8 @@ def test_score_scale_and_the_lowest_standardised_score():
 def test_combined_rejects_what_either_kind_of_score_rejects():
     centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
     val, bank = split(200, 1, centres), split(1000, 2, centres)
-    record = build_record(val, bank, "none", 0.95, seed=0)
-    assert DEFAULT_METHOD == "combined" and record["method"] == "combined"
+    record = build_record(val, bank, "none", 0.95, seed=0)   # no stages' statistics: combined
+    assert record["method"] == "combined"
     assert record["combined_of"] == list(COMBINED_OF) and set(record["score_scales"]) == set(COMBINED_OF)
     checkpoint, export = usable_rejector(record, True), rejector_from_record(export_record(record))
 
@@ -53,3 +54,104 @@ def test_combined_rejects_what_either_kind_of_score_rejects():
     assert rejected(checkpoint, odd) > 0.9 and rejected(export, odd) < 0.2
     # its own kind of image: about the coverage is kept
     assert 0.02 <= rejected(checkpoint, split(400, 6, centres)) <= 0.12
+
+
+# ---------------------------------------------------------------- mahalanobis_layers (multi-layer Mahalanobis)
+
+def test_pooled_statistics_by_hand():
+    from engine.evaluation.rejection import pooled_statistics
+
+    x = torch.tensor([[[[1.0, 3.0], [1.0, 3.0]], [[5.0, 5.0], [5.0, 5.0]]]])   # [1, 2, 2, 2]
+    assert pooled_statistics(x).tolist() == [[2.0, 5.0, 1.0, 0.0]]              # means, then standard deviations
+    four = torch.stack([torch.full((2, 2), v) for v in (1.0, 3.0, 10.0, 20.0)])[None]
+    assert pooled_statistics(four, channels=2).tolist() == [[2.0, 15.0, 0.0, 0.0]]  # channel pairs averaged
+
+
+def test_layer_tap_pools_each_stage_channels_first():
+    from engine.evaluation.rejection import LayerTap, layer_names
+
+    class Stages(torch.nn.Module):
+        """Two stages, the second channels-last (as timm's NHWC stages): [N, 2, 2, 3]."""
+        feature_info = [{"module": "a", "num_chs": 3}, {"module": "b", "num_chs": 3}]
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Identity(), torch.nn.Identity()
+
+        def forward(self, x):
+            return self.b(self.a(x).permute(0, 2, 3, 1)).mean(dim=(1, 2))
+
+    model = Stages()
+    assert layer_names(model) == ["a", "b"] and layer_names(model, most=1) == ["a"]
+    tap = LayerTap(model, layer_names(model))
+    x = torch.arange(12, dtype=torch.float32).reshape(1, 3, 2, 2)
+    model(x)
+    a, b = tap.take()
+    expected = torch.tensor([[1.5, 5.5, 9.5] + [1.25 ** 0.5] * 3])   # channel c holds 4c..4c+3
+    assert torch.allclose(a, expected) and torch.allclose(b, expected)
+    model(x)
+    model(-x)   # the second forward (a flipped TTA view) is not recorded
+    assert tap.take()[0][0, 0] == 1.5
+    tap.close()
+    assert not LayerTap(model, ["missing"]).available and layer_names(torch.nn.Linear(2, 2)) == []
+
+
+def test_multilayer_score_by_hand():
+    from engine.evaluation.rejection import layer_scores, multilayer_score
+
+    eye = torch.eye(2)
+    fits = [(eye, eye), (eye, eye)]                 # class means e1, e2; identity precision
+    # stage 1: [2, 0] normalises onto e1 (distance 0); [1, 1] onto (0.7071, 0.7071): 2 x 0.0858 + 0.5 = 0.5858
+    first = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    second = torch.tensor([[1.0, 1.0], [0.0, 3.0]])
+    scores = layer_scores([first, second], fits)
+    assert torch.allclose(scores[0], torch.tensor([0.0, -0.5858]), atol=1e-4)
+    assert torch.allclose(scores[1], torch.tensor([-0.5858, 0.0]), atol=1e-4)
+    # standardised ((s - centre) / spread) and averaged over the stages: (0 + -1.1716) / 2, (-0.5858 + 0) / 2
+    assert torch.allclose(multilayer_score(scores, [(0.0, 1.0), (0.0, 0.5)]), torch.tensor([-0.5858, -0.2929]),
+                          atol=1e-4)
+    assert torch.allclose(multilayer_score(scores, [(-1.0, 2.0), (0.0, 1.0)]), torch.tensor([-0.0429, 0.1036]),
+                          atol=1e-4)
+
+
+def layered(n, seed, centres, odd_stage=None):
+    """`split` with two stages' statistics: stage 0 near the class centres, stage 1 near fixed directions;
+    `odd_stage` puts that stage's statistics somewhere else (what an upscaled grey digit does to a photo model's
+    early stages while its penultimate features look ordinary)."""
+    out = split(n, seed, centres)
+    g = torch.Generator().manual_seed(seed + 100)
+    stage0 = centres[out.labels] + 0.3 * torch.randn(n, D, generator=g)
+    stage1 = torch.ones(n, 6) + 0.1 * torch.randn(n, 6, generator=g)
+    if odd_stage == 1:
+        stage1 = stage1 * torch.tensor([1.0, 1, 1, -1, -1, -1])
+    out.layers = [stage0, stage1]
+    return out
+
+
+def test_layers_record_rejects_what_one_stage_sees_and_old_records_keep_their_method():
+    from engine.evaluation.rejection import LAYERS_METHOD
+
+    centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
+    val, bank = layered(200, 1, centres), layered(1000, 2, centres)
+    record = build_record(val, bank, "none", 0.95, seed=0, layer_names=["s0", "s1"])
+    assert DEFAULT_METHOD == LAYERS_METHOD and record["method"] == LAYERS_METHOD
+    assert record["layer_names"] == ["s0", "s1"] and len(record["layer_scales"]) == 2
+    assert [p.shape for p in record["layer_precisions"]] == [(D, D), (6, 6)]
+    assert record["class_means_l2"] is not None          # audit.py's outlier score and the untappable fallback
+    rejector = usable_rejector(record, True)
+    assert rejector.needs_layers and rejector.layer_names == ["s0", "s1"]
+
+    def rejected(out):
+        return float(rejector.rejected(rejector.scores(out.logits, out.features, out.layers)).double().mean())
+    odd = layered(200, 3, centres, odd_stage=1)
+    assert rejected(odd) > 0.9                       # one stage looks foreign: rejected
+    features_only = usable_rejector(record, True, "mahalanobis_l2")
+    assert float(features_only.rejected(features_only.scores(odd.logits, odd.features)).double().mean()) < 0.2
+    assert 0.02 <= rejected(layered(400, 4, centres)) <= 0.12    # its own kind: about the coverage kept
+    # stages that cannot be tapped: the stored Mahalanobis fit of the penultimate features; none: energy
+    assert usable_rejector(record, True, have_layers=False).method == "mahalanobis_l2"
+    assert usable_rejector(record, False, have_layers=False).method == "energy"
+    # a model without stages is calibrated by `combined`, as is every record made before mahalanobis_layers
+    plain = build_record(split(200, 1, centres), split(1000, 2, centres), "none", 0.95, seed=0)
+    assert plain["method"] == "combined" and "layer_names" not in plain
+    assert usable_rejector(plain, True).method == "combined"

@@ -101,10 +101,14 @@ def test_best_pt_carries_the_calibration_record(trained):
     _, _, best = trained
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     assert 0.05 <= record["temperature"] <= 20 and record["temperature_setting"] == "auto"
-    assert record["method"] == "combined" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    assert record["method"] == "mahalanobis_layers" and record["coverage"] == 0.95 and record["num_samples"] == 36
     assert record["class_means_l2"].shape[0] == 3 and record["precision_l2"].shape[0] == record["precision_l2"].shape[1]
-    assert record["combined_of"] == ["mahalanobis_l2", "energy"]
-    assert set(record["score_scales"]) == {"mahalanobis_l2", "energy"}
+    # resnet10t's five stages, each pooled to (mean, std) of at most 128 channel groups: a bounded fit per stage
+    assert record["layer_names"] == ["act1", "layer1", "layer2", "layer3", "layer4"]
+    assert [tuple(p.shape) for p in record["layer_precisions"]] == [(128, 128), (128, 128), (256, 256), (256, 256),
+                                                                   (256, 256)]
+    assert [tuple(m.shape) for m in record["layer_means"]] == [(3, 128), (3, 128), (3, 256), (3, 256), (3, 256)]
+    assert len(record["layer_scales"]) == 5 and all(spread > 0 for _, spread in record["layer_scales"])
     bank = record["feature_bank"]
     assert bank.dtype == torch.float16 and bank.shape[0] == 48  # every training image (under the cap)
     assert torch.allclose(bank.float().norm(dim=1), torch.ones(48), atol=1e-2)
@@ -121,7 +125,8 @@ def test_eval_reports_calibration_and_selective_figures(trained, tmp_path, capsy
     assert doc["temperature"] == pytest.approx(record["temperature"])
     assert 0 <= doc["ece"] <= 100 and 0 <= doc["ece_uncalibrated"] <= 100 and doc["nll"] >= 0
     sel = doc["selective"]
-    assert sel["method"] == "combined" and sel["threshold"] == pytest.approx(record["thresholds"]["combined"])
+    assert sel["method"] == "mahalanobis_layers"
+    assert sel["threshold"] == pytest.approx(record["thresholds"]["mahalanobis_layers"])
     assert sel["coverage"] >= 95.0 - 100 / 36 and 0 <= sel["accuracy"] <= 100  # the split it was set on
     assert Image.open(tmp_path / "rel.png").size[0] > 100
     # a hand threshold above every score keeps nothing
@@ -147,7 +152,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
     assert kept >= 0.8 and rejected >= 0.8, (kept, rejected)
     assert all(rows[p]["predicted"] in COLOURS for p in photos)  # the would-be label is kept
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
-    assert f"combined score < {record['thresholds']['combined']:.4g}" in err
+    assert f"mahalanobis_layers score < {record['thresholds']['mahalanobis_layers']:.4g}" in err
 
 
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
@@ -268,9 +273,11 @@ def test_a_killed_and_resumed_run_stores_the_same_calibration(trained, tmp_path)
     a = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     b = torch.load(run / "best.pt", map_location="cpu", weights_only=True)["calibration"]
     assert a["temperature"] == b["temperature"] and a["thresholds"] == b["thresholds"]
-    assert a["score_scales"] == b["score_scales"]
+    assert a["layer_names"] == b["layer_names"] and a["layer_scales"] == b["layer_scales"]
     for key in ("feature_bank", "class_means_l2", "precision_l2"):
         assert torch.equal(a[key], b[key]), key
+    for key in ("layer_means", "layer_precisions"):
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), key
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, float("inf"), -1.0, 1e-300, "1.5", [1.0]])
