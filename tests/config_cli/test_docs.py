@@ -78,7 +78,10 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 210
     assert "python train.py --config quickstart" in text
-    assert "pip install -r requirements-dev.txt && python -m pytest -q" in text  # what .ci/run installs and runs
+    test_command = "python -m pytest -q -n 2 --dist loadfile"
+    assert f"pip install -r requirements-dev.txt && {test_command}" in text
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "pip install -q -r requirements-dev.txt" in ci and f"\n{test_command}\n" in ci  # CI runs what the README says
     first_screen = "\n".join(text.splitlines()[:60])
     for command in ("python train.py", "python infer.py", "python serve.py"):
         assert command in first_screen
