@@ -106,7 +106,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     if not calibrated:
         settings["thresholds"] = ("tuned in training (recorded in the model)" if loaded.thresholds else
                                   "0.5 (none recorded)")
-    errors = (misclassified(recorded, getattr(index, "paths", None), loaded.classes, trust and trust["temperature"])
+    errors = (misclassified(recorded, index.paths, loaded.classes, trust and trust["temperature"])
               if task.supports("misclassified images") else None)
     metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)

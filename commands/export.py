@@ -52,7 +52,7 @@ def validation_files(loaded: ModelFile) -> tuple[list[str], list[int], str]:
     except (DataTreeError, OSError) as err:
         raise ConfigError(f"--quantize int8 calibrates on the checkpoint's validation images, which are not "
                           f"readable here: {err}") from err
-    paths = getattr(source.index, "paths", None)
+    paths = source.index.image_paths
     if not paths:
         raise ConfigError(f"--quantize int8 calibrates on the checkpoint's validation images: {source.described} "
                           f"holds no image files (WebDataset shards are not read for calibration)")

@@ -98,6 +98,11 @@ class ShardIndex:
         samples, one per id, and is not a list to walk."""
         return [path for path in map(local_path, self.urls) if path is not None]
 
+    @property
+    def image_paths(self) -> None:
+        """None: the samples are members of tar shards, not image files."""
+        return None
+
 
 class _SampleNames:
     def __init__(self, urls: list[str]):

@@ -12,6 +12,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import logging
 
@@ -35,6 +36,11 @@ class ImageIndex:
     @property
     def files(self) -> list[str]:
         """The files on disk the index reads (what no command may write over)."""
+        return self.paths
+
+    @property
+    def image_paths(self) -> Optional[list[str]]:
+        """One image file per sample, in sample order (what int8 calibration reads)."""
         return self.paths
 
     def class_counts(self) -> list[int]:

@@ -226,3 +226,14 @@ def test_sigkill_mid_epoch_on_shards_then_resume_is_bitwise_equal(shard_data, sh
     other = load_config("base", shard_overrides(shard_data, run, **{"data.num_workers": 2}))
     with pytest.raises(ConfigError, match=r"data.num_workers \(a shard stream is split across loader workers\): 1 -> 2"):
         check_resume_compatible(b, other, b["classes"], 1, {**b["data_source"], "loader_workers": 2})
+
+
+@pytest.mark.slow
+def test_int8_export_of_a_shards_run_exits_2_naming_the_shards(shard_run, tmp_path):
+    """int8 calibration reads image files; a shard set's samples are not files (its index names them, one per
+    sample id, without end), so the export says so before any work."""
+    result = run_script("export.py", "--checkpoint", str(shard_run / "best.pt"), "--format", "onnx",
+                        "--quantize", "int8", "--output", str(tmp_path / "int8.onnx"), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds no image files" in result.stderr and "shards" in result.stderr
+    assert not (tmp_path / "int8.onnx").exists()
