@@ -6,6 +6,7 @@ answer before the heavy imports.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Callable
 
@@ -63,24 +64,31 @@ def run_main(main: Callable[[], int]) -> None:
     try:
         code = main()
     except USAGE_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        code = 2
+        code = _report(f"error: {err}", 2)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+        code = _report("interrupted", 130)
     except JOB_FAILURES as err:  # the message says why (the torchrun variables, the exporter's reason)
-        print(f"error: {err}", file=sys.stderr)
-        code = 1
+        code = _report(f"error: {err}", 1)
     except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why
         if _is_out_of_memory(err):
-            print(out_of_memory_message(err), file=sys.stderr)
+            code = _report(out_of_memory_message(err), 1)
         else:
             import traceback
 
             traceback.print_exc()
-            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        code = 1
+            code = _report(f"error: {type(err).__name__}: {err}", 1)
     sys.exit(code)
+
+
+def _report(line: str, code: int) -> int:
+    """`line` on stderr, and in the run's log file when one is open (train.log): a run stopped by bad data
+    would otherwise leave a train.log that does not say why. Returns `code`."""
+    print(line, file=sys.stderr)
+    record = logging.makeLogRecord({"name": "imgcls", "levelno": logging.ERROR, "levelname": "ERROR", "msg": line})
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    return code
 
 
 def _is_out_of_memory(err: Exception) -> bool:
