@@ -59,10 +59,13 @@ def main(argv=None) -> int:
         raise ConfigError(f"--min-agreement {args.min_agreement}: must be between 0 and 1 (a fraction of images)")
 
     announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
+    from commands.cli import sigterm_unwinds
     from commands.export import run_export
 
-    return run_export(args.checkpoint, args.format, args.output, None if args.dynamic_batch else args.batch_size or 1,
-                      args.quantize, args.calibration_images, args.min_agreement, overwrite=args.overwrite)
+    with sigterm_unwinds():  # the temporary fp32 export and quantization folders go with the process
+        return run_export(args.checkpoint, args.format, args.output,
+                          None if args.dynamic_batch else args.batch_size or 1, args.quantize, args.calibration_images,
+                          args.min_agreement, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

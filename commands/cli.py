@@ -7,7 +7,10 @@ answer before the heavy imports.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Callable
 
 from core.errors import JOB_FAILURES, USAGE_ERRORS
@@ -65,6 +68,8 @@ def run_main(main: Callable[[], int]) -> None:
         code = main()
     except USAGE_ERRORS as err:
         code = _report(f"error: {err}", 2)
+    except Terminated:
+        code = _report("terminated", 143)
     except KeyboardInterrupt:
         code = _report("interrupted", 130)
     except JOB_FAILURES as err:  # the message says why (the torchrun variables, the exporter's reason)
@@ -78,6 +83,32 @@ def run_main(main: Callable[[], int]) -> None:
             traceback.print_exc()
             code = _report(f"error: {type(err).__name__}: {err}", 1)
     sys.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command was by `sigterm_unwinds`: it unwinds as Ctrl-C does (exit 143)."""
+
+
+@contextmanager
+def sigterm_unwinds():
+    """While the block runs, SIGTERM (docker stop, kill, a scheduler's pre-emption) raises Terminated where
+    the command is, so `finally` blocks and temporary folders clean up on the way out; Python's default
+    ends the process on the spot and leaves them. Only the main thread can take signals. Yields a list the
+    signal is also noted in, for code that catches the KeyboardInterrupt itself (tune.py's sweep)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def terminate(signum, frame):
+        received.append(signum)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _report(line: str, code: int) -> int:

@@ -3,12 +3,10 @@ the sweep or the LR range test from engine/tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
-from contextlib import contextmanager
 from typing import Optional
 
+from commands.cli import sigterm_unwinds
 from core.config import check_data_root
 from core.errors import ConfigError
 from core.outputs import write_json
@@ -76,10 +74,9 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     say(ctx, format_breakdown(breakdown.as_dict(max(sizes) // world)))
     announce = EstimateOnce(ctx, sizes, steps)
     results: list[dict] = []
-    interrupted = False
-    signalled: list[int] = []
+    interrupted, signalled = False, []
     try:
-        with sigterm_as_interrupt(signalled):
+        with sigterm_unwinds() as signalled:  # SIGTERM stops the sweep as Ctrl-C does: the sizes so far are written
             sweep_batch_sizes(cfg, ctx, sizes, steps, warmup, max(1, steps // 50), memory, args.checkpointing,
                               on_point=announce, on_entry=lambda e: results.append(entry_result(e)))
     except KeyboardInterrupt:
@@ -107,25 +104,6 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
         raise ConfigError(f"--target-loss {args.target_loss}: no batch size reached it within {steps} steps "
                           f"(lowest smoothed losses: {', '.join(str(r['final_loss']) for r in rows)})")
     return 0
-
-
-@contextmanager
-def sigterm_as_interrupt(signalled: list):
-    """While the sweep runs, SIGTERM (a scheduler's pre-emption, `kill`) stops it as Ctrl-C does, so the table
-    and the JSON of the sizes so far are still written; the signal is noted in `signalled` (exit 143)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        signalled.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def entry_result(entry) -> dict:

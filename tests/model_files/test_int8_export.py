@@ -6,7 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import onnx
@@ -16,7 +20,7 @@ import export
 from commands.export import validation_files
 from engine.model_io.checkpoint_files import read_checkpoint
 import infer
-from conftest import train_tiny
+from conftest import REPO, train_tiny, wait_for
 from core.errors import ConfigError, ExportError
 from engine.model_io import quantize
 from engine.model_io.loading import load_model_file
@@ -74,6 +78,24 @@ def test_int8_model_keeps_metadata_and_infer_runs_it(quantized, tmp_path):
     for row, want in zip(got, rows[:3]):
         assert row["label"] == want["label"] and row["top2_label"] == want["top2_label"]
         assert row["prob"] == pytest.approx(want["prob"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_export_exits_143_and_leaves_no_temporary_folder(quantized, tmp_path):
+    """docker stop or kill while the fp32 export is being quantized: the temporary folders beside the
+    output go with the process, and no partial output is left."""
+    _, checkpoint, _, _ = quantized
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(REPO / "export.py"), "--checkpoint", str(checkpoint), "--format",
+                             "onnx", "--quantize", "int8", "--output", str(out / "m.onnx")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wait_for(proc, lambda: out.is_dir() and any(p.name.startswith(".fp32-") for p in out.iterdir()),
+             "the temporary fp32 export folder")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated" in err and list(out.iterdir()) == []
 
 
 def test_agreement_below_the_floor_is_an_export_error(tmp_path):
