@@ -241,6 +241,7 @@ class Trainer:
             return 1
         finally:
             self.stop_signal.restore()
+            self.reporter.finish()
             self.runlog.close()
             self.close()
 

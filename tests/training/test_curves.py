@@ -1,11 +1,13 @@
-"""curves.png (issue 34): loss, LR and validation metrics per epoch, redrawn atomically at each epoch end."""
+"""curves.png (issue 34): loss, LR and validation metrics per epoch, redrawn atomically at epoch ends, at a
+bounded share of the run's time, and at the run's end."""
 from __future__ import annotations
 
 import pytest
 from PIL import Image
 
 from conftest import run_script, tiny_overrides
-from engine.rundir.curves import CURVES_FILE, read_columns, write_curves
+from engine.rundir import curves
+from engine.rundir.curves import CURVES_FILE, CurvesPicture, read_columns, write_curves
 
 HEADER = "epoch,step,lr,train_loss,val_top1,val_top5,val_loss,val_mean_class_acc\n"
 
@@ -35,3 +37,30 @@ def test_a_run_leaves_its_curves(tmp_path, tiny_tree):
     assert result.returncode == 0, result.stderr[-2000:]
     assert Image.open(run_dir / CURVES_FILE).format == "PNG"
     assert "could not draw" not in result.stderr
+
+
+def test_redraws_keep_under_their_share_of_the_run_and_the_end_draws_what_is_left(tmp_path, monkeypatch):
+    now, drawn = [0.0], []
+
+    def draw(run_dir, enabled):  # a draw that takes 0.5 s on the fake clock
+        drawn.append(now[0])
+        now[0] += 0.5
+
+    monkeypatch.setattr(curves, "write_curves", draw)
+    picture = CurvesPicture(tmp_path, True, clock=lambda: now[0])
+    picture.finish()
+    assert drawn == []                                   # nothing to draw before an epoch ends
+    for _ in range(6):                                   # 6 s epochs: 0.5 s / COST_SHARE = 25 s between draws
+        now[0] += 6
+        picture.epoch_end()
+    assert drawn == [6.0, 36.5]
+    now[0] += 6
+    picture.epoch_end()
+    now[0] += 1
+    picture.finish()
+    assert drawn == [6.0, 36.5, 44.0]                    # the last epoch is drawn at the end
+    picture.finish()
+    assert len(drawn) == 3                               # and only once
+    now[0] += 60                                         # a long epoch: drawn at its end
+    picture.epoch_end()
+    assert drawn[-1] == 104.5
