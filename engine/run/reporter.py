@@ -16,7 +16,6 @@ from core.config import OPTIMIZER_OPTIONS
 from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from engine.runtime.device import precision_name
-from engine.rundir.curves import CurvesPicture
 from engine.rundir.runlog import RunLog
 from engine.training.schedule import schedule_warnings
 
@@ -37,7 +36,6 @@ class RunReporter:
         self.epoch = 0
         self.step_lines = 0
         self.wait_warned = False
-        self.curves = CurvesPicture(runlog.run_dir, runlog.enabled and cfg.output.curves)
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
         self.task = task_of(cfg)
         self.step_extras = None   # () -> dict of more step-line values (distillation: the teacher's time share)
@@ -157,11 +155,7 @@ class RunReporter:
             "train_samples_per_s": samples_per_s, "data_wait_frac": wait_frac, "epoch_time_s": seconds,
             "skipped_files": len(state.skipped_files), **{f"val_{k}": v for k, v in metrics.items()}})
         self.runlog.flush()
-        self.curves.epoch_end()
-
-    def finish(self) -> None:
-        """The run ends or stops: curves.png shows every epoch in metrics.csv."""
-        self.curves.finish()
+        self.runlog.curves.epoch_end()
 
     def set_teacher(self, summary: dict) -> None:
         """distill.teacher: its identity and validation, logged once and kept for summary.json's `teacher`."""

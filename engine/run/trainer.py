@@ -194,7 +194,7 @@ class Trainer:
             self.state = self.checkpointer.restore(resume_ckpt)
             if self.distiller is not None:
                 self.distiller.restore(resume_ckpt)
-        self.runlog = RunLog(self.run_dir, self.runtime.dist.is_main, cfg.output.tensorboard)
+        self.runlog = RunLog(self.run_dir, self.runtime.dist.is_main, cfg.output.tensorboard, cfg.output.curves)
         self.reporter = RunReporter(cfg, self.runlog, self.runtime.dist.is_main, self.runtime.dist.world_size,
                                      self.plan.total_steps, self.plan.batches_per_epoch)
         if self.distiller is not None:
@@ -241,7 +241,6 @@ class Trainer:
             return 1
         finally:
             self.stop_signal.restore()
-            self.reporter.finish()
             self.runlog.close()
             self.close()
 

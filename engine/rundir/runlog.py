@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from core.outputs import write_json
+from engine.rundir.curves import CurvesPicture
 from tasks import csv_metric_columns
 
 log = logging.getLogger(__name__)
@@ -57,15 +58,18 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
     stream.setFormatter(fmt)
     root.addHandler(stream)
     if run_dir is not None and is_main:
-        file_handler = logging.FileHandler(run_dir / "train.log")
+        # opened at the first record: a run refused before it logs anything leaves no empty train.log (and
+        # never touches another run's)
+        file_handler = logging.FileHandler(run_dir / "train.log", delay=True)
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, curves: bool = False):
         self.run_dir = run_dir
         self.enabled = enabled
+        self.curves = CurvesPicture(run_dir, enabled and curves)  # curves.png, from metrics.csv
         self.writer = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -117,6 +121,7 @@ class RunLog:
             self.writer.flush()
 
     def close(self) -> None:
+        self.curves.finish()
         if self.writer is not None:
             self.writer.close()
 
