@@ -112,12 +112,13 @@ def sigterm_unwinds():
 
 
 def _report(line: str, code: int) -> int:
-    """`line` on stderr, and in the run's log file when one is open (train.log): a run stopped by bad data
-    would otherwise leave a train.log that does not say why. Returns `code`."""
+    """`line` on stderr, and in the run's log file when the run has written to it (train.log, opened at its
+    first record): a run stopped by bad data would otherwise leave a train.log that does not say why.
+    Returns `code`."""
     print(line, file=sys.stderr)
     record = logging.makeLogRecord({"name": "imgcls", "levelno": logging.ERROR, "levelname": "ERROR", "msg": line})
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
             handler.handle(record)
     return code
 

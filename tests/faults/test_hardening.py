@@ -328,6 +328,21 @@ def test_a_validation_of_zero_samples_is_an_error_not_a_best(tmp_path, capsys):
     assert not (out / "best.pt").exists()
 
 
+@pytest.mark.slow
+def test_a_run_that_fails_after_it_started_logging_says_why_in_train_log(tmp_path, capsys, monkeypatch):
+    from engine.run.trainer import Trainer
+
+    def broken(self):
+        raise RuntimeError("validation broke")
+
+    monkeypatch.setattr(Trainer, "validate", broken)
+    root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
+    out = tmp_path / "run"
+    assert exit_code(lambda: run(make_cfg(root, out, **{"train.epochs": 1}))) == 1
+    assert "error: RuntimeError: validation broke" in capsys.readouterr().err
+    assert (out / "train.log").read_text().splitlines()[-1].endswith("ERROR error: RuntimeError: validation broke")
+
+
 # ---------------------------------------------------------------- config values
 
 @pytest.mark.parametrize("override", [
