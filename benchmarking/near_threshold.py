@@ -41,8 +41,9 @@ def near_copies(img: Image.Image) -> dict[str, Image.Image]:
             "trim_2pc": img.crop((trim, trim, w - trim, h - trim))}
 
 
-def sources(n: int, rng: np.random.Generator) -> dict[str, list[Image.Image]]:
-    from sklearn.datasets import load_digits, load_sample_images
+def photo_crops(n: int, rng: np.random.Generator) -> list[Image.Image]:
+    """`n` random square crops (30-60% of the shorter side) of scikit-learn's bundled sample photos."""
+    from sklearn.datasets import load_sample_images
 
     photos = [Image.fromarray(a) for a in load_sample_images().images]
     crops = []
@@ -51,6 +52,13 @@ def sources(n: int, rng: np.random.Generator) -> dict[str, list[Image.Image]]:
         side = int(rng.uniform(0.3, 0.6) * min(src.size))
         left, top = int(rng.integers(0, src.width - side)), int(rng.integers(0, src.height - side))
         crops.append(src.crop((left, top, left + side, top + side)))
+    return crops
+
+
+def sources(n: int, rng: np.random.Generator) -> dict[str, list[Image.Image]]:
+    from sklearn.datasets import load_digits
+
+    crops = photo_crops(n, rng)
     generated = [Image.fromarray(photo(rng, 256, 192)) for _ in range(n)]
     digits = load_digits().images[:n]
     digit_images = [Image.fromarray(np.clip(d * 255 / 16, 0, 255).round().astype(np.uint8)).convert("RGB")
@@ -87,17 +95,11 @@ def measure(images: list[Image.Image], folder: Path, tag: str) -> dict:
 def small_sources(n: int, rng: np.random.Generator) -> dict[str, list[Image.Image]]:
     """Images of 24-32 px, where pHash alone proposes distinct images: digits scaled up to 32 px (all 1797,
     the case that needed the confirmation), generated photos, crops of the sample photos, noise patterns."""
-    from sklearn.datasets import load_digits, load_sample_images
+    from sklearn.datasets import load_digits
 
     digits = [Image.fromarray(np.clip(d * 255 / 16, 0, 255).round().astype(np.uint8)).convert("RGB")
               .resize((32, 32), Image.Resampling.BILINEAR) for d in load_digits().images]
-    photos = [Image.fromarray(a) for a in load_sample_images().images]
-    crops = []
-    for _ in range(n):
-        src = photos[int(rng.integers(len(photos)))]
-        side = int(rng.uniform(0.3, 0.6) * min(src.size))
-        left, top = int(rng.integers(0, src.width - side)), int(rng.integers(0, src.height - side))
-        crops.append(src.crop((left, top, left + side, top + side)).resize((32, 32), Image.Resampling.BOX))
+    crops = [crop.resize((32, 32), Image.Resampling.BOX) for crop in photo_crops(n, rng)]
     noise = [Image.fromarray(np.clip(np.full((24, 24, 3), 100.0) + rng.normal(0, 20, (24, 24, 3)), 0, 255)
                              .astype(np.uint8)) for _ in range(n)]
     return {"digits_32px": digits, "generated_photos_32px": [Image.fromarray(photo(rng, 32, 32)) for _ in range(n)],
