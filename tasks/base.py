@@ -104,9 +104,18 @@ class Task:
         """What infer.py reports as probabilities for `logits` ([N, C] float)."""
         raise NotImplementedError
 
+    def prediction(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per image, what the model predicts: a row of the result that two models are compared on."""
+        raise NotImplementedError
+
     def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """Per image, whether two models' logits give the same prediction (a bool vector)."""
-        raise NotImplementedError
+        return self.same_prediction(self.prediction(logits), self.prediction(other))
+
+    @staticmethod
+    def same_prediction(prediction: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """Per image, whether two `prediction` results are equal (a bool vector)."""
+        return (prediction == other).reshape(len(prediction), -1).all(dim=1)
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
         """What a row needs of a batch's probabilities (kept on the device until the pass ends, so memory

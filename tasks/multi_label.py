@@ -107,9 +107,9 @@ class MultiLabel(Task):
     def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
         return logits.sigmoid()
 
-    def predicts_same(self, logits: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """The same tags at probability 0.5."""
-        return ((logits > 0) == (other > 0)).all(dim=1)
+    def prediction(self, logits: torch.Tensor) -> torch.Tensor:
+        """The tags called at probability 0.5 (a bool per tag)."""
+        return logits > 0
 
     def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
         return {"probs": probs}

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
+from engine.distill.agreement import TeacherPredictions
 from engine.distill.conversion import InputConversion
 from engine.distill.losses import feature_distance, logit_term
 from engine.distill.teacher import Teacher, class_mismatch, load_teacher
-from engine.evaluation.evaluate import evaluate
 from engine.runtime import distributed as dist_utils
 from tasks import task_of
 from tasks.base import Task
@@ -119,6 +119,7 @@ class Distiller(torch.nn.Module):
         self.feature_loss = feature_loss
         self.timer = StepTimer(next(teacher.model.parameters()).device)
         self.teacher_metrics: Optional[dict] = None  # its validation, once per run (kept in last.pt)
+        self.val_predictions = TeacherPredictions()  # its prediction per validation image, for the agreement
         if kind == "feature":
             self.__dict__["student_tap"] = FeatureTap(student)
             self.__dict__["teacher_tap"] = FeatureTap(teacher.model)
@@ -205,46 +206,6 @@ def check_resume_teacher(ckpt: dict, distiller: Optional[Distiller]) -> None:
                           f"{str(saved.get('sha256'))[:12]}); set distill.teacher to that teacher to continue it")
 
 
-class AgreementProbe(torch.nn.Module):
-    """Runs the student and, beside it, the teacher on each validation batch; counts the images on which they
-    agree (device sums). Returns the student's logits, so the validation's metrics are the student's."""
-
-    def __init__(self, student: torch.nn.Module, distiller: Distiller):
-        super().__init__()
-        self.student = student
-        self.__dict__["distiller"] = distiller
-        self.training = student.training  # evaluate() puts back the mode it found: the student's
-        device = next(student.parameters()).device
-        self.agree = torch.zeros((), dtype=torch.int64, device=device)
-        self.count_all = torch.zeros((), dtype=torch.int64, device=device)
-        self.teacher_logits: Optional[torch.Tensor] = None
-
-    def train(self, mode: bool = True):
-        self.student.train(mode)  # the teacher stays in eval mode
-        self.training = mode
-        return self
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        self.teacher_logits = self.distiller.teacher_forward(images)
-        return self.student(images)
-
-    def count(self, logits: torch.Tensor, targets, valid: torch.Tensor, indices) -> None:
-        """evaluate()'s `on_outputs`: the batch's readable images whose predictions agree are counted."""
-        valid = valid.to(logits.device, non_blocking=True)
-        same = self.distiller.task.predicts_same(logits.float(), self.teacher_logits.float()) & valid
-        self.agree += same.sum()
-        self.count_all += valid.sum()
-
-    def read(self) -> float:
-        """The agreement in percent over every rank's images (one all-reduce, one host read)."""
-        # the epoch's training has ended (its last step logged): validation and the save are no step time
-        self.distiller.timer.pause()
-        totals = torch.stack([self.agree, self.count_all])
-        dist_utils.all_reduce_sum(totals)
-        agree, count = totals.tolist()
-        return 100.0 * agree / count if count else float("nan")
-
-
 def build_distiller(cfg, classes: Optional[list[str]], student: torch.nn.Module, device: torch.device) -> Distiller:
     """The run's `Distiller` (call when `distill.teacher` is set): the teacher loaded and frozen, its classes
     checked against the student's (ConfigError, exit 2, naming the first difference). `classes` None: for
@@ -262,30 +223,6 @@ def build_distiller(cfg, classes: Optional[list[str]], student: torch.nn.Module,
              f" (T {d.temperature:g})" if d.type == "soft" else (f" ({d.feature_loss})" if d.type == "feature" else ""),
              d.alpha, 1 - d.alpha)
     return distiller
-
-
-class TeacherOnStudentInput(torch.nn.Module):
-    """The teacher as a model of the student's input (for evaluate()): conversion, then the teacher."""
-
-    def __init__(self, distiller: Distiller):
-        super().__init__()
-        self.__dict__["distiller"] = distiller
-
-    def train(self, mode: bool = True):
-        self.training = mode  # the teacher stays in eval mode
-        return self
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.distiller.teacher_forward(images)
-
-
-def validate_teacher(distiller: Distiller, loader, device_input, classes: list[str]) -> dict:
-    """The teacher's validation on the run's validation split (every rank's shard, summed): its metrics (top1,
-    ..., or mAP for multi-label), as the student's are computed."""
-    sums, _ = evaluate(TeacherOnStudentInput(distiller), loader, device_input, distiller.task, classes)
-    sums.all_reduce()
-    metrics = sums.compute()
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def teacher_summary(distiller: Distiller) -> dict:

@@ -35,8 +35,8 @@ from engine.tuning.batch_finder import resolve_batch_size
 from engine.runtime.device import DeviceInput, pin_memory_for
 from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
-from engine.distill.distiller import (AgreementProbe, Distiller, build_distiller, check_resume_teacher,
-                                     teacher_summary, validate_teacher)
+from engine.distill.agreement import AgreementProbe, validate_teacher
+from engine.distill.distiller import Distiller, build_distiller, check_resume_teacher, teacher_summary
 from engine.training.loop import StepHooks, train_one_epoch
 from engine.training.optim import base_lr, describe_groups
 from engine.run.calibrate import best_is_calibrated, calibrate_best

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from conftest import make_tree, run_script, tiny_overrides
 from core.config import load_config
 from engine.distill.conversion import InputConversion
-from engine.distill.distiller import AgreementProbe, Distiller
+from engine.distill.agreement import AgreementProbe, TeacherPredictions
+from engine.distill.distiller import Distiller
 from engine.distill.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
 from tasks import get_task
 from engine.distill.teacher import Teacher, class_mismatch, freeze
@@ -150,6 +151,61 @@ def test_agreement_probe_counts_only_readable_images():
         probe.count(logits, None, torch.tensor([True, True, True, False]), None)
         same = (student(images).argmax(1) == teacher.model(images).argmax(1))[:3]
     assert probe.read() == pytest.approx(100.0 * same.sum().item() / 3)
+
+
+def test_later_validations_read_the_teachers_kept_predictions_and_count_the_same():
+    import timm
+
+    from engine.evaluation.evaluate import evaluate
+    from engine.runtime.device import DeviceInput
+
+    torch.manual_seed(0)
+    student = timm.create_model("test_resnet", num_classes=3).eval()
+    teacher = tiny_teacher(["a", "b", "c"])
+    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
+    distiller = Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
+    batches = [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]),
+                torch.tensor([True, True, False, True]), torch.tensor([4 * b + 3, 4 * b + 2, 4 * b + 1, 4 * b]))
+               for b in range(3)]
+    device_input = DeviceInput(torch.device("cpu"), tuple(teacher.mean), tuple(teacher.std), False, None)
+    runs = []
+    real = distiller.teacher_forward
+    distiller.teacher_forward = lambda images: runs.append(len(images)) or real(images)
+    agreements = []
+    for _ in range(3):
+        probe = AgreementProbe(student, distiller)
+        evaluate(probe, batches, device_input, get_task("multiclass"), ["a", "b", "c"], on_outputs=probe.count)
+        agreements.append(probe.read())
+    assert runs == [4, 4, 4]  # the first pass only
+    assert agreements[0] == agreements[1] == agreements[2]
+    by_hand = []
+    for images, _, valid, _ in batches:
+        x = device_input.prepare(images)
+        with torch.no_grad():
+            by_hand += (student(x).argmax(1) == teacher.model(x).argmax(1))[valid].tolist()
+    assert agreements[0] == pytest.approx(100.0 * sum(by_hand) / len(by_hand))
+
+
+def test_kept_teacher_predictions_grow_by_index_and_stay_under_their_bound():
+    kept = TeacherPredictions()
+    kept.store(torch.tensor([5, 1]), torch.tensor([2, 0], dtype=torch.int32))
+    kept.store(torch.tensor([40]), torch.tensor([1], dtype=torch.int32))  # grows
+    kept.pass_done()
+    assert kept.usable() and kept.lookup(torch.tensor([40, 1, 5])).tolist() == [1, 0, 2]
+    tags = TeacherPredictions()
+    tags.store(torch.tensor([0, 2]), torch.tensor([[True, False], [False, True]]))
+    tags.pass_done()
+    assert get_task("multilabel").same_prediction(tags.lookup(torch.tensor([2, 0])),
+                                                  torch.tensor([[False, True], [True, True]])).tolist() == [True, False]
+    small = TeacherPredictions(max_bytes=64)  # 16 int32 rows
+    small.store(torch.tensor([3]), torch.tensor([1], dtype=torch.int32))
+    small.store(torch.tensor([16]), torch.tensor([1], dtype=torch.int32))
+    small.pass_done()
+    assert not small.usable() and small.rows is None  # the teacher runs at every validation instead
+    unindexed = TeacherPredictions()
+    unindexed.store(None, torch.tensor([1], dtype=torch.int32))
+    unindexed.pass_done()
+    assert not unindexed.usable()
 
 
 def test_class_mismatch_names_the_first_difference_and_another_head_size():
