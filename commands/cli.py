@@ -6,6 +6,7 @@ answer before the heavy imports.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -82,6 +83,10 @@ def run_main(main: Callable[[], int]) -> None:
 
             traceback.print_exc()
             code = _report(f"error: {type(err).__name__}: {err}", 1)
+    # The command is over: the interpreter's exit need not walk the objects torch, torchvision and timm made
+    # at import (1.0-1.3 s of every command's end with them; 0.1-0.3 s frozen). Streams and atexit handlers
+    # (logging, worker processes) still close as before.
+    gc.freeze()
     sys.exit(code)
 
 

@@ -9,6 +9,7 @@ lets the run directory go, on every exit path.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import time
 from pathlib import Path
@@ -110,6 +111,9 @@ class Trainer:
         self._start_or_restore(resume_ckpt)
         self._open_tracking(resume_ckpt, finetune_ckpt)
         self.reporter.log_startup(self.data, self.runtime, self.plan)
+        # What the imports and the set-up made lives for the whole run: frozen, the collector's full passes skip
+        # it (they took 1 s of a 45 s distillation on the digits; memory is still freed by reference counts)
+        gc.freeze()
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
