@@ -2,8 +2,9 @@
 epoch ends: train and validation loss, the learning rate, and the validation metrics, per epoch. Written
 to a temp file and renamed over the old picture, so a viewer never sees half a PNG; a failure to draw is
 logged once and never stops training. A draw costs about 0.25 s (the first, which imports matplotlib,
-about 0.8 s): `CurvesPicture` redraws only where that stays under COST_SHARE of the run's time, so short
-epochs skip redraws, and always draws the last epoch when the run ends."""
+about 0.8 s): `CurvesPicture` draws only where that stays under COST_SHARE of the run's time, so short
+epochs skip draws (a run under FIRST_DRAW_S / COST_SHARE draws once, at its end), and always draws the last
+epoch when the run ends."""
 from __future__ import annotations
 
 import csv
@@ -18,6 +19,7 @@ from tasks import TASKS
 log = logging.getLogger(__name__)
 CURVES_FILE = "curves.png"
 COST_SHARE = 0.02  # the most of a run's time redrawing curves.png may take (6 s epochs: 2.8 s of 47 s before)
+FIRST_DRAW_S = 0.8  # what the first draw is taken to cost before it is measured (it imports matplotlib)
 _warned = []
 
 
@@ -92,19 +94,19 @@ def write_curves(run_dir: Path, enabled: bool) -> None:
 
 class CurvesPicture:
     """curves.png kept current at a bounded cost: at an epoch end it is redrawn when the time since the last
-    draw is at least that draw's cost / COST_SHARE (the first epoch end always draws); `finish` draws the
-    epochs not drawn yet when the run ends or stops."""
+    draw (or since the run began) is at least that draw's cost (FIRST_DRAW_S before the first) / COST_SHARE;
+    `finish` draws the epochs not drawn yet when the run ends or stops."""
 
     def __init__(self, run_dir: Path, enabled: bool, clock=time.monotonic):
         self.run_dir, self.enabled, self.clock = Path(run_dir), enabled, clock
-        self.last_end: float | None = None
-        self.last_cost = 0.0
+        self.last_end = clock()
+        self.last_cost = FIRST_DRAW_S
         self.stale = False
 
     def epoch_end(self) -> None:
         """The epoch's row is in metrics.csv."""
         self.stale = True
-        if self.last_end is None or self.clock() - self.last_end >= self.last_cost / COST_SHARE:
+        if self.clock() - self.last_end >= self.last_cost / COST_SHARE:
             self._draw()
 
     def finish(self) -> None:

@@ -50,17 +50,28 @@ def test_redraws_keep_under_their_share_of_the_run_and_the_end_draws_what_is_lef
     picture = CurvesPicture(tmp_path, True, clock=lambda: now[0])
     picture.finish()
     assert drawn == []                                   # nothing to draw before an epoch ends
-    for _ in range(6):                                   # 6 s epochs: 0.5 s / COST_SHARE = 25 s between draws
+    for _ in range(7):                                   # 6 s epochs: none drawn before 0.8 s / COST_SHARE
         now[0] += 6
         picture.epoch_end()
-    assert drawn == [6.0, 36.5]
+    assert drawn == [42.0]                               # then 0.5 s / COST_SHARE = 25 s between draws
+    for _ in range(5):
+        now[0] += 6
+        picture.epoch_end()
+    assert drawn == [42.0, 72.5]
     now[0] += 6
     picture.epoch_end()
     now[0] += 1
     picture.finish()
-    assert drawn == [6.0, 36.5, 44.0]                    # the last epoch is drawn at the end
+    assert drawn == [42.0, 72.5, 80.0]                   # the last epoch is drawn at the end
     picture.finish()
     assert len(drawn) == 3                               # and only once
     now[0] += 60                                         # a long epoch: drawn at its end
     picture.epoch_end()
-    assert drawn[-1] == 104.5
+    assert drawn[-1] == 140.5
+    short = CurvesPicture(tmp_path, True, clock=lambda: now[0])
+    drawn.clear()
+    for _ in range(6):                                   # a 36 s run: one draw, at its end
+        now[0] += 6
+        short.epoch_end()
+    short.finish()
+    assert len(drawn) == 1
