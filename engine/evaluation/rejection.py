@@ -119,7 +119,12 @@ def pooled_statistics(activation: torch.Tensor, channels: int = LAYER_CHANNELS) 
     x = x.flatten(2) if x.dim() > 2 else x[:, :, None]                    # [N, C, P]
     if x.shape[1] > channels:
         x = torch.nn.functional.adaptive_avg_pool1d(x.transpose(1, 2), channels).transpose(1, 2)
-    return torch.cat([x.mean(dim=2), x.std(dim=2, unbiased=False)], dim=1)
+    mean = x.mean(dim=2)
+    # from the mean square (one pass, fp32; activations of a normalised network have no mean so large against
+    # their spread that this loses digits): torch's std over the last dimension took 7-10x as long, a third
+    # of the calibration's time for resnet10t at 32 px
+    std = ((x * x).mean(dim=2) - mean * mean).clamp_min(0).sqrt()
+    return torch.cat([mean, std], dim=1)
 
 
 class LayerTap:
