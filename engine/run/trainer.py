@@ -269,12 +269,14 @@ class Trainer:
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             self.tracking.status = "FINISHED"
             return 0
+        next_batches = None
         if self.distiller is not None:  # the teacher is validated once per run, before the first step
             if self.distiller.teacher_metrics is None:
+                # while the first epoch's batches load (the workers' start was 0.5 s of a first epoch)
+                next_batches = start_batches(self.data, self.state.epoch, self.state.epoch_counters().batches_done)
                 self.distiller.teacher_metrics = validate_teacher(self.distiller, self.data.val_loader,
                                                                   self.step.input, self.classes)
             self.reporter.set_teacher(teacher_summary(self.distiller))
-        next_batches = None
         self.val_batches = validation_batches_at_start(self.data.val_loader)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             if self.freeze is not None:
