@@ -2,18 +2,19 @@
 bounded share of the run's time, and at the run's end."""
 from __future__ import annotations
 
+import math
+
 import pytest
 from PIL import Image
 
 from conftest import run_script, tiny_overrides
 from engine.rundir import curves
-from engine.rundir.curves import CURVES_FILE, CurvesPicture, read_columns, write_curves
+from engine.rundir.curves import CURVES_FILE, CurvesPicture, draw_curves, log_ticks, nice_ticks, read_columns, write_curves
 
 HEADER = "epoch,step,lr,train_loss,val_top1,val_top5,val_loss,val_mean_class_acc\n"
 
 
-def test_curves_are_drawn_from_metrics_csv(tmp_path, monkeypatch):
-    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
+def test_curves_are_drawn_from_metrics_csv(tmp_path):
     (tmp_path / "metrics.csv").write_text(HEADER + "1,10,0.1,2.0,40,80,1.5,40\n2,20,0.05,1.2,,,,\n"
                                           "3,30,0.01,0.8,75,95,0.7,74\n")
     columns = read_columns(tmp_path / "metrics.csv")
@@ -29,11 +30,31 @@ def test_curves_are_drawn_from_metrics_csv(tmp_path, monkeypatch):
     assert len(colours) > 20
 
 
+def test_axis_ticks_are_round_values_inside_the_range():
+    assert nice_ticks(0.0, 8.8, 6) == [0, 2, 4, 6, 8]
+    assert nice_ticks(-0.4, 8.8, 6) == [0, 2, 4, 6, 8]
+    assert nice_ticks(10.0, 100.0, 6) == [20, 40, 60, 80, 100]
+    assert nice_ticks(1, 1) == [1]
+    assert log_ticks(-6.2, -0.9) == [-6, -5, -4, -3, -2, -1]        # 1e-6 ... 0.1: the powers of ten
+    assert [round(10 ** t, 6) for t in log_ticks(-2.05, -0.95)] == [0.01, 0.02, 0.05, 0.1]  # few: 2x, 5x too
+
+
+def test_curves_draw_any_run_length_and_columns_with_gaps(tmp_path):
+    one = {"epoch": [1.0], "lr": [0.0], "train_loss": [2.0], "val_loss": [math.nan]}
+    draw_curves(one, tmp_path / "one.png")
+    long = {"epoch": [float(e) for e in range(1, 301)], "lr": [0.1 * 0.99 ** e for e in range(300)],
+            "train_loss": [1 / e for e in range(1, 301)],
+            "val_top1": [math.nan if e % 2 else 50 + e / 10 for e in range(300)]}
+    draw_curves(long, tmp_path / "long.png")
+    draw_curves({}, tmp_path / "empty.png")
+    for name in ("one.png", "long.png", "empty.png"):
+        assert Image.open(tmp_path / name).size == (960, 288)
+
+
 @pytest.mark.slow
 def test_a_run_leaves_its_curves(tmp_path, tiny_tree):
     run_dir = tmp_path / "run"
-    result = run_script("train.py", "--config", "base", *tiny_overrides(tiny_tree, run_dir),
-                        env={"MPLCONFIGDIR": str(tmp_path / "mpl")})
+    result = run_script("train.py", "--config", "base", *tiny_overrides(tiny_tree, run_dir))
     assert result.returncode == 0, result.stderr[-2000:]
     assert Image.open(run_dir / CURVES_FILE).format == "PNG"
     assert "could not draw" not in result.stderr
@@ -47,6 +68,7 @@ def test_redraws_keep_under_their_share_of_the_run_and_the_end_draws_what_is_lef
         now[0] += 0.5
 
     monkeypatch.setattr(curves, "write_curves", draw)
+    monkeypatch.setattr(curves, "FIRST_DRAW_S", 0.8)     # a first draw taken to cost 0.8 s
     picture = CurvesPicture(tmp_path, True, clock=lambda: now[0])
     picture.finish()
     assert drawn == []                                   # nothing to draw before an epoch ends
