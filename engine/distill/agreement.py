@@ -1,8 +1,8 @@
 """The teacher on the validation split: its validation before the first step, and the agreement of student
 and teacher at each validation. The teacher is frozen and the validation transform deterministic, so the
 teacher's prediction for a validation image never changes: `TeacherPredictions` keeps it from the first pass
-over the split, and later validations count the agreement without running the teacher (on the quickstart
-digits that was 40% of each validation's time)."""
+over the split (`engine.distill.teacher.TeacherPredictions`), and later validations count the agreement
+without running the teacher (on the quickstart digits that was 40% of each validation's time)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -14,55 +14,6 @@ from engine.runtime import distributed as dist_utils
 
 if TYPE_CHECKING:
     from engine.distill.distiller import Distiller
-
-MAX_BYTES = 256 << 20  # the most the kept predictions may take (an int32 per image single-label: 67M images)
-
-
-class TeacherPredictions:
-    """The teacher's `task.prediction` row per validation image, by the image's index in the split (this
-    rank's shard only: the rows of other ranks' images are never read). `ready` once a whole pass is stored.
-    A split whose rows would pass MAX_BYTES, or a batch without indices, is not kept: the teacher then runs
-    at every validation."""
-
-    def __init__(self, max_bytes: int = MAX_BYTES):
-        self.max_bytes = max_bytes
-        self.rows: Optional[torch.Tensor] = None
-        self.filled = False   # rows stored since the pass began
-        self.ready = False    # a whole pass stored: validations read the rows instead of running the teacher
-        self.given_up = False
-
-    def usable(self) -> bool:
-        return self.ready and not self.given_up
-
-    def store(self, indices: Optional[torch.Tensor], predictions: torch.Tensor) -> None:
-        if self.given_up:
-            return
-        if indices is None:
-            self.given_up, self.rows = True, None
-            return
-        if len(indices) == 0:
-            return
-        needed = int(indices.max()) + 1  # indices come from the loader, on the host: no device sync
-        if self.rows is None or needed > len(self.rows):
-            size = max(needed, 2 * len(self.rows) if self.rows is not None else needed)
-            row_bytes = predictions[:1].element_size() * max(predictions[0].numel(), 1)
-            if size * row_bytes > self.max_bytes:
-                self.given_up, self.rows = True, None
-                return
-            grown = torch.zeros((size, *predictions.shape[1:]), dtype=predictions.dtype, device=predictions.device)
-            if self.rows is not None:
-                grown[:len(self.rows)] = self.rows
-            self.rows = grown
-        self.rows[indices.to(self.rows.device, non_blocking=True)] = predictions
-        self.filled = True
-
-    def lookup(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.rows[indices.to(self.rows.device, non_blocking=True)]
-
-    def pass_done(self) -> None:
-        """A validation pass ended normally: what it stored covers this rank's whole shard."""
-        self.ready = self.ready or (self.filled and not self.given_up)
-
 
 class AgreementProbe(torch.nn.Module):
     """The student on each validation batch, and the images on which it agrees with the teacher counted

@@ -16,10 +16,9 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
-from engine.distill.agreement import TeacherPredictions
 from engine.distill.conversion import InputConversion
 from engine.distill.losses import feature_distance, logit_term
-from engine.distill.teacher import Teacher, class_mismatch, load_teacher
+from engine.distill.teacher import Teacher, TeacherPredictions, class_mismatch, load_teacher
 from engine.runtime import distributed as dist_utils
 from tasks import task_of
 from tasks.base import Task

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from conftest import make_tree, run_script, tiny_overrides
 from core.config import load_config
 from engine.distill.conversion import InputConversion
-from engine.distill.agreement import AgreementProbe, TeacherPredictions
+from engine.distill.agreement import AgreementProbe
 from engine.distill.distiller import Distiller
 from engine.distill.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
 from tasks import get_task
-from engine.distill.teacher import Teacher, class_mismatch, freeze
+from engine.distill.teacher import Teacher, TeacherPredictions, class_mismatch, freeze
 
 S = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
 T = torch.tensor([[1.0, 3.0, 0.0], [-0.5, 0.0, 2.5]])
