@@ -15,6 +15,7 @@ from engine.runtime import distributed as dist_utils
 if TYPE_CHECKING:
     from engine.distill.distiller import Distiller
 
+
 class AgreementProbe(torch.nn.Module):
     """The student on each validation batch, and the images on which it agrees with the teacher counted
     (device sums). The teacher runs beside the student until its predictions are kept (`TeacherPredictions`).

@@ -146,11 +146,12 @@ class TeacherPredictions:
             return
         needed = int(indices.max()) + 1  # indices come from the loader, on the host: no device sync
         if self.rows is None or needed > len(self.rows):
-            size = max(needed, 2 * len(self.rows) if self.rows is not None else needed)
-            row_bytes = predictions[:1].element_size() * max(predictions[0].numel(), 1)
-            if size * row_bytes > self.max_bytes:
+            row_bytes = predictions.element_size() * max(predictions[0].numel(), 1)
+            if needed * row_bytes > self.max_bytes:
                 self.given_up, self.rows = True, None
                 return
+            size = min(max(needed, 2 * len(self.rows) if self.rows is not None else needed),
+                       self.max_bytes // row_bytes)
             grown = torch.zeros((size, *predictions.shape[1:]), dtype=predictions.dtype, device=predictions.device)
             if self.rows is not None:
                 grown[:len(self.rows)] = self.rows

@@ -197,7 +197,12 @@ def test_kept_teacher_predictions_grow_by_index_and_stay_under_their_bound():
     tags.pass_done()
     assert get_task("multilabel").same_prediction(tags.lookup(torch.tensor([2, 0])),
                                                   torch.tensor([[False, True], [True, True]])).tolist() == [True, False]
-    small = TeacherPredictions(max_bytes=64)  # 16 int32 rows
+    capped = TeacherPredictions(max_bytes=64)  # 16 int32 rows: growth stops at the cap
+    capped.store(torch.tensor([9]), torch.tensor([1], dtype=torch.int32))
+    capped.store(torch.tensor([15]), torch.tensor([2], dtype=torch.int32))
+    capped.pass_done()
+    assert capped.usable() and len(capped.rows) == 16 and capped.lookup(torch.tensor([15])).tolist() == [2]
+    small = TeacherPredictions(max_bytes=64)
     small.store(torch.tensor([3]), torch.tensor([1], dtype=torch.int32))
     small.store(torch.tensor([16]), torch.tensor([1], dtype=torch.int32))
     small.pass_done()
