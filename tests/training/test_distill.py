@@ -136,14 +136,19 @@ def test_distiller_loss_weights_the_terms_and_the_teacher_gets_no_gradient(kind)
         assert distiller.state_dict() == {}
 
 
-def test_agreement_probe_counts_only_readable_images():
+def eval_student_and_distiller() -> tuple:
+    """An eval-mode 3-class student and a soft Distiller with `tiny_teacher` (the same preprocessing)."""
     import timm
 
     torch.manual_seed(0)
     student = timm.create_model("test_resnet", num_classes=3).eval()
     teacher = tiny_teacher(["a", "b", "c"])
     conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
-    distiller = Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
+    return student, teacher, Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
+
+
+def test_agreement_probe_counts_only_readable_images():
+    student, teacher, distiller = eval_student_and_distiller()
     probe = AgreementProbe(student, distiller)
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
@@ -154,16 +159,10 @@ def test_agreement_probe_counts_only_readable_images():
 
 
 def test_later_validations_read_the_teachers_kept_predictions_and_count_the_same():
-    import timm
-
     from engine.evaluation.evaluate import evaluate
     from engine.runtime.device import DeviceInput
 
-    torch.manual_seed(0)
-    student = timm.create_model("test_resnet", num_classes=3).eval()
-    teacher = tiny_teacher(["a", "b", "c"])
-    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
-    distiller = Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
+    student, teacher, distiller = eval_student_and_distiller()
     batches = [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]),
                 torch.tensor([True, True, False, True]), torch.tensor([4 * b + 3, 4 * b + 2, 4 * b + 1, 4 * b]))
                for b in range(3)]
@@ -394,15 +393,11 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
 
 
 def test_the_agreement_probe_leaves_the_student_in_its_mode():
-    import timm
-
     from engine.evaluation.evaluate import evaluate
     from engine.runtime.device import DeviceInput
 
-    student = timm.create_model("test_resnet", num_classes=3).eval()  # an EMA copy stays in eval mode
-    teacher = tiny_teacher(["a", "b", "c"])
-    conversion = InputConversion(teacher.mean, teacher.std, teacher.mean, teacher.std, 16, 16)
-    probe = AgreementProbe(student, Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student))
+    student, teacher, distiller = eval_student_and_distiller()  # an eval-mode student, as an EMA copy
+    probe = AgreementProbe(student, distiller)
     batch = (torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1]),
              torch.tensor([True, True]), torch.tensor([0, 1]))
     device_input = DeviceInput(torch.device("cpu"), tuple(teacher.mean), tuple(teacher.std), False, None)
