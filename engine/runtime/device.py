@@ -45,17 +45,21 @@ def select_device(setting: str, local_rank: int = 0, world_size: int = 1) -> tor
     return device
 
 
+def bf16_is_fast(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text names AMX tiles for bf16 (`amx_bf16`), where bf16 matmuls and convolutions
+    run in the tiles. AVX512-BF16 alone does not make them faster: resnet18 training steps there ran at
+    0.71-0.80x of fp32's (docs/performance.md), so `train.amp: auto` keeps fp32 on such a CPU."""
+    return "amx_bf16" in cpuinfo
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """AMX tiles for bf16 (`amx_bf16`): bf16 matmuls and convolutions run faster than fp32 on this CPU (1.2-1.8x
-    for resnet18 training steps, docs/performance.md). AVX512-BF16 alone does not make them faster: resnet18
-    steps there ran at 0.75-0.8x of fp32's, so `train.amp: auto` keeps fp32 on such a CPU."""
+    """`bf16_is_fast` for this machine (False where /proc/cpuinfo cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return bf16_is_fast(f.read())
     except OSError:
         return False
-    return "amx_bf16" in flags
 
 
 def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:

@@ -48,6 +48,15 @@ def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypa
         torch.set_num_threads(before)
 
 
+def test_auto_precision_takes_bf16_on_cpus_with_amx_only():
+    from engine.runtime.device import bf16_is_fast
+
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16"
+    assert not bf16_is_fast(flags)                          # AVX512-BF16 alone: fp32 measured faster
+    assert bf16_is_fast(flags + " amx_bf16 amx_tile amx_int8")
+    assert not bf16_is_fast("flags\t\t: fpu sse2 avx2")
+
+
 def test_threads_must_be_positive_or_auto():
     with pytest.raises(Exception, match="train.threads"):
         load_config("base", ["train.threads=0"])
