@@ -33,6 +33,7 @@ from engine.rundir.shared_view import check_shared_checkpoint
 from engine.runtime.launcher import launch_info
 from engine.model_io.checkpoint_files import recorded_threads
 from engine.tuning.batch_finder import resolve_batch_size
+from engine.runtime.cpu_tuning import process_start
 from engine.runtime.device import DeviceInput, pin_memory_for
 from engine.runtime.runtime import Runtime, start_runtime
 from engine.evaluation.evaluate import evaluate
@@ -111,9 +112,11 @@ class Trainer:
         self._start_or_restore(resume_ckpt)
         self._open_tracking(resume_ckpt, finetune_ckpt)
         self.reporter.log_startup(self.data, self.runtime, self.plan)
-        # What the imports and the set-up made lives for the whole run: frozen, the collector's full passes skip
-        # it (they took 1 s of a 45 s distillation on the digits; memory is still freed by reference counts)
-        gc.freeze()
+        if process_start() is not None:
+            # A command's process (train.py, not a library caller's heap): what the imports and the set-up
+            # made lives for the whole run; frozen, the collector's full passes skip it (they took 1 s of a
+            # 45 s distillation on the digits; memory is still freed by reference counts)
+            gc.freeze()
 
     def _setup_runtime(self) -> tuple[Optional[dict], Optional[dict]]:
         cfg = self.cfg
