@@ -129,7 +129,6 @@ class TeacherPredictions:
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.rows: Optional[torch.Tensor] = None
-        self.filled = False   # rows stored since the pass began
         self.ready = False    # a whole pass stored: validations read the rows instead of running the teacher
         self.given_up = False
 
@@ -157,11 +156,10 @@ class TeacherPredictions:
                 grown[:len(self.rows)] = self.rows
             self.rows = grown
         self.rows[indices.to(self.rows.device, non_blocking=True)] = predictions
-        self.filled = True
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
         return self.rows[indices.to(self.rows.device, non_blocking=True)]
 
     def pass_done(self) -> None:
         """A validation pass ended normally: what it stored covers this rank's whole shard."""
-        self.ready = self.ready or (self.filled and not self.given_up)
+        self.ready = self.ready or self.rows is not None  # rows exist once stored, never after giving up

@@ -72,9 +72,14 @@ def tick_text(value: float) -> str:
     return f"{value:.3g}" if value != 0 else "0"
 
 
+def drawable(value: float, log_scale: bool) -> bool:
+    """A value that has a place on the axis: finite, and positive on a log scale."""
+    return math.isfinite(value) and (value > 0 or not log_scale)
+
+
 def value_range(series: list[list[float]], log_scale: bool) -> tuple[float, float]:
-    """The finite values' extent (positive only on a log scale), padded 5%; (0, 1) when there are none."""
-    values = [v for line in series for v in line if math.isfinite(v) and (v > 0 or not log_scale)]
+    """The drawable values' extent, padded 5%; (0, 1) when there are none."""
+    values = [v for line in series for v in line if drawable(v, log_scale)]
     if not values:
         return (0.0, 1.0)
     low, high = min(values), max(values)
@@ -114,7 +119,7 @@ def draw_panel(draw, font, box: tuple[int, int, int, int], title: str, epochs: l
     for label, values, colour in lines:
         run: list[tuple[float, float]] = []
         for epoch, value in list(zip(epochs, values)) + [(math.nan, math.nan)]:
-            if math.isfinite(value) and (value > 0 or not log_scale):
+            if drawable(value, log_scale):
                 run.append(point(epoch, value))
                 continue
             if len(run) > 1:
@@ -125,7 +130,7 @@ def draw_panel(draw, font, box: tuple[int, int, int, int], title: str, epochs: l
     named = [(label, colour) for label, _, colour in lines if label]
     if named:
         points = [point(e, v) for _, values, _ in lines for e, v in zip(epochs, values)
-                  if math.isfinite(v) and (v > 0 or not log_scale)]
+                  if drawable(v, log_scale)]
         w = 30 + max(font.getlength(label) for label, _ in named)
         h = 6 + 14 * len(named)
         corners = [(x1 - 4 - w, y0 + 4), (x1 - 4 - w, y1 - 4 - h), (x0 + 4, y0 + 4), (x0 + 4, y1 - 4 - h)]
@@ -155,7 +160,7 @@ def draw_curves(columns: dict[str, list[float]], path: Path) -> Path:
     losses = [(name, columns[key], COLOURS[i]) for i, (key, name) in
               enumerate((("train_loss", "train loss"), ("val_loss", "val loss"))) if present(key)]
     draw_panel(draw, font, (0, 0, width, HEIGHT), "loss", epochs, losses)
-    lrs = [("", columns["lr"], COLOURS[4])] if any(math.isfinite(v) and v > 0 for v in columns.get("lr", [])) else []
+    lrs = [("", columns["lr"], COLOURS[4])] if any(drawable(v, True) for v in columns.get("lr", [])) else []
     draw_panel(draw, font, (width, 0, 2 * width, HEIGHT), "learning rate (epoch end)", epochs, lrs, log_scale=True)
     metrics = [(key.removeprefix("val_"), columns[key], COLOURS[i % len(COLOURS)])
                for i, key in enumerate(k for k in metric_columns() if present(k))]
