@@ -43,8 +43,7 @@ COPY --chown=app:app serve.py ./
 COPY --chown=app:app core/ core/
 COPY --chown=app:app tasks/ tasks/
 COPY --chown=app:app commands/__init__.py commands/cli.py commands/
-COPY --chown=app:app engine/__init__.py engine/
-COPY --chown=app:app engine/runtime/__init__.py engine/runtime/cpu_tuning.py engine/runtime/
+COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
 COPY --chown=app:app data/__init__.py data/images.py data/
 COPY --chown=app:app serving/ serving/
 

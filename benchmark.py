@@ -71,7 +71,7 @@ def run_benchmark(cfg, args) -> dict:
     from benchmarking.modes import bench_infer, bench_train, settings
     from core.config import check_data_root
     from data.build import prepare_root, scan_splits
-    from engine.runtime.runtime import build_runtime
+    from runtime.runtime import build_runtime
 
     runtime = build_runtime(cfg)
     device, amp_dtype = runtime.device, runtime.amp_dtype
@@ -80,7 +80,7 @@ def run_benchmark(cfg, args) -> dict:
         check_data_root(cfg)
         prepare_root(cfg)
     if args.mode == "find-batch":
-        from engine.tuning.batch_finder import run_finder
+        from tuning.batch_finder import run_finder
 
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:

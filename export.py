@@ -20,7 +20,7 @@ import sys
 from commands.cli import announce, run_main
 
 # the formats export.py writes, named here so --help needs no torch (a test holds them equal to the registered
-# export formats of engine/model_io/formats/)
+# export formats of model_files/formats/)
 EXPORT_FORMATS = ("onnx", "pt2", "timm")
 
 

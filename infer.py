@@ -72,7 +72,7 @@ def main(argv=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from commands.infer import run_inference
-    from engine.prediction.trust import TrustOptions
+    from prediction.trust import TrustOptions
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device, args.classes,

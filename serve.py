@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from commands.cli import announce
 
     announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
-    from engine.prediction.trust import TrustOptions
+    from prediction.trust import TrustOptions
     from serving.server import serve
 
     return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,

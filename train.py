@@ -37,7 +37,7 @@ def main() -> int:
         announce(f"train.py: training {cfg.model.name} on {data} into {cfg.output.dir}"
                  + (f", resuming from {args.resume}" if args.resume else ""))
 
-    from engine.run.trainer import run
+    from training_run.trainer import run
 
     return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)
 

@@ -64,7 +64,7 @@ def diagnose(cfg, device, amp_dtype, batch_size: int, steps: int, warmup: int) -
     """The measurements and the verdict (benchmark.py's JSON object)."""
     from benchmarking.loader import bench_loader
     from benchmarking.modes import bench_train
-    from engine.runtime.device import cpu_has_fast_bf16, pin_memory_for, precision_name
+    from runtime.device import cpu_has_fast_bf16, pin_memory_for, precision_name
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     configured = cfg.data.num_workers

@@ -65,7 +65,7 @@ def timm_flags(cfg, num_classes: int, teacher_dir: Path, amp_bf16: bool, device:
         raise UnmappedSetting(f"'optim.name' = {o.name!r}: mapped are sgd and adamw")
     if o.name == "sgd" and not o.nesterov:
         raise UnmappedSetting("'optim.nesterov' = false: timm's 'sgd' is Nesterov SGD")
-    from engine.training.schedule import scaled_lr
+    from training.schedule import scaled_lr
     peak = scaled_lr(o.lr, t.batch_size, o.base_batch_size, o.lr_scaling)
     warmup = int(s.warmup_epochs)
     flags = ["--device", device, "--model", cfg.model.name, "--num-classes", str(num_classes),
@@ -171,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, str(REPO))
     from core.config import load_config
     from core.errors import ConfigError
-    from engine.runtime.device import resolve_amp, select_device
+    from runtime.device import resolve_amp, select_device
 
     args.out.mkdir(parents=True, exist_ok=True)
     teacher_dir = args.out / "teacher_timm"

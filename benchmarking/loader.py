@@ -8,8 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.runtime.device import pin_memory_for
-from engine.tuning.timing import process_tree_cpu_seconds, sync
+from runtime.device import pin_memory_for
+from tuning.timing import process_tree_cpu_seconds, sync
 
 
 def time_loader_epochs(loader, min_batches: int, sampler=None, epoch: int = 0,

@@ -9,13 +9,13 @@ from typing import Iterator
 import torch
 
 from core.config import eval_size
-from engine.runtime.cpu_tuning import omp_wait_description
-from engine.tuning.batch_finder import build_training_probe
-from engine.runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
-from engine.evaluation.evaluate import predict
-from engine.runtime.memory import mib, peak_memory_bytes, reset_peak_memory
-from engine.training.schedule import ceil_div
-from engine.tuning.timing import sync, synthetic_batch, time_train_steps
+from runtime.cpu_tuning import omp_wait_description
+from tuning.batch_finder import build_training_probe
+from runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
+from evaluation.evaluate import predict
+from runtime.memory import mib, peak_memory_bytes, reset_peak_memory
+from training.schedule import ceil_div
+from tuning.timing import sync, synthetic_batch, time_train_steps
 from models.factory import build_model
 
 
@@ -66,7 +66,7 @@ def bench_train(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
 def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: int, warmup: int,
                 synthetic: bool) -> dict:
     """infer.py's path: padded fixed-shape batches from the eval transform (decode, resize, centre crop, uint8)
-    in loader workers, then `engine.evaluation.evaluate.predict`; or (`synthetic`) the forward alone on a random
+    in loader workers, then `evaluation.evaluate.predict`; or (`synthetic`) the forward alone on a random
     batch already on the device. Non-synthetic runs go over the validation split's files, repeated to
     at least `steps` batches."""
     if synthetic:

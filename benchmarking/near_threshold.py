@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image, ImageEnhance
 
 from benchmarking.photos import photo
-from engine.audit.duplicates import hash_array, near_pairs
-from engine.audit.hashing import image_facts
+from auditing.duplicates import hash_array, near_pairs
+from auditing.hashing import image_facts
 
 THRESHOLDS = (2, 4, 6, 8, 10, 12, 14)
 
@@ -119,9 +119,9 @@ def pixel_copies(img: Image.Image) -> dict[str, Image.Image]:
 
 
 def measure_pixels(images: list[Image.Image], folder: Path, tag: str, copies_of: int) -> dict:
-    from engine.audit.duplicates import copy_groups
-    from engine.audit.findings import near_matchable
-    from engine.audit.pixel_match import required_scores, similarity, thumbnails
+    from auditing.duplicates import copy_groups
+    from auditing.findings import near_matchable
+    from auditing.pixel_match import required_scores, similarity, thumbnails
 
     def facts_of(imgs, name):
         out = []

@@ -24,14 +24,14 @@ from benchmarking.photos import photo
 from data.build import build_eval_loader_for, scan_splits
 from data.listing.builtin import ensure_builtin
 from data.listing.folder import ImageIndex
-from engine.evaluation.split_outputs import collect_outputs
-from engine.evaluation.rejection import (combined_score, energy_score, knn_score, layer_fits, layer_names,
+from evaluation.split_outputs import collect_outputs
+from evaluation.rejection import (combined_score, energy_score, knn_score, layer_fits, layer_names,
                                          layer_scores, mahalanobis_fit, mahalanobis_score, msp_score,
                                          multilayer_score, normalise, score_scale, threshold_for_coverage)
-from engine.evaluation.trust import feature_bank
-from engine.model_io.loading import load_model_file
-from engine.run.calibrate import bank_index
-from engine.runtime.device import DeviceInput
+from evaluation.trust import feature_bank
+from model_files.loading import load_model_file
+from training_run.calibrate import bank_index
+from runtime.device import DeviceInput
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("circle", "square", "triangle", "hstripes", "vstripes", "cross", "ring")

@@ -21,14 +21,14 @@ from PIL import Image
 from benchmarking.photos import photo, sample_photo_crop
 from data.build import build_eval_loader_for, scan_splits
 from data.listing.folder import ImageIndex
-from engine.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from engine.evaluation.split_outputs import collect_outputs
-from engine.evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
+from evaluation.calibration import apply_temperature, expected_calibration_error, nll
+from evaluation.split_outputs import collect_outputs
+from evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
                                          threshold_for_coverage)
-from engine.evaluation.trust import build_record
-from engine.model_io.loading import load_model_file
-from engine.run.calibrate import bank_index
-from engine.runtime.device import DeviceInput
+from evaluation.trust import build_record
+from model_files.loading import load_model_file
+from training_run.calibrate import bank_index
+from runtime.device import DeviceInput
 
 
 def write_ood_images(folder: Path, count: int, seed: int = 0) -> dict[str, list[str]]:
@@ -92,7 +92,7 @@ def measure(checkpoint: str, count: int, coverage: float) -> dict:
 def held_out_halves(val, val_scores: dict, coverage: float) -> dict:
     """Two-fold check on the validation split: fit the temperature and the thresholds on one half (even /
     odd positions), measure ECE and the share kept on the other; the mean of the two folds."""
-    from engine.evaluation.calibration import fit_temperature
+    from evaluation.calibration import fit_temperature
 
     halves = [torch.arange(0, len(val), 2), torch.arange(1, len(val), 2)]
     ece, ece_before, kept = [], [], {name: [] for name in val_scores}

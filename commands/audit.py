@@ -13,15 +13,15 @@ from typing import Optional
 
 from commands.audit_args import check_arguments, check_checkpoint_task
 from core.outputs import write_json
-from engine.audit import stats as stats_mod
-from engine.audit.findings import by_split, clean_training_names, find_copies
-from engine.audit.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
+from auditing import stats as stats_mod
+from auditing.findings import by_split, clean_training_names, find_copies
+from auditing.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
                                 predict_probs, unseen_by_checkpoint)
-from engine.audit.hashing import compute_facts
-from engine.audit.html_report import render
-from engine.audit.label_issues import find_label_issues
-from engine.audit.outliers import find_outliers, outliers_summary
-from engine.audit.audit_data import read_audit_data
+from auditing.hashing import compute_facts
+from auditing.html_report import render
+from auditing.label_issues import find_label_issues
+from auditing.outliers import find_outliers, outliers_summary
+from auditing.audit_data import read_audit_data
 from tasks import task_of
 
 log = logging.getLogger("audit")

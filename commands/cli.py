@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from core.errors import JOB_FAILURES, USAGE_ERRORS
-from engine.runtime.cpu_tuning import tune_process_start
+from runtime.cpu_tuning import tune_process_start
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
@@ -63,7 +63,7 @@ def _reserved_much_larger(message: str) -> bool:
 def run_main(main: Callable[[], int]) -> None:
     """Call `main` and exit with its status; usage errors exit 2, other failures 1, with one clear line.
     First, before any command imports torch, the process-start half of the CPU tuning
-    (`engine.runtime.cpu_tuning.tune_process_start`)."""
+    (`runtime.cpu_tuning.tune_process_start`)."""
     tune_process_start()
     try:
         code = main()
@@ -132,7 +132,7 @@ def _is_out_of_memory(err: Exception) -> bool:
     if isinstance(err, MemoryError):
         return True
     if "torch" in sys.modules:  # any out-of-memory error came from torch, which is then imported
-        from engine.runtime.device import is_out_of_memory
+        from runtime.device import is_out_of_memory
 
         return is_out_of_memory(err)
     return "out of memory" in str(err).lower()

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from engine.audit.html_report import MAX_SHOWN, STYLE, thumbnail_uri
-from engine.evaluation.calibration import apply_temperature
+from auditing.html_report import MAX_SHOWN, STYLE, thumbnail_uri
+from evaluation.calibration import apply_temperature
 
 COLUMNS = ["path", "label", "predicted", "prob_predicted", "prob_label"]
 

@@ -11,15 +11,15 @@ import torch
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
-from engine.runtime.device import amp_setting, pin_memory_for
+from runtime.device import amp_setting, pin_memory_for
 from commands.eval_errors import misclassified
 from commands.output_roles import check_eval_outputs
-from engine.evaluation.calibration import apply_temperature, reliability_bins
-from engine.evaluation.evaluate import check_finite_outputs, evaluate
-from engine.evaluation.split_outputs import OutputRecorder
-from engine.evaluation.trust import trust_metrics
-from engine.model_io.loading import load_model_file
-from engine.prediction.predictor import Predictor
+from evaluation.calibration import apply_temperature, reliability_bins
+from evaluation.evaluate import check_finite_outputs, evaluate
+from evaluation.split_outputs import OutputRecorder
+from evaluation.trust import trust_metrics
+from model_files.loading import load_model_file
+from prediction.predictor import Predictor
 from tasks.base import Predictions, Task
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class EvalResult:
     skipped_files: list[str]
     settings: dict
     task: Task
-    trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (engine.evaluation.trust)
+    trust: dict = None          # ece, ece_uncalibrated, nll, temperature, selective (evaluation.trust)
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
     rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
     delimiter: str = " "        # between tags in a multi-label row
@@ -47,7 +47,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                         outputs: dict | None = None) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
-    `engine.evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
+    `evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
     config it records; ONNX in fp32. The model is the Predictor's, as trained (BatchNorm not folded)."""
     loaded = load_model_file(checkpoint, overrides, classes_file)
     task = loaded.task

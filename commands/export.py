@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Optional
 
 from core.errors import CheckpointError, ConfigError, DataTreeError
-from engine.model_io.checkpoint_files import read_checkpoint
-from engine.model_io.export import check_output_path, export_checkpoint
+from model_files.checkpoint_files import read_checkpoint
+from model_files.export import check_output_path, export_checkpoint
 from commands.output_roles import check_export_outputs
-from engine.model_io.export_target import check_export_target
-from engine.model_io.formats import DEFAULT, FORMATS, format_of
-from engine.model_io.model_file import ModelFile
+from model_files.export_target import check_export_target
+from model_files.formats import DEFAULT, FORMATS, format_of
+from model_files.model_file import ModelFile
 
 
 def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], quantize: Optional[str] = None,
@@ -63,7 +63,7 @@ def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibra
                     min_agreement: float) -> int:
     """fp32 ONNX export (checked as always) to a temporary file, static int8 quantization to `path`, then the
     comparison: exit 1 (ExportError) when top-1 agreement is below `min_agreement`."""
-    from engine.model_io.quantize import CHECK_LIMIT, check_agreement, compare_int8, quantize_int8, spread
+    from model_files.quantize import CHECK_LIMIT, check_agreement, compare_int8, quantize_int8, spread
 
     paths, labels, described = validation_files(loaded)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,10 @@ import sys
 from typing import Optional
 
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from engine.model_io.checkpoint_files import find_newest_checkpoint
-from engine.prediction.predictor import Predictor
-from engine.prediction.trust import TrustOptions, explain_rows, extra_columns
-from engine.runtime.device import precision_name
+from model_files.checkpoint_files import find_newest_checkpoint
+from prediction.predictor import Predictor
+from prediction.trust import TrustOptions, explain_rows, extra_columns
+from runtime.device import precision_name
 from commands.output_roles import check_infer_outputs
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`tune.py`'s glue: check the arguments, run the batch-size sweep or the LR range test (engine/tuning/sweep.py),
+"""`tune.py`'s glue: check the arguments, run the batch-size sweep or the LR range test (tuning/sweep.py),
 and report: the table on stdout, the verdict, the memory breakdown, JSON and a PNG plot."""
 from __future__ import annotations
 

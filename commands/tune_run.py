@@ -1,5 +1,5 @@
 """Running what `tune.py` asked for, after its arguments were checked: set-up (device, process group, data),
-the sweep or the LR range test from engine/tuning/sweep.py, and the report."""
+the sweep or the LR range test from tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
@@ -12,14 +12,14 @@ from core.errors import ConfigError
 from core.outputs import write_json
 from tracking.tuning import log_tune_run
 from data.build import prepare_root, scan_splits
-from engine.runtime import distributed as dist_utils
-from engine.tuning.batch_finder import format_breakdown, memory_budget_bytes
-from engine.runtime.device import precision_name
-from engine.runtime.memory import mib
-from engine.training.schedule import scaled_lr
-from engine.runtime.runtime import Runtime, build_runtime
-from engine.tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
-from engine.tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
+from runtime import distributed as dist_utils
+from tuning.batch_finder import format_breakdown, memory_budget_bytes
+from runtime.device import precision_name
+from runtime.memory import mib
+from training.schedule import scaled_lr
+from runtime.runtime import Runtime, build_runtime
+from tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
+from tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
 
 log = logging.getLogger(__name__)

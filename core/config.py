@@ -203,7 +203,7 @@ class CalibrationConfig:
 
 @dataclass
 class DistillConfig:
-    """Knowledge distillation from a frozen teacher (engine/distill). Another setting is another training, so
+    """Knowledge distillation from a frozen teacher (objectives/distillation). Another setting is another training, so
     --resume refuses it; the teacher is compared by its identity (file or weight digest, recorded in last.pt),
     not its path, so a moved copy of the same teacher resumes."""
     # our checkpoint (best.pt), a timm folder (local-dir:PATH or a folder path), or a timm / hf-hub: model name
@@ -580,7 +580,7 @@ def validate(cfg: Config) -> None:
     check_tracking(cfg.tracking)
 
 
-# The optim.* options each optimizer takes besides lr and weight_decay (engine/training/optim.py passes exactly these).
+# The optim.* options each optimizer takes besides lr and weight_decay (training/optim.py passes exactly these).
 OPTIMIZER_OPTIONS = {
     "sgd": ("momentum", "nesterov"),
     "adamw": ("betas", "eps"),

@@ -1,5 +1,5 @@
 """The softmax temperature's allowed range, one rule for every place a temperature is set (the config key
-calibration.temperature), fitted (engine.evaluation.calibration) or read back (a checkpoint's or an
+calibration.temperature), fitted (evaluation.calibration) or read back (a checkpoint's or an
 export's calibration record): a finite number in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Outside it the
 probabilities are useless (0, NaN, a tiny T: every image one label at prob nan or 1.0) or inverted
 (a negative T reverses the ranking)."""

@@ -13,10 +13,10 @@ from PIL import Image
 
 from core.errors import ImageDecodeError
 from data.transforms import EvalTransform, read_source
-from engine.model_io.checkpoint_files import preprocessing_record
-from engine.prediction.predictor import Predictor
-from engine.prediction.trust import TrustOptions
-from engine.runtime.device import DeviceInput, precision_name
+from model_files.checkpoint_files import preprocessing_record
+from prediction.predictor import Predictor
+from prediction.trust import TrustOptions
+from runtime.device import DeviceInput, precision_name
 from serving.batch_shapes import batch_shapes, padded_size
 from serving.errors import BadImage, classify_decode_error
 

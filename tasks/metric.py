@@ -37,7 +37,7 @@ LOSS = Metric("loss", higher_is_better=False, percent=False)
 NUM_SAMPLES = Metric("num_samples", percent=False, selectable=False, scalar=False)
 
 
-# metrics of any task, reported when a room provides them (engine/distill: the share of validation images on
+# metrics of any task, reported when a room provides them (objectives/distillation: the share of validation images on
 # which the student and its teacher agree)
 SHARED_METRICS = (Metric("teacher_agreement", selectable=False, in_best=False),)
 

@@ -115,8 +115,8 @@ def root_logging_restored():
 @pytest.fixture(autouse=True)
 def fresh_cpu_policy():
     """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
-    would read as the user's) and the start load in `engine.runtime.cpu_tuning`: each test starts without them."""
-    from engine.runtime import cpu_tuning
+    would read as the user's) and the start load in `runtime.cpu_tuning`: each test starts without them."""
+    from runtime import cpu_tuning
 
     saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     started = cpu_tuning.process_start()
@@ -219,7 +219,7 @@ def faults_tree(tmp_path_factory) -> Path:
 def finished_run(faults_tree, tmp_path_factory) -> Path:
     """A 2-epoch in-process run on `faults_tree`: last.pt (step 8), last.prev.pt (step 4), best.pt. Tests
     read it or copy it; none changes it."""
-    from engine.run.trainer import run
+    from training_run.trainer import run
 
     out = tmp_path_factory.mktemp("finished") / "run"
     assert run(make_cfg(faults_tree, out)) == 0

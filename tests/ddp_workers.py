@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from engine.runtime.device import DeviceInput
-from engine.training.loop import StepHooks, train_one_epoch
-from engine.rundir.state import EpochCounters
-from engine.training.step import TrainStep
+from runtime.device import DeviceInput
+from training.loop import StepHooks, train_one_epoch
+from rundir.state import EpochCounters
+from training.step import TrainStep
 
 
 def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -50,7 +50,7 @@ def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) ->
     import os
 
     from core.config import load_config
-    from engine.runtime.runtime import Runtime
+    from runtime.runtime import Runtime
 
     os.environ["OMP_NUM_THREADS"] = str(rank + 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

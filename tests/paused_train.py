@@ -35,7 +35,7 @@ def halt(marker: str) -> None:
 
 
 def pause_in_validation(marker: str, n: int) -> None:
-    import engine.run.trainer as trainer
+    import training_run.trainer as trainer
 
     real_evaluate = trainer.evaluate
     calls = {"n": 0}
@@ -51,7 +51,7 @@ def pause_in_validation(marker: str, n: int) -> None:
 
 
 def wait_for_signal_after_save(marker: str, n: int) -> None:
-    import engine.run.trainer as trainer
+    import training_run.trainer as trainer
 
     real_handle = trainer.StopSignal._handle
     got = []
@@ -71,8 +71,8 @@ def wait_for_signal_after_save(marker: str, n: int) -> None:
 
 
 def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
-    import engine.rundir.atomic_files as checkpoint
-    import engine.rundir.checkpoints as checkpointer
+    import rundir.atomic_files as checkpoint
+    import rundir.checkpoints as checkpointer
 
     real_save = checkpoint.save_atomic
     calls = {"n": 0}
@@ -89,7 +89,7 @@ def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
 
 
 def pause_in_save(marker: str, n: int) -> None:
-    import engine.rundir.atomic_files as checkpoint
+    import rundir.atomic_files as checkpoint
     from conftest import HalfWriter
 
     real_save = checkpoint.save_atomic
@@ -105,7 +105,7 @@ def pause_in_save(marker: str, n: int) -> None:
         return real_save(obj, path, keep_previous)
 
     checkpoint.save_atomic = save_atomic
-    import engine.rundir.checkpoints as checkpointer
+    import rundir.checkpoints as checkpointer
 
     checkpointer.save_atomic = save_atomic
 
@@ -116,7 +116,7 @@ def block_reads_in_validation(marker: str, n: int) -> None:
     the N-th epoch's training starts, before the validation workers (started during its last step) read;
     MARKER is written when the pass starts in the main process, which then waits on those reads."""
     import data.datasets as datasets
-    import engine.run.trainer as trainer
+    import training_run.trainer as trainer
 
     fifo = Path(marker).with_name(Path(marker).name + ".fifo")
     real_getitem = datasets.EvalDataset.__getitem__
@@ -150,7 +150,7 @@ def wait_for_signal_in_validation(marker: str, n: int) -> None:
     """The first file read of the N-th validation pass (in this process: run with data.num_workers=0) writes
     MARKER and waits until the process has received a stop signal; then validation goes on."""
     import data.datasets as datasets
-    import engine.run.trainer as trainer
+    import training_run.trainer as trainer
 
     real_handle, real_getitem, real_evaluate = trainer.StopSignal._handle, datasets.EvalDataset.__getitem__, trainer.evaluate
     got, calls = [], {"n": 0, "waited": False}

@@ -9,11 +9,11 @@ import torch.distributed as dist
 
 def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out_dir: str) -> None:
     from core.config import load_config
-    from engine.runtime.device import select_device
-    from engine.runtime.distributed import DistInfo
-    from engine.runtime.runtime import Runtime
-    from engine.tuning.sweep import run_lr_range
-    from engine.tuning.arithmetic import lr_suggestion
+    from runtime.device import select_device
+    from runtime.distributed import DistInfo
+    from runtime.runtime import Runtime
+    from tuning.sweep import run_lr_range
+    from tuning.arithmetic import lr_suggestion
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -1,7 +1,7 @@
 """An ONNX model written by export.py, opened without torch: onnxruntime's session (set up as
-engine.model_io.formats.onnx.onnx_session sets it up) and the imgcls metadata export.py stores in the
+model_files.formats.onnx.onnx_session sets it up) and the imgcls metadata export.py stores in the
 model's metadata_props (`imgcls.classes`, `imgcls.preprocessing`, `imgcls.config`, `imgcls.calibration`,
-`imgcls.thresholds`, ...), read back as engine.model_io.metadata reads it."""
+`imgcls.thresholds`, ...), read back as model_files.metadata reads it."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from tasks import TASKS
 from tasks.base import Task
 from serving.onnx_only.preprocess import PREPROCESSING_KEYS
 
-METADATA_PREFIX = "imgcls."   # engine.model_io.metadata.ONNX_METADATA_PREFIX
+METADATA_PREFIX = "imgcls."   # model_files.metadata.ONNX_METADATA_PREFIX
 REJECT_METHOD = "energy"      # an export's reject score: its output is the logits only
 
 

@@ -1,5 +1,5 @@
 """serve.py's rows from an export's logits, in NumPy: the torch path's (tasks/single_label_rows.result_rows with
-engine.evaluation.evaluate.predict; tasks/multi_label_rows.tag_rows; engine.prediction.trust.apply_reject)
+evaluation.evaluate.predict; tasks/multi_label_rows.tag_rows; prediction.trust.apply_reject)
 in the same float32 arithmetic, so labels agree and probabilities agree to float32 rounding."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-UNKNOWN = "unknown"   # a rejected image's label (engine.prediction.trust.UNKNOWN)
+UNKNOWN = "unknown"   # a rejected image's label (prediction.trust.UNKNOWN)
 
 
 def softmax(logits: np.ndarray, temperature: Optional[float] = None) -> np.ndarray:
@@ -26,7 +26,7 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def energy(logits: np.ndarray) -> np.ndarray:
-    """The energy reject score: logsumexp of the logits (engine.evaluation.rejection.energy_score)."""
+    """The energy reject score: logsumexp of the logits (evaluation.rejection.energy_score)."""
     x = logits.astype(np.float32)
     peak = x.max(axis=1, keepdims=True)
     return (peak + np.log(np.exp(x - peak).sum(axis=1, keepdims=True)))[:, 0]

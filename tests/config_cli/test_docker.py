@@ -103,5 +103,5 @@ def test_dockerignore_keeps_data_runs_and_environments_out():
                 if line.strip() and not line.startswith("#")}
     for needed in ("runs", "datasets", ".git", ".venv", "**/__pycache__"):
         assert needed in patterns, needed
-    for kept in ("train.py", "engine", "data", "models", "configs", "requirements.txt"):
+    for kept in ("train.py", "training", "data", "models", "configs", "requirements.txt"):
         assert kept not in patterns

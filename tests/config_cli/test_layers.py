@@ -1,4 +1,4 @@
-"""The architecture holds: each layer imports only from the layers below it, each engine room only from the
+"""The architecture holds: each layer imports only from the layers below it, each room only from the
 rooms before it, and no two modules import each other (module-level or inside a function)."""
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from pathlib import Path
 from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
-LEVELS = ["core", "tasks", "data", "models", "tracking", "engine.runtime", "engine.evaluation", "engine.model_io",
-          "engine.prediction", "engine.rundir", "engine.distill", "engine.training", "engine.tuning", "engine.run",
-          "engine.audit", "commands", "benchmarking", "serving"]
+LEVELS = ["core", "tasks", "data", "models", "tracking", "runtime", "evaluation", "model_files", "prediction",
+          "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands", "benchmarking", "serving"]
 LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
 
 
@@ -52,7 +51,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
 
 def test_layers_and_rooms_import_only_downwards_and_no_two_modules_import_each_other():
     modules = project_modules()
-    assert "engine.run.trainer" in modules and "engine.runtime.runtime" in modules
+    assert "training_run.trainer" in modules and "runtime.runtime" in modules
     graph = {name: imports_of(path, set(modules)) - {name} for name, path in modules.items()}
     upward = [f"{name} imports {target}" for name, targets in graph.items() for target in targets
               if level_of(target) > level_of(name)

@@ -19,7 +19,7 @@ from conftest import exit_code, REPO, make_tree, tiny_overrides
 from core.errors import CheckpointError
 from core.safe_load import load_checkpoint
 from core.config import ConfigError, load_config, parse_override
-from engine.run.trainer import run
+from training_run.trainer import run
 
 
 class Payload:

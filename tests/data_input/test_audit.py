@@ -280,7 +280,7 @@ def test_bad_arguments_exit_2_before_any_work_naming_the_fix(tmp_path, args, wor
 
 
 def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
-    from engine.audit.duplicates import copy_groups, hash_array, near_pairs
+    from auditing.duplicates import copy_groups, hash_array, near_pairs
 
     h = hash_array([0b0, 0b111, 0xFFFF_0000_0000_0000, 0b1])
     assert near_pairs(h, h, 3, same=True) == [(0, 1, 3), (0, 3, 1), (1, 3, 2)]
@@ -295,9 +295,9 @@ def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
 
 
 def test_images_too_small_for_phash_match_by_content_only():
-    from engine.audit.findings import find_copies
-    from engine.audit.hashing import ImageFacts
-    from engine.audit.audit_data import AuditItem
+    from auditing.findings import find_copies
+    from auditing.hashing import ImageFacts
+    from auditing.audit_data import AuditItem
 
     def item(name, split):
         return AuditItem(name=name, file=name, label=0, split=split)
@@ -314,7 +314,7 @@ def test_images_too_small_for_phash_match_by_content_only():
 
 
 def test_folds_are_stratified_seeded_and_keep_copies_together():
-    from engine.audit.folds import assign_folds, unseen_by_checkpoint
+    from auditing.folds import assign_folds, unseen_by_checkpoint
 
     digests = [f"d{i}" for i in range(40)] + ["d0", "d1"]
     labels = [i % 2 for i in range(40)] + [0, 1]
@@ -333,7 +333,7 @@ def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_erro
     import torch
 
     from core.errors import ConfigError
-    from engine.audit.folds import align_classes, check_same_classes
+    from auditing.folds import align_classes, check_same_classes
 
     probs = torch.tensor([[0.7, 0.2, 0.1]])
     assert align_classes(probs, ["b", "c", "a"], ["a", "b", "c"])[0].tolist() == pytest.approx([0.1, 0.7, 0.2])
@@ -342,7 +342,7 @@ def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_erro
 
 
 def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
-    from engine.audit.label_issues import find_label_issues
+    from auditing.label_issues import find_label_issues
 
     labels = [i % 3 for i in range(60)]
     probs = np.full((60, 3), 0.05)
@@ -356,7 +356,7 @@ def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
 
 
 def test_balance_advice_names_the_weighted_sampler_and_small_classes():
-    from engine.audit.stats import advice, balance, image_stats
+    from auditing.stats import advice, balance, image_stats
 
     b = balance({"cat": 300, "dog": 10, "eel": 50}, min_images=20)
     assert b["imbalance_ratio"] == 30 and b["small_classes"] == ["dog"]

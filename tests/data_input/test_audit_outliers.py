@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
-from engine.audit.outliers import OUTLIER_Z, find_outliers, lowest_z, outliers_section, outliers_summary, robust_z
+from auditing.outliers import OUTLIER_Z, find_outliers, lowest_z, outliers_section, outliers_summary, robust_z
 
 
 def test_robust_z_is_not_moved_by_the_outliers_themselves():

@@ -26,7 +26,7 @@ from data.listing.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
 from data.transforms import EvalTransform, TrainTransform
 from core.config import load_config
-from engine.run.trainer import run
+from training_run.trainer import run
 
 # ---------------------------------------------------------------- broken files
 

@@ -11,12 +11,12 @@ import types
 
 import pytest
 
-import engine.training.loop
-import engine.run.trainer
+import training.loop
+import training_run.trainer
 from data.transforms import TrainTransform
 from core.config import load_config
-from engine.training.step import TrainStep
-from engine.run.trainer import run
+from training.step import TrainStep
+from training_run.trainer import run
 from conftest import tiny_overrides
 
 DECODE_S, STEP_S = 0.09, 0.08
@@ -42,8 +42,8 @@ class FakeClock:
 def test_slow_data_is_reported_once_with_advice(tmp_path, tiny_tree, monkeypatch):
     clock = FakeClock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    monkeypatch.setattr(engine.training.loop, "time", fake_time)
-    monkeypatch.setattr(engine.run.trainer, "time", fake_time)
+    monkeypatch.setattr(training.loop, "time", fake_time)
+    monkeypatch.setattr(training_run.trainer, "time", fake_time)
     decode, forward_backward = TrainTransform.__call__, TrainStep.forward_backward
 
     def slow_decode(self, path, seed=None):

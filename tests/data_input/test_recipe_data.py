@@ -18,8 +18,8 @@ from data.datasets import TrainDataset
 from data.listing.folder import scan_split
 from data.samplers import TrainSampler
 from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
-from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
-from engine.run.trainer import run
+from model_files.checkpoint_files import build_eval_model, read_checkpoint
+from training_run.trainer import run
 from conftest import run_train_in_process
 from kill_and_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
                              train_cmd)

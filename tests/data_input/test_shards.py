@@ -19,7 +19,7 @@ import data.shards as shards
 from conftest import REPO, class_image, make_tree, run_script, tiny_overrides
 from core.config import ConfigError, load_config
 from core.errors import DataTreeError
-from engine.rundir.resume import check_resume_compatible
+from rundir.resume import check_resume_compatible
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
 from data.listing.folder import scan_split
 from data.transforms import EvalTransform, TrainTransform

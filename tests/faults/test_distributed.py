@@ -22,9 +22,9 @@ from data.loaders import build_eval_loader
 from data.samplers import UnpaddedEvalSampler, TrainSampler
 from data.transforms import EvalTransform
 from core.config import ConfigError
-from engine.runtime.distributed import check_sync_bn, convert_sync_bn
-from engine.runtime.device import DeviceInput
-from engine.evaluation.evaluate import evaluate
+from runtime.distributed import check_sync_bn, convert_sync_bn
+from runtime.device import DeviceInput
+from evaluation.evaluate import evaluate
 from models.factory import create_model
 from tasks import get_task
 
@@ -346,9 +346,9 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them."""
     from data.listing.folder import scan_split
-    from engine.evaluation.calibration import calibrated_temperature
-    from engine.evaluation.split_outputs import collect_outputs
-    from engine.evaluation.rejection import normalise
+    from evaluation.calibration import calibrated_temperature
+    from evaluation.split_outputs import collect_outputs
+    from evaluation.rejection import normalise
 
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -370,7 +370,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     assert record["temperature"] == pytest.approx(fit.temperature, rel=1e-3)
     assert torch.allclose(record["feature_bank"].float(), normalise(train.features), atol=2e-3)
     # the stages' statistics are gathered too: the per-stage class means of the multi-layer reject score
-    from engine.evaluation.rejection import layer_fits
+    from evaluation.rejection import layer_fits
 
     fits = layer_fits(train.layers, train.labels, len(best["classes"]))
     assert len(record["layer_means"]) == len(fits) == 5

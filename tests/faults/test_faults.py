@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from conftest import HalfWriter, exit_code, make_cfg, make_tree
-from engine.rundir import atomic_files as checkpoint
+from rundir import atomic_files as checkpoint
 from core.safe_load import load_checkpoint
-from engine.rundir.atomic_files import save_atomic
+from rundir.atomic_files import save_atomic
 from core.config import ConfigError
-from engine.rundir.resume import resolve_resume
-from engine.run.trainer import Trainer, run
+from rundir.resume import resolve_resume
+from training_run.trainer import Trainer, run
 
 def finite(state_dict: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())

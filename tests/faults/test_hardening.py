@@ -25,11 +25,11 @@ from core.safe_load import load_checkpoint
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from data.listing.folder import scan_split
 from data.transforms import EvalTransform
-from engine.rundir import atomic_files as checkpoint
-from engine.rundir.resume import resolve_resume
-from engine.rundir.run_lock import open_run_dir
-from engine.training.schedule import plan_run
-from engine.run.trainer import Trainer, run
+from rundir import atomic_files as checkpoint
+from rundir.resume import resolve_resume
+from rundir.run_lock import open_run_dir
+from training.schedule import plan_run
+from training_run.trainer import Trainer, run
 
 def copy_run(finished_run: Path, tmp_path: Path) -> Path:
     run_dir = tmp_path / "run"
@@ -181,7 +181,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(f
     blocker.write_text("not a folder")
     out = {"a file": blocker, "under a file": blocker / "run", "not writable": tmp_path / "ro"}[kind]
     if kind == "not writable":  # a read-only mount (root ignores permission bits, so it is simulated)
-        import engine.rundir.run_lock as run_lock
+        import rundir.run_lock as run_lock
 
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -330,7 +330,7 @@ def test_a_validation_of_zero_samples_is_an_error_not_a_best(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_run_that_fails_after_it_started_logging_says_why_in_train_log(tmp_path, capsys, monkeypatch):
-    from engine.run.trainer import Trainer
+    from training_run.trainer import Trainer
 
     def broken(self):
         raise RuntimeError("validation broke")

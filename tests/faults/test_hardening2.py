@@ -161,7 +161,7 @@ def test_fifos_named_as_config_checkpoint_classes_or_weights_say_so_without_read
     from core.config import resolve_config_path
     from core.errors import CheckpointError, ModelError
     from core.safe_load import load_checkpoint
-    from engine.model_io.loading import read_classes_file
+    from model_files.loading import read_classes_file
     from models.factory import read_weights_file
 
     fifo = tmp_path / "pipe.yaml"
@@ -243,7 +243,7 @@ def train_root(tmp_path_factory) -> Path:
 
 def test_nonfinite_numbers_are_never_an_improvement():
     from tasks import is_improvement
-    from engine.rundir.state import TrainState
+    from rundir.state import TrainState
 
     assert not is_improvement(float("nan"), None, "loss", 0.0)
     assert not is_improvement(float("-inf"), 1.0, "loss", 0.0)
@@ -264,7 +264,7 @@ def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(
 
     import torch
 
-    import engine.run.trainer as trainer
+    import training_run.trainer as trainer
     from conftest import make_cfg
 
     calls = []
@@ -404,7 +404,7 @@ def test_a_pt2_that_would_unpickle_is_refused_before_anything_in_it_runs(plain_p
     import pickle
 
     from core.errors import CheckpointError
-    from engine.model_io.loading import load_model_file
+    from model_files.loading import load_model_file
 
     marker = tmp_path / "ran"
     payload = pickle.dumps(Marker(str(marker)))
@@ -447,7 +447,7 @@ def edit_config(folder: Path, **changes) -> None:
 def refusals(folder: Path) -> list[str]:
     """The messages of infer/eval's loader and of model.pretrained=true model.name=local-dir:FOLDER."""
     from core.errors import ModelError
-    from engine.model_io.loading import load_model_file
+    from model_files.loading import load_model_file
     from models.factory import load_pretrained
 
     said = []
@@ -503,7 +503,7 @@ def test_a_foreign_onnx_with_a_fixed_non_square_input_exits_2(tmp_path):
     from onnx import TensorProto, helper
 
     from core.errors import CheckpointError
-    from engine.model_io.loading import load_model_file
+    from model_files.loading import load_model_file
 
     graph = helper.make_graph(
         [helper.make_node("GlobalAveragePool", ["images"], ["pooled"]),

@@ -278,7 +278,7 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
 # ---------------------------------------------------------------- the pieces, in-process
 
 def test_launch_info_reads_torchelastics_restart_count_and_run_id():
-    from engine.runtime.launcher import launch_info
+    from runtime.launcher import launch_info
 
     assert launch_info({}) == launch_info({"TORCHELASTIC_RESTART_COUNT": "0"})
     assert not launch_info({}).restarted and launch_info({}).run_id is None
@@ -287,8 +287,8 @@ def test_launch_info_reads_torchelastics_restart_count_and_run_id():
 
 
 def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
-    from engine.rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
-    from engine.runtime.launcher import LaunchInfo
+    from rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
+    from runtime.launcher import LaunchInfo
 
     first, again = LaunchInfo(0, "r1"), LaunchInfo(1, "r1")
     assert plan_resume(None, tmp_path, first).resume is None            # a first start: as typed
@@ -308,7 +308,7 @@ def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
 
 def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
     from core.errors import ConfigError
-    from engine.rundir.shared_view import check_same_view, describe_view, resume_files
+    from rundir.shared_view import check_same_view, describe_view, resume_files
 
     shared, local = tmp_path / "shared", tmp_path / "local"
     for folder, content in ((shared, b"state 8"), (local, b"state 4")):
@@ -330,7 +330,7 @@ def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
 
 
 def test_sigusr1_is_a_stop_signal_that_exits_138():
-    from engine.runtime.signals import StopSignal
+    from runtime.signals import StopSignal
 
     stop = StopSignal()
     stop.install()
@@ -344,10 +344,10 @@ def test_sigusr1_is_a_stop_signal_that_exits_138():
 
 def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
     """On node 1 of 2 with 4 GPUs each, global rank 5 is local rank 1: it takes cuda:1, not cuda:5."""
-    import engine.runtime.runtime as runtime
+    import runtime.runtime as runtime
     from core.config import load_config
-    from engine.runtime.device import select_device
-    from engine.runtime.distributed import DistInfo
+    from runtime.device import select_device
+    from runtime.distributed import DistInfo
 
     chosen = []
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -382,8 +382,8 @@ def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torc
 
     import torch.distributed as dist
 
-    from engine.runtime.distributed import restart_store
-    from engine.runtime.launcher import LaunchInfo
+    from runtime.distributed import restart_store
+    from runtime.launcher import LaunchInfo
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)

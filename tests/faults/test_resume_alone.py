@@ -9,7 +9,7 @@ import torch
 from commands.resume import config_from_checkpoint
 from core.config import load_config
 from core.errors import ConfigError
-from engine.rundir.resume_hint import continue_command
+from rundir.resume_hint import continue_command
 
 
 def test_the_recorded_config_with_the_overrides_on_top(tmp_path):

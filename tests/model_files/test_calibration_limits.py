@@ -8,10 +8,10 @@ import logging
 import torch
 
 from commands.report import format_trust_line
-from engine.evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
+from evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
                                            calibrated_temperature, fit_temperature)
-from engine.evaluation.split_outputs import SplitOutputs
-from engine.evaluation.trust import build_record, export_record, trust_metrics
+from evaluation.split_outputs import SplitOutputs
+from evaluation.trust import build_record, export_record, trust_metrics
 
 
 def all_right_split(n=300, classes=4, seed=0):
@@ -55,7 +55,7 @@ def test_few_errors_do_not_sharpen_and_the_upper_bound_is_said():
 
 
 def test_the_notes_reach_the_record_the_export_and_eval_output(caplog):
-    from engine.run.calibrate import log_record
+    from training_run.calibrate import log_record
 
     logits, labels = all_right_split()
     val = SplitOutputs(logits, labels, torch.arange(len(labels)), None)

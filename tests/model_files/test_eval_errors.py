@@ -8,7 +8,7 @@ import torch
 
 from commands.eval_errors import misclassified, write_errors
 from conftest import make_tree, run_script, train_tiny
-from engine.evaluation.split_outputs import SplitOutputs
+from evaluation.split_outputs import SplitOutputs
 
 
 def test_rows_are_the_wrong_predictions_most_confidently_wrong_first(tmp_path):

@@ -19,10 +19,10 @@ from commands.cli import run_main
 from core.errors import CheckpointError, ConfigError, ExportError
 from data.listing.folder import list_images
 from data.transforms import normalize_batch
-from engine.model_io import export as engine_export
-from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
-from engine.model_io.loading import load_model_file
-from engine.model_io.formats import base as export_formats_base
+from model_files import export as engine_export
+from model_files.checkpoint_files import build_eval_model, read_checkpoint
+from model_files.loading import load_model_file
+from model_files.formats import base as export_formats_base
 
 CLASSES = ["a", "b", "c"]
 # (format, output name, batch option): a fixed-batch ONNX, a dynamic-batch program, a timm folder
@@ -319,7 +319,7 @@ def test_an_export_that_disagrees_fails(trained, monkeypatch):
 
 @pytest.mark.slow
 def test_training_and_checkpoint_inference_never_import_onnx():
-    code = ("import sys, train, engine.run.trainer, commands.infer, commands.evaluate, engine.model_io.loading; "
+    code = ("import sys, train, training_run.trainer, commands.infer, commands.evaluate, model_files.loading; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'onnxruntime', 'onnxscript', 'onnx_ir'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -390,6 +390,6 @@ def test_export_offers_every_registered_export_format():
     """export.py lists its --format choices without importing torch (--help is instant); they are the formats
     registered with a writer."""
     import export
-    from engine.model_io.formats import export_formats
+    from model_files.formats import export_formats
 
     assert list(export.EXPORT_FORMATS) == export_formats()

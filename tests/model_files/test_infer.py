@@ -18,9 +18,9 @@ from data.listing.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
 from core.config import ConfigError
-from engine.model_io.checkpoint_files import build_eval_model, read_checkpoint
-from engine.runtime.device import DeviceInput
-from engine.evaluation.evaluate import predict
+from model_files.checkpoint_files import build_eval_model, read_checkpoint
+from runtime.device import DeviceInput
+from evaluation.evaluate import predict
 
 CLASSES = ["a", "b", "c"]
 

@@ -18,12 +18,12 @@ import pytest
 
 import export
 from commands.export import validation_files
-from engine.model_io.checkpoint_files import read_checkpoint
+from model_files.checkpoint_files import read_checkpoint
 import infer
 from conftest import REPO, train_tiny, wait_for
 from core.errors import ConfigError, ExportError
-from engine.model_io import quantize
-from engine.model_io.loading import load_model_file
+from model_files import quantize
+from model_files.loading import load_model_file
 from serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]

@@ -10,7 +10,7 @@ import torch
 import eval as eval_script
 import infer
 from conftest import train_tiny
-from engine.prediction.predictor import Predictor
+from prediction.predictor import Predictor
 from serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.evaluation.split_outputs import SplitOutputs
-from engine.evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
-from engine.evaluation.trust import build_record, export_record, usable_rejector
+from evaluation.split_outputs import SplitOutputs
+from evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
+from evaluation.trust import build_record, export_record, usable_rejector
 
 D, C = 16, 4
 
@@ -59,7 +59,7 @@ def test_combined_rejects_what_either_kind_of_score_rejects():
 # ---------------------------------------------------------------- mahalanobis_layers (multi-layer Mahalanobis)
 
 def test_pooled_statistics_by_hand():
-    from engine.evaluation.rejection import pooled_statistics
+    from evaluation.rejection import pooled_statistics
 
     x = torch.tensor([[[[1.0, 3.0], [1.0, 3.0]], [[5.0, 5.0], [5.0, 5.0]]]])   # [1, 2, 2, 2]
     assert pooled_statistics(x).tolist() == [[2.0, 5.0, 1.0, 0.0]]              # means, then standard deviations
@@ -68,7 +68,7 @@ def test_pooled_statistics_by_hand():
 
 
 def test_layer_tap_pools_each_stage_channels_first():
-    from engine.evaluation.rejection import LayerTap, layer_names
+    from evaluation.rejection import LayerTap, layer_names
 
     class Stages(torch.nn.Module):
         """Two stages, the second channels-last (as timm's NHWC stages): [N, 2, 2, 3]."""
@@ -97,7 +97,7 @@ def test_layer_tap_pools_each_stage_channels_first():
 
 
 def test_multilayer_score_by_hand():
-    from engine.evaluation.rejection import layer_scores, multilayer_score
+    from evaluation.rejection import layer_scores, multilayer_score
 
     eye = torch.eye(2)
     fits = [(eye, eye), (eye, eye)]                 # class means e1, e2; identity precision
@@ -129,7 +129,7 @@ def layered(n, seed, centres, odd_stage=None):
 
 
 def test_layers_record_rejects_what_one_stage_sees_and_old_records_keep_their_method():
-    from engine.evaluation.rejection import LAYERS_METHOD
+    from evaluation.rejection import LAYERS_METHOD
 
     centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
     val, bank = layered(200, 1, centres), layered(1000, 2, centres)

@@ -158,7 +158,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
     """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
     infer.py --reject on the same files."""
-    from engine.prediction.trust import TrustOptions
+    from prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     _, _, best = trained
@@ -207,7 +207,7 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     onnx = tmp_path / "model.onnx"
     code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(onnx), capsys=capsys)
     assert code == 0, err[-2000:]
-    from engine.model_io.loading import load_model_file
+    from model_files.loading import load_model_file
 
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     exported = load_model_file(onnx).calibration
@@ -226,7 +226,7 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     call("infer", *photos, "--checkpoint", str(best), "--output", str(ckpt_out), "--num-workers", "0", capsys=capsys)
     probs = [r["prob"] for r in json.loads(ckpt_out.read_text())]
     assert [r["prob"] for r in json.loads(out.read_text())] == pytest.approx(probs, abs=1e-4)
-    from engine.model_io.loading import load_model_file as load
+    from model_files.loading import load_model_file as load
 
     loaded = load(best)
     model = loaded.build_model(torch.device("cpu"), channels_last=False)
@@ -331,7 +331,7 @@ def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
 def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pixels(trained, tmp_path, capsys):
     """A 9000x9000 JPEG took 5.6 GB and wrote a 142 MB overlay: the overlay's longer side is now at most
     OVERLAY_MAX_SIDE, the peak still in the original's pixels."""
-    from engine.prediction.trust import OVERLAY_MAX_SIDE
+    from prediction.trust import OVERLAY_MAX_SIDE
 
     _, _, best = trained
     rows = write_squares(tmp_path / "squares", 1, seed=3)
@@ -350,7 +350,7 @@ def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pi
 
 
 def test_overlay_geometry_and_names():
-    from engine.prediction.trust import display_size, explain_items, overlay_name
+    from prediction.trust import display_size, explain_items, overlay_name
     from tasks import get_task
 
     assert display_size(9000, 9000) == (1024, 1024, 1024 / 9000) and display_size(300, 200) == (300, 200, 1.0)

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
+from evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            reliability_bins, selective_report)
-from engine.evaluation.explain import crop_geometry, heatmap_peak, to_original
-from engine.evaluation.split_outputs import SplitOutputs, gather_outputs
-from engine.evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
+from evaluation.explain import crop_geometry, heatmap_peak, to_original
+from evaluation.split_outputs import SplitOutputs, gather_outputs
+from evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
                                          seeded_subset, threshold_for_coverage)
-from engine.evaluation.trust import build_record, export_record, trust_metrics
+from evaluation.trust import build_record, export_record, trust_metrics
 
 
 def overconfident_split(n=2000, classes=5, seed=0):

@@ -133,7 +133,7 @@ def exports(tmp_path_factory):
 def both_rows(path: Path, bodies: dict[str, bytes], max_batch: int = 8, **trust) -> tuple[list, list]:
     """serve.py's rows for `bodies` from its torch path (serving.model) and from the ONNX-only path, in
     batches of `max_batch` as the server forms them."""
-    from engine.prediction.trust import TrustOptions
+    from prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", TrustOptions(**trust))

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from core.config import OptimConfig
-from engine.runtime.device import DeviceInput
-from engine.training.loop import StepHooks, train_one_epoch
-from engine.training.optim import build_optimizer
-from engine.training.schedule import build_scheduler, steps_per_epoch
-from engine.rundir.state import EpochCounters, TrainState
-from engine.training.step import TrainStep
+from runtime.device import DeviceInput
+from training.loop import StepHooks, train_one_epoch
+from training.optim import build_optimizer
+from training.schedule import build_scheduler, steps_per_epoch
+from rundir.state import EpochCounters, TrainState
+from training.step import TrainStep
 
 MEAN, STD = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
 
@@ -126,7 +126,7 @@ def test_clipping_happens_once_per_update_on_the_whole_window(monkeypatch):
 
 @pytest.mark.slow
 def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
-    from engine.training.mixing import BatchMixing
+    from training.mixing import BatchMixing
 
     images, labels = fixed_data(128)
     seen = []

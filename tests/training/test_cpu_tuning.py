@@ -1,4 +1,4 @@
-"""The CPU tuning lives in one room (engine/runtime/cpu_tuning.py): chosen once at process start by
+"""The CPU tuning lives in one room (runtime/cpu_tuning.py): chosen once at process start by
 run_main, applied once at runtime set-up, and passed through no signature."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO
 from core.config import load_config
-from engine.runtime import cpu_tuning
+from runtime import cpu_tuning
 
 # parameters named `host` that are a network host, not the CPU tuning
 NETWORK_HOSTS = {("serving/server.py", "serve"), ("serving/onnx_only/server.py", "serve_onnx"),
@@ -42,7 +42,7 @@ def test_run_main_tunes_the_process_once_and_calls_main_bare():
 
 
 def test_freed_memory_is_kept_for_training_only(monkeypatch):
-    from engine.runtime.runtime import build_runtime
+    from runtime.runtime import build_runtime
 
     kept = []
     monkeypatch.setattr(cpu_tuning, "keep_freed_memory", lambda: kept.append(True) or True)

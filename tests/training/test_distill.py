@@ -1,4 +1,4 @@
-"""Distillation (engine/distill): the loss terms against hand computations, the teacher's input conversion,
+"""Distillation (objectives/distillation): the loss terms against hand computations, the teacher's input conversion,
 the teacher frozen and outside every state_dict, the class check; and whole runs (marked slow): the teacher
 validated and the agreement recorded, last.pt / best.pt without the teacher, another teacher or class list
 refused (exit 2)."""
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 from conftest import make_tree, run_script, tiny_overrides
 from core.config import load_config
-from engine.distill.conversion import InputConversion
-from engine.distill.agreement import AgreementProbe
-from engine.distill.distiller import Distiller
-from engine.distill.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
+from objectives.distillation.conversion import InputConversion
+from objectives.distillation.agreement import AgreementProbe
+from objectives.distillation.distiller import Distiller
+from objectives.distillation.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
 from tasks import get_task
-from engine.distill.teacher import Teacher, TeacherPredictions, class_mismatch, freeze
+from objectives.distillation.teacher import Teacher, TeacherPredictions, class_mismatch, freeze
 
 S = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
 T = torch.tensor([[1.0, 3.0, 0.0], [-0.5, 0.0, 2.5]])
@@ -159,8 +159,8 @@ def test_agreement_probe_counts_only_readable_images():
 
 
 def test_later_validations_read_the_teachers_kept_predictions_and_count_the_same():
-    from engine.evaluation.evaluate import evaluate
-    from engine.runtime.device import DeviceInput
+    from evaluation.evaluate import evaluate
+    from runtime.device import DeviceInput
 
     student, teacher, distiller = eval_student_and_distiller()
     batches = [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]),
@@ -377,7 +377,7 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
     """tune.py's batch finder and sweep build their step with the teacher: its forward is in what they time
     and its weights and activations in the memory they measure."""
     from conftest import write_pretrained_folder
-    from engine.tuning.batch_finder import TrainingStepProbe
+    from tuning.batch_finder import TrainingStepProbe
 
     folder = tmp_path / "teacher"
     write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])
@@ -393,8 +393,8 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
 
 
 def test_the_agreement_probe_leaves_the_student_in_its_mode():
-    from engine.evaluation.evaluate import evaluate
-    from engine.runtime.device import DeviceInput
+    from evaluation.evaluate import evaluate
+    from runtime.device import DeviceInput
 
     student, teacher, distiller = eval_student_and_distiller()  # an eval-mode student, as an EMA copy
     probe = AgreementProbe(student, distiller)
@@ -407,7 +407,7 @@ def test_the_agreement_probe_leaves_the_student_in_its_mode():
 
 
 def test_the_teachers_time_share_is_over_training_time_only():
-    from engine.distill.distiller import StepTimer
+    from objectives.distillation.distiller import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     assert timer.take_share() is None  # no teacher forward yet

@@ -9,13 +9,13 @@ import pytest
 import torch
 import yaml
 
-import engine.run.trainer as trainer_module
+import training_run.trainer as trainer_module
 from conftest import PRETRAINED_PREPROCESSING, make_tree, run_script, tiny_overrides, write_pretrained_folder
 from core.config import ConfigError, OptimConfig, load_config
 from core.errors import ModelError
-from engine.model_io.checkpoint_files import read_checkpoint
-from engine.training.optim import base_lr, build_optimizer, param_groups
-from engine.training.schedule import build_scheduler
+from model_files.checkpoint_files import read_checkpoint
+from training.optim import base_lr, build_optimizer, param_groups
+from training.schedule import build_scheduler
 from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
                             pretrained_preprocessing)
 from conftest import run_train_in_process

@@ -19,7 +19,7 @@ MODEL = "mobilenetv3_small_050"
 PEAK_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-from engine.runtime.memory import current_rss_bytes, peak_memory_bytes, reset_peak_memory
+from runtime.memory import current_rss_bytes, peak_memory_bytes, reset_peak_memory
 from models.factory import create_model
 torch.manual_seed(0)
 model = create_model({model!r}, 3, grad_checkpointing={on})

@@ -1,4 +1,4 @@
-"""Random erasing, mixup and CutMix on the device (engine/training/mixing.py) and the training losses (tasks/losses.py):
+"""Random erasing, mixup and CutMix on the device (training/mixing.py) and the training losses (tasks/losses.py):
 label mass, the lambda distribution, CutMix boxes and their corrected lambda, erasing boxes like torchvision's,
 draws as a function of (seed, step, micro-batch), and the loss math against timm's."""
 import math
@@ -11,7 +11,7 @@ from timm.loss import BinaryCrossEntropy as TimmBCE
 from timm.loss import SoftTargetCrossEntropy
 
 from tasks.losses import BinaryCrossEntropy
-from engine.training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
+from training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
 
 H = W = 16
 

@@ -27,7 +27,7 @@ from data.listing.tags import parse_tags
 from tasks import get_task
 from tasks.multi_label_metrics import (average_precision, multilabel_metrics, predicted, tune_thresholds)
 from tasks.losses import AsymmetricLoss, BinaryCrossEntropy
-from engine.training.mixing import MixDraw, apply_mix
+from training.mixing import MixDraw, apply_mix
 from multilabel_data import TAGS, make_tag_list
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -307,7 +307,7 @@ def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
 def test_serve_answers_the_tag_rows_infer_writes(trained, tmp_path):
     """serve.py's model on a multi-label checkpoint: the same tags and probabilities as infer.py's JSON rows;
     the reject option is refused for it."""
-    from engine.prediction.trust import TrustOptions
+    from prediction.trust import TrustOptions
     from serving.model import ServedModel
 
     train_csv, run = trained

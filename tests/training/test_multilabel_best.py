@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rundir.state import TrainState
+from rundir.state import TrainState
 from tasks import deciding_metric, get_task
 from tasks.multi_label_metrics import multilabel_metrics
 

@@ -4,7 +4,7 @@ import torch
 
 from conftest import TEST_MODEL
 from core.config import OptimConfig
-from engine.training.optim import build_optimizer, param_groups
+from training.optim import build_optimizer, param_groups
 from models.factory import create_model
 
 

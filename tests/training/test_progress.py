@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, make_tree, tiny_overrides
 from core.config import load_config
-from engine.run.trainer import run
+from training_run.trainer import run
 
 TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
 

@@ -6,7 +6,7 @@ import yaml
 
 from conftest import make_tree, tiny_overrides
 from core.config import load_config
-from engine.run.trainer import run
+from training_run.trainer import run
 
 RECIPES = {
     "resnet50_tv2": {"data.auto_augment": "trivialaugment", "data.random_erasing": 0.1, "data.repeated_augment": 4,

@@ -8,10 +8,10 @@ import torch
 from conftest import make_tree, tiny_overrides
 from core.config import load_config
 from core.host import busy_cores_of_others, cpu_jiffies
-from engine.runtime import cpu_tuning
-from engine.runtime.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
-from engine.training.schedule import validation_due
-from engine.run.trainer import Trainer, run
+from runtime import cpu_tuning
+from runtime.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
+from training.schedule import validation_due
+from training_run.trainer import Trainer, run
 
 
 @pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
@@ -49,7 +49,7 @@ def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypa
 
 
 def test_auto_precision_takes_bf16_on_cpus_with_amx_only():
-    from engine.runtime.device import bf16_is_fast
+    from runtime.device import bf16_is_fast
 
     flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16"
     assert not bf16_is_fast(flags)                          # AVX512-BF16 alone: fp32 measured faster
@@ -167,7 +167,7 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     from conftest import REPO
 
     probe = ("import os, sys; sys.argv = ['train.py', '--help']; from commands.cli import run_main; "
-             "from engine.runtime import cpu_tuning; import train; real = train.main; seen = []; "
+             "from runtime import cpu_tuning; import train; real = train.main; seen = []; "
              "train.main = lambda: seen.append(cpu_tuning.process_start()) or real(); "
              "import atexit; atexit.register(lambda: print('chosen', seen[0] is not None, "
              "os.environ.get('GOMP_SPINCOUNT') in (None, cpu_tuning.SHORT_OMP_SPIN), 'torch' in sys.modules)); "
@@ -184,7 +184,7 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
     whatever the load. A run that started with two keeps both on resume though the load changed (sums over
     another thread count round differently: no bitwise resume otherwise); eval.py and infer.py take the
     checkpoint's count too."""
-    from engine.runtime.cpu_tuning import OmpWaitChoice, apply_cpu_policy
+    from runtime.cpu_tuning import OmpWaitChoice, apply_cpu_policy
 
     def start_load(busy):
         """What the process start measured (`cpu_tuning.tune_process_start`)."""
@@ -269,7 +269,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
     from conftest import REPO
 
     # page faults over 10 training steps of a small conv net (after 3 warm-up steps), with and without
-    probe = ("import resource, sys, torch; from engine.runtime.cpu_tuning import keep_freed_memory; "
+    probe = ("import resource, sys, torch; from runtime.cpu_tuning import keep_freed_memory; "
              "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None; torch.manual_seed(0); "
              "net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), "
              "torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU()); "
@@ -288,7 +288,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
-    from engine.runtime.cpu_tuning import apply_cpu_policy
+    from runtime.cpu_tuning import apply_cpu_policy
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
     assert threads == 1 and description.startswith("train.threads; ") and description.endswith("malloc's defaults")
@@ -341,7 +341,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
-    from engine.rundir.checkpoints import all_finite
+    from rundir.checkpoints import all_finite
 
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert all_finite(ok)
@@ -408,8 +408,8 @@ def test_which_steps_check_their_gradients(optimizer, nonfinite, checked):
     update (sign(nan) = 0), so a non-finite gradient leaves the weights finite and poisons only its state."""
     from timm.optim import create_optimizer_v2
 
-    from engine.runtime.device import DeviceInput
-    from engine.training.step import build_train_step
+    from runtime.device import DeviceInput
+    from training.step import build_train_step
     from models.factory import build_model
 
     cfg = load_config("base", [f"optim.name={optimizer}", f"train.nonfinite={nonfinite}", "train.amp=none",

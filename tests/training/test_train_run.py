@@ -9,7 +9,7 @@ import torch
 
 from conftest import TEST_MODEL, make_tree, run_script, tiny_overrides
 from core.config import Config, load_config
-from engine.training.schedule import lr_factor
+from training.schedule import lr_factor
 
 SUMMARY_BEST_KEYS = {"top1", "top5", "loss", "mean_class_acc", "num_samples"}
 

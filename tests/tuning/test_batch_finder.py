@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
+from tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
                                  pick_fastest_small, search_max_batch)
-from engine.training.schedule import scaled_lr
+from training.schedule import scaled_lr
 from conftest import run_script, tiny_overrides
 
 

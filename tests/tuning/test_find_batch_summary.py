@@ -11,7 +11,7 @@ import torch
 from benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
 from conftest import make_tree, run_script
 from core.config import load_config
-from engine.tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
+from tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
 
 
 class JitteryStep:

@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 
 from conftest import make_tree, run_script, tiny_overrides
-from engine.tuning.arithmetic import exponential_lrs, lr_suggestion, smooth
+from tuning.arithmetic import exponential_lrs, lr_suggestion, smooth
 
 
 def blown_up_curve(lrs):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from core.config import load_config
-from engine.tuning import batch_finder
-from engine.tuning.batch_finder import StepResult, format_finder_table, run_finder
-from engine.runtime.device import DeviceInput
-from engine.runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
-from engine.training.step import build_train_step
+from tuning import batch_finder
+from tuning.batch_finder import StepResult, format_finder_table, run_finder
+from runtime.device import DeviceInput
+from runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
+from training.step import build_train_step
 from models.factory import create_model
 from conftest import REPO
 
@@ -25,7 +25,7 @@ ADDS_UP_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 from core.config import load_config
-from engine.tuning.batch_finder import TrainingStepProbe
+from tuning.batch_finder import TrainingStepProbe
 cfg = load_config("base", ["model.name=resnet10t", "data.img_size=48", "train.amp=none", "train.device=cpu"])
 torch.manual_seed(0)
 probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None)

@@ -12,10 +12,10 @@ import torch
 
 from core.config import load_config
 from core.errors import ConfigError
-from engine.runtime.distributed import DistInfo
-from engine.runtime.runtime import Runtime
-from engine.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
-from engine.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
+from runtime.distributed import DistInfo
+from runtime.runtime import Runtime
+from tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
+from tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee, time_to_target_noise)
 from conftest import make_tree, run_script, tiny_overrides
 

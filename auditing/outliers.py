@@ -1,0 +1,85 @@
+"""Out-of-distribution images in the data (audit.py's `outliers`): each fold model scores the images it did
+not train on with the reject option's feature score (the Mahalanobis distance of the L2-normalised penultimate
+features: evaluation/rejection.py, fitted by the fold run's calibration), standardised within the fold by
+its median and median absolute deviation (robust to the outliers themselves); an image below -OUTLIER_Z is
+flagged: a cat, a retina scan or a logo filed among photos of another kind."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# the feature score alone: the energy of a whole class can sit apart from the others, and standardised over the
+# pooled fold it flagged every image of that class (a 3-class audit: 15 of one class at z -6 to -7)
+OUTLIER_PARTS = ("mahalanobis_l2",)
+OUTLIER_Z = 6.0          # robust standard deviations below the fold's median (ordinary images of a test audit reached -4.6)
+MAX_OUTLIERS_SHOWN = 200
+
+
+def robust_z(scores: torch.Tensor) -> torch.Tensor:
+    """(score - median) / (1.4826 x median absolute deviation): a standard score that the tail does not move."""
+    values = scores.double()
+    median = values.median()
+    mad = (values - median).abs().median() * 1.4826
+    return ((values - median) / (mad if mad > 1e-12 else 1.0)).float()
+
+
+def lowest_z(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([robust_z(p) for p in parts]).min(dim=0).values
+
+
+def fold_outlier_z(opened, files: list[str], num_workers: int) -> Optional[torch.Tensor]:
+    """The lowest robust z of OUTLIER_PARTS for each of `files` under the fold's calibrated best.pt (`opened`:
+    folds.open_model's (ModelFile, model, device, amp dtype)); None when it holds no feature fits (a model
+    without a timm classifier); nan for an unreadable file."""
+    from data.build import build_eval_loader_for
+    from data.listing.folder import ImageIndex
+    from evaluation.split_outputs import collect_outputs
+    from evaluation.rejection import rejector_from_record
+    from runtime.device import DeviceInput
+
+    loaded, model, device, amp = opened
+    record = loaded.calibration
+    if not record or record.get("class_means_l2") is None:
+        return None
+    rejector = rejector_from_record(record, "energy")
+    index = ImageIndex(Path(files[0]).parent, list(loaded.classes), list(files), [0] * len(files))
+    batch = loaded.cfg.train.batch_size if isinstance(loaded.cfg.train.batch_size, int) else 64
+    loader = build_eval_loader_for(index, loaded.eval_transform(), loaded.cfg.data.img_size, batch, num_workers,
+                                   False)
+    out = collect_outputs(model, loader, DeviceInput.from_config(loaded.cfg, device, amp), with_features=True)
+    if out.features is None:
+        return None
+    z = torch.full((len(files),), math.nan)
+    z[out.indices] = lowest_z([rejector.score(p, out.logits, out.features).cpu() for p in OUTLIER_PARTS])
+    return z
+
+
+def find_outliers(names: list[str], splits: list[str], labels: list[str], z: torch.Tensor,
+                  limit: float = OUTLIER_Z) -> list[dict]:
+    """[{"path", "split", "given", "score"}] of the images below -limit, the most foreign first."""
+    rows = [{"path": n, "split": s, "given": g, "score": round(float(v), 2)}
+            for n, s, g, v in zip(names, splits, labels, z.tolist()) if math.isfinite(v) and v < -limit]
+    return sorted(rows, key=lambda r: (r["score"], r["path"]))
+
+
+def outliers_summary(outliers: Optional[list]) -> str:
+    if outliers is None:
+        return "out-of-distribution images: not searched (fold training only; a --checkpoint audit does not)"
+    return (f"{len(outliers)} out-of-distribution image(s) (unlike the rest of the data to the fold models"
+            + ("; look at them: another kind of image filed under a class)" if outliers else ")"))
+
+
+def outliers_section(report: dict, figure) -> str:
+    """The HTML section of the outliers; `figure(name, caption)` draws a thumbnail."""
+    outliers = report.get("outliers")
+    head = f"<h2>Out-of-distribution images ({len(outliers or [])})</h2>"
+    if outliers is None:
+        return head + '<p class="note">not searched</p>'
+    if not outliers:
+        return head + '<p class="note">no out-of-distribution images found</p>'
+    rows = "".join(figure(o["path"], f"{o['given']} (z {o['score']})") for o in outliers[:MAX_OUTLIERS_SHOWN])
+    return (head + f'<p class="note">robust z-score of the fold models\' feature reject score below '
+            f'-{OUTLIER_Z:g}, the most foreign first</p><div class="row outlier">{rows}</div>')

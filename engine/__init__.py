@@ -1,1 +1,0 @@
-"""Training engine: config, schedule, loop, checkpoint, metrics, distributed."""

@@ -1,0 +1,67 @@
+"""What an exported model carries beside its weights (the class names, the eval preprocessing, the training
+config, the epoch, the traced batch, the calibration and tag thresholds), and how each format stores it."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from core.config import Config
+from core.errors import CheckpointError
+from evaluation.trust import export_record
+from model_files.checkpoint_files import check_class_names, check_thresholds, eval_config, preprocessing_record
+from model_files.model_file import ModelFile
+
+log = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
+ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
+PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
+TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
+
+
+def numbered_classes(count: int, path: Path) -> list[str]:
+    log.warning("%s records no class names: using class_0 .. class_%d (pass --classes FILE, one name per line)",
+                path, count - 1)
+    return [f"class_{i}" for i in range(count)]
+
+
+
+def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
+    """What an exported model carries: the class names, the eval preprocessing, the training config (so
+    eval.py finds the data and batch size as for the checkpoint), the epoch and the traced batch."""
+    config = loaded.cfg.to_dict()
+    config["data"]["limit_val_batches"] = loaded.saved_val_limit
+    return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
+            "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
+            "batch": batch, "calibration": export_record(loaded.calibration), "thresholds": loaded.thresholds}
+
+
+def onnx_metadata_props(metadata: dict) -> dict[str, str]:
+    return {ONNX_METADATA_PREFIX + key: json.dumps(value) for key, value in metadata.items()}
+
+
+def metadata_from_onnx_props(props: dict[str, str], path: Path) -> Optional[dict]:
+    ours = {k[len(ONNX_METADATA_PREFIX):]: v for k, v in props.items() if k.startswith(ONNX_METADATA_PREFIX)}
+    if "classes" not in ours:
+        return None
+    try:
+        return {key: json.loads(value) for key, value in ours.items()}
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
+
+
+def metadata_thresholds(metadata: Optional[dict], classes: list[str], path: Path) -> Optional[list]:
+    """The per-class thresholds an export of a multi-label model carries (None: none recorded)."""
+    return check_thresholds((metadata or {}).get("thresholds"), len(classes), str(path))
+
+
+def from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Config, list[str], Optional[int]]:
+    where = f"{path}"
+    classes = check_class_names(metadata.get("classes"), where)
+    cfg, saved_val_limit = eval_config(metadata.get("config") or {}, metadata.get("preprocessing") or {},
+                                       overrides, where)
+    return cfg, classes, saved_val_limit
+
+
