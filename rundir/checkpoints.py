@@ -6,7 +6,7 @@ loading last.pt's state back into the run. (What may change on resume, and the r
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
 `step`, `metrics`, and the training state: `batch_in_epoch`, `optimizer`, `scheduler`, `scaler`, `rng`,
 `train_state`, `world_size`, under torchrun `elastic_run_id`, `data_fingerprint` (`data.fingerprint`), and with
-EMA `model_ema`. Both record `data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists'
+EMA `model_ema`, distilled `distill`. Both record `data_source` (the data format, a `data.val_fraction` split's file lists, CSV lists'
 digests), and with tracking on `tracking_run_id` (the tracking run --resume reopens and eval.py adds to). best.pt: the
 evaluated weights (the EMA when on) under `model`, with the same metadata and no training state.
 """
@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -24,74 +24,116 @@ from core.config import Config
 from core.errors import CheckpointError, DiskFullError, NonFiniteError
 from model_files.checkpoint_files import preprocessing_record
 from rundir.atomic_files import bare_state_dict, rng_state, save_atomic, set_rng_state
-from rundir.restart import run_id_fields
 from rundir.state import TrainState
-from runtime.launcher import launch_info
 from runtime.distributed import run_on_main
 from tasks import task_of
-from tracking.training import RUN_ID_KEY
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
 
-@dataclass
-class TrainingParts:
-    """What last.pt saves and restores besides the bookkeeping."""
+class Stateful(Protocol):
+    def state_dict(self): ...
+    def load_state_dict(self, state) -> None: ...
 
-    model: torch.nn.Module           # the bare trained model
-    eval_model: torch.nn.Module      # what validation runs and best.pt holds (the EMA when on)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    ema: Optional[torch.nn.Module] = None
+
+class ModuleWeights:
+    """A module's weights as a part of last.pt: a bare state_dict (no DDP / compile prefixes), which timm's and
+    torchvision's models load with strict=True."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return bare_state_dict(self.module)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+
+class RandomState:
+    """Python's, NumPy's and torch's generators (CPU and CUDA)."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+class Recorded:
+    """A value last.pt records and a resume reads where it needs it (the elastic run id, a tracking run
+    id): saved, never loaded back into the run."""
+
+    def __init__(self, value_of: Callable[[], object]):
+        self.value_of = value_of
+
+    def state_dict(self):
+        return self.value_of()
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What every checkpoint of a run says about it besides its state."""
+
+    cfg: Config
+    classes: list[str]
+    world_size: int
+    data_source: Optional[dict] = None
+    fingerprint: Optional[dict] = None  # data.listing.fingerprint.data_fingerprint of the run's splits
 
 
 class Checkpointer:
-    """Writes last.pt (with last.prev.pt) and best.pt of a run; only rank 0 writes."""
+    """Writes last.pt (with last.prev.pt) and best.pt of a run and restores last.pt; only rank 0 writes.
+    Everything resumable is a part in `states` (name -> `state_dict` / `load_state_dict`), saved under its
+    name and restored through the same pair; a part whose `state_dict` is None is left out. `optional` names
+    parts a checkpoint may lack. best.pt holds `best_model`'s weights (the EMA when on) and the parts in
+    `best_states`, with no training state."""
 
-    def __init__(self, run_dir: Path, is_main: bool, cfg: Config, classes: list[str], world_size: int,
-                 parts: TrainingParts, data_source: Optional[dict] = None, fingerprint: Optional[dict] = None):
+    def __init__(self, run_dir: Path, is_main: bool, record: RunRecord, states: dict[str, Stateful],
+                 best_model: torch.nn.Module, best_states: tuple[str, ...] = (), optional: tuple[str, ...] = ()):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.cfg = cfg
-        self.classes = classes
-        self.world_size = world_size
-        self.parts = parts
-        self.data_source = data_source
-        self.fingerprint = fingerprint  # data.listing.fingerprint.data_fingerprint of the run's splits
+        self.record = record
+        self.states = states
+        self.best_model = best_model
+        self.best_states = best_states
+        self.optional = optional
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
-        self.tracking_run_id: Callable[[], Optional[str]] = lambda: None  # the tracking run, once it exists
-        self.last_extras: Optional[Callable[[], dict]] = None  # more of last.pt (distillation: the teacher's record)
 
-    def _common(self, weights: torch.nn.Module, state: TrainState, metrics: Optional[dict]) -> dict:
-        return {"format_version": FORMAT_VERSION, "model": bare_state_dict(weights), "classes": list(self.classes),
-                "config": self.cfg.to_dict(), "preprocessing": preprocessing_record(self.cfg),
+    def _common(self, weights: dict, state: TrainState, metrics: Optional[dict]) -> dict:
+        r = self.record
+        return {"format_version": FORMAT_VERSION, "model": weights, "classes": list(r.classes),
+                "config": r.cfg.to_dict(), "preprocessing": preprocessing_record(r.cfg),
                 "epoch": state.epoch, "step": state.step, "metrics": dict(metrics or {}),
                 # the CPU threads the run computed with: a resume, eval.py and infer.py take the same by
                 # default, since sums over another thread count round differently in the last digits
-                "threads": torch.get_num_threads(), **data_source_fields(self.data_source),
-                **({RUN_ID_KEY: run_id} if (run_id := self.tracking_run_id()) else {})}
+                "threads": torch.get_num_threads(), **data_source_fields(r.data_source)}
+
+    def _parts(self, names) -> dict:
+        out = {}
+        for name in names:
+            value = self.states[name].state_dict()
+            if value is not None:
+                out[name] = value
+        return out
 
     def last_contents(self, state: TrainState) -> dict:
-        p = self.parts
-        ckpt = self._common(p.model, state, None)
-        ckpt.update({"batch_in_epoch": state.batch_in_epoch, "optimizer": p.optimizer.state_dict(),
-                     "scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict(), "rng": rng_state(),
-                     "train_state": dataclasses.asdict(state), "world_size": self.world_size,
-                     **run_id_fields(launch_info())})
-        if self.fingerprint is not None:
-            ckpt["data_fingerprint"] = self.fingerprint
-        if p.ema is not None:
-            # A bare state_dict, like `model`, so timm's load_checkpoint(use_ema=True) also reads it.
-            ckpt["model_ema"] = bare_state_dict(p.ema.module)
-        if self.last_extras is not None:
-            ckpt.update(self.last_extras())
+        parts = self._parts(self.states)
+        ckpt = self._common(parts.pop("model"), state, None)
+        ckpt.update({"batch_in_epoch": state.batch_in_epoch, "train_state": dataclasses.asdict(state),
+                     "world_size": self.record.world_size, **parts})
+        if self.record.fingerprint is not None:
+            ckpt["data_fingerprint"] = self.record.fingerprint
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:
-        return self._common(self.parts.eval_model, state, metrics) | task_of(self.cfg).model_file_extras(metrics)
+        return (self._common(bare_state_dict(self.best_model), state, metrics) | self._parts(self.best_states)
+                | task_of(self.record.cfg).model_file_extras(metrics))
 
     def save_last(self, state: TrainState) -> None:
         """Call on every rank at the same point: all agree on refusing non-finite weights, and all stop when
@@ -108,25 +150,21 @@ class Checkpointer:
 
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
-        tensors = [t for t in (*self.parts.model.parameters(), *self.parts.model.buffers()) if t.is_floating_point()]
+        model = self.states["model"].module
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
         if tensors and not all_finite(tensors):
             raise NonFiniteError(f"the weights became non-finite by optimizer step {step}; {name} was not "
                                  f"written and keeps the last good state (lower optim.lr or set train.clip_grad_norm)")
 
     def restore(self, ckpt: dict) -> TrainState:
-        """Load last.pt's weights, optimizer, scheduler, scaler and RNG into the run; returns its state.
+        """Load every part's state from last.pt into the run; returns the run's bookkeeping.
         A part that does not load (a damaged or foreign file that `check_resume_compatible` let through)
         is a CheckpointError (exit 2) naming it."""
-        p = self.parts
-        parts = [("model", lambda: p.model.load_state_dict(ckpt["model"])),
-                 ("model_ema", lambda: p.ema is None or p.ema.module.load_state_dict(ckpt["model_ema"])),
-                 ("optimizer", lambda: p.optimizer.load_state_dict(ckpt["optimizer"])),
-                 ("scheduler", lambda: p.scheduler.load_state_dict(ckpt["scheduler"])),
-                 ("scaler", lambda: p.scaler.load_state_dict(ckpt["scaler"])),
-                 ("rng", lambda: set_rng_state(ckpt["rng"]))]
-        for name, load in parts:
+        for name, part in self.states.items():
+            if name not in ckpt and name in self.optional:
+                continue
             try:
-                load()
+                part.load_state_dict(ckpt[name])
             except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
                 reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
                 raise CheckpointError(f"--resume: the checkpoint's '{name}' does not load into this run "

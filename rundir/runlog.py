@@ -66,9 +66,15 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, curves: bool = False):
+    """The run's records: TensorBoard scalars, metrics.csv rows, summary.json, curves.png. `listeners` (the
+    experiment tracking) subscribe to them: each gets the step lines (`log_step`), the news that last.pt holds
+    the rows written so far (`log_epochs`), the run's end (`finish`) and its outcome (`close`)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, curves: bool = False, listeners=()):
         self.run_dir = run_dir
         self.enabled = enabled
+        self.listeners = tuple(listeners)
+        self.status = "FAILED"  # the outcome the listeners hear at close, unless the run says otherwise
         self.curves = CurvesPicture(run_dir, enabled and curves)  # curves.png, from metrics.csv
         self.writer = None
         if enabled and tensorboard:
@@ -82,6 +88,24 @@ class RunLog:
         for tag, value in values.items():
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
+
+    def step_line(self, values: dict, step: int) -> None:
+        """A step line's numbers."""
+        self.scalars(values, step)
+        for listener in self.listeners:
+            listener.log_step(step, values)
+
+    def checkpoint_saved(self) -> None:
+        """last.pt now holds every metrics.csv row written so far."""
+        for listener in self.listeners:
+            listener.log_epochs()
+
+    def finish(self, step: int, status: str = "FINISHED") -> None:
+        """The run ended with `status` (FINISHED, or KILLED when a signal stopped it) at optimizer step `step`."""
+        self.status = status
+        if status == "FINISHED":
+            for listener in self.listeners:
+                listener.finish(step)
 
     def epoch_row(self, row: dict) -> None:
         if not self.enabled:
@@ -124,6 +148,10 @@ class RunLog:
         self.curves.finish()
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+        for listener in self.listeners:
+            listener.close(self.status)
+        self.listeners = ()
 
 
 def existing_columns(path: Path) -> list[str] | None:

@@ -33,14 +33,14 @@ class EpochCounters:
         if (replaced >= 0).any():
             self.unreadable.update(int(i) for i in replaced[replaced >= 0])
 
-    def count_update(self, skipped: bool, step: int, run: "TrainState") -> None:
-        """After optimizer step `step` (already in the run's state, skipped or not): the one place a skipped
-        update is counted, in the epoch's totals and the run's, and logged."""
+    def count_update(self, skipped: bool, step: int, batches_done: int) -> None:
+        """After optimizer step `step`, which ended at batch `batches_done` (skipped or not): a skipped update
+        is counted in the epoch's totals and logged."""
+        self.batches_done = batches_done
         if not skipped:
             self.nonfinite_in_row = 0
             return
         self.skipped_steps += 1
-        run.skipped_steps += 1
         self.nonfinite_in_row += 1
         log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.nonfinite_in_row)
 
@@ -87,6 +87,26 @@ class TrainState:
     train_samples: int = 0
     train_time_s: float = 0.0
     epoch_snapshot: dict = field(default_factory=dict)  # EpochCounters.snapshot() of a mid-epoch save, else {}
+
+    def finish_step(self, step: int, skipped: bool, counters: EpochCounters, batches_done: int) -> None:
+        """Optimizer step `step` is done (applied, or `skipped`), ending at batch `batches_done` of the epoch."""
+        self.step = step
+        self.skipped_steps += int(skipped)
+        counters.count_update(skipped, step, batches_done)
+
+    def save_mid_epoch(self, snapshot: dict) -> None:
+        """A save inside epoch `epoch`: where it is and the epoch's totals so far (EpochCounters.snapshot)."""
+        self.batch_in_epoch = snapshot["batches_done"]
+        self.epoch_snapshot = snapshot
+
+    def add_training(self, seconds: float, samples: int) -> None:
+        """This process trained `samples` images in `seconds` (the epoch's training, or its resumed part)."""
+        self.train_time_s += seconds
+        self.train_samples += samples
+
+    def finish_epoch(self) -> None:
+        """Epoch `epoch` is trained and validated: the next starts at its first batch."""
+        self.epoch, self.batch_in_epoch, self.epoch_snapshot = self.epoch + 1, 0, {}
 
     def record_validation(self, epoch: int, metrics: dict, metric: str, min_delta: float,
                           patience: Optional[int]) -> bool:

@@ -209,6 +209,18 @@ def run_train_in_process(monkeypatch, capsys, *argv) -> tuple[int, str]:
 
 
 
+@pytest.fixture
+def trainer_of():
+    """Builds Trainers over runs (`training_run.trainer.open_trainer`), whose resources are released at the
+    test's end: `trainer = trainer_of(cfg, resume=..., finetune=...)`."""
+    import contextlib
+
+    from training_run.trainer import open_trainer
+
+    with contextlib.ExitStack() as stack:
+        yield lambda cfg, **kwargs: stack.enter_context(open_trainer(cfg, **kwargs))
+
+
 @pytest.fixture(scope="session")
 def faults_tree(tmp_path_factory) -> Path:
     """36 training images, batch 8: 4 optimizer steps per epoch."""

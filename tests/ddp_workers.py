@@ -2,14 +2,14 @@
 so that each spawned process imports only what it needs)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from runtime.device import DeviceInput
-from training.loop import StepHooks, train_one_epoch
-from rundir.state import EpochCounters
+from objectives.base import Objective
+from training.loop import measuring_parts, train_one_epoch
+from rundir.state import EpochCounters, TrainState
 from training.step import TrainStep
 
 
@@ -27,7 +27,7 @@ def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -
         return loss + float("inf") if rank == 0 and len(calls) == 2 else loss
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx = TrainStep(model=torch.nn.parallel.DistributedDataParallel(model), criterion=criterion,
+    ctx = TrainStep(model=torch.nn.parallel.DistributedDataParallel(model), objective=Objective(criterion),
                     optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
                     scaler=torch.amp.GradScaler("cpu", enabled=False),
                     input=DeviceInput(torch.device("cpu"), [0.5] * 3, [0.5] * 3, False, None), accum_steps=1,
@@ -35,10 +35,8 @@ def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8, generator=g),
                torch.randint(0, 2, (4,), generator=g), torch.full((4,), -1)) for _ in range(4)]
-    hooks = StepHooks(checkpoint_due=lambda s: False, stop_requested=lambda s: False, save=lambda p: None,
-                      log_step=lambda s, v: None, log_interval=100)
     progress = EpochCounters()
-    train_one_epoch(ctx, loader, 4, progress, SimpleNamespace(step=0, epoch=0, skipped_steps=0), hooks)
+    train_one_epoch(ctx, measuring_parts(log_interval=100), loader, 4, TrainState(), progress)
     torch.save({"skipped": progress.skipped_steps, "params": [p.detach() for p in model.parameters()]},
                f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -36,6 +36,7 @@ def halt(marker: str) -> None:
 
 def pause_in_validation(marker: str, n: int) -> None:
     import training_run.trainer as trainer
+    from runtime.signals import StopSignal
 
     real_evaluate = trainer.evaluate
     calls = {"n": 0}
@@ -52,15 +53,16 @@ def pause_in_validation(marker: str, n: int) -> None:
 
 def wait_for_signal_after_save(marker: str, n: int) -> None:
     import training_run.trainer as trainer
+    from runtime.signals import StopSignal
 
-    real_handle = trainer.StopSignal._handle
+    real_handle = StopSignal._handle
     got = []
 
     def handle(self, signum, frame):
         got.append(signum)
         real_handle(self, signum, frame)
 
-    trainer.StopSignal._handle = handle
+    StopSignal._handle = handle
 
     def wait(_marker):
         Path(marker).write_text(str(os.getpid()))
@@ -117,10 +119,11 @@ def block_reads_in_validation(marker: str, n: int) -> None:
     MARKER is written when the pass starts in the main process, which then waits on those reads."""
     import data.datasets as datasets
     import training_run.trainer as trainer
+    from runtime.signals import StopSignal
 
     fifo = Path(marker).with_name(Path(marker).name + ".fifo")
     real_getitem = datasets.EvalDataset.__getitem__
-    real_train_epoch, real_evaluate = trainer.Trainer._train_epoch, trainer.evaluate
+    real_train_epoch, real_evaluate = trainer.Trainer.train_epoch, trainer.evaluate
     calls = {"epochs": 0, "passes": 0}
 
     def getitem(self, i):
@@ -142,7 +145,7 @@ def block_reads_in_validation(marker: str, n: int) -> None:
         return real_evaluate(*args, **kwargs)
 
     datasets.EvalDataset.__getitem__ = getitem
-    trainer.Trainer._train_epoch = train_epoch
+    trainer.Trainer.train_epoch = train_epoch
     trainer.evaluate = evaluate
 
 
@@ -151,8 +154,9 @@ def wait_for_signal_in_validation(marker: str, n: int) -> None:
     MARKER and waits until the process has received a stop signal; then validation goes on."""
     import data.datasets as datasets
     import training_run.trainer as trainer
+    from runtime.signals import StopSignal
 
-    real_handle, real_getitem, real_evaluate = trainer.StopSignal._handle, datasets.EvalDataset.__getitem__, trainer.evaluate
+    real_handle, real_getitem, real_evaluate = StopSignal._handle, datasets.EvalDataset.__getitem__, trainer.evaluate
     got, calls = [], {"n": 0, "waited": False}
 
     def handle(self, signum, frame):
@@ -171,7 +175,7 @@ def wait_for_signal_in_validation(marker: str, n: int) -> None:
         calls["n"] += 1
         return real_evaluate(model, loader, *args, **kwargs)
 
-    trainer.StopSignal._handle = handle
+    StopSignal._handle = handle
     datasets.EvalDataset.__getitem__ = getitem
     trainer.evaluate = evaluate
 

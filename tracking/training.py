@@ -1,5 +1,5 @@
-"""A training run's tracking: what the trainer calls at the points where it already writes TensorBoard,
-metrics.csv and summary.json. Steps are optimizer steps.
+"""A training run's tracking: a listener of the run log (`rundir.runlog.RunLog`), told what it records where
+it writes TensorBoard, metrics.csv and summary.json. Steps are optimizer steps.
 
 - per logged step (output.log_interval): the step line's numbers (`train/loss`, `train/lr`, `train/grad_norm`,
   `train/samples_per_s`, ...);
@@ -58,12 +58,12 @@ class TrainingTracking:
         self.run_dir = Path(run_dir)
         self.log_checkpoints = log_checkpoints
         self.synced_step = -1  # metrics.csv rows up to this step were handed to the tracker
-        self.status = "FAILED"  # what close() reports unless the run says otherwise
         self.enabled = not isinstance(tracker, NullTracker)  # rank 0 with tracking on
         self.waited = False
 
-    def run_id_for_checkpoint(self) -> Optional[str]:
-        """The run id to write into a checkpoint; the first call waits for the run to exist (RUN_ID_WAIT_S)."""
+    def state_dict(self) -> Optional[str]:
+        """The run id to write into a checkpoint (`tracking_run_id`); the first call waits for the run to exist
+        (RUN_ID_WAIT_S). A resume reads it when it opens the tracking (`open_training_tracking`)."""
         if not self.waited:
             self.waited = True
             return self.tracker.wait_for_run(RUN_ID_WAIT_S)
@@ -94,8 +94,11 @@ class TrainingTracking:
         if self.log_checkpoints == "best" and (self.run_dir / "best.pt").exists():
             self.tracker.log_artifact(self.run_dir / "best.pt", "checkpoints")
 
-    def close(self) -> None:
-        self.tracker.close(self.status)
+    def load_state_dict(self, run_id) -> None:
+        """The run id was read from last.pt when the tracking opened (before any part is restored)."""
+
+    def close(self, status: str = "FAILED") -> None:
+        self.tracker.close(status)
 
 
 def open_training_tracking(cfg, run_dir: Path, is_main: bool, world_size: int, device: str,
@@ -119,6 +122,4 @@ def open_training_tracking(cfg, run_dir: Path, is_main: bool, world_size: int, d
                            run_id, tags)
     tracking = TrainingTracking(tracker, run_dir, cfg.tracking.log_checkpoints)
     tracker.log_params(config_params(cfg.to_dict()))
-    if resume_ckpt is not None:
-        tracking.log_epochs()  # rows last.pt holds that the killed run may not have sent
     return tracking

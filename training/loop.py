@@ -1,6 +1,7 @@
-"""One training epoch, read top to bottom like torchvision's `train_one_epoch`: fetch, prepare on the
-device, forward and backward (`TrainStep.accumulate`, which knows the accumulation window), and on the
-last micro-batch of each window one call that finishes the update (`TrainStep.finish_window`).
+"""One training epoch, read top to bottom like torchvision's `train_one_epoch` and nanoGPT's loop: for each
+optimizer step, an inner loop over its micro-batches (fetch, prepare on the device, erase and mix, forward
+and backward through the objective), then the update, the log line, the mid-epoch save and the stop check,
+in that order. What it writes to and asks are the run's parts (`EpochParts`), never its caller.
 
 The running sums stay on the device; the host reads them only at log lines, checkpoints and the epoch
 end (and once per step where fp16 or `train.nonfinite: skip` must decide on the host whether to skip).
@@ -9,23 +10,56 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
 from core.errors import NonFiniteError, StopRequested
-from rundir.state import EpochCounters
+from rundir.state import EpochCounters, TrainState
+from training.schedule import window_length
 from training.step import TrainStep, WindowUpdate
 
 
-@dataclass
-class StepHooks:
-    """What the caller does around optimizer steps (given the optimizer steps done so far)."""
+class StepLog(Protocol):
+    def batch_done(self) -> None: ...
+    def log_step(self, step: int, values: dict) -> None: ...
 
-    checkpoint_due: Callable[[int], bool]
-    stop_requested: Callable[[int], bool]
-    save: Callable[[dict], None]              # gets EpochCounters.snapshot() of the epoch so far
-    log_step: Callable[[int, dict], None]
+
+class ProgressSaves(Protocol):
+    def due(self, step: int) -> bool: ...
+    def save(self, state: TrainState, snapshot: dict) -> None: ...
+
+
+class StopCheck(Protocol):
+    def requested(self, step: int) -> bool: ...
+
+
+class Silent:
+    """A log, saves and a stop check that do nothing: for measuring steps."""
+
+    def batch_done(self) -> None:
+        pass
+
+    def log_step(self, step: int, values: dict) -> None:
+        pass
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def save(self, state: TrainState, snapshot: dict) -> None:
+        pass
+
+    def requested(self, step: int) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class EpochParts:
+    """Where an epoch's step lines go, where its mid-epoch saves go, and what says stop."""
+
+    log: StepLog
+    saves: ProgressSaves
+    stop: StopCheck
     log_interval: int = 10**9
     log_epoch_end: bool = True  # also log each epoch's last step, however short the epoch
 
@@ -33,10 +67,27 @@ class StepHooks:
         return step % self.log_interval == 0 or (epoch_end and self.log_epoch_end)
 
 
-def no_hooks() -> StepHooks:
-    """Hooks that never log, save or stop: for measuring steps."""
-    return StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
-                     save=lambda snapshot: None, log_step=lambda step, values: None, log_epoch_end=False)
+class Measuring(Silent):
+    """The parts of a measuring run (tune.py's sweeps): each step line goes to `on_step(step, values)`, and
+    the run stops where `stop_when(step)` says; nothing is saved."""
+
+    def __init__(self, on_step: Optional[Callable[[int, dict], None]] = None,
+                 stop_when: Optional[Callable[[int], bool]] = None):
+        self.on_step, self.stop_when = on_step, stop_when
+
+    def log_step(self, step: int, values: dict) -> None:
+        if self.on_step is not None:
+            self.on_step(step, values)
+
+    def requested(self, step: int) -> bool:
+        return self.stop_when is not None and self.stop_when(step)
+
+
+def measuring_parts(on_step: Optional[Callable[[int, dict], None]] = None,
+                    stop_when: Optional[Callable[[int], bool]] = None, log_interval: int = 10**9) -> EpochParts:
+    """Parts that never save: for measuring and tuning runs."""
+    measuring = Measuring(on_step, stop_when)
+    return EpochParts(measuring, measuring, measuring, log_interval, log_epoch_end=False)
 
 
 class EpochSums:
@@ -106,63 +157,68 @@ class IntervalMeter:
         return values
 
 
-def train_one_epoch(step: TrainStep, loader, num_batches: int, counters: EpochCounters, state,
-                    hooks: StepHooks, on_batch: Optional[Callable[[], None]] = None) -> None:
-    """Train from batch `counters.batches_done` to `num_batches`; `state.step` counts optimizer steps (applied
-    or skipped), `state.skipped_steps` the skipped ones, and `state.epoch` is the epoch (0-based) being trained.
-    `on_batch` runs after every micro-batch (a progress bar)."""
+def train_one_epoch(step: TrainStep, parts: EpochParts, batches, num_batches: int, state: TrainState,
+                    counters: EpochCounters) -> None:
+    """Train epoch `state.epoch` (0-based) from batch `counters.batches_done` to `num_batches`. `state.step`
+    counts optimizer steps (applied or skipped), numbered from 1 as in the log lines ("step k/N")."""
     step.model.train()
-    step.start_epoch()
     sums = EpochSums(step.input.device)
     meter = IntervalMeter(sums, counters)
-    batch_index = counters.batches_done
-    data_start = time.perf_counter()
-    for images, targets, replaced in loader:
-        if batch_index >= num_batches:
+    batches = iter(batches)
+    while counters.batches_done < num_batches:
+        number, first = state.step + 1, counters.batches_done
+        window = window_length(first, num_batches, step.accum_steps)
+        window_ok = torch.ones((), dtype=torch.bool, device=step.input.device)
+        exhausted = False
+        for micro in range(window):
+            fetched = next_batch(batches, meter, counters)
+            if fetched is None:  # a stream shorter than its announced length: the epoch ends here
+                exhausted = True
+                break
+            images, targets = step.input.prepare(fetched[0]), step.input.labels(fetched[1])
+            images, targets = step.mix(images, targets, state.epoch, number, micro)
+            loss, logs = step.forward_backward(images, targets, window, sync_gradients=micro == window - 1)
+            window_ok = window_ok & sums.add_loss(loss, images.shape[0])
+            counters.samples += images.shape[0]
+            meter.samples += images.shape[0]
+            parts.log.batch_done()
+        if exhausted:
+            counters.batches_done = first + micro
             break
-        waited = time.perf_counter() - data_start
-        meter.data_time += waited
-        counters.data_time += waited
-        counters.note_unreadable(replaced)
-        images, targets = step.input.prepare(images), step.input.labels(targets)
-
-        loss, is_update = step.accumulate(images, targets, batch_index, num_batches, state.epoch, state.step + 1)
-
-        batch = images.shape[0]
-        sums.add_loss(loss, batch)
-        counters.samples += batch
-        meter.samples += batch
-        batch_index += 1
-        if on_batch is not None:
-            on_batch()
-
-        if is_update:
-            number = state.step + 1  # steps are numbered from 1, as in the log lines ("step k/N")
-            log_now = hooks.logs_at(number, epoch_end=batch_index == num_batches)
-            update = step.finish_window(number, want_norm=log_now)
-            if step.watches_nonfinite:
-                sums.note_window(update.window_ok, number)
-            # The step is done (applied or skipped) before the skip policy may stop the run, so the summary
-            # counts it: "last at step k" is then steps_completed k.
-            state.step = number
-            counters.batches_done = batch_index
-            counters.count_update(update.skipped, number, state)
-
-            if log_now:
-                sums.raise_if_nonfinite()
-                hooks.log_step(state.step, meter.read(sums, update))
-            counters.stop_if_too_many_in_row(number, step.max_nonfinite_in_row)
-            stop = hooks.stop_requested(state.step)
-            if stop or hooks.checkpoint_due(state.step):
-                sums.raise_if_nonfinite()
-                loss, nonfinite = sums.read()
-                hooks.save(counters.snapshot(extra_loss=loss, extra_nonfinite=nonfinite))
-                if stop:
-                    raise StopRequested()
-        data_start = time.perf_counter()
-
+        batch_index = first + window
+        log_now = parts.logs_at(number, epoch_end=batch_index == num_batches)
+        update = step.update(window_ok, number, want_norm=log_now)
+        if step.watches_nonfinite:
+            sums.note_window(update.window_ok, number)
+        # The step is done (applied or skipped) before the skip policy may stop the run, so the summary
+        # counts it: "last at step k" is then steps_completed k.
+        state.finish_step(number, update.skipped, counters, batch_index)
+        if log_now:
+            sums.raise_if_nonfinite()
+            parts.log.log_step(number, meter.read(sums, update) | logs | step.objective.interval_logs())
+        counters.stop_if_too_many_in_row(number, step.max_nonfinite_in_row)
+        stop = parts.stop.requested(number)
+        if stop or parts.saves.due(number):
+            sums.raise_if_nonfinite()
+            loss_sum, nonfinite = sums.read()
+            parts.saves.save(state, counters.snapshot(extra_loss=loss_sum, extra_nonfinite=nonfinite))
+            if stop:
+                raise StopRequested()
     sums.raise_if_nonfinite()
-    loss, nonfinite = sums.read()
-    counters.loss_sum += loss
+    loss_sum, nonfinite = sums.read()
+    counters.loss_sum += loss_sum
     counters.nonfinite_samples += nonfinite
-    counters.batches_done = batch_index
+
+
+def next_batch(batches: Iterator, meter: "IntervalMeter", counters: EpochCounters) -> Optional[tuple]:
+    """The next (images, targets) from the loader, its wait counted; None when the loader is exhausted."""
+    start = time.perf_counter()
+    try:
+        images, targets, replaced = next(batches)
+    except StopIteration:
+        return None
+    waited = time.perf_counter() - start
+    meter.data_time += waited
+    counters.data_time += waited
+    counters.note_unreadable(replaced)
+    return images, targets

@@ -1,6 +1,7 @@
-"""The training step: erasing and mixing of one micro-batch, its forward and backward, and the update that
-ends an accumulation window (unscale, gradient norm and clipping, the non-finite decision, optimizer step,
-EMA, LR schedule).
+"""The training step's pieces: erasing and mixing of one micro-batch, its forward and backward through the run's
+objective, and the update that ends an accumulation window (unscale, gradient norm and clipping, the non-finite
+decision, optimizer step, EMA, LR schedule). The epoch (`training.loop`) calls them in that order; the step
+keeps no state between calls.
 
 `build_train_step` is the one way to assemble it; the trainer, the batch-size finder, `benchmark.py` and
 the tests all use it, so what they time or check is what training runs.
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 from timm.utils import unwrap_model
 
+from objectives.base import Objective
 from runtime.device import DeviceInput
 from runtime.distributed import all_ranks_true
 from tasks import task_of
@@ -41,7 +43,7 @@ class WindowUpdate:
 @dataclass
 class TrainStep:
     model: torch.nn.Module               # what runs forward (DDP- and compile-wrapped where set)
-    criterion: torch.nn.Module
+    objective: Objective                 # the loss of a micro-batch (objectives/)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -54,8 +56,6 @@ class TrainStep:
     ema: Optional[torch.nn.Module] = None  # models.ema.create_ema(bare model), updated after applied steps
     mixing: Optional[BatchMixing] = None   # data.random_erasing, mixup / CutMix (None: all off)
     nonfinite_reaches_weights: bool = True  # a non-finite gradient makes the optimizer's update non-finite
-    window_ok: Optional[torch.Tensor] = None  # device bool: the open window's losses were finite (None: none yet)
-    distiller: Optional[torch.nn.Module] = None  # distill.teacher: objectives.distillation.Distiller (its loss term)
 
     @property
     def fp16(self) -> bool:
@@ -78,28 +78,6 @@ class TrainStep:
             return False
         return self.nonfinite == "skip" or not self.nonfinite_reaches_weights
 
-    def window_ends_at(self, batch_index: int, num_batches: int) -> bool:
-        """Whether micro-batch `batch_index` ends an accumulation window (the epoch's last batch ends a short one)."""
-        return (batch_index + 1) % self.accum_steps == 0 or batch_index + 1 == num_batches
-
-    def start_epoch(self) -> None:
-        """A window never spans epochs."""
-        self.window_ok = None
-
-    def accumulate(self, images: torch.Tensor, targets: torch.Tensor, batch_index: int, num_batches: int,
-                   epoch: int, step_number: int) -> tuple[torch.Tensor, bool]:
-        """Micro-batch `batch_index` (of the epoch's `num_batches`) of optimizer step `step_number`: erased and
-        mixed, forward and backward, its gradient divided by its window's length (the epoch's last window
-        may be short) and added; whether its loss was finite joins the window's. Returns the loss
-        (detached, on the device) and whether the micro-batch ends its window (`finish_window` is due)."""
-        ends_window = self.window_ends_at(batch_index, num_batches)
-        images, targets = self.mix(images, targets, epoch, step_number, batch_index % self.accum_steps)
-        loss = self.forward_backward(images, targets, window_length(batch_index, num_batches, self.accum_steps),
-                                     sync_gradients=ends_window)
-        finite = torch.isfinite(loss)
-        self.window_ok = finite if self.window_ok is None else self.window_ok & finite
-        return loss, ends_window
-
     def mix(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step_number: int, micro: int):
         """Erase and mix micro-batch `micro` of optimizer step `step_number` (the draws are a function of
         the seed, the step and `micro`); (images, labels) unchanged when both are off."""
@@ -108,29 +86,23 @@ class TrainStep:
         return self.mixing(images, labels, epoch, step_number, micro)
 
     def forward_backward(self, images: torch.Tensor, targets: torch.Tensor, window: int,
-                         sync_gradients: bool) -> torch.Tensor:
-        """Loss of one micro-batch (detached); its gradient, divided by the window length, is accumulated.
-        Under DDP the gradient all-reduce runs only on the window's last micro-batch."""
+                         sync_gradients: bool) -> tuple[torch.Tensor, dict]:
+        """Loss of one micro-batch (detached) and the objective's logs; its gradient, divided by the window
+        length, is accumulated. Under DDP the gradient all-reduce runs only on the window's last micro-batch."""
         no_sync = self.distributed and not sync_gradients
         with explain_out_of_memory(self.model, self.optimizer, images.shape[0], self.input.device), \
                 self.model.no_sync() if no_sync else contextlib.nullcontext():
             with self.input.autocast():
-                logits = self.model(images)
-                loss = self.criterion(logits, targets)
-                if self.distiller is not None:  # the teacher's term (objectives/distillation), under the same autocast
-                    loss = self.distiller.loss(logits, images, loss)
+                loss, logs = self.objective(self.model, images, targets)
             self.scaler.scale(loss / window).backward()
-        return loss.detach()
+        return loss.detach(), logs
 
-    def finish_window(self, step_number: int, want_norm: bool) -> WindowUpdate:
-        """End the accumulation window as optimizer step `step_number` (from 1). No host sync except where
-        a skip must be decided on the host (fp16, or train.nonfinite=skip)."""
-        window_ok = self.window_ok if self.window_ok is not None else torch.ones((), dtype=torch.bool,
-                                                                                 device=self.input.device)
-        self.window_ok = None
+    def update(self, window_ok: torch.Tensor, step_number: int, want_norm: bool) -> WindowUpdate:
+        """End the accumulation window as optimizer step `step_number` (from 1); `window_ok` (a device bool)
+        says whether its losses were finite. No host sync except where a skip must be decided on the host
+        (fp16, or train.nonfinite=skip)."""
         grad_norm = None
-        if self.distiller is not None and self.distributed:  # its projection is outside DDP
-            self.distiller.all_reduce_gradients()
+        self.objective.end_window(self.distributed)
         if self.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
@@ -175,15 +147,16 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
                      train_model: Optional[torch.nn.Module] = None, ema: Optional[torch.nn.Module] = None,
                      distributed: bool = False, accum_steps: Optional[int] = None,
                      num_classes: Optional[int] = None, steps_per_epoch: int = 1, rank: int = 0,
-                     distiller: Optional[torch.nn.Module] = None) -> TrainStep:
+                     objective: Optional[Objective] = None) -> TrainStep:
     """The optimizer, LR schedule, GradScaler, loss and batch mixing of `cfg` around `model` (the bare model,
     whose parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
     `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
     accumulation; what measuring a step needs. `num_classes` is needed when mixing is on;
-    `steps_per_epoch` converts the schedule's epochs to steps."""
+    `steps_per_epoch` converts the schedule's epochs to steps. `objective` None: the task's loss."""
     optimizer = build_optimizer(model, cfg.optim, peak_lr, fused=cfg.model.freeze is None)
-    if distiller is not None and any(True for _ in distiller.parameters()):  # distill.type=feature's projection
-        optimizer.add_param_group({"params": list(distiller.parameters()), "lr": peak_lr, "lr_scale": 1.0,
+    objective = objective if objective is not None else Objective(task_of(cfg).criterion(cfg.train))
+    if objective.parameters():  # an objective's own trained parameters (distill.type=feature's projection)
+        optimizer.add_param_group({"params": objective.parameters(), "lr": peak_lr, "lr_scale": 1.0,
                                    "weight_decay": cfg.optim.weight_decay})
     if total_steps is None:
         scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
@@ -197,9 +170,9 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
     if mixing is not None and mixing.mixes and not num_classes:
         raise ValueError("build_train_step: mixup / CutMix need num_classes")
     t = cfg.train
-    return TrainStep(model=train_model if train_model is not None else model, criterion=task_of(cfg).criterion(t),
+    return TrainStep(model=train_model if train_model is not None else model, objective=objective,
                      optimizer=optimizer, scheduler=scheduler, scaler=scaler, input=device_input,
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
                      max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing,
-                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS, distiller=distiller)
+                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS)

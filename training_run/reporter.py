@@ -16,6 +16,7 @@ from core.config import OPTIMIZER_OPTIONS
 from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from runtime.device import precision_name
+from objectives.base import Objective
 from rundir.runlog import RunLog
 from training.schedule import schedule_warnings
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class RunReporter:
     def __init__(self, cfg, runlog: RunLog, is_main: bool, world_size: int, total_steps: int,
-                 batches_per_epoch: int):
+                 batches_per_epoch: int, objective: Objective):
         self.cfg = cfg
         self.runlog = runlog
         self.is_main = is_main
@@ -38,8 +39,7 @@ class RunReporter:
         self.wait_warned = False
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
         self.task = task_of(cfg)
-        self.step_extras = None   # () -> dict of more step-line values (distillation: the teacher's time share)
-        self.teacher: Optional[dict] = None  # distill.teacher: its identity and validation (summary.json)
+        self.objective = objective  # its summary goes into summary.json (distillation: the teacher's record)
 
     def log_startup(self, data, runtime, plan) -> None:
         """What the run will do: the data, the model and precision, the CPU threads (count, where it came
@@ -87,8 +87,12 @@ class RunReporter:
             self.bar = None
             self.redirect.__exit__(None, None, None)
 
+    def batch_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
     def on_batch(self) -> Optional[callable]:
-        """The per-batch callback for the loop (None without a bar: nothing to do per batch)."""
+        """The per-batch callback of a validation pass (None without a bar: nothing to do per batch)."""
         return self.bar.update if self.bar is not None else None
 
     @contextmanager
@@ -107,9 +111,7 @@ class RunReporter:
     def log_step(self, step: int, values: dict) -> None:
         """A step line in the log (whether or not a bar is shown), its TensorBoard scalars, the bar's numbers."""
         values["train/samples_per_s"] *= self.world_size  # the whole job's rate
-        if self.step_extras is not None:
-            values.update(self.step_extras())
-        self.runlog.scalars(values, step)
+        self.runlog.step_line(values, step)
         wait = values["train/data_wait_frac"]
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {values['train/loss']:.4f}, data wait {100 * wait:.0f}%")
@@ -157,13 +159,6 @@ class RunReporter:
         self.runlog.flush()
         self.runlog.curves.epoch_end()
 
-    def set_teacher(self, summary: dict) -> None:
-        """distill.teacher: its identity and validation, logged once and kept for summary.json's `teacher`."""
-        self.teacher = summary
-        figures = ", ".join(f"{k} {summary[k]:.2f}" for k in ("top1", "top5", "mAP") if k in summary)
-        log.info("distill: teacher %s validated: %s (%s samples)", summary["source"], figures,
-                 summary.get("num_samples"))
-
     def roll_back_to(self, saved, classes: list[str], plan, val_skipped_files: list[str]) -> None:
         """After a failed save: metrics.csv and summary.json describe `saved` (what last.pt holds), as a resume
         will."""
@@ -191,7 +186,7 @@ class RunReporter:
             "classes": list(classes),
             "effective_batch": plan.effective_batch,
             "peak_lr": plan.peak_lr,
-            **({"teacher": self.teacher} if self.teacher is not None else {}),
+            **self.objective.summary(),
         })
 
     def train_rate(self, state) -> float:

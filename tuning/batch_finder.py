@@ -32,7 +32,7 @@ from runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_f
                            gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
 from training.schedule import ceil_div
 from training.step import build_train_step
-from objectives.distillation.distiller import build_distiller
+from objectives import build_objective
 from tuning.timing import synthetic_batch, time_train_steps
 from tuning.arithmetic import throughput_knee
 from core.errors import ModelError
@@ -310,9 +310,9 @@ def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype,
     model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     # distill.teacher: the teacher's forward and memory are part of what a step costs
-    distiller = build_distiller(cfg, None, model, device) if cfg.distill.teacher else None
+    objective = build_objective(cfg, None, model, device)
     return build_train_step(cfg, model, DeviceInput.from_config(cfg, device, amp_dtype), cfg.optim.lr,
-                            train_model=train_model, accum_steps=1, num_classes=num_classes, distiller=distiller)
+                            train_model=train_model, accum_steps=1, num_classes=num_classes, objective=objective)
 
 
 def target_effective_batch(cfg) -> int:

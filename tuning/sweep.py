@@ -18,12 +18,12 @@ from core.errors import NonFiniteError, StopRequested
 from runtime import distributed as dist_utils
 from runtime.device import DeviceInput, memory_format, pin_memory_for
 from runtime.runtime import Runtime
-from training.loop import StepHooks, train_one_epoch
+from training.loop import measuring_parts, train_one_epoch
 from runtime.memory import peak_memory_bytes, reset_peak_memory
 from training.schedule import scaled_lr
 from rundir.state import EpochCounters, TrainState
 from training.step import build_train_step
-from objectives.distillation.distiller import build_distiller
+from objectives import build_objective
 from tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 
@@ -82,10 +82,10 @@ def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     # distill.teacher: the sweep trains (and times) the student with its teacher, as train.py would
-    distiller = build_distiller(cfg, data.classes, model, ctx.device) if cfg.distill.teacher else None
+    objective = build_objective(cfg, data.classes, model, ctx.device)
     step = build_train_step(cfg, model, DeviceInput.from_config(cfg, ctx.device, ctx.amp_dtype), peak_lr,
                             warmup_steps=warmup, total_steps=steps, train_model=train_model,
-                            distributed=ctx.dist.enabled, accum_steps=cfg.train.accum_steps, distiller=distiller)
+                            distributed=ctx.dist.enabled, accum_steps=cfg.train.accum_steps, objective=objective)
     return step, data
 
 
@@ -112,13 +112,12 @@ def run_batch_size(cfg, ctx: Runtime, steps: int, warmup: int, log_every: int,
         if on_point is not None:
             on_point(curve)
 
-    hooks = StepHooks(checkpoint_due=lambda s: False, stop_requested=lambda s: False, save=lambda snap: None,
-                      log_step=record, log_interval=log_every)
+    parts = measuring_parts(on_step=record, log_interval=log_every)
     reset_peak_memory(ctx.device)
     interrupted = diverged = False
     try:
-        train_one_epoch(step, epochs_of(data.train_loader, data.sampler), steps * t.accum_steps, EpochCounters(),
-                        TrainState(), hooks)
+        train_one_epoch(step, parts, epochs_of(data.train_loader, data.sampler), steps * t.accum_steps,
+                        TrainState(), EpochCounters())
     except KeyboardInterrupt:
         interrupted = True
     except NonFiniteError:
@@ -169,11 +168,10 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
     def diverged(number: int) -> bool:
         return len(result.smoothed) > 1 and result.smoothed[-1] > DIVERGENCE_FACTOR * min(result.smoothed)
 
-    hooks = StepHooks(checkpoint_due=lambda s: False, stop_requested=diverged, save=lambda snap: None,
-                      log_step=record, log_interval=1)
+    parts = measuring_parts(on_step=record, stop_when=diverged, log_interval=1)
     try:
-        train_one_epoch(step, epochs_of(data.train_loader, data.sampler), steps * cfg.train.accum_steps,
-                        EpochCounters(), TrainState(), hooks)
+        train_one_epoch(step, parts, epochs_of(data.train_loader, data.sampler), steps * cfg.train.accum_steps,
+                        TrainState(), EpochCounters())
     except (StopRequested, NonFiniteError):
         log.info("LR range test: the loss diverged at LR %.3g; stopped", result.lrs[-1])
     return result

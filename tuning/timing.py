@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from training.loop import no_hooks, train_one_epoch
+from training.loop import measuring_parts, train_one_epoch
 from runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from rundir.state import EpochCounters, TrainState
 from training.step import TrainStep
@@ -97,7 +97,7 @@ def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int
     iterator = iter(batches)
     device = step.input.device
     if warmup:
-        train_one_epoch(step, iterator, warmup, EpochCounters(), TrainState(), no_hooks())
+        train_one_epoch(step, measuring_parts(), iterator, warmup, TrainState(), EpochCounters())
     sync(device)
     reset_peak_memory(device)
     held_before = current_memory_bytes(device)
@@ -106,7 +106,7 @@ def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int
     cpu_start = process_tree_cpu_seconds()
     start = time.perf_counter()
     # train_one_epoch ends with one host sync (the epoch's loss sum), so the clock stops after the work.
-    train_one_epoch(step, timed, steps, counters, TrainState(), no_hooks())
+    train_one_epoch(step, measuring_parts(), timed, steps, TrainState(), counters)
     sync(device)
     total = time.perf_counter() - start
     return StepTiming(steps, counters.samples, total, timed.wait_s, peak_memory_bytes(device),

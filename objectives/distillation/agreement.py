@@ -5,15 +5,13 @@ over the split (`objectives.distillation.teacher.TeacherPredictions`), and later
 without running the teacher (on the quickstart digits that was 40% of each validation's time)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from evaluation.evaluate import evaluate
 from runtime import distributed as dist_utils
 
-if TYPE_CHECKING:
-    from objectives.distillation.distiller import Distiller
 
 
 class AgreementProbe(torch.nn.Module):

@@ -1,9 +1,9 @@
-"""`Distiller`: the frozen teacher, the conversion of the student's batch to the teacher's input, and the loss
+"""`Distiller`, the distillation objective: the frozen teacher, the conversion of the student's batch to the teacher's input, and the loss
 term; with `distill.type=feature` also the learned projection of the student's pre-logit features onto the
 teacher's, which trains with the student (its parameters are an optimizer group, its weights are in last.pt,
 never in best.pt or an export).
 
-The step calls `loss` once per micro-batch, inside the student's autocast: the teacher runs under the same
+The epoch calls it once per micro-batch, inside the student's autocast: the teacher runs under the same
 precision, without gradients. The teacher's share of the step time is measured without host syncs: CUDA
 events recorded around its forward are read only when a step line is logged (on the CPU the forward is
 synchronous and a clock suffices)."""
@@ -19,6 +19,8 @@ from core.errors import ConfigError
 from objectives.distillation.conversion import InputConversion
 from objectives.distillation.losses import feature_distance, logit_term
 from objectives.distillation.teacher import Teacher, TeacherPredictions, class_mismatch, load_teacher
+from objectives.base import Objective
+from objectives.distillation.agreement import AgreementProbe, validate_teacher
 from runtime import distributed as dist_utils
 from tasks import task_of
 from tasks.base import Task
@@ -105,27 +107,34 @@ class StepTimer:
         return share
 
 
-class Distiller(torch.nn.Module):
-    """Registered submodules: the projection (type=feature) only. The teacher and the conversion are plain
-    attributes, so they are never in a state_dict, an optimizer, DDP or a checkpoint."""
+class Distiller(Objective):
+    """The distillation objective. The teacher and the conversion are plain attributes, never in an
+    optimizer, DDP or a state_dict; the projection (type=feature) trains with the student (`parameters`) and
+    is saved in last.pt's `distill` record with the teacher's identity and validation (`state_dict`)."""
+
+    name = "distill"
 
     def __init__(self, teacher: Teacher, conversion: InputConversion, kind: str, temperature: float, alpha: float,
-                 task: Task, student: torch.nn.Module, feature_loss: str = "cosine"):
-        super().__init__()
-        self.__dict__["teacher"] = teacher          # not a submodule
-        self.__dict__["conversion"] = conversion
+                 task: Task, student: torch.nn.Module, feature_loss: str = "cosine",
+                 criterion: Optional[torch.nn.Module] = None):
+        super().__init__(criterion)
+        self.teacher, self.conversion = teacher, conversion
         self.kind, self.temperature, self.alpha, self.task = kind, temperature, alpha, task
         self.feature_loss = feature_loss
         self.timer = StepTimer(next(teacher.model.parameters()).device)
         self.teacher_metrics: Optional[dict] = None  # its validation, once per run (kept in last.pt)
         self.val_predictions = TeacherPredictions()  # its prediction per validation image, for the agreement
+        self.projection: Optional[torch.nn.Linear] = None
         if kind == "feature":
-            self.__dict__["student_tap"] = FeatureTap(student)
-            self.__dict__["teacher_tap"] = FeatureTap(teacher.model)
+            self.student_tap = FeatureTap(student)
+            self.teacher_tap = FeatureTap(teacher.model)
             self.projection = torch.nn.Linear(feature_width(student), feature_width(teacher.model))
             self.projection.to(next(student.parameters()).device)
-        else:
-            self.projection = None
+
+    def __call__(self, model: torch.nn.Module, images: torch.Tensor,
+                 targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits = model(images)
+        return self.loss(logits, images, self.criterion(logits, targets)), {}
 
     def teacher_forward(self, images: torch.Tensor) -> torch.Tensor:
         """The teacher's logits for a student-normalised batch (no gradient, eval mode, the caller's autocast)."""
@@ -145,42 +154,64 @@ class Distiller(torch.nn.Module):
             term = logit_term(self.task.activation, self.kind)(student_logits, teacher_logits, self.temperature)
         return (1.0 - self.alpha) * task_loss + self.alpha * term
 
-    def all_reduce_gradients(self) -> None:
-        """Under DDP: the projection lives outside the DDP wrapper, so its gradients are averaged here, as DDP
-        averages the student's (call at the end of an accumulation window, before the update)."""
-        if self.projection is None:
-            return
-        grads = [p.grad for p in self.projection.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if dist_utils.is_initialized():
-                dist_utils.all_reduce_sum(flat).div_(torch.distributed.get_world_size())
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.projection.parameters()) if self.projection is not None else []
 
-    def step_values(self) -> dict:
+    def end_window(self, distributed: bool) -> None:
+        """Under DDP: the projection lives outside the DDP wrapper, so its gradients are averaged here, as DDP
+        averages the student's."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not distributed or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if dist_utils.is_initialized():
+            dist_utils.all_reduce_sum(flat).div_(torch.distributed.get_world_size())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def interval_logs(self) -> dict:
         """The step line's teacher figure (read at log intervals only)."""
         share = self.timer.take_share()
         return {} if share is None else {"train/teacher_time_frac": share}
 
+    def prepare(self, val_loader, device_input, classes: list[str]) -> None:
+        """The teacher is validated once per run, before its first step (kept in last.pt after that)."""
+        if self.teacher_metrics is None:
+            self.teacher_metrics = validate_teacher(self, val_loader, device_input, classes)
+        summary = self.summary()["teacher"]
+        figures = ", ".join(f"{k} {summary[k]:.2f}" for k in ("top1", "top5", "mAP") if k in summary)
+        log.info("distill: teacher %s validated: %s (%s samples)", summary["source"], figures,
+                 summary.get("num_samples"))
+
+    def validation_model(self, eval_model: torch.nn.Module):
+        probe = AgreementProbe(eval_model, self)
+        return probe, probe.count
+
+    def validation_metrics(self, model) -> dict:
+        return {"teacher_agreement": model.read()} if isinstance(model, AgreementProbe) else {}
+
+    def summary(self) -> dict:
+        """summary.json's `teacher`: its identity and its validation metrics."""
+        identity = {k: v for k, v in self.teacher.identity.items() if k != "num_outputs"}
+        return {"teacher": {**identity, **(self.teacher_metrics or {})}}
+
     # ------------------------------------------------------------ last.pt
 
-    def checkpoint_record(self) -> dict:
+    def state_dict(self) -> dict:
         record = {"teacher": dict(self.teacher.identity), "teacher_metrics": dict(self.teacher_metrics or {})}
         if self.projection is not None:
             record["projection"] = {k: v.detach().cpu() for k, v in self.projection.state_dict().items()}
         return record
 
-    def restore(self, ckpt: dict) -> None:
-        """After --resume passed `check_same_teacher`: the projection's weights and the teacher's validation."""
-        record = ckpt.get("distill") or {}
+    def load_state_dict(self, record: dict) -> None:
+        """After --resume passed `check_resume`: the projection's weights and the teacher's validation."""
         if self.projection is not None:
             self.projection.load_state_dict(record["projection"])
         self.teacher_metrics = dict(record.get("teacher_metrics") or {}) or None
 
-    def check_same_teacher(self, ckpt: dict) -> None:
+    def check_resume(self, ckpt: dict) -> None:
         """ConfigError (exit 2) when the checkpoint was distilled from another teacher (or none)."""
         saved = (ckpt.get("distill") or {}).get("teacher")
         ours = self.teacher.identity
@@ -194,13 +225,10 @@ class Distiller(torch.nn.Module):
                               f"(sha256 {ours['sha256'][:12]}); resume with the same teacher, or start a new run")
 
 
-def check_resume_teacher(ckpt: dict, distiller: Optional[Distiller]) -> None:
-    """--resume: the checkpoint's teacher (identity in last.pt) must be this run's, and a distilled run
-    continues only distilled (ConfigError, exit 2)."""
-    if distiller is not None:
-        distiller.check_same_teacher(ckpt)
-    elif isinstance((ckpt.get("distill") or {}).get("teacher"), dict):
-        saved = ckpt["distill"]["teacher"]
+def check_no_teacher(ckpt: dict) -> None:
+    """--resume without distill.teacher: a distilled run continues only distilled (ConfigError, exit 2)."""
+    saved = (ckpt.get("distill") or {}).get("teacher")
+    if isinstance(saved, dict):
         raise ConfigError(f"--resume: the checkpoint was distilled from {saved.get('source')} (sha256 "
                           f"{str(saved.get('sha256'))[:12]}); set distill.teacher to that teacher to continue it")
 
@@ -216,15 +244,11 @@ def build_distiller(cfg, classes: Optional[list[str]], student: torch.nn.Module,
         raise ConfigError(f"'distill.teacher' = {d.teacher}: this teacher cannot teach the student: {problem}")
     conversion = InputConversion(cfg.data.mean, cfg.data.std, teacher.mean, teacher.std, cfg.data.img_size,
                                  teacher.size).to(device)
-    distiller = Distiller(teacher, conversion, d.type, d.temperature, d.alpha, task_of(cfg), student, d.feature_loss)
+    task = task_of(cfg)
+    distiller = Distiller(teacher, conversion, d.type, d.temperature, d.alpha, task, student, d.feature_loss,
+                          task.criterion(cfg.train))
     log.info("distill: %s teacher %s (%s, sha256 %s), %s; type %s%s, alpha %g (task loss x %g)", teacher.identity["kind"],
              d.teacher, type(teacher.model).__name__, teacher.identity["sha256"][:12], conversion.describe(), d.type,
              f" (T {d.temperature:g})" if d.type == "soft" else (f" ({d.feature_loss})" if d.type == "feature" else ""),
              d.alpha, 1 - d.alpha)
     return distiller
-
-
-def teacher_summary(distiller: Distiller) -> dict:
-    """summary.json's `teacher`: its identity and its validation metrics."""
-    identity = {k: v for k, v in distiller.teacher.identity.items() if k != "num_outputs"}
-    return {**identity, **(distiller.teacher_metrics or {})}

@@ -20,7 +20,7 @@ from core.safe_load import load_checkpoint
 from rundir.atomic_files import save_atomic
 from core.config import ConfigError
 from rundir.resume import resolve_resume
-from training_run.trainer import Trainer, run
+from training_run.trainer import run
 
 def finite(state_dict: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())
@@ -237,11 +237,11 @@ def test_resume_free_keys_may_change(faults_tree, finished_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tree, tmp_path):
+def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(trainer_of, faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(faults_tree, out))
-    trainer.setup()
-    criterion, calls = trainer.step.criterion, [0]
+    trainer = trainer_of(make_cfg(faults_tree, out))
+    objective = trainer.run.step.objective
+    criterion, calls = objective.criterion, [0]
 
     def interrupting(logits, targets):
         calls[0] += 1
@@ -249,7 +249,7 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tr
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during step 2
         return criterion(logits, targets)
 
-    trainer.step.criterion = interrupting
+    objective.criterion = interrupting
     handler_before = signal.getsignal(signal.SIGINT)
     assert trainer.fit() == 130
     assert signal.getsignal(signal.SIGINT) is handler_before
@@ -259,15 +259,14 @@ def test_sigint_in_process_saves_returns_130_and_restores_the_handlers(faults_tr
 
 
 @pytest.mark.slow
-def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(faults_tree, finished_run, tmp_path):
+def test_finetune_loads_the_weights_and_starts_a_fresh_schedule(trainer_of, faults_tree, finished_run, tmp_path):
     out = tmp_path / "tuned"
     cfg = make_cfg(faults_tree, out, **{"train.batch_size": 4, "train.epochs": 1, "optim.lr": 0.01})
-    trainer = Trainer(cfg, finetune=str(finished_run / "best.pt"))
-    trainer.setup()
+    trainer = trainer_of(cfg, finetune=str(finished_run / "best.pt"))
     source = load_checkpoint(finished_run / "best.pt")["model"]
-    now = trainer.model.state_dict()
+    now = trainer.run.models.model.state_dict()
     assert all(torch.equal(now[k], source[k]) for k in source)
-    assert trainer.state.step == 0 and trainer.state.epoch == 0
+    assert trainer.run.state.step == 0 and trainer.run.state.epoch == 0
     assert trainer.fit() == 0
     tuned = load_checkpoint(out / "last.pt")
     assert tuned["step"] == 9 and tuned["epoch"] == 1  # 36 images / batch 4: a new one-epoch schedule
@@ -324,10 +323,10 @@ class NaNAt:
         return loss * float("nan") if self.calls in self.steps else loss
 
 
-def nan_trainer(faults_tree, out, steps, snapshot_before=(), **extra):
-    trainer = Trainer(make_cfg(faults_tree, out, **extra))
-    trainer.setup()
-    trainer.step.criterion = NaNAt(trainer.step.criterion, steps)
+def nan_trainer(trainer_of, faults_tree, out, steps, snapshot_before=(), **extra):
+    trainer = trainer_of(make_cfg(faults_tree, out, **extra))
+    objective = trainer.run.step.objective
+    objective.criterion = NaNAt(objective.criterion, steps)
     snapshots, calls = {}, [0]
 
     def before_forward(module, args):  # the state before training step k's forward (accum_steps 1)
@@ -336,13 +335,13 @@ def nan_trainer(faults_tree, out, steps, snapshot_before=(), **extra):
             if calls[0] in snapshot_before:
                 snapshots[calls[0]] = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    trainer.model.register_forward_pre_hook(before_forward)
+    trainer.run.models.model.register_forward_pre_hook(before_forward)
     return trainer, snapshots
 
 
-def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(faults_tree, tmp_path):
+def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(trainer_of, faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, before = nan_trainer(faults_tree, out, steps=[3], snapshot_before=[3], **{"checkpoint.every_steps": 2})
+    trainer, before = nan_trainer(trainer_of, faults_tree, out, steps=[3], snapshot_before=[3], **{"checkpoint.every_steps": 2})
     assert trainer.fit() == 1
     log = (out / "train.log").read_text()
     assert "non-finite loss or gradients at optimizer step 3" in log
@@ -353,9 +352,9 @@ def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_the_last_good_state(fa
     assert not (out / "best.pt").exists()
 
 
-def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(faults_tree, tmp_path):
+def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(trainer_of, faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, _ = nan_trainer(faults_tree, out, steps=[6])
+    trainer, _ = nan_trainer(trainer_of, faults_tree, out, steps=[6])
     assert trainer.fit() == 1
     assert "non-finite loss or gradients at optimizer step 6" in (out / "train.log").read_text()
     last, best = load_checkpoint(out / "last.pt"), load_checkpoint(out / "best.pt")
@@ -364,7 +363,7 @@ def test_nonfinite_stop_found_at_the_epoch_end_never_reaches_best_or_last(faults
 
 
 @pytest.mark.slow
-def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(faults_tree, tmp_path, monkeypatch):
+def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(trainer_of, faults_tree, tmp_path, monkeypatch):
     """Under `stop` the gradients are not checked on every step (their norm is a pass over all of them): step
     3's finite loss with inf gradients makes the weights, so step 4's loss, non-finite; the run stops there
     and last.pt keeps step 2. The norm runs only at the log lines (every 2nd step here)."""
@@ -372,15 +371,14 @@ def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(fa
     real_norm = torch.nn.utils.get_total_norm
     monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *a, **k: norms.append(1) or real_norm(*a, **k))
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(faults_tree, out, **{"checkpoint.every_steps": 2, "output.log_interval": 2}))
-    trainer.setup()
+    trainer = trainer_of(make_cfg(faults_tree, out, **{"checkpoint.every_steps": 2, "output.log_interval": 2}))
     backward = [0]
 
     def inf_on_step_3(grad):
         backward[0] += 1
         return grad * float("inf") if backward[0] == 3 else grad
 
-    next(trainer.model.parameters()).register_hook(inf_on_step_3)
+    next(trainer.run.models.model.parameters()).register_hook(inf_on_step_3)
     assert trainer.fit() == 1
     assert "non-finite loss or gradients at optimizer step 4" in (out / "train.log").read_text()
     last = load_checkpoint(out / "last.pt")
@@ -388,24 +386,24 @@ def test_nonfinite_stop_finds_finite_loss_with_inf_gradients_in_the_next_loss(fa
     assert len(norms) == 2  # the log lines of steps 2 and 4 only
 
 
-def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(faults_tree, tmp_path):
+def test_nonfinite_skip_skips_and_counts_the_step_and_trains_on(trainer_of, faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, before = nan_trainer(faults_tree, out, steps=[3], snapshot_before=[3, 4],
+    trainer, before = nan_trainer(trainer_of, faults_tree, out, steps=[3], snapshot_before=[3, 4],
                                   **{"train.nonfinite": "skip"})
     assert trainer.fit() == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped_steps"] == 1 and summary["steps_completed"] == 8
     assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in (out / "train.log").read_text()
     # The skipped step left the parameters as they were (BatchNorm statistics still moved in its forward).
-    params = {name for name, _ in trainer.model.named_parameters()}
+    params = {name for name, _ in trainer.run.models.model.named_parameters()}
     assert all(torch.equal(before[3][k], before[4][k]) for k in params)
     last = load_checkpoint(out / "last.pt")
     assert finite(last["model"]) and last["step"] == 8
 
 
-def test_nonfinite_skip_stops_after_n_in_a_row_and_counts_every_skipped_step(faults_tree, tmp_path):
+def test_nonfinite_skip_stops_after_n_in_a_row_and_counts_every_skipped_step(trainer_of, faults_tree, tmp_path):
     out = tmp_path / "run"
-    trainer, _ = nan_trainer(faults_tree, out, steps=[2, 3], **{"train.nonfinite": "skip",
+    trainer, _ = nan_trainer(trainer_of, faults_tree, out, steps=[2, 3], **{"train.nonfinite": "skip",
                                                                "train.max_nonfinite_in_row": 2,
                                                                "output.log_interval": 1})
     assert trainer.fit() == 1

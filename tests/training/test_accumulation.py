@@ -6,7 +6,8 @@ import torch
 
 from core.config import OptimConfig
 from runtime.device import DeviceInput
-from training.loop import StepHooks, train_one_epoch
+from objectives.base import Objective
+from training.loop import measuring_parts, train_one_epoch
 from training.optim import build_optimizer
 from training.schedule import build_scheduler, steps_per_epoch
 from rundir.state import EpochCounters, TrainState
@@ -45,7 +46,7 @@ def make_context(model, accum_steps, num_batches, clip=None, momentum=0.9):
     optimizer = build_optimizer(model, optim_cfg, lr=0.05)
     total = steps_per_epoch(num_batches, accum_steps)
     scheduler = build_scheduler(optimizer, warmup=1, total=total, start_factor=0.0, min_ratio=0.0)
-    return TrainStep(model=model, criterion=torch.nn.CrossEntropyLoss(), optimizer=optimizer, scheduler=scheduler,
+    return TrainStep(model=model, objective=Objective(torch.nn.CrossEntropyLoss()), optimizer=optimizer, scheduler=scheduler,
                      scaler=torch.amp.GradScaler("cpu", enabled=False),
                      input=DeviceInput(torch.device("cpu"), MEAN, STD, False, None), accum_steps=accum_steps,
                      clip_grad_norm=clip, nonfinite="stop", max_nonfinite_in_row=10, distributed=False)
@@ -55,11 +56,9 @@ def run_epoch(model, loader, accum_steps, clip=None, momentum=0.9):
     ctx = make_context(model, accum_steps, len(loader), clip, momentum)
     state = TrainState()
     logged = []
-    hooks = StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
-                      save=lambda snapshot: None, log_step=lambda step, values: logged.append((step, values)),
-                      log_interval=1)
+    parts = measuring_parts(on_step=lambda step, values: logged.append((step, values)), log_interval=1)
     progress = EpochCounters()
-    train_one_epoch(ctx, loader, len(loader), progress, state, hooks)
+    train_one_epoch(ctx, parts, loader, len(loader), state, progress)
     return state, progress, logged
 
 
@@ -138,12 +137,10 @@ def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
 
     def run(model):
         ctx = make_context(model, accum_steps=4, num_batches=8)
-        ctx.criterion = SpyLoss(label_smoothing=0.1)
+        ctx.objective = Objective(SpyLoss(label_smoothing=0.1))
         ctx.mixing = BatchMixing(num_classes=4, seed=5, erase_prob=0.5, mixup_alpha=0.4, cutmix_alpha=1.0)
-        hooks = StepHooks(checkpoint_due=lambda step: False, stop_requested=lambda step: False,
-                          save=lambda snapshot: None, log_step=lambda step, values: None)
         loader = batches(images, labels, 16)
-        train_one_epoch(ctx, loader, len(loader), EpochCounters(), TrainState(), hooks)
+        train_one_epoch(ctx, measuring_parts(), loader, len(loader), TrainState(), EpochCounters())
 
     start = bn_free_model()
     a, b = copy.deepcopy(start), copy.deepcopy(start)

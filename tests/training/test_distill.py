@@ -121,10 +121,12 @@ def test_distiller_loss_weights_the_terms_and_the_teacher_gets_no_gradient(kind)
     assert all(p.grad is None and not p.requires_grad for p in teacher.model.parameters())
     assert not teacher.model.training
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
-    # the teacher is never part of the distiller's (or anything's) state_dict; the projection is
-    assert not any(k.startswith("teacher") for k in distiller.state_dict())
+    # the objective's state (last.pt's `distill`) names the teacher, never holds its weights; the projection's are
+    record = distiller.state_dict()
+    assert set(record) <= {"teacher", "teacher_metrics", "projection"} and record["teacher"]["sha256"]
     if kind == "feature":
-        assert set(distiller.state_dict()) == {"projection.weight", "projection.bias"}
+        assert set(record["projection"]) == {"weight", "bias"}
+        assert [p.shape for p in distiller.parameters()] == [p.shape for p in distiller.projection.parameters()]
         assert distiller.projection.weight.grad is not None
         features = student.forward_head(student.forward_features(images), pre_logits=True)
         with torch.no_grad():
@@ -133,7 +135,7 @@ def test_distiller_loss_weights_the_terms_and_the_teacher_gets_no_gradient(kind)
         by_hand = (1 - F.cosine_similarity(distiller.projection(features), teacher_features, dim=1)).mean()
         assert loss.item() == pytest.approx((0.75 * task + 0.25 * by_hand).item(), rel=1e-5)
     else:
-        assert distiller.state_dict() == {}
+        assert "projection" not in record and distiller.parameters() == []
 
 
 def eval_student_and_distiller() -> tuple:
@@ -384,10 +386,11 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
     cfg = load_config("base", [f"distill.teacher=local-dir:{folder}", "model.name=test_resnet", "data.img_size=16",
                                "train.device=cpu", "train.amp=none"])
     probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None, steps=1, warmup=0)
-    assert probe.step.distiller is not None and probe.step.distiller.teacher.size == 160
+    objective = probe.step.objective
+    assert objective.name == "distill" and objective.teacher.size == 160
     calls = []
-    real = probe.step.distiller.teacher_forward
-    probe.step.distiller.teacher_forward = lambda images: calls.append(images.shape) or real(images)
+    real = objective.teacher_forward
+    objective.teacher_forward = lambda images: calls.append(images.shape) or real(images)
     assert probe(2).seconds > 0
     assert calls and calls[0] == (2, 3, 16, 16)
 

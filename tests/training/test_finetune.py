@@ -52,13 +52,14 @@ def test_freeze_then_unfreeze_with_pretrained_folder(pretrained, tmp_path, monke
     snapshots = []
 
     def record(self):  # the model and which parameters have optimizer state, at setup and after each epoch
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        snapshots.append(({k: v.clone() for k, v in self.model.state_dict().items()},
-                          {names[id(p)] for p in self.step.optimizer.state}))
+        model = self.run.models.model
+        names = {id(p): n for n, p in model.named_parameters()}
+        snapshots.append(({k: v.clone() for k, v in model.state_dict().items()},
+                          {names[id(p)] for p in self.run.step.optimizer.state}))
 
-    real_start, real_end = trainer_module.Trainer._start_or_restore, trainer_module.Trainer._end_epoch
-    monkeypatch.setattr(trainer_module.Trainer, "_start_or_restore", lambda self, r: (real_start(self, r), record(self)))
-    monkeypatch.setattr(trainer_module.Trainer, "_end_epoch", lambda self, *a: (record(self), real_end(self, *a)))
+    real_fit, real_end = trainer_module.Trainer.fit, trainer_module.Trainer.end_epoch
+    monkeypatch.setattr(trainer_module.Trainer, "fit", lambda self: (record(self), real_fit(self))[1])
+    monkeypatch.setattr(trainer_module.Trainer, "end_epoch", lambda self, *a: (record(self), real_end(self, *a)))
     overrides = tiny_overrides(data, run, **{"model.name": f"local-dir:{folder}", "model.pretrained": "true",
                                              "data.std": "[0.3,0.3,0.3]", "model.freeze": "backbone",
                                              "model.unfreeze_epoch": 1, "optim.lr": 0.5})

@@ -11,7 +11,7 @@ from core.host import busy_cores_of_others, cpu_jiffies
 from runtime import cpu_tuning
 from runtime.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
 from training.schedule import validation_due
-from training_run.trainer import Trainer, run
+from training_run.trainer import open_trainer, run
 
 
 @pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
@@ -36,12 +36,12 @@ def test_thread_choice(setting, cpus, env, busy, saved, expected):
 
 
 @pytest.mark.slow
-def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypatch):
+def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypatch, trainer_of):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     cfg = load_config("base", tiny_overrides(tiny_tree, tmp_path / "run", **{"train.threads": 1}))
     try:
-        Trainer(cfg).setup()
+        trainer_of(cfg)
         assert torch.get_num_threads() == 1
         assert "1 CPU thread(s) (train.threads; " in (tmp_path / "run" / "train.log").read_text()
     finally:
@@ -178,7 +178,7 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_count(tmp_path, tiny_tree,
+def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_count(tmp_path, tiny_tree, trainer_of,
                                                                                      monkeypatch):
     """`idle_cores`: a fresh run beside one busy process (of 2 cores) takes one thread; `auto` takes both
     whatever the load. A run that started with two keeps both on resume though the load changed (sums over
@@ -196,11 +196,11 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
     try:
         busy_run = tmp_path / "busy"
         start_load(1.0)
-        Trainer(load_config("base", tiny_overrides(tiny_tree, busy_run, **{"train.threads": "idle_cores"}))).setup()
+        trainer_of(load_config("base", tiny_overrides(tiny_tree, busy_run, **{"train.threads": "idle_cores"})))
         assert torch.get_num_threads() == 1
         assert "1 CPU thread(s) (idle_cores: 2 usable core(s), 1.0 kept busy" in (busy_run / "train.log").read_text()
         auto_run = tmp_path / "auto"
-        Trainer(load_config("base", tiny_overrides(tiny_tree, auto_run))).setup()
+        trainer_of(load_config("base", tiny_overrides(tiny_tree, auto_run)))
         assert torch.get_num_threads() == 2
         assert "2 CPU thread(s) (auto: 2 usable core(s); test;" in (auto_run / "train.log").read_text()
 
@@ -211,15 +211,15 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
 
         resumed = load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1, "train.threads": "idle_cores"}))
         start_load(1.0)
-        Trainer(resumed, resume=str(out / "last.pt")).setup()
+        trainer_of(resumed, resume=str(out / "last.pt"))
         assert torch.get_num_threads() == 2
         assert "2 CPU thread(s) (idle_cores: the checkpoint's run used 2" in (out / "train.log").read_text()
         assert apply_cpu_policy("idle_cores", saved_threads=2)[0] == 2 == torch.get_num_threads()
         assert apply_cpu_policy("idle_cores", saved_threads=None)[0] == 1
         assert "not bitwise" not in (out / "train.log").read_text()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the environment wins: the resume says what it costs
-        Trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
-                resume=str(out / "last.pt")).setup()
+        trainer_of(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
+                   resume=str(out / "last.pt"))
         assert torch.get_num_threads() == 1
         assert ("resuming with 1 CPU thread(s) where the checkpoint's run used 2 (OMP_NUM_THREADS): the run goes "
                 "on, but not bitwise equal") in (out / "train.log").read_text()
@@ -310,26 +310,22 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
     weights, seen = {}, {}
     for workers, persistent in ((2, True), (0, True), (2, False)):
         out = tmp_path / f"run{workers}{persistent}"
-        trainer = Trainer(load_config("base", tiny_overrides(data, out, **{
-            "train.epochs": 3, "data.num_workers": workers, "data.persistent_workers": persistent})))
-        real_validate, real_train_epoch = trainer.validate, trainer._train_epoch
-        calls = seen[workers, persistent] = []
+        with open_trainer(load_config("base", tiny_overrides(data, out, **{
+                "train.epochs": 3, "data.num_workers": workers, "data.persistent_workers": persistent}))) as trainer:
+            real_validate, real_train_epoch = trainer.validate, trainer.train_epoch
+            calls = seen[workers, persistent] = []
 
-        def train_epoch(*args, **kwargs):
-            if not calls:
-                calls.append(("start", worker_pids(trainer.val_batches)))
-            return real_train_epoch(*args, **kwargs)
+            def train_epoch(*args, trainer=trainer, calls=calls, real=real_train_epoch, **kwargs):
+                if not calls:
+                    calls.append(("start", worker_pids(trainer.val_batches)))
+                return real(*args, **kwargs)
 
-        def validate():
-            calls.append((trainer.data.sampler.epoch, worker_pids(trainer.val_batches)))
-            return real_validate()
+            def validate(trainer=trainer, calls=calls, real=real_validate):
+                calls.append((trainer.run.data.sampler.epoch, worker_pids(trainer.val_batches)))
+                return real()
 
-        trainer.validate, trainer._train_epoch = validate, train_epoch
-        try:
-            trainer.setup()
+            trainer.validate, trainer.train_epoch = validate, train_epoch
             assert trainer.fit() == 0
-        finally:
-            trainer.close()
         weights[workers, persistent] = torch.load(out / "last.pt", weights_only=True)["model"]
     # validating epoch k (1-based) with the sampler at k (0-based: the next epoch); the last has no next one
     pids = seen[2, True][0][1]
