@@ -99,6 +99,10 @@ class TrainState:
         self.batch_in_epoch = snapshot["batches_done"]
         self.epoch_snapshot = snapshot
 
+    def skip_files(self, paths: list[str]) -> None:
+        """Training files found unreadable (each counted once)."""
+        self.skipped_files.extend(p for p in paths if p not in self.skipped_files)
+
     def add_training(self, seconds: float, samples: int) -> None:
         """This process trained `samples` images in `seconds` (the epoch's training, or its resumed part)."""
         self.train_time_s += seconds

@@ -142,17 +142,28 @@ class TrainStep:
         return False
 
 
-def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, peak_lr: float,
-                     warmup_steps: int = 0, total_steps: Optional[int] = None,
+@dataclass(frozen=True)
+class LRPlan:
+    """The LR a step runs with: `peak_lr` after `warmup_steps`, scheduled over `total_steps` (None: constant,
+    what measuring a step needs); `steps_per_epoch` converts the schedule's epochs to steps. A RunPlan is one."""
+
+    peak_lr: float
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+    steps_per_epoch: int = 1
+
+
+def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, lr: LRPlan | float, *,
                      train_model: Optional[torch.nn.Module] = None, ema: Optional[torch.nn.Module] = None,
-                     distributed: bool = False, accum_steps: Optional[int] = None,
-                     num_classes: Optional[int] = None, steps_per_epoch: int = 1, rank: int = 0,
+                     dist=None, accum_steps: Optional[int] = None, num_classes: Optional[int] = None,
                      objective: Optional[Objective] = None) -> TrainStep:
-    """The optimizer, LR schedule, GradScaler, loss and batch mixing of `cfg` around `model` (the bare model,
-    whose parameters are optimized). `train_model` is what runs forward (a DDP or compiled wrapper; default
-    `model`). `total_steps` None: a constant LR and, unless `accum_steps` says otherwise, `cfg`'s
-    accumulation; what measuring a step needs. `num_classes` is needed when mixing is on;
-    `steps_per_epoch` converts the schedule's epochs to steps. `objective` None: the task's loss."""
+    """The optimizer, LR schedule, GradScaler, objective and batch mixing of `cfg` around `model` (the bare
+    model, whose parameters are optimized). `lr` a number: constant. `train_model` is what runs forward (a DDP
+    or compiled wrapper; default `model`); `dist` the process group's facts (None: one process);
+    `accum_steps` None: `cfg`'s. `num_classes` is needed when mixing is on; `objective` None: the task's loss."""
+    lr = LRPlan(lr) if isinstance(lr, (int, float)) else lr
+    peak_lr, warmup_steps, total_steps = lr.peak_lr, lr.warmup_steps, lr.total_steps
+    distributed, rank = (dist.enabled, dist.rank) if dist is not None else (False, 0)
     optimizer = build_optimizer(model, cfg.optim, peak_lr, fused=cfg.model.freeze is None)
     objective = objective if objective is not None else Objective(task_of(cfg).criterion(cfg.train))
     if objective.parameters():  # an objective's own trained parameters (distill.type=feature's projection)
@@ -161,7 +172,7 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, pea
     if total_steps is None:
         scheduler = build_scheduler(optimizer, 0, 1, 1.0, 1.0)
     else:
-        schedule = schedule_from_config(cfg.schedule, warmup_steps, total_steps, steps_per_epoch,
+        schedule = schedule_from_config(cfg.schedule, warmup_steps, total_steps, lr.steps_per_epoch,
                                         cfg.schedule.min_lr / peak_lr)
         scheduler = build_scheduler(optimizer, warmup_steps, total_steps, cfg.schedule.warmup_start_factor,
                                     cfg.schedule.min_lr / peak_lr, schedule)

@@ -194,11 +194,9 @@ def build_models(cfg: Config, classes: list[str], start: Start, finetune: Option
 
 def build_step(cfg: Config, models: Models, objective: Objective, plan: RunPlan, rt: Runtime,
                num_classes: int) -> TrainStep:
-    step = build_train_step(cfg, models.model, DeviceInput.from_config(cfg, rt.device, rt.amp_dtype),
-                            plan.peak_lr, plan.warmup_steps, plan.total_steps, train_model=models.train_model,
-                            ema=models.ema, distributed=rt.dist.enabled, num_classes=num_classes,
-                            steps_per_epoch=plan.steps_per_epoch, rank=rt.dist.rank, accum_steps=plan.accum_steps,
-                            objective=objective)
+    step = build_train_step(cfg, models.model, DeviceInput.from_config(cfg, rt.device, rt.amp_dtype), plan,
+                            train_model=models.train_model, ema=models.ema, dist=rt.dist, num_classes=num_classes,
+                            accum_steps=plan.accum_steps, objective=objective)
     if cfg.optim.layer_decay is not None or cfg.optim.head_lr_scale != 1.0:
         log.info("optim: %s (layer_decay %s, head_lr_scale %g)", describe_groups(step.optimizer),
                  cfg.optim.layer_decay, cfg.optim.head_lr_scale)

@@ -281,7 +281,7 @@ def record_unreadable(state: TrainState, data, indices: list[int], max_bad_fract
     new = [i for i in indices if paths[i] not in state.skipped_files]
     for i in new:
         log.warning("unreadable training file skipped (%s): %s", failure_reason(dataset, i), paths[i])
-    state.skipped_files.extend(paths[i] for i in new)
+    state.skip_files([paths[i] for i in new])
     check_bad_fraction(state.skipped_files, len(data.train_index), "training", max_bad_fraction)
 
 

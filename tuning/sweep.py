@@ -22,7 +22,7 @@ from training.loop import measuring_parts, train_one_epoch
 from runtime.memory import peak_memory_bytes, reset_peak_memory
 from training.schedule import scaled_lr
 from rundir.state import EpochCounters, TrainState
-from training.step import build_train_step
+from training.step import LRPlan, build_train_step
 from objectives import build_objective
 from tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
@@ -83,9 +83,9 @@ def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
         train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     # distill.teacher: the sweep trains (and times) the student with its teacher, as train.py would
     objective = build_objective(cfg, data.classes, model, ctx.device)
-    step = build_train_step(cfg, model, DeviceInput.from_config(cfg, ctx.device, ctx.amp_dtype), peak_lr,
-                            warmup_steps=warmup, total_steps=steps, train_model=train_model,
-                            distributed=ctx.dist.enabled, accum_steps=cfg.train.accum_steps, objective=objective)
+    step = build_train_step(cfg, model, DeviceInput.from_config(cfg, ctx.device, ctx.amp_dtype),
+                            LRPlan(peak_lr, warmup, steps), train_model=train_model, dist=ctx.dist,
+                            accum_steps=cfg.train.accum_steps, objective=objective)
     return step, data
 
 

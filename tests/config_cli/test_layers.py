@@ -72,3 +72,23 @@ def test_only_the_task_package_and_config_validation_ask_which_kind_of_label_thi
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if asks.search(line.split("#")[0]) and not line.strip().startswith(("#", '"', "'"))]
     assert found == [], "\n".join(found)
+
+
+def test_house_rules_no_function_over_70_lines_no_class_over_300():
+    long = []
+    for name, path in project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 70 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                300 if isinstance(node, ast.ClassDef) else None
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines (limit {limit})")
+    assert long == [], "\n".join(long)
+
+
+def test_no_top_level_room_holds_more_than_30_percent_of_the_code():
+    lines: dict[str, int] = {}
+    for name, path in project_modules().items():
+        top = name.split(".")[0]
+        lines[top] = lines.get(top, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    assert max(lines.values()) <= 0.3 * total, {k: round(v / total, 2) for k, v in sorted(lines.items())}
