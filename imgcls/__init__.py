@@ -1,0 +1,98 @@
+"""imgcls's Python API: the same work as the entry scripts, from Python.
+
+    from imgcls import Classifier, train
+
+    summary = train("quickstart", {"train.epochs": 3, "output.dir": "runs/api"})
+    with Classifier.load("runs/api/best.pt") as model:
+        rows = model.predict(["img.jpg", "photos/"])   # infer.py's rows: path, label, prob, ...
+
+`train` runs train.py's training (same config rules, same run directory) and returns summary.json's
+content; `Classifier` opens a checkpoint or an export through the one Predictor that infer.py, eval.py and
+serve.py use, so its rows equal infer.py's for the same images."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from core.errors import ConfigError
+
+__all__ = ["Classifier", "train", "load_config"]
+
+
+def load_config(config: Union[str, Path, dict, None] = None, overrides: Union[dict, Iterable[str]] = ()):
+    """A validated Config: `config` a name in configs/, a YAML path or a dict of sections over base.yaml's
+    defaults; `overrides` dotted keys, as {"train.epochs": 3} or ["train.epochs=3"]. A mistake raises
+    ConfigError naming the key and what is allowed."""
+    from core.config import Config, apply_dict, apply_overrides, load_config as load_named, nest, validate
+
+    if not isinstance(config, dict) and not isinstance(overrides, dict):
+        return load_named(str(config) if config is not None else "base", list(overrides))
+    cfg = load_named(str(config), []) if config is not None and not isinstance(config, dict) else Config()
+    if isinstance(config, dict):
+        cfg.explicit_keys |= apply_dict(cfg, config, source="config")
+    if isinstance(overrides, dict):
+        for key, value in overrides.items():
+            cfg.explicit_keys |= apply_dict(cfg, nest(key, value), source="overrides")
+    else:
+        apply_overrides(cfg, list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def train(config: Union[str, Path, dict, None] = None, overrides: Union[dict, Iterable[str]] = (),
+          resume: Optional[str] = None, finetune: Optional[str] = None) -> dict:
+    """Train as train.py does and return the run's summary.json. A usage mistake raises ConfigError (train.py's
+    exit 2) before any work; a run that does not finish raises RuntimeError with its exit status (its run
+    directory keeps last.pt for `resume`)."""
+    from training_run.trainer import run
+
+    cfg = load_config(config, overrides)
+    code = run(cfg, resume=resume, finetune=finetune)
+    summary_path = Path(cfg.output.dir) / "summary.json"
+    if code != 0:
+        raise RuntimeError(f"training stopped with exit status {code}; see {Path(cfg.output.dir) / 'train.log'}")
+    return json.loads(summary_path.read_text())
+
+
+class Classifier:
+    """A trained model (a checkpoint or an export) that classifies images as infer.py does."""
+
+    def __init__(self, predictor):
+        self.predictor = predictor
+
+    @classmethod
+    def load(cls, path: Union[str, Path], device: str = "auto", amp: Optional[str] = None,
+             topk: int = 5) -> "Classifier":
+        from prediction.predictor import Predictor
+
+        if not Path(path).exists():
+            raise ConfigError(f"Classifier.load: {path} does not exist")
+        return cls(Predictor.open(str(path), device, amp, topk))
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.predictor.classes)
+
+    def predict(self, images: Union[str, Path, Iterable[Union[str, Path]]], batch_size: Optional[int] = None,
+                num_workers: int = 0) -> list[dict]:
+        """infer.py's rows for image files, folders or globs (unreadable files get `error`)."""
+        from commands.infer import fixed_batch_size
+        from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+
+        inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
+        paths = expand_inputs(inputs)
+        p = self.predictor
+        dataset = FileListDataset(paths, p.transform, p.transform.img_size)
+        loader = build_inference_loader(dataset, fixed_batch_size(p.model_file, batch_size), num_workers,
+                                        pin_memory=p.runtime.device.type == "cuda")
+        return p.predict_rows(loader, paths)
+
+    def close(self) -> None:
+        self.predictor.close()
+
+    def __enter__(self) -> "Classifier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,60 @@
+"""The Python API (imgcls/): train from a config dict, load the checkpoint, predict infer.py's rows; the
+package's console commands name real functions."""
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+import torch
+
+from conftest import REPO, make_tree, run_script
+
+
+def test_load_config_takes_a_dict_and_names_a_wrong_key():
+    from core.errors import ConfigError
+    from imgcls import load_config
+
+    cfg = load_config({"model": {"name": "resnet10t"}, "train": {"epochs": 3}}, {"data.img_size": 48})
+    assert (cfg.model.name, cfg.train.epochs, cfg.data.img_size) == ("resnet10t", 3, 48)
+    with pytest.raises(ConfigError, match="train.epoch"):
+        load_config("base", {"train.epoch": 3})
+
+
+@pytest.mark.slow
+def test_train_then_classifier_predicts_the_rows_infer_py_writes(tmp_path):
+    from imgcls import Classifier, train
+
+    data = make_tree(tmp_path / "data", {"a": (8, 4), "b": (8, 4)})
+    out = tmp_path / "run"
+    summary = train({"data": {"root": str(data), "img_size": 16, "num_workers": 0},
+                     "model": {"name": "resnet10t"}, "output": {"dir": str(out), "progress_bar": False}},
+                    {"train.epochs": 1, "train.batch_size": 8, "train.device": "cpu", "train.amp": "none"})
+    assert summary["epochs_completed"] == 1 and (out / "best.pt").exists()
+    images = str(data / "val")
+    with Classifier.load(out / "best.pt", device="cpu") as model:
+        assert model.classes == ["a", "b"]
+        rows = model.predict(images)
+    done = run_script("infer.py", images, "--checkpoint", str(out / "best.pt"), "--device", "cpu",
+                      "--output", str(tmp_path / "rows.json"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["path"], r["label"]) for r in rows] == [(r["path"], r["label"]) for r in expected]
+    assert [r["prob"] for r in rows] == pytest.approx([r["prob"] for r in expected], abs=1e-6)
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="holds checkpoints of another run"):  # usage errors raise, as exit 2
+        train({"data": {"root": str(data)}, "output": {"dir": str(out)}}, {"train.epochs": 1})
+
+
+def test_the_console_commands_name_functions_that_run_each_entry_script():
+    import importlib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts = project["project"]["scripts"]
+    modules = project["tool"]["setuptools"]["py-modules"]
+    assert sorted(modules) == sorted(p.stem for p in REPO.glob("*.py"))
+    for command, target in scripts.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), command
+    assert len(scripts) == len(modules)
