@@ -94,6 +94,10 @@ class Task:
     def startup_lines(self, cfg) -> list[str]:
         return []
 
+    def startup_warnings(self, cfg) -> list[str]:
+        """What the run's start warns of for this task's config."""
+        return []
+
     def epoch_text(self, metrics: dict, top5_k: int) -> str:
         """A validation's numbers in the epoch line."""
         raise NotImplementedError

@@ -97,6 +97,14 @@ class MultiLabel(Task):
                 f"mAP, F1 at per-class thresholds tuned for F1 on the validation split (stored in best.pt); best.pt "
                 f"by {cfg.early_stop.metric}"]
 
+    def startup_warnings(self, cfg) -> list[str]:
+        low = cfg.data.scale[0]
+        if low >= 0.25:
+            return []
+        return [f"data.scale {cfg.data.scale}: a random-resized crop down to {low:.0%} of the image can cut a "
+                f"tagged object out while its tag stays on; for tags of objects, keep more of the image "
+                f"(data.scale=[0.5,1.0], as configs/multilabel.yaml does)"]
+
     def epoch_text(self, metrics: dict, top5_k: int) -> str:
         """A multi-label validation in one line: mAP, and F1 at the tuned thresholds and at 0.5."""
         mean_ap = "undefined (no tag in the split)" if metrics["mAP"] is None else f"{metrics['mAP']:.2f}"

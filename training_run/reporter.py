@@ -57,7 +57,7 @@ class RunReporter:
                  plan.warmup_steps, plan.peak_lr, cfg.optim.lr_scaling, cfg.optim.lr, cfg.optim.base_batch_size)
         for line in [*self.task.startup_lines(cfg), *recipe_lines(cfg, plan)]:
             log.info("%s", line)
-        for warning in schedule_warnings(cfg, plan):
+        for warning in [*self.task.startup_warnings(cfg), *schedule_warnings(cfg, plan)]:
             log.warning("%s", warning)
 
     def open_bar(self, epoch: int, start_batch: int) -> None:

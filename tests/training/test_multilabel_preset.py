@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import run_script, tiny_overrides
 from core.config import load_config
+from tasks import get_task
 from tasks.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
 from multilabel_data import TAGS, make_tag_list
 
@@ -55,3 +56,22 @@ def test_the_readme_multilabel_command_runs(tmp_path):
     assert summary["epochs_completed"] == 1
     best = torch.load(run_dir / "best.pt", weights_only=True)
     assert best["classes"] == sorted(TAGS)
+
+
+@pytest.mark.slow
+def test_the_multilabel_config_learns_the_tags_and_the_default_crop_is_warned_of(tmp_path):
+    root = tmp_path / "tags"
+    root.mkdir()
+    make_tag_list(root, 96, name="train.csv", strength=60)
+    run_dir = tmp_path / "run"
+    tiny = tiny_overrides(root, run_dir, **{"train.epochs": 6, "train.batch_size": 16, "data.img_size": 24,
+                                            "optim.lr": 0.001})
+    command = [f"data.train_csv={root}/train.csv", "data.val_fraction=0.25"]
+    result = run_script("train.py", "--config", "multilabel", *command, *tiny)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "can cut a tagged object out" not in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best"]["mAP"] >= 90.0, summary["best"]
+    cfg = load_config("multilabel", [f"data.root={root}", *command, "data.scale=[0.08,1.0]"])
+    warnings = get_task("multilabel").startup_warnings(cfg)
+    assert "a random-resized crop down to 8% of the image can cut a tagged object out" in warnings[0]
