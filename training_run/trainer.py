@@ -40,7 +40,7 @@ from evaluation.evaluate import evaluate
 from objectives.distillation.agreement import AgreementProbe, validate_teacher
 from objectives.distillation.distiller import Distiller, build_distiller, check_resume_teacher, teacher_summary
 from training.loop import StepHooks, train_one_epoch
-from training.optim import base_lr, describe_groups
+from training.optim import base_lr, check_optimizer, describe_groups
 from training_run.calibrate import best_is_calibrated, calibrate_best
 from training_run.reporter import RunReporter
 from training_run.setup import build_starting_model, prepare_data_once, wrap_for_training, write_run_files
@@ -123,6 +123,7 @@ class Trainer:
         check_data_root(cfg)
         check_tracking_client(cfg.tracking)
         check_model_name(cfg.model.name)
+        check_optimizer(cfg.optim)
         check_grad_checkpointing(cfg.model)
         self.runtime = start_runtime(cfg, distributed=True)
         self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))

@@ -192,7 +192,6 @@ def test_min_lr_above_the_scaled_peak_exits_2(monkeypatch, capsys, tiny_tree, tm
     (["train.bce_target_thresh=0.2"], ["train.bce_target_thresh", "train.loss=bce"]),
     (["model.ema_every_steps=4"], ["model.ema_every_steps", "model.ema_decay"]),
     (["model.ema_warmup=true"], ["model.ema_warmup", "model.ema_decay"]),
-    (["optim.name=adamw", "optim.momentum=0.5"], ["optim.momentum", "adamw"]),
     (["train.mix_prob=1.5"], ["train.mix_prob", "<= 1.0"]),
     (["data.random_erasing=-0.1"], ["data.random_erasing", ">= 0.0"]),
     (["schedule.name=linear"], ["schedule.name", "'multistep'"]),
