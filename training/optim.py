@@ -70,8 +70,8 @@ def optimizer_parameters(name: str) -> dict[str, inspect.Parameter]:
     name timm does not know or one whose package is missing)."""
     known = list_optimizers()
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise ConfigError(f"'optim.name' = {name!r} is no optimizer timm.optim knows{hint} (allowed: "
                           f"{', '.join(known)})")
     try:
