@@ -213,8 +213,9 @@ def apply_dict(obj, values: dict, source: str, prefix: str = "") -> set[str]:
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            hint = _did_you_mean(dotted, all_keys())
-            raise ConfigError(f"{source}: unknown config key '{dotted}'{hint}")
+            hint = _did_you_mean(dotted, ([] if prefix else list(names)) + all_keys())
+            where = f"section '{prefix.rstrip('.')}' has" if prefix else "the sections are"
+            raise ConfigError(f"{source}: unknown config key '{dotted}'{hint} ({where}: {', '.join(names)})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             keys |= apply_dict(current, value, source, prefix=f"{dotted}.")
