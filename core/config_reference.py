@@ -54,6 +54,8 @@ def show(value) -> str:
 
 def allowed(tp, metadata: dict) -> str:
     """The values a key takes, from its type and range: "int >= 1", "none | fp16 | bf16", ..."""
+    if metadata.get("allowed"):
+        return metadata["allowed"]
     origin = typing.get_origin(tp)
     if origin is Union:
         return " or ".join(allowed(arg, metadata) for arg in typing.get_args(tp))

@@ -20,14 +20,16 @@ SEED_LIMIT = 2**63 - 1
 
 
 def setting(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
-            lo_open: bool = False, hi_open: bool = False, resume_free: bool = False) -> Any:
+            lo_open: bool = False, hi_open: bool = False, resume_free: bool = False,
+            allowed: Optional[str] = None) -> Any:
     """A config key: `default` (a list or mapping is copied for each config), its one-line `help`, the allowed
     range [lo, hi] (`lo_open` / `hi_open`: that end excluded), and `resume_free`: the key may change on --resume
-    (it does not change the math of the run: paths, workers, logging, checkpoint cadence, stopping policy)."""
+    (it does not change the math of the run: paths, workers, logging, checkpoint cadence, stopping policy).
+    `allowed`: the values in words, for a key that a registry checks (the reference shows its type otherwise)."""
     if not help or "\n" in help:
         raise ValueError(f"a setting's help is one line of text, got {help!r}")
     metadata = {"help": help, "min": lo, "max": hi, "lo_open": lo_open, "hi_open": hi_open,
-                "resume_free": resume_free}
+                "resume_free": resume_free, "allowed": allowed}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -81,7 +81,7 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
                                          "2-33%, aspect 0.3-3.3), erased pixels 0 after normalisation; the "
                                          "probability (0: off)", lo=0.0, hi=1.0)
     task: str = setting("multiclass", "multiclass (one label per image) | multilabel (zero or more tags per image: "
-                                      "csv or webdataset .tags)")  # a task registered in tasks/ (checked there)
+                                      "csv or webdataset .tags)", allowed="a task registered in tasks/")
     label_delimiter: str = setting(" ", "multilabel: what separates the tags in a CSV label field (a space, as "
                                         "fastai / Kaggle Planet)")
 

@@ -10,7 +10,8 @@ from core.settings import setting
 
 @dataclass
 class ModelConfig:
-    name: str = setting("resnet50", "a timm model name (resnet18, efficientnet_b0, ...) or tv:<name> for torchvision")
+    name: str = setting("resnet50", "a timm model name (resnet18, efficientnet_b0, ...) or tv:<name> for torchvision",
+                        allowed="a timm model, tv:NAME, hf-hub:ORG/NAME or local-dir:PATH (checked before any work)")
     weights: Optional[str] = setting(None, "local weights file (.pt / .pth / .safetensors / our checkpoint); "
                                            "mismatched classifier skipped")
     norm: Literal["batch", "group"] = setting("batch", "batch | group (BatchNorm -> GroupNorm, for small per-device "

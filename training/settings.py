@@ -84,7 +84,8 @@ NOT_OPTIONS = {"params": None, "lr": "optim.lr", "weight_decay": "optim.weight_d
 @dataclass
 class OptimConfig:
     name: str = setting("sgd", "any timm.optim optimizer (sgd, adamw, lamb, lars, lion, rmsprop, adan, ...: "
-                               "timm.optim.list_optimizers()); an option it does not take, set, exits 2")
+                               "timm.optim.list_optimizers()); an option it does not take, set, exits 2",
+                       allowed="a name in timm.optim.list_optimizers() (checked before any work)")
     lr: float = setting(0.1, "peak learning rate at optim.base_batch_size", lo=0.0, hi=1e6, lo_open=True)
     lr_scaling: Literal["linear", "sqrt", "none"] = setting("linear", "linear | sqrt | none: how the peak LR follows "
                                                                       "the effective batch")
@@ -158,7 +159,7 @@ class ScheduleConfig:
 class EarlyStopConfig:
     # a metric the task declares selectable (tasks/); checked by its Task
     metric: str = setting("top1", "top1 | top5 | loss | mean_class_acc | mAP (multilabel; its default): picks "
-                                  "best.pt and drives early stopping")
+                                  "best.pt and drives early stopping", allowed="a metric data.task declares selectable")
     patience: Optional[int] = setting(None, "stop after this many validations without improvement (null: off)",
                                       lo=1, resume_free=True)
     min_delta: float = setting(0.0, "an improvement must beat the best by more than this", lo=0.0, resume_free=True)
