@@ -73,6 +73,10 @@ def run_benchmark(cfg, args) -> dict:
     from data.build import prepare_root, scan_splits
     from runtime.runtime import build_runtime
 
+    if args.mode in ("train", "find-batch"):
+        from training.optim import check_optimizer
+
+        check_optimizer(cfg.optim)  # optim.name and its options against timm's optimizer, before any work
     runtime = build_runtime(cfg)
     device, amp_dtype = runtime.device, runtime.amp_dtype
     needs_data = args.mode in ("loader", "diagnose") or (args.mode in ("train", "infer") and not args.synthetic)

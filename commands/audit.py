@@ -23,6 +23,7 @@ from auditing.label_issues import find_label_issues
 from auditing.outliers import find_outliers, outliers_summary
 from auditing.audit_data import read_audit_data
 from tasks import task_of
+from training.optim import check_optimizer
 
 log = logging.getLogger("audit")
 LABELLED_SPLITS = ("train", "val")
@@ -181,6 +182,8 @@ def clean_csv_text(cfg, data, facts, report: dict) -> tuple[str, int, list[str]]
 def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = None,
               html_path: Optional[str] = None, clean_csv: Optional[str] = None) -> int:
     check_arguments(cfg, checkpoint, clean_csv)  # (audit.py has checked them before importing torch)
+    if not checkpoint and cfg.audit.folds:  # the folds train: their optimizer is checked before the hashing
+        check_optimizer(cfg.optim)
     from data.build import prepare_root
 
     prepare_root(cfg)

@@ -21,6 +21,7 @@ from runtime.runtime import Runtime, build_runtime
 from tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
 from tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
+from training.optim import check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def prepare(cfg) -> tuple[Runtime, int, int]:
     train.py's would be here (the same device, precision and thread count)."""
     check_data_root(cfg)
     check_model_name(cfg.model.name)
+    check_optimizer(cfg.optim)
     check_grad_checkpointing(cfg.model)
     runtime = build_runtime(cfg, distributed=True)
     if runtime.dist.is_main:

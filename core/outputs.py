@@ -30,10 +30,15 @@ def write_json(doc, path: Optional[str | os.PathLike]) -> None:
     it and renamed over it, so a reader never sees half a file; its folder is created."""
     if not path:
         return
+    write_text_atomic(json.dumps(finite_or_null(doc), indent=2, allow_nan=False, default=str) + "\n", path)
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> None:
+    """`text` at `path`, written to a temp file beside it and renamed over it; its folder is created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(finite_or_null(doc), indent=2, allow_nan=False, default=str) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

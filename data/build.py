@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import eval_size
+from data.settings import eval_size
 from core.errors import ConfigError
 from data.listing.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset

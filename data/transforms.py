@@ -49,7 +49,7 @@ _TORCH_MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBI
 AUGMIX_SEVERITY = (1, 10)  # the range torchvision's AugMix accepts
 
 # data.auto_augment: name -> (magnitude, num_ops, interpolation mode) -> the policy (a new policy is one entry
-# here and one name in core/config.py's data.auto_augment)
+# here and one name in data/settings.py's data.auto_augment)
 AUTO_AUGMENT_POLICIES = {
     "randaugment": lambda magnitude, num_ops, mode: v2.RandAugment(num_ops=num_ops, magnitude=magnitude,
                                                                    interpolation=mode),

@@ -19,7 +19,8 @@ def checkpoint_tracking(path: Path, overrides: list[str]):
     None for a model file without a run (an export, a checkpoint of an untracked run)."""
     import torch
 
-    from core.config import Config, apply_dict, apply_overrides, check_tracking
+    from core.config import Config, apply_dict, apply_overrides
+    from tracking.settings import check_tracking
 
     if not (path.is_file() and path.suffix == ".pt"):
         return None
@@ -40,7 +41,7 @@ def log_evaluation(checkpoint: str, overrides: list[str], figures: dict, files: 
     if found is None or found[0].backend == "none":
         return
     tracking_cfg, run_id, step = found
-    from core.config import tracking_client_installed
+    from tracking.settings import tracking_client_installed
 
     if not tracking_client_installed():
         log.warning("tracking: %s names tracking run %s, but MLflow is not installed here (pip install "

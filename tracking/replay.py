@@ -18,7 +18,7 @@ from typing import Optional
 
 import yaml
 
-from core.config import tracking_uri_problem
+from tracking.settings import tracking_uri_problem
 from tracking.backlog import BACKLOG_NAME, read_backlog
 
 

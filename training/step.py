@@ -20,14 +20,9 @@ from runtime.device import DeviceInput
 from runtime.distributed import all_ranks_true
 from tasks import task_of
 from training.mixing import BatchMixing
-from training.optim import base_lr, build_optimizer
+from training.optim import base_lr, build_optimizer, update_carries_nonfinite
 from training.schedule import build_scheduler, observe_epoch, schedule_from_config, window_length
 from runtime.memory import explain_out_of_memory
-
-
-# Optimizers whose update is non-finite when a gradient is (so the weights, and the next loss, become
-# non-finite too); lion's sign step is not one of them
-NONFINITE_REACHES_WEIGHTS = frozenset({"sgd", "adamw", "lamb", "lars", "rmsprop"})
 
 
 @dataclass
@@ -186,4 +181,4 @@ def build_train_step(cfg, model: torch.nn.Module, device_input: DeviceInput, lr:
                      accum_steps=t.accum_steps if accum_steps is None else accum_steps,
                      clip_grad_norm=t.clip_grad_norm, nonfinite=t.nonfinite,
                      max_nonfinite_in_row=t.max_nonfinite_in_row, distributed=distributed, ema=ema, mixing=mixing,
-                     nonfinite_reaches_weights=cfg.optim.name in NONFINITE_REACHES_WEIGHTS)
+                     nonfinite_reaches_weights=update_carries_nonfinite(cfg.optim))

@@ -12,12 +12,12 @@ from typing import Optional
 from data.loaders import loader_length
 from data.health import DATA_WAIT_WARN_FRAC, data_wait_advice
 from core.host import process_age_s, usable_cpus
-from core.config import OPTIMIZER_OPTIONS
 from tasks import deciding_metric, task_of
 from tasks.metric import nonfinite_metrics
 from runtime.device import precision_name
 from objectives.base import Objective
 from rundir.runlog import RunLog
+from training.optim import optimizer_options
 from training.schedule import schedule_warnings
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def recipe_lines(cfg, plan) -> list[str]:
             (f", targets thresholded at {t.bce_target_thresh:g}" if t.bce_target_thresh is not None else ""))
     if t.loss == "asl":
         loss = f"asymmetric loss (gamma_neg {t.asl_gamma_neg:g}, gamma_pos {t.asl_gamma_pos:g}, clip {t.asl_clip:g})"
-    options = ", ".join(f"{k} {getattr(o, k)}" for k in OPTIMIZER_OPTIONS[o.name])
+    options = ", ".join(f"{k} {list(v) if isinstance(v, tuple) else v}" for k, v in optimizer_options(o).items())
     ema = ("off" if m.ema_decay is None else f"decay {m.ema_decay:g} every {m.ema_every_steps} step(s)"
            + (", warmup" if m.ema_warmup else ""))
     return [f"augmentation: random resized crop {d.img_size} px (scale {d.scale}), hflip {d.hflip:g}, colour jitter "

@@ -25,7 +25,7 @@ from data.loaders import shutdown_workers
 from model_files.checkpoint_files import recorded_threads
 from models.ema import create_ema
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
-from objectives import build_objective, check_resume_objective
+from objectives.registry import build_objective, check_resume_objective
 from objectives.base import Objective
 from rundir.checkpoints import Checkpointer, ModuleWeights, RandomState, Recorded, RunRecord
 from rundir.restart import RUN_ID_KEY as ELASTIC_RUN_ID_KEY, check_own_checkpoint, plan_resume
@@ -40,7 +40,7 @@ from runtime.launcher import launch_info
 from runtime.runtime import Runtime, start_runtime
 from runtime.signals import StopSignal
 from tracking.training import RUN_ID_KEY as TRACKING_RUN_ID_KEY, TrainingTracking, open_training_tracking
-from training.optim import describe_groups
+from training.optim import check_optimizer, describe_groups
 from training.schedule import RunPlan, plan_run
 from training.step import TrainStep, build_train_step
 from training_run.reporter import RunReporter
@@ -146,6 +146,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     check_tracking_client(cfg.tracking)
     check_model_name(cfg.model.name)
     check_grad_checkpointing(cfg.model)
+    check_optimizer(cfg.optim)
     runtime = start_runtime(cfg, distributed=True)
     lock = dist_utils.run_on_main(runtime.dist.is_main, lambda: open_run_dir(run_dir))
     if lock is not None:

@@ -32,7 +32,7 @@ from runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_f
                            gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
 from training.schedule import ceil_div
 from training.step import build_train_step
-from objectives import build_objective
+from objectives.registry import build_objective
 from tuning.timing import synthetic_batch, time_train_steps
 from tuning.arithmetic import throughput_knee
 from core.errors import ModelError

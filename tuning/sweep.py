@@ -23,7 +23,7 @@ from runtime.memory import peak_memory_bytes, reset_peak_memory
 from training.schedule import scaled_lr
 from rundir.state import EpochCounters, TrainState
 from training.step import LRPlan, build_train_step
-from objectives import build_objective
+from objectives.registry import build_objective
 from tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
 from models.factory import build_model
 

@@ -1,5 +1,6 @@
 """Where the labelled samples come from (`data.format`), registered in one place: each source is one module
-(data/listing/source_*.py) with a `SOURCE` (data/listing/source.py says what it answers). `scan_sources(cfg)`
+(data/listing/source_*.py) with a `SOURCE` (data/listing/source.py says what it answers), and its config keys beside
+it in a torch-free data/listing/source_*_settings.py that data/settings.py gathers into `data`. `scan_sources(cfg)`
 gives the training and validation indexes and the identity of the source (what the checkpoint records, so
 that a resumed run can refuse other data and eval.py can find the held-out files again); `eval_source` what
 eval.py evaluates.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import io
 import re
 import runpy
@@ -27,13 +26,6 @@ CONFIG_COMMANDS = ("train.py", "audit.py", "tune.py", "benchmark.py")  # --confi
 FENCE = re.compile(r"```(?:bash|sh)?\n(.*?)```", re.S)
 INLINE = re.compile(r"`(python [^`]+)`")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$")  # data.num_workers=W: the reader puts a value there
-
-
-def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_config_reference", REPO / "docs" / "gen_config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- the site ---------------------------------------------------------------------------------------------
@@ -89,11 +81,10 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
 
 # --- the configuration reference -------------------------------------------------------------------------
 
-def test_configuration_reference_is_what_base_yaml_gives():
-    gen = load_generator()
-    page = gen.render((REPO / "configs" / "base.yaml").read_text())
-    assert (REPO / "docs" / "configuration.md").read_text() == page, \
-        "docs/configuration.md is stale: run python docs/gen_config_reference.py"
+def test_base_yaml_and_the_reference_are_what_the_declarations_give(capsys):
+    from core import config_reference
+
+    assert config_reference.main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_configuration_reference_lists_every_key_the_config_has():
@@ -102,33 +93,34 @@ def test_configuration_reference_lists_every_key_the_config_has():
     assert listed == set(all_keys())
 
 
-def test_the_generator_reads_continuations_quotes_and_new_sections():
-    gen = load_generator()
-    text = ("# The header.\n\n"
-            "data:\n"
-            "  root: null      # the folder\n"
-            "                  # (continued here)\n"
-            "  delim: \" # \"   # a quoted hash is a value\n"
-            "tracking:         # a new section\n"
-            "  backend: none   # none | mlflow\n")
-    page = gen.render(text)
-    assert "| `data.root` | `null` | the folder (continued here) |" in page
-    assert '| `data.delim` | `" # "` | a quoted hash is a value |' in page
-    assert "## `tracking`\n\na new section\n" in page
-    assert "| `tracking.backend` | `none` | none \\| mlflow |" in page
-    with pytest.raises(ValueError, match="cannot read"):
-        gen.render("data:\n  - a list item\n")
+def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
+    from core.config_reference import render_page
+
+    page = render_page()
+    assert ("| `train.amp` | `auto` | none \\| fp16 \\| bf16 \\| auto | none \\| fp16 (CUDA, GradScaler) \\| bf16 "
+            "\\| auto (") in page
+    assert "| `train.epochs` | `90` | int &gt;= 1 | training epochs |" in page
+    assert "| `data.label_delimiter` | `' '` | text |" in page
+    # a data source declares its own keys, beside its module
+    assert "`data/listing/source_csv_settings.py`" in page and "`data/listing/source_webdataset_settings.py`" in page
+    assert "## `distill`\n\nDeclared in `objectives/distillation/settings.py`.\n\nknowledge distillation" in page
 
 
-def test_check_mode_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
-    gen = load_generator()
-    stale = tmp_path / "configuration.md"
-    stale.write_text("# Configuration reference\n")
-    monkeypatch.setattr(gen, "PAGE", stale)
-    monkeypatch.setattr(gen, "REPO", tmp_path)
-    assert gen.main(["--check"]) == 1
-    assert "python docs/gen_config_reference.py" in capsys.readouterr().err
-    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+def test_check_mode_fails_on_stale_files_and_write_mends_them(tmp_path, monkeypatch, capsys):
+    from core import config_reference
+
+    base, page = tmp_path / "configs" / "base.yaml", tmp_path / "docs" / "configuration.md"
+    base.parent.mkdir()
+    base.write_text("data: {}\n")
+    monkeypatch.setattr(config_reference, "BASE", base)
+    monkeypatch.setattr(config_reference, "PAGE", page)
+    monkeypatch.setattr(config_reference, "REPO", tmp_path)
+    assert config_reference.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "configs/base.yaml is not what" in err and "docs/configuration.md is not what" in err
+    assert "python -m core.config_reference --write" in err
+    assert config_reference.main(["--write"]) == 0 and config_reference.main(["--check"]) == 0
+    assert yaml.safe_load(base.read_text()) == load_config(None).to_dict()
 
 
 # --- the command lines shown -----------------------------------------------------------------------------

@@ -1,8 +1,12 @@
 """The architecture holds: each layer imports only from the layers below it, each room only from the
-rooms before it, and no two modules import each other (module-level or inside a function)."""
+rooms before it, and no two modules import each other (module-level or inside a function). A package's config
+section lives in its `settings` module (or a `*_settings` one beside a data source), which sits at core's level:
+core/config.py composes them, so they import nothing but the standard library, core and other settings modules."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -14,7 +18,15 @@ LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit"
                 "imgcls"}  # the Python API, beside them
 
 
+def is_settings(module: str) -> bool:
+    """A config section's declaration: torch-free, at core's level."""
+    last = module.split(".")[-1]
+    return last == "settings" or last.endswith("_settings")
+
+
 def level_of(module: str) -> int | None:
+    if is_settings(module) and module.split(".")[0] in LEVELS:
+        return LEVELS.index("core")
     if module.split(".")[0] in LAYER_OF_TOP:
         return len(LEVELS)
     matches = [i for i, name in enumerate(LEVELS) if module == name or module.startswith(name + ".")]
@@ -93,3 +105,42 @@ def test_no_top_level_room_holds_more_than_30_percent_of_the_code():
         lines[top] = lines.get(top, 0) + len(path.read_text().splitlines())
     total = sum(lines.values())
     assert max(lines.values()) <= 0.3 * total, {k: round(v / total, 2) for k, v in sorted(lines.items())}
+
+
+def all_imports_of(path: Path) -> set[str]:
+    """Every module a file imports (module level or inside a function), as written."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_settings_modules_import_only_the_standard_library_core_and_settings():
+    modules = project_modules()
+    settings = {name: path for name, path in modules.items() if is_settings(name)}
+    assert {"data.settings", "models.settings", "training.settings", "tracking.settings", "rundir.settings",
+            "objectives.distillation.settings", "data.listing.source_csv_settings"} <= set(settings)
+    wrong = [f"{name} imports {target}" for name, path in settings.items() for target in all_imports_of(path)
+             if not (target.split(".")[0] in sys.stdlib_module_names or target == "__future__"
+                     or (target.startswith("core.") and target != "core.config") or is_settings(target))]
+    assert wrong == []
+
+
+def test_loading_validating_and_documenting_a_config_imports_no_torch():
+    """A fresh interpreter: every settings module, the config machinery and the reference generator, one config
+    loaded and validated with overrides of every section, and torch (nor timm, numpy, PIL) is never imported."""
+    settings = sorted(name for name in project_modules() if is_settings(name))
+    code = (f"import importlib, sys\n"
+            f"for name in {settings!r}: importlib.import_module(name)\n"
+            f"from core.config import load_config\n"
+            f"from core.config_reference import render_base_yaml, render_page\n"
+            f"render_base_yaml(); render_page()\n"
+            f"load_config('resnet50_a3', ['optim.name=adan', 'optim.options.no_prox=true', 'distill.teacher=t.pt', "
+            f"'data.format=csv', 'data.train_csv=t.csv', 'data.val_fraction=0.2', 'tracking.backend=mlflow'])\n"
+            f"print(sorted(m for m in ('torch', 'timm', 'numpy', 'PIL') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -188,6 +188,24 @@ def test_csv_config_mistakes_exit_2(csv_data):
         load_config("base", ["data.val_fraction=1.0"])
 
 
+def test_each_registered_source_declares_its_keys_and_no_key_twice():
+    """data.format's values are the sources data/listing/sources.py registers; each source's keys come from its own
+    settings class, and a key of another source set away from its default is refused."""
+    import dataclasses
+
+    from data.listing.sources import SOURCES
+    from data.settings import SOURCE_FORMATS, SOURCE_KEYS, DataConfig
+
+    assert list(SOURCES) == list(SOURCE_FORMATS)
+    names = [f.name for f in dataclasses.fields(DataConfig)]
+    assert len(names) == len(set(names))
+    for keys in SOURCE_KEYS:
+        assert {f.name for f in dataclasses.fields(keys)} <= set(names)
+    with pytest.raises(ConfigError, match="'data.train_shards' / 'data.val_shards' are set but 'data.format' = csv"):
+        load_config("base", ["data.format=csv", "data.train_csv=t.csv", "data.val_fraction=0.2",
+                             "data.train_shards=s.tar"])
+
+
 @pytest.mark.slow
 def test_missing_files_are_counted_and_above_the_limit_stop_before_training(csv_data, tmp_path):
     rows = read_list(csv_data / "train.csv") + [(f"images/gone_{i}.png", "cat") for i in range(2)]

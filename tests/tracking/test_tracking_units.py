@@ -134,10 +134,11 @@ def test_a_cut_short_backlog_line_is_left_out(tmp_path):
 
 def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatch):
     import core.config as config
+    import tracking.settings as settings
 
     cfg = load_config("base", ["tracking.backend=mlflow"])
-    monkeypatch.setattr(config, "tracking_client_installed", lambda: False)
+    monkeypatch.setattr(settings, "tracking_client_installed", lambda: False)
     config.validate(cfg)  # eval.py / infer.py of a tracked run's checkpoint: no MLflow needed
     with pytest.raises(ConfigError, match="pip install mlflow"):
-        config.check_tracking_client(cfg.tracking)
-    config.check_tracking_client(load_config("base").tracking)  # backend none
+        settings.check_tracking_client(cfg.tracking)
+    settings.check_tracking_client(load_config("base").tracking)  # backend none

@@ -107,8 +107,62 @@ def test_optimizers_get_the_options_they_take():
                                             ("sgd", "optim.betas=[0.8,0.9]"), ("lamb", "optim.nesterov=false")])
 def test_an_option_the_optimizer_does_not_take_is_a_usage_error(name, override):
     from core.config import ConfigError, load_config
+    from training.optim import check_optimizer
 
+    cfg = load_config("base", [f"optim.name={name}", override])  # torch-free validation cannot know
     with pytest.raises(ConfigError) as err:
-        load_config("base", [f"optim.name={name}", override])
+        check_optimizer(cfg.optim)
     key = override.split("=")[0]
     assert f"'{key}'" in str(err.value) and f"optim.name={name} does not take it" in str(err.value)
+
+
+def test_an_optimizer_timm_knows_needs_no_code_and_optim_options_reach_it():
+    """adan is in no list of ours: its three betas and optim.options (no_prox) go to timm's constructor."""
+    from core.config import load_config
+    from training.optim import check_optimizer
+
+    cfg = load_config("base", ["optim.name=adan", "optim.betas=[0.98,0.92,0.99]", "optim.options.no_prox=true",
+                               "optim.eps=1e-6"])
+    check_optimizer(cfg.optim)
+    adan = build_optimizer(torch.nn.Linear(4, 2), cfg.optim, lr=1e-3)
+    assert type(adan).__name__ == "Adan"
+    group = adan.param_groups[0]
+    assert group["betas"] == (0.98, 0.92, 0.99) and group["no_prox"] is True and group["eps"] == 1e-6
+    lamb = build_optimizer(torch.nn.Linear(4, 2), load_config("base", ["optim.name=lamb",
+                                                                       "optim.options={trust_clip: true}"]).optim, 1e-3)
+    assert lamb.param_groups[0]["trust_clip"] is True
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["optim.name=adamz"], ["'optim.name' = 'adamz'", "did you mean 'adam'", "lamb", "lion"]),
+    (["optim.name=adan"], ["'optim.betas'", "takes 3 betas"]),
+    (["optim.name=lamb", "optim.options.trust_clipping=true"], ["'optim.options.trust_clipping'", "trust_clip"]),
+    (["optim.name=adamw", "optim.options.betas=[0.8,0.9]"], ["'optim.options.betas'", "optim.betas instead"]),
+])
+def test_a_name_or_option_timm_does_not_have_is_a_usage_error(overrides, names):
+    from core.config import ConfigError, load_config
+    from training.optim import check_optimizer
+
+    with pytest.raises(ConfigError) as err:
+        check_optimizer(load_config("base", overrides).optim)
+    assert all(name in str(err.value) for name in names), str(err.value)
+
+
+def test_an_unknown_optimizer_exits_2_before_any_work(monkeypatch, capsys, tiny_tree, tmp_path):
+    from conftest import run_train_in_process, tiny_overrides
+
+    code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
+                                     *tiny_overrides(tiny_tree, tmp_path / "run"), "optim.name=adamz")
+    assert code == 2 and "'optim.name' = 'adamz'" in err and "adamw" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, carries", [("sgd", True), ("adamw", True), ("lamb", True), ("lars", True),
+                                           ("rmsprop", True), ("adan", True), ("lion", False), ("clion", False)])
+def test_whether_a_nonfinite_gradient_reaches_the_weights_is_measured_not_listed(name, carries):
+    """The step checks its gradients itself only where the optimizer would hide a NaN (a sign step)."""
+    from core.config import load_config
+    from training.optim import update_carries_nonfinite
+
+    betas = ["optim.betas=[0.98,0.92,0.99]"] if name == "adan" else []
+    assert update_carries_nonfinite(load_config("base", [f"optim.name={name}", *betas]).optim) is carries
