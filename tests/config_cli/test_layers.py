@@ -9,8 +9,10 @@ from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
 LEVELS = ["core", "tasks", "data", "models", "tracking", "runtime", "evaluation", "model_files", "prediction",
-          "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands", "benchmarking", "serving"]
-LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve"}  # entry scripts
+          "embedding", "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands",
+          "benchmarking", "serving"]
+LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve", "embed",
+                "search"}  # entry scripts
 
 
 def level_of(module: str) -> int | None:
