@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
-    for flag, value, low in (("--batch-size", args.batch_size or 1, 1), ("--num-workers", args.num_workers, 0)):
+    batch_size = 1 if args.batch_size is None else args.batch_size  # None: the default (or the export's own)
+    for flag, value, low in (("--batch-size", batch_size, 1), ("--num-workers", args.num_workers, 0)):
         if value < low:
             raise ConfigError(f"{flag} {value}: must be >= {low}")
     announce(f"embed.py: embedding {' '.join(args.inputs[:3])}{' ...' if len(args.inputs) > 3 else ''} with "

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
-    for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size or 1)):
+    batch_size = 1 if args.batch_size is None else args.batch_size  # None: the default
+    for flag, value in (("--top-k", args.top_k), ("--batch-size", batch_size)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     if args.num_workers < 0:
