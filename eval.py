@@ -59,6 +59,12 @@ def main(argv=None) -> int:
     from commands.evaluate import evaluate_checkpoint, report_evaluation
     from commands.report import confusion_png_path
 
+    from commands.eval_representation import pretrained_features_only, report_features_only
+
+    features_only = pretrained_features_only(args.checkpoint, args.data, args.overrides, args.knn, args.linear_probe)
+    if features_only is not None:
+        report_features_only(features_only, args.json)
+        return 0 if features_only["num_samples"] else 1
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes, args.reject_below,
                                  outputs={"--json": args.json, "--reliability": args.reliability,

@@ -10,7 +10,6 @@ file and its digest. faiss is imported only here, on the paths that build or rea
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,8 +28,6 @@ HNSW_BUILD_DEPTH = 80   # efConstruction
 HNSW_SEARCH_DEPTH = 128  # efSearch: candidates kept per query (recall against time)
 ADD_ROWS = 65536        # vectors added at a time
 METRIC = "cosine"
-
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its search for CPU-specific builds, line by line
 
 
 @dataclass

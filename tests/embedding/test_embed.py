@@ -232,3 +232,26 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert exit_code(lambda: export.main(["--checkpoint", "x.pt", "--format", "pt2", "--output", "x.pt2",
                                           "--embedding"])) == 2
     assert exit_code(lambda: eval_script.main(["--checkpoint", "x.pt", "--knn", "0"])) == 2
+
+
+@pytest.mark.slow
+def test_a_pretrained_timm_folder_with_another_head_gets_the_feature_figures_alone(trained, tmp_path):
+    from conftest import write_pretrained_folder
+
+    data, _ = trained
+    folder = tmp_path / "pretrained"
+    write_pretrained_folder(folder, num_classes=5)  # a head of 5 numbered classes, not the data's a, b, c
+    report = tmp_path / "features.json"
+    assert exit_code(lambda: eval_script.main(["--checkpoint", str(folder), "--data", str(data), "--knn", "3",
+                                               "--linear-probe", "--json", str(report), "data.num_workers=0"])) == 0
+    doc = json.loads(report.read_text())
+    assert doc["features_only"] and doc["classes"] == CLASSES and doc["num_samples"] == 9 and "top1" not in doc
+    split = {}
+    for name in ("train", "val"):
+        out = tmp_path / name
+        assert embed_run(str(data / name), "--checkpoint", str(folder), "--output", str(out)) == 0
+        by_path = vectors_by_path(out)
+        paths = sorted(by_path)
+        split[name] = (np.stack([by_path[p] for p in paths]),
+                       np.array([CLASSES.index(p.split("/")[-2]) for p in paths]))
+    assert doc["knn_top1"] == pytest.approx(numpy_knn_top1(*split["train"], *split["val"], k=3))
