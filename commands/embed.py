@@ -41,6 +41,19 @@ def check_same_model(previous: Optional[IndexInfo], embedder: Embedder, folder: 
                           f"of two models do not compare; write to a new folder")
 
 
+def check_kept_vectors(folder: Path, previous: Optional[IndexInfo]):
+    """The folder's vectors (memory-mapped) when it holds an index, ConfigError (exit 2) when embeddings.npy
+    does not hold the count index.json says (a damaged folder is not grown)."""
+    if previous is None:
+        return None
+    kept = read_vectors(folder)
+    if kept is None or len(kept) != previous.count or kept.ndim != 2 or kept.shape[1] != previous.dim:
+        raise ConfigError(f"--output {folder}: index.json says {previous.count} vector(s) of {previous.dim}, "
+                          f"embeddings.npy holds {'none' if kept is None else 'x'.join(map(str, kept.shape))}; "
+                          f"write to a new folder")
+    return kept
+
+
 def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optional[int], amp: Optional[str],
               num_workers: int, device_setting: str = "auto") -> int:
     """Embed every input file not yet in `output`; returns the exit status (0: the folder holds vectors,
@@ -50,6 +63,7 @@ def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optio
     embedder = Embedder.open(checkpoint, device_setting, amp)
     previous = read_info(folder)
     check_same_model(previous, embedder, folder)
+    kept = check_kept_vectors(folder, previous)
     kept_rows = [r for r in read_rows(folder) if r.index is not None] if previous is not None else []
     known = {os.path.abspath(r.path) for r in kept_rows}
     new = [p for p in paths if os.path.abspath(p) not in known]
@@ -68,7 +82,7 @@ def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optio
     writer = VectorWriter(folder, len(new))
     try:
         embedder.run(loader, writer)
-        vectors, rows = writer.finish(read_vectors(folder) if previous is not None else None)
+        vectors, rows = writer.finish(kept)
     finally:
         writer.discard()
     new_rows = [PathRow(p, row, writer.errors.get(i, "")) for i, (p, row) in enumerate(zip(new, rows))]
