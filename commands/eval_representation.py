@@ -10,6 +10,8 @@ from typing import Optional
 
 from data.build import build_eval_loader_for
 from data.listing.sources import scan_sources, train_source
+from core.errors import ConfigError
+from model_files.formats import format_of
 from model_files.loading import load_model_file
 from embedding.embedder import Embedder, embedding_module
 from embedding.representation import knn_top1, linear_probe_top1, split_features
@@ -58,7 +60,10 @@ def pretrained_features_only(checkpoint: str, data_root: Optional[str], override
     """eval.py --knn / --linear-probe with a timm folder whose head is not the data's (pretrained weights with
     another class list): the features alone, on the data's own classes, its training and validation splits
     found as train.py finds them. None when that is not the case (the classifier's evaluation stands)."""
-    if not (knn or linear_probe) or not os.path.isdir(checkpoint):  # a timm folder is a folder
+    if not (knn or linear_probe):
+        return None
+    check_embeddable(checkpoint)
+    if not os.path.isdir(checkpoint):  # a timm folder is a folder
         return None
     loaded = load_model_file(checkpoint, overrides)
     if loaded.kind != "timm":
@@ -81,12 +86,26 @@ def pretrained_features_only(checkpoint: str, data_root: Optional[str], override
             "features_only": True}
 
 
+def features_line(figures: dict) -> str:
+    return "   ".join(f"{name} {figures[key]:.2f}%" for key, name in
+                      (("knn_top1", f"knn_top1 (k={figures.get('knn_k')})"), ("linear_probe_top1", "linear_probe_top1"))
+                      if key in figures)
+
+
+def check_embeddable(checkpoint: str) -> None:
+    """ConfigError (exit 2) before the evaluation for a model file whose features cannot be read: a .pt2
+    program, an ONNX file without the `embedding` output."""
+    kind = format_of(checkpoint).name
+    if kind == "pt2" or (kind == "onnx" and os.path.isfile(checkpoint)
+                         and load_model_file(checkpoint).build_embedding is None):
+        raise ConfigError(f"--knn / --linear-probe: {checkpoint} gives logits only; evaluate the checkpoint, a timm "
+                          f"folder, or an ONNX file written by export.py --embedding")
+
+
 def report_features_only(figures: dict, json_path: Optional[str]) -> None:
     from core.outputs import write_json
 
-    print(f"{figures['checkpoint']} (features only, {figures['num_samples']} image(s)): " + "   ".join(
-        f"{name} {figures[key]:.2f}%" for key, name in (("knn_top1", f"knn_top1 (k={figures.get('knn_k')})"),
-                                                       ("linear_probe_top1", "linear_probe_top1")) if key in figures))
+    print(f"{figures['checkpoint']} (features only, {figures['num_samples']} image(s)): {features_line(figures)}")
     if json_path:
         write_json(figures, json_path)
         print(f"wrote {json_path}")

@@ -13,6 +13,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from runtime.device import amp_setting, pin_memory_for
 from commands.eval_errors import misclassified
+from commands.eval_representation import features_line, representation_figures
 from commands.output_roles import check_eval_outputs
 from evaluation.calibration import apply_temperature, reliability_bins
 from evaluation.evaluate import check_finite_outputs, evaluate
@@ -78,8 +79,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
-    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability"),
-             "--knn": knn, "--linear-probe": linear_probe or None}
+    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability"), "--knn": knn,
+             "--linear-probe": linear_probe or None}
     for flag in (name for name, value in given.items() if value is not None):
         loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
     check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root, index.files)
@@ -114,8 +115,6 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
     rows = prediction_rows(predictor, recorded, index.paths, tta)
-    from commands.eval_representation import representation_figures
-
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
                       predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe))
 
@@ -182,9 +181,7 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
         print(format_trust_line(result.trust))
     figures = result.representation or {}
     if figures:
-        print("features: " + "   ".join(f"{name} {figures[key]:.2f}%" for key, name in
-                                        (("knn_top1", f"knn_top1 (k={figures.get('knn_k')})"),
-                                         ("linear_probe_top1", "linear_probe_top1")) if key in figures))
+        print(f"features: {features_line(figures)}")
     if json_path:
         doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
                                  skipped_files=result.skipped_files, **(result.trust or {}), **figures, **s)

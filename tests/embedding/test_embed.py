@@ -232,6 +232,9 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert exit_code(lambda: export.main(["--checkpoint", "x.pt", "--format", "pt2", "--output", "x.pt2",
                                           "--embedding"])) == 2
     assert exit_code(lambda: eval_script.main(["--checkpoint", "x.pt", "--knn", "0"])) == 2
+    capsys.readouterr()
+    assert exit_code(lambda: eval_script.main(["--checkpoint", "x.pt2", "--knn", "3"])) == 2  # logits only
+    assert "--knn / --linear-probe: x.pt2 gives logits only" in capsys.readouterr().err
 
 
 @pytest.mark.slow
