@@ -46,6 +46,8 @@ COPY --chown=app:app commands/__init__.py commands/cli.py commands/
 COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
 COPY --chown=app:app data/__init__.py data/images.py data/
 COPY --chown=app:app serving/ serving/
+# serve.py --index DIR: the FAISS index of an embed.py folder (POST /similar)
+COPY --chown=app:app embedding/__init__.py embedding/index.py embedding/store.py embedding/neighbours.py embedding/
 
 USER 1000:1000
 

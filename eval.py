@@ -3,10 +3,13 @@
 data.val_fraction split, a CSV list or WebDataset shards), exactly as training validated it.
 
 python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [--json FILE] [--tta] [--classes FILE]
-               [--reliability FILE.png] [--reject-below X]
+               [--reliability FILE.png] [--reject-below X] [--knn K] [--linear-probe]
                [KEY=VALUE ...]
 
 CKPT: a checkpoint written by train.py, or a model written by export.py (FILE.onnx, FILE.pt2, a timm folder).
+--knn K / --linear-probe judge the pooled pre-logits features without the head: knn_top1 (cosine kNN, the
+training split as the memory bank, a weighted vote of K neighbours) / linear_probe_top1 (a logistic
+regression fitted on the frozen training-split features). One process: eval.py does not run under torchrun.
 """
 import argparse
 import logging
@@ -36,10 +39,18 @@ def main(argv=None) -> int:
                         "evaluated image here, with its `target` (the Predictor's rows, as infer.py and serve.py give)")
     parser.add_argument("--reject-below", type=finite_float, metavar="X", help="the reject score threshold for the "
                         "'selective' figures (default: the one stored with the model)")
+    parser.add_argument("--knn", type=int, metavar="K", help="also knn_top1: cosine kNN of the split's features "
+                        "against the training split's, a weighted vote of K neighbours")
+    parser.add_argument("--linear-probe", action="store_true", help="also linear_probe_top1: a logistic regression "
+                        "fitted on the training split's frozen features")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    if args.knn is not None and args.knn < 1:
+        from core.errors import ConfigError
+
+        raise ConfigError(f"--knn {args.knn}: must be >= 1 (neighbours voting)")
     check_output_file("--json", args.json)
     check_output_file("--reliability", args.reliability, ".png")
     check_output_file("--predictions", args.predictions)
@@ -48,11 +59,18 @@ def main(argv=None) -> int:
     from commands.evaluate import evaluate_checkpoint, report_evaluation
     from commands.report import confusion_png_path
 
+    from commands.eval_representation import pretrained_features_only, report_features_only
+
+    features_only = pretrained_features_only(args.checkpoint, args.data, args.overrides, args.knn, args.linear_probe)
+    if features_only is not None:
+        report_features_only(features_only, args.json)
+        return 0 if features_only["num_samples"] else 1
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes, args.reject_below,
                                  outputs={"--json": args.json, "--reliability": args.reliability,
                                           "--json's confusion PNG": args.json and confusion_png_path(args.json),
-                                          "--predictions": args.predictions})
+                                          "--predictions": args.predictions},
+                                 knn=args.knn, linear_probe=args.linear_probe)
     report_evaluation(result, args.json, args.reliability, args.predictions)
     from tracking.evaluation import log_evaluation
 

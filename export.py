@@ -2,7 +2,7 @@
 """Export a trained checkpoint for deployment, and check the export against the checkpoint.
 
 python export.py --checkpoint CKPT --format onnx|pt2|timm --output PATH [--batch-size N | --dynamic-batch] [--overwrite]
-                 [--quantize int8 [--calibration-images N] [--min-agreement F]]
+                 [--quantize int8 [--calibration-images N] [--min-agreement F]] [--embedding]
 
 onnx: an ONNX model (BatchNorm folded) with the classes and preprocessing in its metadata_props;
 pt2: a torch.export program with the same metadata as the archive's imgcls.json; timm: a folder with
@@ -10,7 +10,9 @@ model.safetensors and config.json that timm.create_model("local-dir:PATH", pretr
 Each export is read back and compared with the checkpoint on a few images (fails above 1e-4 in
 probability). --quantize int8 (onnx): static int8 quantization by onnxruntime, calibrated on
 --calibration-images of the checkpoint's validation split, then compared with the fp32 export on up to
-1,000 validation images (top-1 agreement, both accuracies).
+1,000 validation images (top-1 agreement, both accuracies). --embedding (onnx): a second output named
+`embedding`, the pooled pre-logits features that embed.py, search.py and serve.py /embed read (checked:
+cosine >= 0.999 against the checkpoint's on every check image).
 Exit 0 done, 1 the export failed or disagrees, 2 a usage error.
 """
 import argparse
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
                                                                             "activation ranges come from")
     parser.add_argument("--min-agreement", type=float, default=0.97, help="--quantize: exit 1 when int8 and fp32 "
                         "top-1 agree on fewer of up to 1,000 validation images than this fraction")
+    parser.add_argument("--embedding", action="store_true", help="onnx: also output the pooled pre-logits "
+                        "features as `embedding` (for embed.py, search.py, serve.py /embed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -58,6 +62,10 @@ def main(argv=None) -> int:
     if args.quantize and not 0.0 <= args.min_agreement <= 1.0:
         raise ConfigError(f"--min-agreement {args.min_agreement}: must be between 0 and 1 (a fraction of images)")
 
+    if args.embedding and (args.format != "onnx" or args.quantize):
+        raise ConfigError("--embedding: only an fp32 ONNX export carries the embedding output; use --format onnx "
+                          "without --quantize")
+
     announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
     from commands.cli import sigterm_unwinds
     from commands.export import run_export
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
     with sigterm_unwinds():  # the temporary fp32 export and quantization folders go with the process
         return run_export(args.checkpoint, args.format, args.output,
                           None if args.dynamic_batch else args.batch_size or 1, args.quantize, args.calibration_images,
-                          args.min_agreement, overwrite=args.overwrite)
+                          args.min_agreement, overwrite=args.overwrite, embedding=args.embedding)
 
 
 if __name__ == "__main__":

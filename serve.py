@@ -3,7 +3,7 @@
 
 python serve.py --checkpoint CKPT_OR_EXPORT [--host 127.0.0.1] [--port 8000] [--max-batch 32]
                 [--max-wait-ms 10] [--workers N] [--max-bytes 10000000] [--api-key KEY] [--topk 5]
-                [--device auto|cpu|cuda]
+                [--device auto|cpu|cuda] [--index DIR]
 
 POST /predict with the image as the body (or as a multipart field named `file`) answers infer.py's JSON
 row for it (label, prob, top-k); GET /health answers the model, its classes and its preprocessing.
@@ -12,6 +12,10 @@ Requests are decoded one by one, then classified together: a batch closes at --m
 body over --max-bytes 413 (read and dropped up to --drain-bytes, so the client reads it; above that the
 connection is closed), a body slower than --body-timeout 408; with --api-key (or IMGCLS_API_KEY in the environment) /predict needs
 `Authorization: Bearer KEY` (401 without). SIGTERM stops accepting, answers what is in flight, exits 0.
+POST /embed answers the image's embedding ({"embedding": [...]}, L2-normalised pooled pre-logits
+features, as embed.py writes them); with --index DIR (a folder written by embed.py with this model), POST
+/similar?k=K answers its K nearest indexed images ({"neighbours": [{"path", "score"}]}, cosine). Both share
+the dynamic batching with /predict.
 --onnx-only (the default where torch is not installed, as in the slim serving image) serves an ONNX export
 with onnxruntime, PIL and NumPy alone: the same rows, on the CPU.
 Exit 2 on a usage error.
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--onnx-only", action="store_true",
                         help="serve an ONNX export without torch (onnxruntime, PIL, NumPy; the CPU); the default "
                              "where torch is not installed (the slim serving image)")
+    parser.add_argument("--index", metavar="DIR", help="an embed.py folder built with this model: POST /similar?k=K "
+                                                       "answers its nearest images")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -89,7 +95,7 @@ def main(argv=None) -> int:
         from serving.onnx_only.server import serve_onnx
 
         return serve_onnx(args.checkpoint, args.host, args.port, settings, args.topk, args.device, args.reject,
-                          args.reject_below)
+                          args.reject_below, args.index)
 
     from commands.cli import announce
 
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
     from serving.server import serve
 
     return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,
-                 TrustOptions(args.reject, args.reject_below))
+                 TrustOptions(args.reject, args.reject_below), args.index)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from data.build import build_eval_loader_for, prepare_root
 from data.listing.sources import eval_source
 from runtime.device import amp_setting, pin_memory_for
 from commands.eval_errors import misclassified
+from commands.eval_representation import features_line, representation_figures
 from commands.output_roles import check_eval_outputs
 from evaluation.calibration import apply_temperature, reliability_bins
 from evaluation.evaluate import check_finite_outputs, evaluate
@@ -39,12 +40,14 @@ class EvalResult:
     rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
     delimiter: str = " "        # between tags in a multi-label row
     errors: list = None         # the misclassified images, worst first (commands/eval_errors.py); None: not the task's
+    representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/eval_representation.py)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
                         classes_file: str | None = None, reject_below: float | None = None,
-                        outputs: dict | None = None) -> EvalResult:
+                        outputs: dict | None = None, knn: int | None = None,
+                        linear_probe: bool = False) -> EvalResult:
     """Evaluate a checkpoint on a split exactly as training validated it: the same preprocessing, batch
     size, AMP setting (resolved by `resolve_amp`), channels_last, cudnn autotuning and
     `evaluation.evaluate.evaluate`. An exported model (ONNX, .pt2, timm folder) runs the same way from the
@@ -76,7 +79,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
                     loaded.saved_val_limit, loaded.saved_val_limit)
     source = eval_source(cfg.data, loaded.classes, loaded.data_source, data_root if list_arg else None, split)
     index = source.index
-    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability")}
+    given = {"--reject-below": reject_below, "--reliability": (outputs or {}).get("--reliability"), "--knn": knn,
+             "--linear-probe": linear_probe or None}
     for flag in (name for name, value in given.items() if value is not None):
         loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
     check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root, index.files)
@@ -112,7 +116,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
     rows = prediction_rows(predictor, recorded, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
-                      predictor.delimiter, errors)
+                      predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe))
 
 
 def evaluation_settings(predictor: Predictor, source, tta: bool) -> dict:
@@ -175,9 +179,12 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
     print(task.eval_table(result.metrics, result.per_class, result.classes))
     if result.trust:
         print(format_trust_line(result.trust))
+    figures = result.representation or {}
+    if figures:
+        print(f"features: {features_line(figures)}")
     if json_path:
         doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                                 skipped_files=result.skipped_files, **(result.trust or {}), **s)
+                                 skipped_files=result.skipped_files, **(result.trust or {}), **figures, **s)
         write_json(doc, json_path)
         written = [json_path]
         if result.confusion is not None:

@@ -16,7 +16,8 @@ from model_files.model_file import ModelFile
 
 
 def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], quantize: Optional[str] = None,
-               calibration_images: int = 256, min_agreement: float = 0.97, overwrite: bool = False) -> int:
+               calibration_images: int = 256, min_agreement: float = 0.97, overwrite: bool = False,
+               embedding: bool = False) -> int:
     """Export `checkpoint` as `fmt` to `output` (batch None: any batch size; an existing output only with
     `overwrite`, never in a run directory); returns the exit status."""
     kind = format_of(checkpoint)
@@ -32,13 +33,16 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     if quantize == "int8":
         loaded.task.check_supported("--quantize int8")
         return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
-    report = export_checkpoint(loaded, fmt, path, batch)
+    report = export_checkpoint(loaded, fmt, path, batch, embedding)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"
     print(f"wrote {report.path} ({fmt}, {batch_text}, {len(loaded.classes)} classes, "
           f"input {loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch})")
     print(f"check: max |probability difference| {report.max_prob_diff:.2e} vs the checkpoint's PyTorch model "
           f"(limit 1e-04), top-1 agrees on {report.top1_agree}/{report.num_images} images from "
           f"{report.images_from}")
+    if report.min_embedding_cosine is not None:
+        print(f"check: output 'embedding' vs the checkpoint's pre-logits features: least cosine "
+              f"{report.min_embedding_cosine:.6f} (limit 0.999)")
     return 0
 
 

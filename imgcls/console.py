@@ -41,3 +41,11 @@ def audit() -> None:
 
 def benchmark() -> None:
     _run("benchmark")
+
+
+def embed() -> None:
+    _run("embed")
+
+
+def search() -> None:
+    _run("search")

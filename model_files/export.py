@@ -24,6 +24,7 @@ from model_files.metadata import export_metadata
 log = logging.getLogger(__name__)
 
 MAX_PROB_DIFF = 1e-4   # fp32: an exported graph agrees with PyTorch to float rounding, far below this
+MIN_EMBEDDING_COSINE = 0.999  # --embedding: each exported vector against the checkpoint's
 CHECK_IMAGES = 8
 
 
@@ -36,6 +37,7 @@ class ExportReport:
     top1_agree: int
     num_images: int
     images_from: str
+    min_embedding_cosine: Optional[float] = None  # --embedding: the least cosine, export vs checkpoint vectors
 
 
 def check_output_path(fmt: str, output: str | Path) -> Path:
@@ -52,13 +54,46 @@ def check_output_path(fmt: str, output: str | Path) -> Path:
     return output
 
 
-def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
+def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int],
+                      embedding: bool = False) -> ExportReport:
     """Write `loaded` as `fmt` to `output` (batch None: any batch size), read it back and compare it with
-    the checkpoint's model. ExportError (exit 1) when the exporter fails or the outputs disagree."""
+    the checkpoint's model. ExportError (exit 1) when the exporter fails or the outputs disagree.
+    `embedding`: the file also outputs the pooled pre-logits features (`embedding`) and records the
+    checkpoint's digest, which embed.py's index records."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    FORMATS[fmt].write(loaded, output, batch, export_metadata(loaded, batch))
+    metadata = export_metadata(loaded, batch)
+    if embedding:
+        from model_files.digest import file_sha256
+
+        metadata.update(embedding=True, source_digest=file_sha256(loaded.path))
+    FORMATS[fmt].write(loaded, output, batch, metadata)
     follow_umask(output)
-    return check_export(loaded, fmt, output, batch)
+    report = check_export(loaded, fmt, output, batch)
+    if embedding:
+        report.min_embedding_cosine = check_embedding_export(loaded, output)
+    return report
+
+
+def check_embedding_export(loaded: ModelFile, output: Path) -> float:
+    """The least cosine between the export's `embedding` vectors and the checkpoint's pre-logits features
+    on the check images; ExportError (exit 1) below MIN_EMBEDDING_COSINE."""
+    from models.embedding import features_and_logits
+
+    images, source = check_images(loaded)
+    x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
+    reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
+    exported = load_model_file(output)
+    if exported.build_embedding is None:
+        raise ExportError(f"the export at {output} has no 'embedding' output; the file is kept for inspection")
+    with torch.inference_mode():
+        want = features_and_logits(reference, x)[0].float()
+        got = exported.build_embedding(torch.device("cpu"), False)(x).float()
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=1).min().item()
+    if not cosine >= MIN_EMBEDDING_COSINE:
+        raise ExportError(f"the 'embedding' output of {output} disagrees with the checkpoint's features: least "
+                          f"cosine {cosine:.6f} < {MIN_EMBEDDING_COSINE} on {len(x)} images from {source}; the "
+                          f"file is kept for inspection")
+    return cosine
 
 
 # ---------------------------------------------------------------- the check after export

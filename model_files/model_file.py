@@ -34,6 +34,9 @@ class ModelFile:
     state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
     calibration: Optional[dict] = None  # temperature and reject record (evaluation.trust); exports: numbers only
     thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
+    build_embedding: Optional[Callable] = None  # (device, channels_last) -> module: batch -> pre-logits features
+                                                # (an ONNX file exported with --embedding; None: from `build`)
+    source_digest: Optional[str] = None  # the sha256 of the checkpoint an export was written from (--embedding)
 
     def __post_init__(self):
         check_calibration_record(self.calibration, self.path)

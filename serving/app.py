@@ -25,6 +25,10 @@ from starlette.datastructures import UploadFile
 
 from serving.batcher import DynamicBatcher
 from serving.errors import BadImage
+from serving.requests import ImageRequests
+
+if TYPE_CHECKING:
+    from embedding.index import LoadedIndex
 
 if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving.onnx_only) has the same methods
     from serving.model import ServedModel
@@ -42,6 +46,9 @@ class ServeSettings:
     api_key: Optional[str] = None
     drain_bytes: int = 64_000_000   # an oversized body up to this is read and discarded before the 413
     body_timeout_s: float = 30.0    # the whole body must arrive within this (408 and close after)
+
+
+PROTECTED = ("/predict", "/embed", "/similar")  # the paths an API key guards
 
 
 class BodyTooLarge(Exception):
@@ -105,9 +112,21 @@ def authorized(request: Request, api_key: Optional[str]) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-def create_app(served: "ServedModel", settings: ServeSettings) -> FastAPI:
-    batcher = DynamicBatcher(lambda items: served.classify([i for i, _ in items], [n for _, n in items]),
-                             served.max_batch, settings.max_wait_ms / 1000.0)
+def run_items(served: "ServedModel", items: list) -> list:
+    """One batch of (kind, image, name) items: the `predict` ones classified together, the `embed` ones
+    embedded together (each a padded batch); results in the items' order."""
+    results: list = [None] * len(items)
+    for kind, run in (("predict", served.classify), ("embed", lambda images, names: served.embed(images))):
+        positions = [i for i, item in enumerate(items) if item[0] == kind]
+        if positions:
+            answers = run([items[i][1] for i in positions], [items[i][2] for i in positions])
+            for i, answer in zip(positions, answers):
+                results[i] = answer
+    return results
+
+
+def create_app(served: "ServedModel", settings: ServeSettings, index: Optional["LoadedIndex"] = None) -> FastAPI:
+    batcher = DynamicBatcher(lambda items: run_items(served, items), served.max_batch, settings.max_wait_ms / 1000.0)
     decoders = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
 
     @asynccontextmanager
@@ -124,7 +143,7 @@ def create_app(served: "ServedModel", settings: ServeSettings) -> FastAPI:
     @app.middleware("http")
     async def access_and_auth(request: Request, call_next):
         start = time.perf_counter()
-        if request.url.path == "/predict" and not authorized(request, settings.api_key):
+        if request.url.path in PROTECTED and not authorized(request, settings.api_key):
             response = error(401, "unauthorized", "send the API key as 'Authorization: Bearer KEY'")
             response.headers["WWW-Authenticate"] = "Bearer"
         else:
@@ -145,25 +164,33 @@ def create_app(served: "ServedModel", settings: ServeSettings) -> FastAPI:
 
     @app.post("/predict")
     async def predict(request: Request):
-        try:
-            body = await asyncio.wait_for(read_body(request, settings.max_bytes, settings.drain_bytes),
-                                          settings.body_timeout_s)
-        except BodyTooLarge as err:
-            size, drained = err.args
-            response = error(413, "too_large", f"the body has {'' if drained else 'at least '}{size} bytes, above "
-                                               f"--max-bytes {settings.max_bytes}")
-            return response if drained else closing(response)
-        except (asyncio.TimeoutError, TimeoutError):
-            return closing(error(408, "body_timeout", f"the body did not arrive within --body-timeout "
-                                                      f"{settings.body_timeout_s:g} s"))
-        try:
-            name = None
-            if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-                body, name = await multipart_file(request, body)
-            loop = asyncio.get_running_loop()
-            image = await loop.run_in_executor(decoders, served.decode, body)
-        except BadImage as err:
-            return error(400, err.kind, err.detail)
-        return await batcher.submit((image, name))
+        image = await decoded_image(request, served, settings, decoders)
+        if isinstance(image, JSONResponse):
+            return image
+        return await batcher.submit(("predict", *image))
 
+    ImageRequests(served, index, batcher, lambda request: decoded_image(request, served, settings, decoders)).add_to(app)
     return app
+
+
+async def decoded_image(request: Request, served: "ServedModel", settings: ServeSettings, decoders):
+    """(image, file name) of a request's body, or the error response (413, 408, 400)."""
+    try:
+        body = await asyncio.wait_for(read_body(request, settings.max_bytes, settings.drain_bytes),
+                                      settings.body_timeout_s)
+    except BodyTooLarge as err:
+        size, drained = err.args
+        response = error(413, "too_large", f"the body has {'' if drained else 'at least '}{size} bytes, above "
+                                           f"--max-bytes {settings.max_bytes}")
+        return response if drained else closing(response)
+    except (asyncio.TimeoutError, TimeoutError):
+        return closing(error(408, "body_timeout", f"the body did not arrive within --body-timeout "
+                                                  f"{settings.body_timeout_s:g} s"))
+    try:
+        name = None
+        if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            body, name = await multipart_file(request, body)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(decoders, served.decode, body), name
+    except BadImage as err:
+        return error(400, err.kind, err.detail)

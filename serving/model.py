@@ -8,10 +8,12 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 from PIL import Image
 
-from core.errors import ImageDecodeError
+from core.errors import ConfigError, ImageDecodeError
+from embedding.embedder import Embedder
 from data.transforms import EvalTransform, read_source
 from model_files.checkpoint_files import preprocessing_record
 from prediction.predictor import Predictor
@@ -44,6 +46,7 @@ class ServedModel:
     predictor: Predictor
     max_batch: int
     shapes: list[int]
+    embedder: Optional[Embedder] = None   # /embed, /similar: the same model file's pre-logits features
 
     @classmethod
     def load(cls, checkpoint: str, topk: int, max_batch: int, device_setting: str = "auto",
@@ -57,7 +60,25 @@ class ServedModel:
                         loaded.fixed_batch, loaded.fixed_batch, max_batch)
             max_batch = loaded.fixed_batch
         shapes = [max_batch] if loaded.fixed_batch is not None else batch_shapes(max_batch)
-        return cls(predictor, max_batch, shapes)
+        try:
+            embedder = Embedder.from_model_file(loaded, device_setting)
+        except ConfigError as err:  # a model file without features: /embed answers 404
+            log.info("/embed and /similar are off: %s", err)
+            embedder = None
+        return cls(predictor, max_batch, shapes, embedder)
+
+    @property
+    def embeds(self) -> bool:
+        return self.embedder is not None
+
+    def embed(self, images: list[torch.Tensor]) -> np.ndarray:
+        """The L2-normalised vectors of decoded images, run as one batch padded to a fixed shape."""
+        n = len(images)
+        batch = torch.stack(images)
+        pad = padded_size(n, self.shapes) - n
+        if pad > 0:
+            batch = torch.cat([batch, batch.new_zeros((pad, *batch.shape[1:]))])
+        return self.embedder.vectors(batch, n)
 
     @property
     def model_file(self):
@@ -84,6 +105,8 @@ class ServedModel:
         size = self.predictor.transform.img_size
         for shape in self.shapes:
             self.classify([torch.zeros(3, size, size, dtype=torch.uint8)] * shape, [None] * shape)
+            if self.embeds:
+                self.embed([torch.zeros(3, size, size, dtype=torch.uint8)] * shape)
 
     def health(self) -> dict:
         cfg = self.model_file.cfg

@@ -40,6 +40,8 @@ class MultiLabel(Task):
                            "exported in fp32 (drop --quantize)",
         "label errors": "the label-error search (cleanlab on out-of-sample class probabilities) is for "
                         "single-label data",
+        "--knn": "the kNN vote picks one class per image; a multi-label model's features are evaluated by mAP",
+        "--linear-probe": "the probe fits one class per image; a multi-label model's features are evaluated by mAP",
         "misclassified images": "eval.py --json's <name>_errors.csv / .html list images whose one top-1 label is "
                                 "wrong; a multi-label model's per-tag errors are the per_class figures",
     }

@@ -48,3 +48,21 @@ def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Op
     if split is None:
         return source.validation(d, classes)
     return source_folder.split_of(d, classes, split)
+
+
+def train_source(d, classes: list[str], data_source: Optional[dict]) -> EvalSource:
+    """The training data labelled in `classes` (eval.py --knn's memory bank, --linear-probe's fit set): the
+    training side of a recorded data.val_fraction split, else the source's training data."""
+    saved_split = (data_source or {}).get("split")
+    source = SOURCES[d.format]
+    if saved_split is not None:
+        base = source.base(d)
+        return EvalSource(label_format(d).held_out(saved_split, "train", base, classes), str(base), "train",
+                          f"{base} (the training side of data.val_fraction={saved_split['val_fraction']})")
+    if d.format == "folder":
+        return source_folder.split_of(d, classes, d.train_split)
+    index = source.scan(d).train_index
+    if list(index.classes) != list(classes):
+        raise DataTreeError(f"the training data's classes ({', '.join(index.classes[:5])} ...) are not the model's "
+                            f"({', '.join(classes[:5])} ...)")
+    return EvalSource(index, str(d.root), "train", f"the training data of data.format={d.format}")

@@ -32,12 +32,15 @@ class ModelFormat:
         return path.is_dir() if self.folder else self.suffix is not None and path.suffix.lower() == self.suffix
 
 
-def traced_model(loaded: ModelFile, batch: Optional[int]) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The checkpoint's eval model with BatchNorm folded, and an example batch to trace it with (a dynamic
-    batch is traced at 2: 1 would specialise)."""
+def traced_model(loaded: ModelFile, batch: Optional[int],
+                 wrap: Optional[Callable] = None) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The checkpoint's eval model (inside `wrap(model)` where given) with BatchNorm folded, and an example
+    batch to trace it with (a dynamic batch is traced at 2: 1 would specialise)."""
     import logging
 
     model = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
+    if wrap is not None:
+        model = wrap(model).eval()
     folded, count = fold_batchnorm(model)
     logging.getLogger(__name__).info("folded %d BatchNorm layers into the preceding convolutions", count)
     size = loaded.cfg.data.img_size

@@ -21,10 +21,12 @@ from model_files.formats.base import ModelFormat, shorten_export_error, traced_m
 from model_files.metadata import (from_metadata, metadata_from_onnx_props, metadata_thresholds, numbered_classes,
                                       onnx_metadata_props)
 from model_files.model_file import FunctionModel, ModelFile
+from models.embedding import features_and_logits
 
 log = logging.getLogger(__name__)
 
 # the exporter's progress lines (graph passes, "No unused functions to remove") at INFO: kept quiet
+EMBEDDING_OUTPUT = "embedding"  # export.py --embedding: the pooled pre-logits features, beside the logits
 EXPORTER_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "onnx_ir")
 
 
@@ -64,12 +66,14 @@ def _runtime_refusal(message: str) -> str:
     return " ".join(_RUNTIME_SOURCE.sub("", message).split())[:300]
 
 
-def _onnx_function(session) -> Callable:
+def _onnx_function(session, output: Optional[str] = None) -> Callable:
+    """images -> the session's first output (the logits), or the output named `output`."""
     input_name = session.get_inputs()[0].name
+    wanted = None if output is None else [output]
 
     def run(images: torch.Tensor) -> torch.Tensor:
         array = images.detach().to("cpu", torch.float32).contiguous().numpy()
-        return torch.from_numpy(session.run(None, {input_name: array})[0]).to(images.device)
+        return torch.from_numpy(session.run(wanted, {input_name: array})[0]).to(images.device)
     return run
 
 
@@ -94,9 +98,16 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
+
+    def build_embedding(device: torch.device, channels_last: bool) -> torch.nn.Module:
+        run_session = session if device.type == "cpu" else onnx_session(path, device)
+        return FunctionModel(_onnx_function(run_session, EMBEDDING_OUTPUT), fixed_batch)
+    embeds = EMBEDDING_OUTPUT in [o.name for o in session.get_outputs()]
     return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
                      saved_val_limit, calibration=metadata.get("calibration") if metadata else None,
-                     thresholds=metadata_thresholds(metadata, classes, path))
+                     thresholds=metadata_thresholds(metadata, classes, path),
+                     build_embedding=build_embedding if embeds else None,
+                     source_digest=(metadata or {}).get("source_digest"))
 
 
 def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
@@ -123,19 +134,33 @@ def _onnx_class_count(session, batch: int, img_size: int) -> int:
     return int(_onnx_function(session)(probe).shape[-1])
 
 
+class LogitsAndEmbedding(torch.nn.Module):
+    """The classifier's logits and its pooled pre-logits features, from one pass: the two outputs of an
+    export.py --embedding file."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features, logits = features_and_logits(self.model, images)
+        return logits, features
+
+
 def write_onnx(loaded: ModelFile, path: Path, batch: Optional[int], metadata: dict) -> None:
     """torch.onnx's recommended (torch.export-based) exporter at its default opset; metadata in metadata_props."""
     if importlib.util.find_spec("onnxscript") is None:
         raise ExportError("torch.onnx's exporter needs onnxscript: pip install -r requirements.txt")
 
-    model, example = traced_model(loaded, batch)
+    embedding = bool(metadata.get("embedding"))
+    model, example = traced_model(loaded, batch, LogitsAndEmbedding if embedding else None)
     quiet = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
         program = torch.onnx.export(model, (example,), dynamo=True, verbose=False, input_names=["images"],
-                                    output_names=["logits"], dynamic_shapes=({0: "batch"},) if batch is None else None)
+                                    output_names=["logits", EMBEDDING_OUTPUT] if embedding else ["logits"], dynamic_shapes=({0: "batch"},) if batch is None else None)
     except Exception as err:  # the exporters raise many types; their messages name the failing code
         raise ExportError(f"onnx export failed: {shorten_export_error(err, model)}") from err
     finally:

@@ -52,6 +52,9 @@ def export_task(name, path: Path) -> Task:
     return TASKS[name]
 
 
+EMBEDDING_OUTPUT = "embedding"  # as model_files/formats/onnx.py names it (torch is not imported here)
+
+
 @dataclass
 class OnnxExport:
     path: Path
@@ -65,6 +68,7 @@ class OnnxExport:
     temperature: Optional[float]                 # the calibration stored with the model (`prob`)
     reject_threshold: Optional[float]            # the stored energy threshold (--reject)
     tag_thresholds: Optional[list[float]]        # a multi-label model's per-class thresholds
+    source_digest: Optional[str] = None          # export.py --embedding: the checkpoint's sha256
 
     @classmethod
     def open(cls, path: str | Path) -> "OnnxExport":
@@ -100,7 +104,17 @@ class OnnxExport:
                    metadata.get("epoch"), shape[0] if isinstance(shape[0], int) else None,
                    export_task(data.get("task", "multiclass"), path),
                    calibration.get("temperature"), stored_reject,
-                   [float(t) for t in thresholds] if thresholds is not None else None)
+                   [float(t) for t in thresholds] if thresholds is not None else None, metadata.get("source_digest"))
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.session.get_inputs()[0].name: batch})[0]
+
+    @property
+    def embeds(self) -> bool:
+        """Whether export.py --embedding wrote the file (an output named `embedding`)."""
+        return EMBEDDING_OUTPUT in [o.name for o in self.session.get_outputs()]
+
+    def embeddings(self, batch: np.ndarray) -> np.ndarray:
+        """The `embedding` output, L2-normalised (as embed.py's vectors)."""
+        vectors = self.session.run([EMBEDDING_OUTPUT], {self.session.get_inputs()[0].name: batch})[0]
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)

@@ -69,6 +69,24 @@ class OnnxServedModel:
         logits = self.export.logits(self.preprocess.normalise(batch))[:n]
         return ROWS[self.export.task.label_format](self, names, logits)
 
+    @property
+    def embeds(self) -> bool:
+        return self.export.embeds
+
+    @property
+    def digest(self) -> str:
+        """The checkpoint the export was written from (export.py --embedding records its sha256)."""
+        return self.export.source_digest or ""
+
+    def embed(self, images: list[np.ndarray]) -> np.ndarray:
+        """L2-normalised vectors of decoded images, one batch padded to a fixed shape."""
+        n = len(images)
+        batch = np.stack(images)
+        pad = padded_size(n, self.shapes) - n
+        if pad:
+            batch = np.concatenate([batch, np.zeros((pad, *batch.shape[1:]), dtype=batch.dtype)])
+        return self.export.embeddings(self.preprocess.normalise(batch))[:n]
+
     def warm_up(self) -> None:
         """One pass per batch shape before the first request."""
         size = self.preprocess.img_size

@@ -21,7 +21,8 @@ from conftest import REPO
 from core.config import ConfigError, all_keys, load_config
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-ENTRY_SCRIPTS = ("train.py", "eval.py", "infer.py", "export.py", "tune.py", "audit.py", "serve.py", "benchmark.py")
+ENTRY_SCRIPTS = ("train.py", "eval.py", "infer.py", "export.py", "tune.py", "audit.py", "serve.py", "benchmark.py",
+                 "embed.py", "search.py")
 CONFIG_COMMANDS = ("train.py", "audit.py", "tune.py", "benchmark.py")  # --config CONFIG [KEY=VALUE ...]
 FENCE = re.compile(r"```(?:bash|sh)?\n(.*?)```", re.S)
 INLINE = re.compile(r"`(python [^`]+)`")

@@ -48,6 +48,12 @@ CASES = {
     "benchmark without --config": ("benchmark.py", ["--mode", "train"], 2),
     "benchmark with a config mistake": ("benchmark.py", ["--config", "quickstart", "--mode", "train", "x.y=3"], 2),
     "audit --help": ("audit.py", ["--help"], 0),
+    "embed --help": ("embed.py", ["--help"], 0),
+    "embed without --output": ("embed.py", ["x.png", "--checkpoint", "best.pt"], 2),
+    "embed with a bad --batch-size": ("embed.py", ["x.png", "--checkpoint", "b.pt", "--output", "v", "--batch-size", "0"], 2),
+    "search --help": ("search.py", ["--help"], 0),
+    "search with a bad --top-k": ("search.py", ["x.png", "--index", "v", "--top-k", "0"], 2),
+    "search with a bad --output": ("search.py", ["x.png", "--index", "v", "--output", "found.txt"], 2),
     "audit with one fold": ("audit.py", ["--config", "quickstart", "--folds", "1"], 2),
     "audit with a missing checkpoint": ("audit.py", ["--config", "quickstart", "data.builtin=null", "data.root=.", "data.val_fraction=0.2",
                                                      "--checkpoint", "nothing.pt"], 2),
@@ -107,6 +113,9 @@ FIRST_LINES = {
                   "export.py: exporting best.pt as onnx to m.onnx"),
     "tune.py": (["--config", "base", "--lr-range", "1e-4,1"], "tune.py: LR range test with --config base"),
     "benchmark.py": (["--config", "base", "--mode", "train"], "benchmark.py: --mode train with --config base"),
+    "embed.py": (["a.png", "--checkpoint", "best.pt", "--output", "vecs"], "embed.py: embedding a.png with best.pt "
+                                                                            "into vecs"),
+    "search.py": (["a.png", "--index", "vecs"], "search.py: searching vecs for a.png"),
 }
 
 

@@ -13,9 +13,10 @@ from conftest import REPO
 
 # lowest first; a module may import its own level and the ones before it
 LEVELS = ["core", "tasks", "data", "models", "tracking", "runtime", "evaluation", "model_files", "prediction",
-          "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands", "benchmarking", "serving"]
-LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve",  # entry scripts
-                "imgcls"}  # the Python API, beside them
+          "embedding", "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands",
+          "benchmarking", "serving"]
+LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve", "embed",  # entry scripts
+                "search", "imgcls"}  # and the Python API, beside them
 
 
 def is_settings(module: str) -> bool:

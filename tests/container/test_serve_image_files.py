@@ -1,6 +1,7 @@
 """The slim serving image's contents without Docker: its requirements agree with requirements.txt, and the
 files its Dockerfile stage copies run serve.py on an ONNX export with torch and torchvision unimportable,
-answering the torch path's rows over HTTP and exiting 0 on SIGTERM."""
+answering the torch path's rows (and its embeddings, and the neighbours of an embed.py index) over HTTP and
+exiting 0 on SIGTERM."""
 from __future__ import annotations
 
 import os
@@ -12,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 
+import embed as embed_script
 import export as export_script
 from conftest import REPO, train_tiny, wait_for
 
@@ -35,7 +38,7 @@ def requirement_lines(path: Path) -> dict[str, str]:
 
 def test_serve_requirements_have_the_bounds_of_requirements_txt():
     slim, full = requirement_lines(SERVE_REQUIREMENTS), requirement_lines(REPO / "requirements.txt")
-    assert set(slim) == {"onnxruntime", "pillow", "numpy", "fastapi", "uvicorn", "python-multipart"}
+    assert set(slim) == {"onnxruntime", "pillow", "numpy", "fastapi", "uvicorn", "python-multipart", "faiss-cpu"}
     assert {name: full[name] for name in slim} == slim
     assert not {"torch", "torchvision"} & set(slim)
 
@@ -73,7 +76,10 @@ def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
     _, checkpoint = train_tiny(tmp_path / "train", {name: (8, 4) for name in ("a", "b", "c")})
     model = tmp_path / "model.onnx"
     assert export_script.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--dynamic-batch", "--output",
-                               str(model)]) == 0
+                               str(model), "--embedding"]) == 0
+    index = tmp_path / "vectors"
+    assert embed_script.main([str(tmp_path / "train" / "data" / "val"), "--checkpoint", str(model), "--output",
+                              str(index), "--num-workers", "0"]) == 0
     app = tmp_path / "app"
     app.mkdir()
     copy_serve_image_files(app)
@@ -81,7 +87,7 @@ def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", NO_TORCH, "--checkpoint", str(model), "--port", "0",
-                                 "--max-batch", "4"], cwd=app, stdout=log, stderr=log, start_new_session=True,
+                                 "--max-batch", "4", "--index", str(index)], cwd=app, stdout=log, stderr=log, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=""))
         try:
             wait_for(proc, lambda: "listening on" in log_path.read_text(), "the server listening", timeout=120)
@@ -94,6 +100,11 @@ def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
                 got = requests.post(f"{url}/predict", data=path.read_bytes(), timeout=60).json()
                 want = torch_model.classify([torch_model.decode(path.read_bytes())], [None])[0]
                 assert got["label"] == want["label"] and got["prob"] == pytest.approx(want["prob"], abs=1e-5)
+            nearest = requests.post(f"{url}/similar?k=2", data=files[0].read_bytes(), timeout=60).json()["neighbours"]
+            assert nearest[0]["path"] == str(files[0]) and nearest[0]["score"] == pytest.approx(1, abs=1e-5)
+            vector = requests.post(f"{url}/embed", data=files[1].read_bytes(), timeout=60).json()["embedding"]
+            want = torch_model.embed([torch_model.decode(files[1].read_bytes())])[0]
+            assert float(np.dot(vector, want)) >= 0.999
             bad = requests.post(f"{url}/predict", data=b"not an image", timeout=60)
             assert bad.status_code == 400 and bad.json()["error"] == "not_an_image"
         finally:
