@@ -88,6 +88,32 @@ class Classifier:
                                         pin_memory=p.runtime.device.type == "cuda")
         return p.predict_rows(loader, paths)
 
+    def embed(self, images: Union[str, Path, Iterable[Union[str, Path]]], batch_size: Optional[int] = None,
+              num_workers: int = 0) -> tuple[list[str], "numpy.ndarray"]:
+        """embed.py's vectors: (the paths read, an [N, D] float32 array of L2-normalised pre-logits features
+        in that order); unreadable files are left out."""
+        import numpy
+
+        from commands.infer import fixed_batch_size
+        from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+        from embedding.embedder import Embedder
+
+        inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
+        paths = expand_inputs(inputs)
+        embedder = Embedder.from_model_file(self.predictor.model_file, str(self.predictor.runtime.device))
+        dataset = FileListDataset(paths, embedder.transform, embedder.transform.img_size)
+        loader = build_inference_loader(dataset, fixed_batch_size(embedder.model_file, batch_size), num_workers,
+                                        pin_memory=False)
+        read, parts = [], []
+
+        def keep(vectors, valid, indices, errors):
+            parts.append(vectors[valid[:len(vectors)]])
+            read.extend(paths[i] for i, ok in zip(indices, valid) if ok)
+
+        embedder.run(loader, keep)
+        width = parts[0].shape[1] if parts else 0
+        return read, numpy.concatenate(parts) if parts else numpy.zeros((0, width), numpy.float32)
+
     def close(self) -> None:
         self.predictor.close()
 

@@ -35,6 +35,9 @@ def test_train_then_classifier_predicts_the_rows_infer_py_writes(tmp_path):
     with Classifier.load(out / "best.pt", device="cpu") as model:
         assert model.classes == ["a", "b"]
         rows = model.predict(images)
+        paths, vectors = model.embed(images)
+    assert paths == [r["path"] for r in rows] and vectors.shape[0] == len(rows)
+    assert torch.allclose(torch.from_numpy(vectors).norm(dim=1), torch.ones(len(rows)), atol=1e-5)
     done = run_script("infer.py", images, "--checkpoint", str(out / "best.pt"), "--device", "cpu",
                       "--output", str(tmp_path / "rows.json"))
     assert done.returncode == 0, done.stderr[-2000:]
