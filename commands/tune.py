@@ -73,6 +73,9 @@ def main(args) -> int:
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
     check_tracking_client(cfg.tracking)
+    from tracking.store_location import check_store_apart
+
+    check_store_apart(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
     from commands.tune_run import run_lr_test, run_sweep

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import yaml
 from core.errors import ConfigError
 from core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
 from core.paths import not_a_regular_file
+from core.redaction import redact_uri, secret_query_names
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -362,6 +364,10 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
             cfg.explicit_keys |= keys
         cfg.source_name = path.stem
     apply_overrides(cfg, overrides)
+    if cfg.tracking.experiment is None and cfg.source_name:
+        # resolved here, so config.yaml and the checkpoints keep it: a resumed run (which has no --config name)
+        # that turns tracking on goes into the same experiment
+        cfg.tracking.experiment = cfg.source_name
     validate(cfg)
     return cfg
 
@@ -645,14 +651,15 @@ def check_tracking(t: TrackingConfig) -> None:
     for key, value in (("tracking.uri", t.uri), ("tracking.experiment", t.experiment),
                        ("tracking.run_name", t.run_name)):
         if value is not None and (not value.strip() or not value.isprintable() or len(value) > 2000):
-            raise ConfigError(f"'{key}' = {value!r}: must be non-empty printable text (no control characters)")
+            raise ConfigError(f"'{key}' = {redact_uri(value)!r}: must be non-empty printable text (no control "
+                              f"characters)")
     for key, value in (("tracking.experiment", t.experiment), ("tracking.run_name", t.run_name)):
         if value is not None and len(value) > TRACKING_NAME_MAX:
             raise ConfigError(f"'{key}' is {len(value)} characters long; MLflow takes at most {TRACKING_NAME_MAX}")
     if t.uri is not None:
         problem = tracking_uri_problem(t.uri)
         if problem:
-            raise ConfigError(f"'tracking.uri' = {t.uri!r}: {problem}; allowed: null (MLflow's own: "
+            raise ConfigError(f"'tracking.uri' = {redact_uri(t.uri)!r}: {problem}; allowed: null (MLflow's own: "
                               f"MLFLOW_TRACKING_URI, else a local store), a folder, sqlite:///FILE.db, "
                               f"http(s)://HOST:PORT, or {', '.join(TRACKING_URI_SCHEMES[4:])}://...")
 
@@ -664,11 +671,35 @@ def tracking_client_installed() -> bool:
 
 
 def check_tracking_client(t: TrackingConfig) -> None:
-    """A job that logs (train.py, tune.py) needs the client installed; eval.py and infer.py of a tracked
-    run's checkpoint do not."""
-    if t.backend == "mlflow" and not tracking_client_installed():
+    """A job that logs (train.py, tune.py, eval.py asked to) needs the client installed, and one that opens
+    the store named: MLflow 3 refuses a folder store unless MLFLOW_ALLOW_FILE_STORE=true (else every record
+    would go to the backlog). eval.py and infer.py of a tracked run's checkpoint need neither."""
+    if t.backend != "mlflow":
+        return
+    if not tracking_client_installed():
         raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
                           "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
+    uri, key = (t.uri, "'tracking.uri'") if t.uri else (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI")
+    if uri and is_folder_uri(uri) and not folder_store_allowed():
+        raise ConfigError(f"{key} = {redact_uri(uri)!r} is a folder store, which the installed MLflow no longer "
+                          f"opens (its file store is in maintenance mode); use a database, e.g. "
+                          f"tracking.uri=sqlite:///mlflow.db (mlflow migrate-filestore converts an old folder), or "
+                          f"set MLFLOW_ALLOW_FILE_STORE=true to keep the folder")
+
+
+def is_folder_uri(uri: str) -> bool:
+    """A tracking URI naming a folder store: a plain path, or file:."""
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    return match is None or re.match(r"^[A-Za-z]:[\\/]", uri) is not None or match.group(1).lower() == "file"
+
+
+def folder_store_allowed() -> bool:
+    """Whether the installed MLflow opens a folder store (MLflow 3 only with MLFLOW_ALLOW_FILE_STORE=true)."""
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # an MLflow from before the file store's maintenance mode
+        return True
+    return bool(MLFLOW_ALLOW_FILE_STORE.get())
 
 
 def tracking_uri_problem(uri: str) -> Optional[str]:
@@ -688,9 +719,11 @@ def tracking_uri_problem(uri: str) -> Optional[str]:
         port = parts.port
     except ValueError as err:
         return f"malformed ({err})"
-    if parts.username is not None or parts.password is not None:
-        return ("it holds credentials, which would be saved in config.yaml and the checkpoints; put them in "
-                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
+    secrets = secret_query_names(uri)
+    if parts.username is not None or parts.password is not None or secrets:
+        held = f"a secret in its query ({', '.join(secrets)})" if secrets and parts.username is None else "credentials"
+        return (f"it holds {held}, which would be saved in config.yaml and the checkpoints; put them in "
+                f"MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
     if scheme in ("http", "https") and not parts.hostname:
         return "no host (http://HOST:PORT)"
     if scheme == "sqlite" and not uri.lower().startswith("sqlite:///"):

@@ -53,6 +53,7 @@ from training.step import TrainStep, build_train_step
 from models.ema import create_ema
 from tasks import deciding_metric, task_of
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
+from tracking.store_location import check_store_apart
 from tracking.training import TrainingTracking, open_training_tracking
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Trainer:
         cfg = self.cfg
         check_data_root(cfg)
         check_tracking_client(cfg.tracking)
+        check_store_apart(cfg, self.finetune)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
         self.runtime = start_runtime(cfg, distributed=True)

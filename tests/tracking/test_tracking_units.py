@@ -141,3 +141,147 @@ def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatc
     with pytest.raises(ConfigError, match="pip install mlflow"):
         config.check_tracking_client(cfg.tracking)
     config.check_tracking_client(load_config("base").tracking)  # backend none
+
+
+# ---------------------------------------------------------------- a store to replay into, and one that is down
+
+@pytest.fixture
+def folder_store(tmp_path, monkeypatch):
+    """A URI factory for MLflow folder stores (no database set-up: a fresh store costs nothing)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return lambda name="store": (tmp_path / name).as_uri()
+
+
+def unreachable_uri() -> str:
+    from mlflow_server import free_port
+
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+
+
+def tracked_job(run_dir, uri, run_id=None, run_key="k1", steps=(), status="FINISHED", reopen=False):
+    """One job's tracking as train.py does it: start, params, a point per step, end."""
+    from tracking.tracker import MlflowTracker
+
+    tracker = MlflowTracker(uri, run_dir, "exp", "run", run_id, {"imgcls.command": "train.py"}, run_key=run_key,
+                            reopen=reopen, close_timeout_s=5)
+    tracker.log_params({"optim.lr": "0.1"})
+    for step in steps:
+        tracker.log_metrics({"loss": float(step)}, step)
+    tracker.close(status)
+    return tracker
+
+
+def replay_cli(run_dir, uri, capsys) -> tuple[int, str]:
+    from tracking.replay import main
+
+    code = main([str(run_dir), "--uri", uri])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def history(uri: str, run_id: str, key: str = "loss") -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def runs_of(uri: str, experiment: str = "exp") -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def test_a_run_resumed_while_the_store_is_down_is_replayed_into_its_run(tmp_path, folder_store, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    store = folder_store()
+    run_id = tracked_job(run_dir, store, steps=[1, 2], status="KILLED").run_id  # stopped by SIGTERM
+    assert run_id and not (run_dir / "tracking_backlog.jsonl").exists()
+    tracked_job(run_dir, unreachable_uri(), run_id=run_id, steps=[3, 4], reopen=True)  # resumed, store down
+    records = read_backlog(run_dir / "tracking_backlog.jsonl")
+    assert {r["run_id"] for r in records} == {run_id} and {r["run_key"] for r in records} == {"k1"}
+    code, out = replay_cli(run_dir, store, capsys)
+    assert code == 0, out
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(store).get_run(run_id).info.status == "FINISHED"
+    assert history(store, run_id) == [1, 2, 3, 4]
+    assert [r.info.run_id for r in runs_of(store)] == [run_id]
+
+
+def test_a_changed_uri_on_resume_opens_a_run_in_the_new_store(tmp_path, folder_store, capsys):
+    from tracking.mlflow_store import PREVIOUS_RUN_TAG
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old_id = tracked_job(run_dir, folder_store("old"), steps=[1, 2], status="KILLED").run_id
+    new = tracked_job(run_dir, folder_store("new"), run_id=old_id, steps=[3, 4], reopen=True)  # store up
+    assert new.run_id and new.run_id != old_id and not (run_dir / "tracking_backlog.jsonl").exists()
+    (only,) = runs_of(folder_store("new"))
+    assert only.info.status == "FINISHED" and only.data.tags[PREVIOUS_RUN_TAG] == old_id
+    assert history(folder_store("new"), new.run_id) == [3, 4]
+    # the same with the new store down at the resume: the replay puts the records into a new run there
+    tracked_job(run_dir, unreachable_uri(), run_id=old_id, run_key="k2", steps=[5], reopen=True)
+    code, out = replay_cli(run_dir, folder_store("third"), capsys)
+    assert code == 0, out
+    (made,) = runs_of(folder_store("third"))
+    assert made.data.tags[PREVIOUS_RUN_TAG] == old_id and history(folder_store("third"), made.info.run_id) == [5]
+
+
+def test_replay_twice_is_one_run_and_a_bad_line_stops_it_before_anything_is_sent(tmp_path, folder_store, capsys):
+    from tracking.run_record import read_run_record, write_run_record
+
+    run_dir, store = tmp_path / "run", folder_store()
+    run_dir.mkdir()
+    write_run_record(run_dir, "k9", None)  # what train.py writes when tracking starts
+    tracked_job(run_dir, unreachable_uri(), run_key="k9", steps=[1, 2, 3])  # never created
+    path = run_dir / "tracking_backlog.jsonl"
+    good = path.read_text().splitlines()
+    bad = json.dumps({"op": "metrics", "step": "x", "timestamp": 0, "metrics": {"loss": 1.0}, "run_key": "k9"})
+    path.write_text("\n".join(good[:2] + [bad] + good[2:]) + "\n")
+    code, out = replay_cli(run_dir, store, capsys)
+    assert code == 2 and "line 3" in out and "'step'" in out and "store" not in out.split("line 3")[1][:80]
+    assert runs_of(store) == []  # nothing was sent
+    path.write_text("\n".join(good) + "\n")  # the line fixed (deleted)
+    assert replay_cli(run_dir, store, capsys)[0] == 0
+    path.write_text("\n".join(good) + "\n")  # the same backlog replayed again
+    code, out = replay_cli(run_dir, store, capsys)
+    assert code == 0, out
+    (run,) = runs_of(store)
+    assert history(store, run.info.run_id) == [1, 2, 3] and run.info.status == "FINISHED"
+    assert read_run_record(run_dir) == {"run_key": "k9", "run_id": run.info.run_id}
+
+
+def test_replay_uploads_only_files_of_the_run_directory_and_says_what_it_left_out(tmp_path, folder_store, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from tracking.tracker import MlflowTracker
+
+    run_dir, store = tmp_path / "run", folder_store()
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    outside = tmp_path / "private.txt"
+    outside.write_text("not for the store")
+    tracker = MlflowTracker(unreachable_uri(), run_dir, "exp", "run", run_key="k3", close_timeout_s=5)
+    tracker.log_artifact(run_dir / "summary.json")
+    tracker.log_artifact(outside)
+    tracker.log_artifact(run_dir / "gone.csv")
+    tracker.close()
+    code, out = replay_cli(run_dir, store, capsys)
+    assert code == 1 and "private.txt lies outside" in out and "gone.csv is gone" in out
+    assert "2 of 5 record(s) were not sent" in out
+    (run,) = runs_of(store)
+    assert [a.path for a in MlflowClient(store).list_artifacts(run.info.run_id)] == ["summary.json"]
+    kept = read_backlog(run_dir / "tracking_backlog.jsonl")
+    assert [r["op"] for r in kept] == ["start", "artifact", "artifact"]  # what is left, with its run's start
+
+
+def test_a_start_record_of_a_failed_store_keeps_the_run_it_names(tmp_path):
+    backlog = Backlog(tmp_path / "tracking_backlog.jsonl")
+    sender = Sender(SlowFailingStore(0.0), backlog, attempts=1, retry_wait_s=0.01)
+    sender.submit({"op": "start", "run_id": "abc", "run_key": "k", "experiment": "e", "run_name": "r", "tags": {}})
+    sender.submit({"op": "metrics", "step": 1, "timestamp": 0, "metrics": {"loss": 1.0}, "run_key": "k"})
+    sender.close(timeout_s=5)
+    assert [r["run_id"] for r in read_backlog(backlog.path)] == ["abc", "abc"]
