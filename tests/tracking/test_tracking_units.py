@@ -285,3 +285,142 @@ def test_a_start_record_of_a_failed_store_keeps_the_run_it_names(tmp_path):
     sender.submit({"op": "metrics", "step": 1, "timestamp": 0, "metrics": {"loss": 1.0}, "run_key": "k"})
     sender.close(timeout_s=5)
     assert [r["run_id"] for r in read_backlog(backlog.path)] == ["abc", "abc"]
+
+
+# ---------------------------------------------------------------- eval.py's tracking
+
+def tracked_checkpoint(path, uri="http://tracking.example.org:5000"):
+    """A best.pt of a tracked run as train.py writes it (the parts eval.py's tracking reads)."""
+    import torch
+
+    torch.save({"tracking_run_id": "abc123", "step": 7, "model": {},
+                "config": {"tracking": {"backend": "mlflow", "uri": uri, "experiment": "theirs"}}}, path)
+    return path
+
+
+class RecordingTracker:
+    all_sent = True
+
+    def __init__(self, calls, *args, **kwargs):
+        calls.append((args, kwargs))
+        self.metrics = []
+
+    def log_params(self, params):
+        pass
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append((step, metrics))
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_eval_never_logs_to_a_store_that_only_the_checkpoint_names(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import tracking.evaluation as evaluation
+
+    ckpt = tracked_checkpoint(tmp_path / "best.pt")
+    calls = []
+    monkeypatch.setattr(evaluation, "open_tracker", lambda *a, **k: RecordingTracker(calls, *a, **k))
+    caplog.set_level(logging.INFO)
+    evaluation.log_evaluation(str(ckpt), ["train.device=cpu"], {"top1": 50.0}, [])
+    assert calls == [] and "pass tracking.backend=mlflow" in caplog.text
+    # asked for on the command line: the user's store (here MLflow's own resolution), never the checkpoint's
+    evaluation.log_evaluation(str(ckpt), ["tracking.backend=mlflow"], {"top1": 50.0}, [])
+    ((args, kwargs),) = calls
+    assert args[0].uri is None and args[0].experiment is None and args[4] == "abc123" and kwargs["attach_only"]
+    assert "eval/ figures added to run abc123" in caplog.text
+
+
+def test_eval_with_an_unreachable_store_says_the_figures_were_not_added(tmp_path, caplog):
+    import logging
+
+    from tracking.evaluation import log_evaluation
+
+    ckpt = tracked_checkpoint(tmp_path / "best.pt")
+    caplog.set_level(logging.INFO)
+    log_evaluation(str(ckpt), ["tracking.backend=mlflow", f"tracking.uri={unreachable_uri()}"], {"top1": 50.0}, [])
+    assert "figures added" not in caplog.text and "did not reach run abc123" in caplog.text
+    records = read_backlog(tmp_path / "tracking_backlog.jsonl")
+    assert [r["op"] for r in records] == ["start", "metrics"] and records[1]["metrics"] == {"eval/top1": 50.0}
+
+
+# ---------------------------------------------------------------- where a local store may write
+
+@pytest.mark.parametrize("where", ["data root", "CSV folder", "shards", "teacher", "sqlite in data"])
+def test_a_local_store_inside_an_input_is_refused(tmp_path, where):
+    from tracking.store_location import check_store_apart
+
+    data = tmp_path / "data"
+    (data / "train" / "cat").mkdir(parents=True)
+    lists, shards, teacher = tmp_path / "lists", tmp_path / "shards", tmp_path / "teacher"
+    for folder in (lists, shards, teacher):
+        folder.mkdir()
+    (lists / "train.csv").write_text("path,label\n")
+    (teacher / "config.json").write_text("{}")
+    keys = {"data root": ["data.root=" + str(data)],
+            "CSV folder": ["data.format=csv", f"data.train_csv={lists / 'train.csv'}", "data.val_fraction=0.2"],
+            "shards": ["data.format=webdataset", f"data.train_shards={shards}/train-{{000..003}}.tar",
+                       f"data.val_shards={shards}/val-000.tar", f"data.classes={lists / 'train.csv'}"],
+            "teacher": [f"distill.teacher=local-dir:{teacher}", "data.root=" + str(data)],
+            "sqlite in data": ["data.root=" + str(data)]}[where]
+    store = {"data root": (data / "train").as_uri(), "CSV folder": str(lists / "mlruns"),
+             "shards": str(shards / "mlruns"), "teacher": str(teacher / "mlruns"),
+             "sqlite in data": f"sqlite:///{data}/mlflow.db"}[where]
+    cfg = load_config("base", keys + ["tracking.backend=mlflow", f"tracking.uri={store}"])
+    with pytest.raises(ConfigError, match="tracking.uri"):
+        check_store_apart(cfg)
+    check_store_apart(load_config("base", keys + ["tracking.backend=mlflow", f"tracking.uri={tmp_path / 'mlruns'}"]))
+
+
+def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
+    import core.config as config
+
+    cfg = load_config("base", ["tracking.backend=mlflow", "tracking.uri=runs/mlruns"])
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setattr(config, "folder_store_allowed", lambda: False)  # MLflow 3's file store: maintenance mode
+    with pytest.raises(ConfigError, match="sqlite:///mlflow.db.*MLFLOW_ALLOW_FILE_STORE=true"):
+        config.check_tracking_client(cfg.tracking)
+    monkeypatch.setattr(config, "folder_store_allowed", lambda: True)
+    config.check_tracking_client(cfg.tracking)
+    config.check_tracking_client(load_config("base", ["tracking.backend=mlflow", "tracking.uri=sqlite:///m.db"]).tracking)
+
+
+def test_the_installed_mlflow_refuses_a_folder_store_unless_allowed(monkeypatch):
+    import mlflow.store.tracking.file_store as file_store
+
+    from core.config import folder_store_allowed
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    refused = "MLFLOW_ALLOW_FILE_STORE" in open(file_store.__file__).read()
+    assert folder_store_allowed() is not refused
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert folder_store_allowed()
+
+
+# ---------------------------------------------------------------- a resumed run's identity
+
+def test_a_resumed_job_keeps_the_runs_command_key_and_experiment(tmp_path, monkeypatch):
+    import tracking.training as training
+    from core.config import config_from_dict
+    from tracking.run_record import read_run_record
+
+    calls = []
+    monkeypatch.setattr(training, "open_tracker", lambda *a, **k: RecordingTracker(calls, *a, **k))
+    monkeypatch.setattr("sys.argv", ["train.py", "--resume", "auto", "--config", "quickstart"])
+    cfg = load_config("quickstart", ["tracking.backend=mlflow"])
+    training.open_training_tracking(cfg, tmp_path, True, 1, "cpu", None, None, None, None)
+    key = read_run_record(tmp_path)["run_key"]
+    training.open_training_tracking(cfg, tmp_path, True, 1, "cpu", None, {"step": 5, "tracking_run_id": "r1"},
+                                    None, None)
+    (_, first), (args, resumed) = calls
+    tags = args[5]
+    assert "imgcls.command" not in tags and tags["imgcls.resume_command"].startswith("train.py --resume auto")
+    assert tags["imgcls.resumed_at_step"] == 5 and resumed["run_key"] == first["run_key"] == key
+    assert resumed["reopen"] and args[4] == "r1"
+    # the experiment: a run resumed without --config (and tracking turned on then) stays in its config's
+    assert config_from_dict(cfg.to_dict()).tracking.experiment == "quickstart"
