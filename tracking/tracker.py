@@ -84,7 +84,9 @@ class MlflowTracker:
 
     @property
     def run_id(self) -> Optional[str]:
-        return self.store.run_id
+        """The store's run; while the store has not answered, the run the job was started for (--resume:
+        last.pt's), which the checkpoints go on naming."""
+        return self.store.run_id or self.sender.run_id_named
 
     @property
     def all_sent(self) -> bool:
@@ -110,7 +112,8 @@ class MlflowTracker:
         self._submit({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def wait_for_run(self, timeout_s: float) -> Optional[str]:
-        """The run id, once the store created or reopened the run (None: it did not within `timeout_s`)."""
+        """The run id, once the store created or reopened the run (else, after `timeout_s`, the run the job
+        was started for, or None for a new run)."""
         self.sender.started.wait(timeout_s)
         return self.run_id
 

@@ -199,7 +199,8 @@ def test_a_run_resumed_while_the_store_is_down_is_replayed_into_its_run(tmp_path
     store = folder_store()
     run_id = tracked_job(run_dir, store, steps=[1, 2], status="KILLED").run_id  # stopped by SIGTERM
     assert run_id and not (run_dir / "tracking_backlog.jsonl").exists()
-    tracked_job(run_dir, unreachable_uri(), run_id=run_id, steps=[3, 4], reopen=True)  # resumed, store down
+    down = tracked_job(run_dir, unreachable_uri(), run_id=run_id, steps=[3, 4], reopen=True)  # resumed, store down
+    assert down.run_id == run_id  # what its checkpoints go on naming
     records = read_backlog(run_dir / "tracking_backlog.jsonl")
     assert {r["run_id"] for r in records} == {run_id} and {r["run_key"] for r in records} == {"k1"}
     code, out = replay_cli(run_dir, store, capsys)
