@@ -82,10 +82,14 @@ def read_records(path: Path) -> tuple[list[tuple[int, dict]], int]:
 
 
 def run_groups(records: list[tuple[int, dict]]) -> dict[str, list[tuple[int, dict]]]:
-    """The records of each run, in order: by run key (backlogs written before keys: the run id, else the job)."""
+    """The records of each run, in order, by run key. A backlog written before keys: a job's records go with
+    its start record's run (their run id was left null when that start failed), else by their run id."""
+    session_run = {r.get("session"): r.get("run_id") for _, r in records
+                   if r["op"] == "start" and not r.get("run_key") and r.get("run_id")}
     groups: dict[str, list[tuple[int, dict]]] = {}
     for number, record in records:
-        key = record.get("run_key") or record.get("run_id") or f"session:{record.get('session')}"
+        key = (record.get("run_key") or record.get("run_id") or session_run.get(record.get("session"))
+               or f"session:{record.get('session')}")
         groups.setdefault(key, []).append((number, record))
     return groups
 

@@ -425,3 +425,16 @@ def test_a_resumed_job_keeps_the_runs_command_key_and_experiment(tmp_path, monke
     assert resumed["reopen"] and args[4] == "r1"
     # the experiment: a run resumed without --config (and tracking turned on then) stays in its config's
     assert config_from_dict(cfg.to_dict()).tracking.experiment == "quickstart"
+
+
+def test_a_backlog_written_before_run_keys_goes_into_the_run_its_start_names(tmp_path):
+    from tracking.replay import run_groups
+
+    old = [{"op": "start", "run_id": "r1", "session": "s1", "experiment": "e"},
+           {"op": "metrics", "run_id": None, "session": "s1", "step": 1, "timestamp": 0, "metrics": {}},
+           {"op": "metrics", "run_id": "r2", "session": "s2", "step": 1, "timestamp": 0, "metrics": {}},
+           {"op": "start", "run_id": None, "session": "s3", "experiment": "e"},
+           {"op": "end", "run_id": None, "session": "s3", "status": "FINISHED"}]
+    groups = run_groups(list(enumerate(old, 1)))
+    assert {key: [n for n, _ in items] for key, items in groups.items()} == {"r1": [1, 2], "r2": [3],
+                                                                           "session:s3": [4, 5]}
