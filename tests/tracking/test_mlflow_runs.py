@@ -206,7 +206,7 @@ def test_a_run_stopped_and_resumed_while_the_store_is_down_replays_into_its_run(
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
     run, marker = tmp_path / "run", tmp_path / "paused"
-    # SIGTERM in step 7 (after last.pt holds step 6): the run saves, ends its tracking run KILLED, exits 143
+    # SIGTERM after last.pt holds step 6: the run stops there, ends its tracking run KILLED, exits 143
     proc = start(train_cmd(data_root, run, *tracked(store, "down"),
                            script=paused(marker, f"wait_signal:{STEPS_PER_EPOCH + 2}")))
     wait_for(proc, marker.exists, "the pause point")
@@ -224,7 +224,7 @@ def test_a_run_stopped_and_resumed_while_the_store_is_down_replays_into_its_run(
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     info = client.get_run(run_id)
-    assert info.info.status == "FINISHED" and info.data.tags["imgcls.resumed_at_step"] == str(STEPS_PER_EPOCH + 3)
+    assert info.info.status == "FINISHED" and info.data.tags["imgcls.resumed_at_step"] == str(STEPS_PER_EPOCH + 2)
     assert "--resume auto" in info.data.tags["imgcls.resume_command"]
     assert "--resume" not in info.data.tags["imgcls.command"]  # the command that started the run
     assert_history_is_metrics_csv(client, run_id, run)

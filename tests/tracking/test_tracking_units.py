@@ -378,6 +378,21 @@ def test_a_local_store_inside_an_input_is_refused(tmp_path, where):
     check_store_apart(load_config("base", keys + ["tracking.backend=mlflow", f"tracking.uri={tmp_path / 'mlruns'}"]))
 
 
+@pytest.mark.slow
+def test_train_with_a_store_inside_the_data_exits_2_and_leaves_the_data_alone(tmp_path):
+    from conftest import make_tree, run_script, tiny_overrides
+
+    data = make_tree(tmp_path / "data", {"a": (4, 2), "b": (4, 2)})
+    before = sorted(data.rglob("*"))
+    out = tmp_path / "run"
+    done = run_script("train.py", "--config", "base", *tiny_overrides(data, out), "tracking.backend=mlflow",
+                      f"tracking.uri={(data / 'train').as_uri()}", env={"MLFLOW_ALLOW_FILE_STORE": "true"},
+                      cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "'tracking.uri' (a folder store)" in done.stderr and "overlaps the data root" in done.stderr
+    assert sorted(data.rglob("*")) == before and not (out / "last.pt").exists()
+
+
 def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
     import core.config as config
 
