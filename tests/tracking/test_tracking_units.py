@@ -453,3 +453,14 @@ def test_a_backlog_written_before_run_keys_goes_into_the_run_its_start_names(tmp
     groups = run_groups(list(enumerate(old, 1)))
     assert {key: [n for n, _ in items] for key, items in groups.items()} == {"r1": [1, 2], "r2": [3],
                                                                            "session:s3": [4, 5]}
+
+
+def test_a_record_the_store_refuses_is_named_by_its_line_not_blamed_on_the_store(tmp_path, folder_store, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"op": "start", "run_id": None, "run_key": "k5", "experiment": "exp", "run_name": "r", "tags": {}},
+               {"op": "metrics", "run_id": None, "run_key": "k5", "step": 1, "timestamp": 0, "metrics": {"loss%": 1.0}}]
+    (run_dir / "tracking_backlog.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out = replay_cli(run_dir, folder_store(), capsys)
+    assert code == 1 and "refused the record at line 2 (metrics)" in out and "failed" not in out
+    assert (run_dir / "tracking_backlog.jsonl").exists()
