@@ -244,7 +244,8 @@ def main(argv=None) -> int:
     for run_id, count in sent.items():
         print(f"run {run_id}: {count} record(s) sent")
     if cut:
-        print(f"left out the last line of {path}: cut short when the job was killed")
+        print(f"note: left out the last line of {path}: cut short when the job was killed (never a whole record)",
+              file=sys.stderr)
     if left_out:
         done = keep_left_out(path, lines_to_keep(records, left_out))
         print(f"error: {len(left_out)} of {len(records)} record(s) were not sent and stay in {path} (the "
