@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     parser.add_argument("--linear-probe", action="store_true", help="also linear_probe_top1: a logistic regression "
                         "fitted on the training split's frozen features")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4")
+                        help="override the checkpoint's config, e.g. train.device=cpu data.num_workers=4; "
+                             "tracking.backend=mlflow [tracking.uri=STORE] adds the figures to the checkpoint's "
+                             "tracking run (never to a store only the checkpoint names)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
     if args.knn is not None and args.knn < 1:
@@ -54,6 +56,9 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
     check_output_file("--reliability", args.reliability, ".png")
     check_output_file("--predictions", args.predictions)
+    from tracking.evaluation import check_eval_tracking
+
+    check_eval_tracking(args.overrides, args.checkpoint, args.data)  # only the tracking asked for here, checked now
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
     from commands.evaluate import evaluate_checkpoint, report_evaluation

@@ -65,7 +65,8 @@ def check_arguments(args) -> None:
 
 
 def main(args) -> int:
-    from core.config import check_tracking_client, load_config
+    from core.config import load_config
+    from tracking.store_location import check_tracking_client
 
     check_arguments(args)
     args.steps = args.steps or DEFAULT_STEPS
@@ -73,6 +74,9 @@ def main(args) -> int:
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
     check_tracking_client(cfg.tracking)
+    from tracking.store_location import check_store_apart
+
+    check_store_apart(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
     from commands.tune_run import run_lr_test, run_sweep

@@ -30,7 +30,7 @@ from evaluation.settings import CalibrationConfig
 from models.settings import ModelConfig
 from objectives.distillation.settings import DistillConfig
 from rundir.settings import CheckpointConfig, OutputConfig
-from tracking.settings import (TrackingConfig, check_tracking, check_tracking_client,  # noqa: F401  (re-exported)
+from tracking.settings import (TrackingConfig, check_tracking,  # noqa: F401  (re-exported)
                                tracking_client_installed, tracking_uri_problem)
 from training.settings import EarlyStopConfig, OptimConfig, ScheduleConfig, TrainConfig
 
@@ -168,6 +168,10 @@ def load_config(name: Optional[str], overrides: list[str] = ()) -> Config:
             cfg.explicit_keys |= keys
         cfg.source_name = path.stem
     apply_overrides(cfg, overrides)
+    if cfg.tracking.experiment is None and cfg.source_name:
+        # resolved here, so config.yaml and the checkpoints keep it: a resumed run (which has no --config name)
+        # that turns tracking on goes into the same experiment
+        cfg.tracking.experiment = cfg.source_name
     validate(cfg)
     return cfg
 

@@ -146,7 +146,7 @@ def load_finetune_source(path: str) -> dict:
 CHECKPOINT_FILES = ("last.pt", "last.prev.pt", "best.pt")
 # What output.overwrite=true deletes besides the checkpoints: every other file a run writes (train.log is
 # emptied rather than deleted, as this run's log is already open on it). Nothing else in the folder is touched.
-RUN_FILES = ("summary.json", "metrics.csv", "config.yaml", "batch_finder.json")
+RUN_FILES = ("summary.json", "metrics.csv", "config.yaml", "batch_finder.json", "tracking_run.json")
 
 
 def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main: bool) -> None:

@@ -63,6 +63,16 @@ def job_tags(world_size: int, device: str, fingerprint: Optional[dict] = None,
     return tags
 
 
+def resumed_job_tags(tags: dict, step: int) -> dict:
+    """A resumed job's tags: its command line as `imgcls.resume_command`, so that the run's `imgcls.command`
+    (and source name) stay the command that started it; `imgcls.resumed_at_step`."""
+    tags = dict(tags)
+    tags["imgcls.resume_command"] = tags.pop("imgcls.command")
+    tags.pop("mlflow.source.name", None)
+    tags["imgcls.resumed_at_step"] = step
+    return tags
+
+
 def flat_numbers(values: dict, prefix: str = "") -> dict:
     """The finite numbers in `values` (nested dicts flattened with '/'), under `prefix`."""
     import math

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from core.redaction import redact_text
 from tracking.backlog import Backlog
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,14 @@ class Sender:
     (what is still unsent after the timeout goes to the backlog) and ends the thread."""
 
     def __init__(self, store, backlog: Backlog, queue_size: int = QUEUE_SIZE, attempts: int = ATTEMPTS,
-                 retry_wait_s: float = RETRY_WAIT_S, down_for_s: float = DOWN_FOR_S):
+                 retry_wait_s: float = RETRY_WAIT_S, down_for_s: float = DOWN_FOR_S,
+                 on_started: Optional[Callable[[str], None]] = None):
+        """`on_started(run_id)`: called on the sender thread once the store created or opened the run."""
         self.store, self.backlog = store, backlog
+        self.on_started = on_started
+        # the run the start record names (--resume: last.pt's): the records written to the backlog while the
+        # store cannot confirm it still name it, so that a replay puts them there
+        self.run_id_named: Optional[str] = None
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.attempts, self.retry_wait_s, self.down_for_s = attempts, retry_wait_s, down_for_s
         self.warning = RateLimitedWarning()
@@ -65,6 +72,8 @@ class Sender:
         self.thread.start()
 
     def submit(self, record: dict) -> None:
+        if record.get("op") == "start":
+            self.run_id_named = record.get("run_id")
         try:
             self.queue.put_nowait(record)
         except queue.Full:
@@ -72,7 +81,7 @@ class Sender:
             self.warning.warn(f"the tracking store is slower than the job: records go to {self.backlog.path}")
 
     def _addressed(self, record: dict) -> dict:
-        return record if record.get("op") == "start" else {**record, "run_id": self.store.run_id}
+        return record if record.get("op") == "start" else {**record, "run_id": self.store.run_id or self.run_id_named}
 
     def _work(self) -> None:
         while True:
@@ -84,7 +93,15 @@ class Sender:
             self.in_flight = None
             self.progress_at = time.monotonic()
             if record.get("op") == "start":
-                self.started.set()
+                self._started()
+
+    def _started(self) -> None:
+        if self.store.run_id and self.on_started is not None:
+            try:
+                self.on_started(self.store.run_id)
+            except OSError as err:  # a full disk: the run id is still in last.pt
+                log.warning("tracking: could not record run %s in the run directory: %s", self.store.run_id, err)
+        self.started.set()
 
     def _send(self, record: dict) -> None:
         if self.run_missing or time.monotonic() < self.down_until:
@@ -103,7 +120,7 @@ class Sender:
         if record.get("op") == "start" and self.store.run_id is None:
             self.run_missing = True
         self.backlog.append([self._addressed(record)])
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        reason = redact_text((str(error).strip().splitlines() or [type(error).__name__])[0])[:300]
         self.warning.warn(f"could not reach the tracking store ({type(error).__name__}: {reason}); the run "
                           f"goes on, and what is not logged goes to {self.backlog.path} (send it later with "
                           f"python -m tracking.replay {self.backlog.path.parent})")

@@ -9,6 +9,7 @@ from typing import Literal, Optional, Union
 from urllib.parse import urlsplit
 
 from core.errors import ConfigError
+from core.redaction import redact_uri, secret_query_names
 from core.settings import setting
 
 # tracking.uri schemes MLflow serves (a plain path is a local store); anything else is refused before any work
@@ -43,28 +44,21 @@ def check_tracking(t: TrackingConfig) -> None:
     for key, value in (("tracking.uri", t.uri), ("tracking.experiment", t.experiment),
                        ("tracking.run_name", t.run_name)):
         if value is not None and (not value.strip() or not value.isprintable() or len(value) > 2000):
-            raise ConfigError(f"'{key}' = {value!r}: must be non-empty printable text (no control characters)")
+            raise ConfigError(f"'{key}' = {redact_uri(value)!r}: must be non-empty printable text (no control "
+                              f"characters)")
     for key, value in (("tracking.experiment", t.experiment), ("tracking.run_name", t.run_name)):
         if value is not None and len(value) > TRACKING_NAME_MAX:
             raise ConfigError(f"'{key}' is {len(value)} characters long; MLflow takes at most {TRACKING_NAME_MAX}")
     if t.uri is not None:
         problem = tracking_uri_problem(t.uri)
         if problem:
-            raise ConfigError(f"'tracking.uri' = {t.uri!r}: {problem}; allowed: null (MLflow's own: "
+            raise ConfigError(f"'tracking.uri' = {redact_uri(t.uri)!r}: {problem}; allowed: null (MLflow's own: "
                               f"MLFLOW_TRACKING_URI, else a local store), a folder, sqlite:///FILE.db, "
                               f"http(s)://HOST:PORT, or {', '.join(TRACKING_URI_SCHEMES[4:])}://...")
 
 
 def tracking_client_installed() -> bool:
     return importlib.util.find_spec("mlflow") is not None
-
-
-def check_tracking_client(t: TrackingConfig) -> None:
-    """A job that logs (train.py, tune.py) needs the client installed; eval.py and infer.py of a tracked
-    run's checkpoint do not."""
-    if t.backend == "mlflow" and not tracking_client_installed():
-        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
-                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
 
 
 def tracking_uri_problem(uri: str) -> Optional[str]:
@@ -82,9 +76,11 @@ def tracking_uri_problem(uri: str) -> Optional[str]:
         port = parts.port
     except ValueError as err:
         return f"malformed ({err})"
-    if parts.username is not None or parts.password is not None:
-        return ("it holds credentials, which would be saved in config.yaml and the checkpoints; put them in "
-                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
+    secrets = secret_query_names(uri)
+    if parts.username is not None or parts.password is not None or secrets:
+        held = f"a secret in its query ({', '.join(secrets)})" if secrets and parts.username is None else "credentials"
+        return (f"it holds {held}, which would be saved in config.yaml and the checkpoints; put them in "
+                f"MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
     if scheme in ("http", "https") and not parts.hostname:
         return "no host (http://HOST:PORT)"
     if scheme == "sqlite" and not uri.lower().startswith("sqlite:///"):

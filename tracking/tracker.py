@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Protocol
 
 from tracking.backlog import BACKLOG_NAME, Backlog
-from tracking.sender import Sender
+from tracking.sender import ATTEMPTS, Sender
 
 CLOSE_TIMEOUT_S = 30.0  # at the end, the job waits for queued records while the store answers within this
 
@@ -60,27 +60,41 @@ class MlflowTracker:
 
     def __init__(self, uri: Optional[str], backlog_dir: Path, experiment: str, run_name: Optional[str],
                  run_id: Optional[str] = None, tags: Optional[dict] = None,
-                 close_timeout_s: float = CLOSE_TIMEOUT_S, attach_only: bool = False):
+                 close_timeout_s: float = CLOSE_TIMEOUT_S, attach_only: bool = False, run_key: Optional[str] = None,
+                 reopen: Optional[bool] = None, on_started=None, attempts: int = ATTEMPTS):
         """`run_id`: reopen that run (--resume: its status goes back to RUNNING and close() ends it again);
-        with `attach_only` only add to it (eval.py: the run's status stays as it is)."""
+        with `attach_only` only add to it (eval.py: the run's status stays as it is). `run_key`: the run's
+        client-side key (tracking.run_record), which finds the run again when `run_id` is unknown; `reopen`
+        (default: given a run id): a resumed job's run goes back to RUNNING. `on_started(run_id)` is called
+        once the store created or opened the run; `attempts`: tries per record."""
         from tracking.mlflow_store import MlflowStore
 
         self.store = MlflowStore(uri)
-        self.sender = Sender(self.store, Backlog(Path(backlog_dir) / BACKLOG_NAME))
+        self.sender = Sender(self.store, Backlog(Path(backlog_dir) / BACKLOG_NAME), attempts=attempts,
+                             on_started=on_started)
         self.session = uuid.uuid4().hex  # names this job's records in the backlog
+        self.run_key = run_key or self.session
         self.close_timeout_s = close_timeout_s
         self.closed = False
         self.attach_only = attach_only
-        self._submit({"op": "start", "run_id": run_id, "reopen": bool(run_id) and not attach_only,
-                      "experiment": experiment, "run_name": run_name,
+        reopen = bool(run_id) if reopen is None else reopen
+        self._submit({"op": "start", "run_id": run_id, "reopen": reopen and not attach_only,
+                      "attach_only": attach_only, "experiment": experiment, "run_name": run_name,
                       "tags": {k: str(v) for k, v in (tags or {}).items()}})
 
     @property
     def run_id(self) -> Optional[str]:
-        return self.store.run_id
+        """The store's run; while the store has not answered, the run the job was started for (--resume:
+        last.pt's), which the checkpoints go on naming."""
+        return self.store.run_id or self.sender.run_id_named
+
+    @property
+    def all_sent(self) -> bool:
+        """Whether every record so far reached the store (after close(): nothing went to the backlog)."""
+        return self.sender.backlog.written == 0 and self.store.run_id is not None
 
     def _submit(self, record: dict) -> None:
-        self.sender.submit({**record, "session": self.session})
+        self.sender.submit({**record, "session": self.session, "run_key": self.run_key})
 
     def log_params(self, params: dict) -> None:
         self._submit({"op": "params", "params": {k: str(v) for k, v in params.items()}})
@@ -98,7 +112,8 @@ class MlflowTracker:
         self._submit({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def wait_for_run(self, timeout_s: float) -> Optional[str]:
-        """The run id, once the store created or reopened the run (None: it did not within `timeout_s`)."""
+        """The run id, once the store created or reopened the run (else, after `timeout_s`, the run the job
+        was started for, or None for a new run)."""
         self.sender.started.wait(timeout_s)
         return self.run_id
 
@@ -123,10 +138,10 @@ def finite_numbers(values: dict) -> dict:
 
 def open_tracker(tracking_cfg, backlog_dir: Path, experiment: str, run_name: Optional[str],
                  run_id: Optional[str] = None, tags: Optional[dict] = None, enabled: bool = True,
-                 attach_only: bool = False) -> Tracker:
+                 attach_only: bool = False, **options) -> Tracker:
     """The tracker `tracking.backend` asks for; a NullTracker when it is none or `enabled` is false (the
-    ranks other than global rank 0)."""
+    ranks other than global rank 0). `options`: MlflowTracker's run_key, reopen, on_started, attempts."""
     if tracking_cfg.backend == "none" or not enabled:
         return NullTracker()
     return MlflowTracker(tracking_cfg.uri, backlog_dir, tracking_cfg.experiment or experiment,
-                         tracking_cfg.run_name or run_name, run_id, tags, attach_only=attach_only)
+                         tracking_cfg.run_name or run_name, run_id, tags, attach_only=attach_only, **options)

@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from tracking.run_tags import config_params, job_tags
+from tracking.run_record import note_run_id, run_identity
+from tracking.run_tags import config_params, job_tags, resumed_job_tags
 from tracking.tracker import NullTracker, Tracker, finite_numbers, open_tracker
 
 RUN_ID_KEY = "tracking_run_id"  # in last.pt and best.pt
@@ -108,10 +109,10 @@ def open_training_tracking(cfg, run_dir: Path, is_main: bool, world_size: int, d
     or a new one tagged with the run of the --finetune checkpoint."""
     if not is_main or cfg.tracking.backend == "none":
         return TrainingTracking(NullTracker(), run_dir, False)
-    run_id = (resume_ckpt or {}).get(RUN_ID_KEY)
+    run_key, run_id = run_identity(run_dir, (resume_ckpt or {}).get(RUN_ID_KEY), resume_ckpt is not None)
     tags = job_tags(world_size, device, fingerprint)
     if resume_ckpt is not None:
-        tags["imgcls.resumed_at_step"] = resume_ckpt.get("step", 0)
+        tags = resumed_job_tags(tags, resume_ckpt.get("step", 0))
     if finetune_ckpt is not None:
         tags["imgcls.finetune_of"] = finetune_path
         parent = finetune_ckpt.get(RUN_ID_KEY)
@@ -119,7 +120,8 @@ def open_training_tracking(cfg, run_dir: Path, is_main: bool, world_size: int, d
             tags["imgcls.parent_run_id"] = parent
             tags["mlflow.parentRunId"] = parent
     tracker = open_tracker(cfg.tracking, run_dir, cfg.source_name or "imgcls", Path(run_dir).resolve().name,
-                           run_id, tags)
+                           run_id, tags, run_key=run_key, reopen=resume_ckpt is not None,
+                           on_started=lambda started: note_run_id(run_dir, run_key, started))
     tracking = TrainingTracking(tracker, run_dir, cfg.tracking.log_checkpoints)
     tracker.log_params(config_params(cfg.to_dict()))
     return tracking

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, check_data_root, check_tracking_client
+from core.config import Config, check_data_root
 from core.errors import ConfigError
 from data.build import RunData, build_run_data
 from data.listing.fingerprint import data_fingerprint
@@ -39,6 +39,7 @@ from runtime.device import DeviceInput, pin_memory_for
 from runtime.launcher import launch_info
 from runtime.runtime import Runtime, start_runtime
 from runtime.signals import StopSignal
+from tracking.store_location import check_store_apart, check_tracking_client
 from tracking.training import RUN_ID_KEY as TRACKING_RUN_ID_KEY, TrainingTracking, open_training_tracking
 from training.optim import check_optimizer, describe_groups
 from training.schedule import RunPlan, plan_run
@@ -144,6 +145,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     resume or fine-tune from, the CPU threads, the pretrained weights and the built-in data."""
     check_data_root(cfg)
     check_tracking_client(cfg.tracking)
+    check_store_apart(cfg, finetune)
     check_model_name(cfg.model.name)
     check_grad_checkpointing(cfg.model)
     check_optimizer(cfg.optim)

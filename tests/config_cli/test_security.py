@@ -182,3 +182,73 @@ def test_torch_is_at_a_release_without_the_weights_only_bypasses():
     torch_pin = [p for p in pins if p.split("=")[0].split(">")[0].strip() == "torch"]
     assert torch_pin, "requirements.txt must name torch"
     assert version(torch_pin[0].split("=")[-1].split(">")[-1].strip()) >= (2, 10), torch_pin
+
+
+# ---------------------------------------------------------------- credentials in a tracking URI
+
+SECRET = "s3cr3t-value"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once it is closed: connection refused
+SECRET_URIS = [f"http://user:{SECRET}@tracking.example.org:5000", f"http://tracking.example.org:5000/?token={SECRET}",
+               f"https://tracking.example.org/?x=1&api_key={SECRET}", f"postgresql://db.example.org/mlflow?sslpassword={SECRET}"]
+
+
+@pytest.mark.parametrize("uri", SECRET_URIS)
+def test_a_tracking_uri_with_credentials_is_refused_without_repeating_them(uri, tmp_path, capsys):
+    from tracking.replay import main as replay
+
+    with pytest.raises(ConfigError, match="tracking.uri") as refused:
+        load_config("base", ["tracking.backend=mlflow", f"tracking.uri={uri}"])
+    assert SECRET not in str(refused.value) and "***" in str(refused.value)
+    (tmp_path / "tracking_backlog.jsonl").write_text('{"op": "end", "status": "FINISHED", "run_id": "abc"}\n')
+    assert replay([str(tmp_path), "--uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert "credentials" in err or "secret" in err
+    assert SECRET not in err
+
+
+def test_log_lines_naming_the_store_mask_its_credentials(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI (the user's environment, never saved) may hold credentials: neither the client's own
+    request log nor the tracking warnings repeat them."""
+    import io
+    import logging
+
+    from tracking.backlog import Backlog
+    from tracking.mlflow_store import MlflowStore
+    from tracking.sender import Sender
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SECRET}@127.0.0.1:{free_port()}/?token={SECRET}")
+    log_file = io.StringIO()  # train.log's handler, on the root logger
+    handler = logging.StreamHandler(log_file)
+    logging.getLogger().addHandler(handler)
+    try:
+        sender = Sender(MlflowStore(None), Backlog(tmp_path / "tracking_backlog.jsonl"), attempts=1)
+        sender.submit({"op": "start", "run_id": None, "run_key": "k", "experiment": "e", "run_name": "r", "tags": {}})
+        sender.close(timeout_s=30)
+        logging.getLogger("urllib3.connectionpool").warning(
+            "Retrying after connection broken: http://user:%s@127.0.0.1/?token=%s/api/2.0", SECRET, SECRET)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = log_file.getvalue()
+    assert "could not reach the tracking store" in text and "Retrying" in text
+    assert SECRET not in text and "user:" not in text and "***" in text
+
+
+@pytest.mark.slow
+def test_train_log_never_holds_the_stores_credentials(data_root, tmp_path):
+    from conftest import run_script
+
+    out = tmp_path / "run"
+    done = run_script("train.py", "--config", "base", *tiny_overrides(data_root, out, **{"model.name": "test_resnet",
+                      "train.epochs": 1}), "tracking.backend=mlflow", cwd=tmp_path, timeout=300,
+                      env={"MLFLOW_TRACKING_URI": f"http://user:{SECRET}@127.0.0.1:{free_port()}/?token={SECRET}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "could not reach the tracking store" in (out / "train.log").read_text()
+    for text in ((out / "train.log").read_text(), done.stderr, done.stdout, (out / "config.yaml").read_text()):
+        assert SECRET not in text

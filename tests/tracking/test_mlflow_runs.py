@@ -108,10 +108,10 @@ def test_local_store_run_eval_and_finetune(data_root, tmp_path):
     assert {"config.yaml", "summary.json", "metrics.csv", "checkpoints/best.pt"} <= files
     assert not (run / "tracking_backlog.jsonl").exists()
 
-    # eval.py of best.pt: its figures and pictures go into the same run, under eval/
+    # eval.py of best.pt, asked to: its figures and pictures go into the same run, under eval/
     report = tmp_path / "eval.json"
     done = run_script("eval.py", "--checkpoint", str(run / "best.pt"), "--json", str(report), "--reliability",
-                      str(tmp_path / "rel.png"), cwd=tmp_path, env=env)
+                      str(tmp_path / "rel.png"), "tracking.backend=mlflow", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = client.get_run(run_id).data.metrics
     assert metrics["eval/top1"] == pytest.approx(json.loads(report.read_text())["top1"])
@@ -199,6 +199,37 @@ def test_server_killed_mid_run_training_unchanged_and_backlog_replays(data_root,
     assert {"config.yaml", "summary.json", "metrics.csv"} <= {a.path for a in client.list_artifacts(run_id)}
     experiment = client.get_experiment_by_name("server-gone")
     assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_a_run_stopped_and_resumed_while_the_store_is_down_replays_into_its_run(data_root, tmp_path):
+    from mlflow_server import free_port
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    # SIGTERM after last.pt holds step 6: the run stops there, ends its tracking run KILLED, exits 143
+    proc = start(train_cmd(data_root, run, *tracked(store, "down"),
+                           script=paused(marker, f"wait_signal:{STEPS_PER_EPOCH + 2}")))
+    wait_for(proc, marker.exists, "the pause point")
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=TIMEOUT)[1]
+    assert proc.returncode == 143, err[-3000:]
+    run_id = run_id_of(run)
+    client = MlflowClient(store)
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    # resumed while the store is down (here: nothing listens at the URI), to the end
+    run_to_end(train_cmd(data_root, run, "--resume", "auto", *tracked(f"http://127.0.0.1:{free_port()}", "down")))
+    assert (run / "tracking_backlog.jsonl").exists() and run_id_of(run) == run_id
+    done = subprocess.run([sys.executable, "-m", "tracking.replay", str(run), "--uri", store], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = client.get_run(run_id)
+    assert info.info.status == "FINISHED" and info.data.tags["imgcls.resumed_at_step"] == str(STEPS_PER_EPOCH + 2)
+    assert "--resume auto" in info.data.tags["imgcls.resume_command"]
+    assert "--resume" not in info.data.tags["imgcls.command"]  # the command that started the run
+    assert_history_is_metrics_csv(client, run_id, run)
+    assert {"config.yaml", "summary.json", "metrics.csv"} <= {a.path for a in client.list_artifacts(run_id)}
+    assert [r.info.run_id for r in client.search_runs([info.info.experiment_id])] == [run_id]
 
 
 def test_unreachable_store_at_start_trains_and_replays_into_a_new_run(data_root, tmp_path):
