@@ -86,6 +86,9 @@ def open_study(plan: SearchPlan):
     study = optuna.create_study(storage=storage, study_name=STUDY_NAME, load_if_exists=True,
                                 direction="maximize" if plan.higher_is_better else "minimize",
                                 sampler=optuna.samplers.TPESampler(seed=plan.seed), pruner=make_pruner(plan))
+    drawn = len(study.get_trials(deepcopy=False))
+    if drawn:  # a continued study: the sampler's random draws go on from where they were, not again from the seed
+        study.sampler = optuna.samplers.TPESampler(seed=plan.seed + drawn)
     recorded, wanted = study.user_attrs.get("search"), plan.identity()
     if recorded is None:
         study.set_user_attr("search", wanted)

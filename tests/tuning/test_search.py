@@ -167,3 +167,25 @@ def test_a_study_killed_during_a_trial_continues_to_exactly_the_asked_trials(tmp
     assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 6)
     different = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not different, f"the resumed trial's weights differ from train.py's in {different[:5]}"
+
+
+def test_a_continued_study_draws_new_values_not_the_first_ones_again(tmp_path):
+    """The sampler is seeded by train.seed; a study continued by a new process must not draw the values of its
+    first trials again (a seed restarted at each run would)."""
+    from tuning.search_study import SearchPlan, open_study
+    from tuning.search_space import suggest
+
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {low: 0.001, high: 1.0, log: true}\n")
+    plan = SearchPlan(config="base", overrides=[], dims=load_space(str(space), "base", []), trials=2,
+                      study_dir=tmp_path, metric="top1", higher_is_better=True, epochs=2, seed=0)
+    drawn = []
+    for _ in range(2):  # two processes, one trial each
+        study = open_study(plan)
+        trial = study.ask()
+        drawn.append(suggest(trial, plan.dims)["optim.lr"])
+        study.tell(trial, 50.0)
+    assert drawn[0] != drawn[1]
+    plan.overrides = ["train.label_smoothing=0.1"]
+    with pytest.raises(ConfigError, match="holds a study of another search"):
+        open_study(plan)
