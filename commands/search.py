@@ -73,7 +73,8 @@ def main(args) -> int:
     plan = SearchPlan(config=args.config, overrides=list(args.overrides), dims=dims, trials=args.trials,
                       study_dir=Path(args.study), metric=metric, higher_is_better=metric_named(metric).higher_is_better,
                       epochs=cfg.train.epochs, seed=cfg.train.seed, pruner=args.pruner,
-                      startup_trials=args.startup_trials, keep=args.keep, launcher=launcher(args.nproc_per_node))
+                      startup_trials=args.startup_trials, keep=args.keep, launcher=launcher(args.nproc_per_node),
+                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls")
     for dim in dims:
         logging.getLogger(__name__).info("search: %s", dim.describe())
     return run_search(plan)

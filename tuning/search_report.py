@@ -30,8 +30,9 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def finish_study(study, plan, done: bool) -> None:
-    """Write the results of the study as it stands; `done`: every asked trial finished (then --keep applies)."""
+def finish_study(study, plan, done: bool) -> list[Path]:
+    """Write the results of the study as it stands; `done`: every asked trial finished (then --keep applies).
+    Returns the files written."""
     from optuna.trial import TrialState
 
     write_trials_csv(study, plan)
@@ -39,12 +40,13 @@ def finish_study(study, plan, done: bool) -> None:
                       key=lambda t: t.value, reverse=plan.higher_is_better)
     if not complete:
         log.warning("search: no complete trial yet: no best.yaml")
-        return
+        return [plan.study_dir / "trials.csv"]
     write_best_yaml(complete[0], plan)
-    write_plots(study, plan, len(complete))
+    plots = write_plots(study, plan, len(complete))
     if done and plan.keep == "best":
         drop_checkpoints(study, plan, keep=complete[0].number)
     log.info("%s", closing_line(study, plan, complete))
+    return [plan.study_dir / "trials.csv", plan.study_dir / "best.yaml", *plots]
 
 
 def write_trials_csv(study, plan) -> None:
@@ -95,7 +97,7 @@ def write_best_yaml(trial, plan) -> None:
     write_text(plan.study_dir / "best.yaml", header + yaml.safe_dump(best_config(trial, plan), sort_keys=False))
 
 
-def write_plots(study, plan, complete: int) -> None:
+def write_plots(study, plan, complete: int) -> list[Path]:
     """Optuna's matplotlib plots: history, slice, and the parameter importances (at least 2 complete trials
     and 2 keys: with one key there is nothing to compare)."""
     import matplotlib
@@ -118,6 +120,7 @@ def write_plots(study, plan, complete: int) -> None:
         figure.savefig(tmp, dpi=100, bbox_inches="tight")
         plt.close(figure)
         os.replace(tmp, plan.study_dir / name)
+    return [plan.study_dir / name for name in drawings]
 
 
 def drop_checkpoints(study, plan, keep: int) -> None:

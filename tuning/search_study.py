@@ -42,6 +42,8 @@ class SearchPlan:
     startup_trials: int = 2  # median: trials finished before any is pruned
     keep: str = "best"
     launcher: tuple = ()  # the train.py command before its arguments (python train.py, or torchrun ... train.py)
+    tracking: object = None  # the config's TrackingConfig: tracking.backend=mlflow opens a run for the study
+    experiment: str = "imgcls"  # the tracking experiment when tracking.experiment is null (the config's name)
 
     def identity(self) -> dict:
         """What makes two commands the same study (the trial count and pruner settings may change)."""
@@ -111,20 +113,35 @@ def run_search(plan: SearchPlan) -> int:
     (the running trial saved; the same command continues)."""
     lock_study(plan.study_dir)
     study = open_study(plan)
+    tracking = open_tracking(study, plan)
     stop = StopRequest()
     previous = {sig: signal.signal(sig, stop.handle) for sig in EXIT_SIGNAL}
     try:
-        code = _run_trials(study, plan, stop)
+        code = _run_trials(study, plan, stop, tracking)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     from tuning.search_report import finish_study
 
-    finish_study(study, plan, done=code == 0)
+    files = finish_study(study, plan, done=code == 0)
+    if tracking is not None:
+        tracking.close(files, finished=code == 0)
     return code
 
 
-def _run_trials(study, plan: SearchPlan, stop: StopRequest) -> int:
+def open_tracking(study, plan: SearchPlan):
+    """tracking.backend=mlflow: the study's run (the one an earlier process opened, when continued)."""
+    if plan.tracking is None or plan.tracking.backend == "none":
+        return None
+    from tracking.search import StudyTracking
+
+    tracking = StudyTracking(plan.tracking, plan.study_dir, plan.experiment, study.user_attrs.get("tracking_run_id"))
+    if tracking.run_id:
+        study.set_user_attr("tracking_run_id", tracking.run_id)
+    return tracking
+
+
+def _run_trials(study, plan: SearchPlan, stop: StopRequest, tracking=None) -> int:
     from optuna.trial import TrialState
 
     failures = 0
@@ -132,9 +149,12 @@ def _run_trials(study, plan: SearchPlan, stop: StopRequest) -> int:
         if stop.signum is not None:
             return EXIT_SIGNAL[stop.signum]
         trial = _next_trial(study)
-        outcome, state = _run_one(study, trial, plan, stop)
+        outcome, state = _run_one(study, trial, plan, stop, tracking.trial_environment() if tracking else {})
         if outcome.signum is not None:
             return EXIT_SIGNAL[outcome.signum]
+        if tracking is not None:
+            finished = study.get_trials(deepcopy=False)[trial.number]
+            tracking.log_trial(trial.number, finished.params, state.name, finished.value)
         failures = failures + 1 if state == TrialState.FAIL else 0
         if state == TrialState.FAIL and (outcome.exit_code == 2 or failures >= MAX_FAILURES_IN_ROW):
             log.error("search: stopping: %s", "the trial's config was refused (exit 2)" if outcome.exit_code == 2
@@ -156,7 +176,7 @@ def _next_trial(study):
     return study.ask()
 
 
-def _run_one(study, trial, plan: SearchPlan, stop: StopRequest) -> tuple[TrialOutcome, Optional[object]]:
+def _run_one(study, trial, plan: SearchPlan, stop: StopRequest, env: dict) -> tuple[TrialOutcome, Optional[object]]:
     """Train the trial and tell the study how it ended; (outcome, the trial's state, None while it runs on)."""
     from optuna.trial import TrialState
 
@@ -179,7 +199,7 @@ def _run_one(study, trial, plan: SearchPlan, stop: StopRequest) -> tuple[TrialOu
     else:
         command = [*plan.launcher, "--config", plan.config, *plan.overrides,
                    *(override_text(k, v) for k, v in values.items()), f"output.dir={run_dir}", "--resume", "auto"]
-        outcome = run_trial(command, run_dir, f"val_{plan.metric}", on_epoch, stop)
+        outcome = run_trial(command, run_dir, f"val_{plan.metric}", on_epoch, stop, env)
     trial.set_user_attr("wall_s", frozen.user_attrs.get("wall_s", 0.0) + outcome.seconds)
     if outcome.signum is not None:
         return outcome, None

@@ -80,7 +80,7 @@ def forget_unsaved_rows(run_dir: Path) -> None:
 
 
 def run_trial(command: list[str], run_dir: Path, column: str, on_epoch: Callable[[int, float], bool],
-              stop: StopRequest) -> TrialOutcome:
+              stop: StopRequest, env: Optional[dict] = None) -> TrialOutcome:
     """Run `command` (which trains into `run_dir`) to its end; `on_epoch(epoch, value)` is called once per new
     validated epoch, in order, until it answers True (prune): then the child is stopped with SIGTERM."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def run_trial(command: list[str], run_dir: Path, column: str, on_epoch: Callable
     started = time.perf_counter()
     outcome = TrialOutcome(exit_code=0)
     with (run_dir / "output.log").open("a") as output:
-        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         stop.child = child
         if stop.signum is not None:  # a signal came between the trials' start and here

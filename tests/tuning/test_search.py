@@ -102,7 +102,9 @@ def test_a_study_prunes_on_the_validation_metric_and_writes_its_results(tmp_path
     seeded = optuna.create_study(study_name="search", storage=f"sqlite:///{study / 'study.db'}", direction="minimize")
     for lr, smoothing in ((0.05, 0.1), (0.05, 0.0), (1e-7, 0.0)):
         seeded.enqueue_trial({"optim.lr": lr, "train.label_smoothing": smoothing})
-    overrides = search_overrides(data, **{"early_stop.metric": "loss"})
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = search_overrides(data, **{"early_stop.metric": "loss", "tracking.backend": "mlflow",
+                                          "tracking.uri": store, "tracking.experiment": "search"})
     result = run_script("tune.py", "--config", "base", "--search", str(space), "--trials", "3", "--study",
                         str(study), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -129,6 +131,23 @@ def test_a_study_prunes_on_the_validation_metric_and_writes_its_results(tmp_path
     assert best_cfg["output"].pop("dir") == str(study / "best")
     trial_cfg["output"].pop("dir")
     assert best_cfg == trial_cfg
+    assert_trials_nested_under_the_study_run(store, rows)
+
+
+def assert_trials_nested_under_the_study_run(store: str, rows: list[dict]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("search").experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "search-study")
+    children = sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
+    assert children == ["0", "1", "2"] and len(runs) == 4
+    assert parent.info.status == "FINISHED"
+    history = client.get_metric_history(parent.info.run_id, "search/pruned")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 0.0), (2, 1.0)]
+    values = {m.step: m.value for m in client.get_metric_history(parent.info.run_id, "search/value")}
+    assert values == pytest.approx({int(r["number"]): float(r["value"]) for r in rows}, rel=1e-5)
+    assert {"trials.csv", "best.yaml", "history.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
 @pytest.mark.slow
@@ -189,3 +208,15 @@ def test_a_continued_study_draws_new_values_not_the_first_ones_again(tmp_path):
     plan.overrides = ["train.label_smoothing=0.1"]
     with pytest.raises(ConfigError, match="holds a study of another search"):
         open_study(plan)
+
+
+@pytest.mark.slow
+def test_a_trial_runs_under_torchrun_with_nproc_per_node(tmp_path):
+    data = make_tree(tmp_path / "data", {"a": (8, 4), "b": (8, 4)})
+    space, study = tmp_path / "space.yaml", tmp_path / "study"
+    space.write_text("train.label_smoothing: [0.1]\n")
+    result = run_script("tune.py", "--config", "base", "--search", str(space), "--trials", "1", "--study", str(study),
+                        "--nproc-per-node", "2", *search_overrides(data, **{"train.epochs": 1, "train.batch_size": 4}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["state"] for r in read_rows(study / "trials.csv")] == ["COMPLETE"]
+    assert "2 process(es)" in (study / "trials" / "0" / "train.log").read_text()
