@@ -201,6 +201,8 @@ def _run_one(study, trial, plan: SearchPlan, stop: StopRequest, env: dict) -> tu
                    *(override_text(k, v) for k, v in values.items()), f"output.dir={run_dir}", "--resume", "auto"]
         outcome = run_trial(command, run_dir, f"val_{plan.metric}", on_epoch, stop, env)
     trial.set_user_attr("wall_s", frozen.user_attrs.get("wall_s", 0.0) + outcome.seconds)
+    if outcome.pruned_epoch is None and outcome.signum is None:  # the trial alone was stopped: it saved, as after ours
+        outcome.signum = next((sig for sig, code in EXIT_SIGNAL.items() if code == outcome.exit_code), None)
     if outcome.signum is not None:
         return outcome, None
     if outcome.pruned_epoch is not None:

@@ -220,3 +220,40 @@ def test_a_trial_runs_under_torchrun_with_nproc_per_node(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["state"] for r in read_rows(study / "trials.csv")] == ["COMPLETE"]
     assert "2 process(es)" in (study / "trials" / "0" / "train.log").read_text()
+
+
+def test_a_trial_stopped_by_a_signal_stays_running_and_is_continued_not_replaced(tmp_path, monkeypatch):
+    """The trial's run saved and exited 143 (a SIGTERM): the study stops with 143 and leaves the trial RUNNING;
+    the next run takes it up with the same command (--resume auto), reports only its new epochs, and counts it
+    once. (The runs are stand-ins here: the slow tests train for real.)"""
+    import json
+
+    import tuning.search_study as search_study
+    from tuning.search_trial import TrialOutcome
+
+    commands = []
+
+    def run_trial(command, run_dir, column, on_epoch, stop, env=None):
+        commands.append(command)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        assert not on_epoch(1, 50.0)
+        if len(commands) == 1:
+            return TrialOutcome(exit_code=143, seconds=1.0)
+        assert not on_epoch(2, 60.0)
+        (run_dir / "summary.json").write_text(json.dumps({"best": {"top1": 60.0}}))
+        return TrialOutcome(exit_code=0, seconds=2.0)
+
+    monkeypatch.setattr(search_study, "run_trial", run_trial)
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {low: 0.001, high: 1.0, log: true}\n")
+    plan = search_study.SearchPlan(config="base", overrides=[], dims=load_space(str(space), "base", []), trials=1,
+                                   study_dir=tmp_path / "study", metric="top1", higher_is_better=True, epochs=2,
+                                   seed=0, keep="all", launcher=("train.py",))
+    assert search_study.run_search(plan) == 143
+    assert [t.state.name for t in study_trials(plan.study_dir)] == ["RUNNING"]
+    assert search_study.run_search(plan) == 0
+    (trial,) = study_trials(plan.study_dir)
+    assert (trial.state.name, trial.value, trial.intermediate_values) == ("COMPLETE", 60.0, {1: 50.0, 2: 60.0})
+    assert trial.user_attrs["wall_s"] == 3.0
+    assert commands[0] == commands[1] and commands[0][-2:] == ["--resume", "auto"]
+    assert f"output.dir={plan.study_dir / 'trials' / '0'}" in commands[0]
