@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 STUDY_NAME = "search"
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGUSR1: 138}
 # failed trials in a row (a crash, a diverged run) after which the study stops: something is wrong with all of them
-MAX_FAILURES_IN_ROW = 3
+MAX_FAILURES_IN_ROW = 5
 PRUNED_MARKER = "PRUNED"
 
 
