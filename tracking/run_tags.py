@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from typing import Optional
 from core.config import flatten
 
 CODE_DIR = Path(__file__).resolve().parent.parent
+# set by tune.py --search for its trials: the study's run, which each trial's run is nested under
+PARENT_RUN_ENV = "IMGCLS_TRACKING_PARENT_RUN_ID"
 
 
 def config_params(config: dict) -> dict:
@@ -60,6 +63,8 @@ def job_tags(world_size: int, device: str, fingerprint: Optional[dict] = None,
     digest = fingerprint_digest(fingerprint)
     if digest:
         tags["imgcls.data_fingerprint"] = digest
+    if os.environ.get(PARENT_RUN_ENV):
+        tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
     return tags
 
 
