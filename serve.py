@@ -34,6 +34,30 @@ API_KEY_ENV = "IMGCLS_API_KEY"
 MAX_BATCH_LIMIT = 1024
 
 
+def check_arguments(args) -> None:
+    """Usage mistakes exit 2 before the model loads."""
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--workers", args.workers, 1),
+                             ("--max-bytes", args.max_bytes, 1), ("--drain-bytes", args.drain_bytes, 0),
+                             ("--topk", args.topk, 1), ("--port", args.port, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: must be >= {low}")
+    if args.port > 65535:
+        raise ConfigError(f"--port {args.port}: must be <= 65535")
+    if not 0 <= args.max_wait_ms <= 10_000:
+        raise ConfigError(f"--max-wait-ms {args.max_wait_ms}: must be between 0 and 10000")
+    if not 0 < args.body_timeout <= 3600:
+        raise ConfigError(f"--body-timeout {args.body_timeout}: must be above 0 and at most 3600 (seconds)")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key == args.api_key.strip()):
+        raise ConfigError(f"--api-key / ${API_KEY_ENV}: printable ASCII without surrounding spaces is needed (an "
+                          f"HTTP header carries no other key intact, so every request would get 401)")
+    if args.max_batch > MAX_BATCH_LIMIT:
+        raise ConfigError(f"--max-batch {args.max_batch}: must be <= {MAX_BATCH_LIMIT} (every power-of-two shape "
+                          f"up to it is warmed up before the port opens)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
@@ -66,27 +90,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
-    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--workers", args.workers, 1),
-                             ("--max-bytes", args.max_bytes, 1), ("--drain-bytes", args.drain_bytes, 0),
-                             ("--topk", args.topk, 1), ("--port", args.port, 0)):
-        if value < low:
-            raise ConfigError(f"{flag} {value}: must be >= {low}")
-    if args.port > 65535:
-        raise ConfigError(f"--port {args.port}: must be <= 65535")
-    if not 0 <= args.max_wait_ms <= 10_000:
-        raise ConfigError(f"--max-wait-ms {args.max_wait_ms}: must be between 0 and 10000")
-    if not 0 < args.body_timeout <= 3600:
-        raise ConfigError(f"--body-timeout {args.body_timeout}: must be above 0 and at most 3600 (seconds)")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError(f"--api-key / ${API_KEY_ENV}: empty; pass a key or leave it unset")
-    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
-                                         and args.api_key == args.api_key.strip()):
-        raise ConfigError(f"--api-key / ${API_KEY_ENV}: printable ASCII without surrounding spaces is needed (an "
-                          f"HTTP header carries no other key intact, so every request would get 401)")
-    if args.max_batch > MAX_BATCH_LIMIT:
-        raise ConfigError(f"--max-batch {args.max_batch}: must be <= {MAX_BATCH_LIMIT} (every power-of-two shape "
-                          f"up to it is warmed up before the port opens)")
-
+    check_arguments(args)
     from serving.app import ServeSettings
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key,
