@@ -144,23 +144,43 @@ def write_openvino(loaded: ModelFile, folder: Path, batch: Optional[int], metada
     except Exception as err:  # the exporters raise many types; their messages name the failing code
         raise ConfigError(f"--format openvino: torch.export cannot trace this model, which OpenVINO converts "
                           f"from: {shorten_export_error(err, model)}") from err
+    size = loaded.cfg.data.img_size
     try:
         converted = ov.convert_model(program)
-    except Exception as err:  # OpConversionFailure, GeneralFailure, ...: the message names the operators
-        raise ConfigError(f"--format openvino: OpenVINO {ov.get_version()} cannot carry this model: "
-                          f"{_conversion_refusal(str(err))}") from err
-    size = loaded.cfg.data.img_size
-    converted.reshape({converted.inputs[0]: ov.PartialShape([batch or -1, 3, size, size])})
+        # the input size fixed, every layer's shape is checked: OpenVINO's pooling refuses a window larger than
+        # its input (ResNet-D's 2x2 average pool on a 1x1 map, at 16 px), which PyTorch's ceil_mode allows
+        converted.reshape({converted.inputs[0]: ov.PartialShape([batch or -1, 3, size, size])})
+    except Exception as err:  # OpConversionFailure, GeneralFailure, RuntimeError: the message names the operators
+        raise ConfigError(f"--format openvino: OpenVINO {ov.get_version()} cannot carry this model at {size} px: "
+                          f"{_conversion_refusal(str(err), program)}") from err
     set_ir_metadata(converted, metadata)
     save_ir(converted, folder)
 
 
-def _conversion_refusal(message: str) -> str:
-    """The operators a conversion error names first, then its first line."""
+def _conversion_refusal(message: str, program) -> str:
+    """The operators a conversion error names, with the layers that call them, else its last line."""
     operators = sorted(set(_OPERATORS.findall(message)))
-    first = next((line.strip() for line in message.splitlines() if line.strip()), "")[:240]
-    named = f"unsupported operator(s) {', '.join(operators[:8])}; " if operators else ""
-    return f"{named}{first} (export it as --format onnx or pt2)"
+    if not operators:
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        return f"{lines[-1][:240] if lines else 'no reason given'} (export it as --format onnx or pt2)"
+    layers = _layers_calling(program, operators)
+    where = f" in layer(s) {', '.join(layers[:5])}" if layers else ""
+    return f"unsupported operator(s) {', '.join(operators[:8])}{where} (export it as --format onnx or pt2)"
+
+
+def _layers_calling(program, operators: list[str]) -> list[str]:
+    """'name' (Class) of the innermost module around each call of `operators` in the torch.export graph."""
+    layers = []
+    for node in program.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if node.op != "call_function" or str(node.target) not in operators or not stack:
+            continue
+        name, kind = list(stack.values())[-1]
+        kind = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+        label = f"'{name}' ({kind})"
+        if label not in layers:
+            layers.append(label)
+    return layers
 
 
 FORMAT = ModelFormat("openvino", "an OpenVINO IR", open_openvino, folder=True, traced=True, folder_files=IR_FILES,
