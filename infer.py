@@ -6,8 +6,8 @@ python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] 
                 [--reject] [--reject-below X] [--explain DIR] [--threshold X]
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
-FILE.pt2; an OpenVINO IR folder or its model.xml, run by OpenVINO; a timm folder). `prob` is calibrated: the softmax of the logits divided by the temperature
-stored with the model (none stored: the plain softmax).
+FILE.pt2; an OpenVINO IR folder or its model.xml, run by OpenVINO; a timm folder). `prob` is calibrated: the
+softmax of the logits divided by the temperature stored with the model (none stored: the plain softmax).
 
 Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
 classified, 1 when none could be, 2 on a usage error.

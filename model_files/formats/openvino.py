@@ -30,6 +30,8 @@ PERFORMANCE_HINT = "LATENCY"
 INFERENCE_PRECISION = "f32"
 # the operators a conversion error names (TorchScript's aten::x, torch.export's aten.x.default)
 _OPERATORS = re.compile(r"\baten(?:::|\.)[A-Za-z_0-9]+(?:\.[A-Za-z_0-9]+)?")
+# OpenVINO's shape check: "While validating node 'opset14::AvgPool avg_pool2d_2/aten.avg_pool2d.default/AvgPool ..."
+_VALIDATING = re.compile(r"While validating node '\S+ ([\w.]+)/(aten\.[\w.]+)/")
 
 
 def is_openvino(path: Path) -> bool:
@@ -151,14 +153,23 @@ def write_openvino(loaded: ModelFile, folder: Path, batch: Optional[int], metada
         # its input (ResNet-D's 2x2 average pool on a 1x1 map, at 16 px), which PyTorch's ceil_mode allows
         converted.reshape({converted.inputs[0]: ov.PartialShape([batch or -1, 3, size, size])})
     except Exception as err:  # OpConversionFailure, GeneralFailure, RuntimeError: the message names the operators
-        raise ConfigError(f"--format openvino: OpenVINO {ov.get_version()} cannot carry this model at {size} px: "
+        version = ov.get_version().split("-")[0]
+        raise ConfigError(f"--format openvino: OpenVINO {version} cannot carry this model at {size} px: "
                           f"{_conversion_refusal(str(err), program)}") from err
     set_ir_metadata(converted, metadata)
     save_ir(converted, folder)
 
 
 def _conversion_refusal(message: str, program) -> str:
-    """The operators a conversion error names, with the layers that call them, else its last line."""
+    """The operators a conversion error names, with the layers that call them, else its last line; a shape
+    OpenVINO refuses names the one node it was validating and why."""
+    refused = _VALIDATING.search(message)
+    if refused:
+        node, operator = refused.groups()
+        layers = _layers_calling(program, [operator], node)
+        where = f" in layer {layers[0]}" if layers else ""
+        reason = message[refused.end():].split("\n", 1)[-1].strip().split("\n", 1)[0][:200]
+        return f"operator {operator}{where} refused: {reason} (export it as --format onnx or pt2)"
     operators = sorted(set(_OPERATORS.findall(message)))
     if not operators:
         lines = [line.strip() for line in message.splitlines() if line.strip()]
@@ -168,12 +179,15 @@ def _conversion_refusal(message: str, program) -> str:
     return f"unsupported operator(s) {', '.join(operators[:8])}{where} (export it as --format onnx or pt2)"
 
 
-def _layers_calling(program, operators: list[str]) -> list[str]:
-    """'name' (Class) of the innermost module around each call of `operators` in the torch.export graph."""
+def _layers_calling(program, operators: list[str], node_name: Optional[str] = None) -> list[str]:
+    """'name' (Class) of the innermost module around each call of `operators` (or the one node named
+    `node_name`) in the torch.export graph."""
     layers = []
     for node in program.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
         if node.op != "call_function" or str(node.target) not in operators or not stack:
+            continue
+        if node_name is not None and node.name != node_name:
             continue
         name, kind = list(stack.values())[-1]
         kind = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]

@@ -20,6 +20,7 @@ import eval as eval_script
 import export
 import infer
 from commands.cli import run_main
+from core.errors import ConfigError
 from conftest import REPO, train_tiny, wait_for
 from model_files.checkpoint_files import read_checkpoint
 from model_files.formats import format_of
@@ -150,6 +151,19 @@ def test_a_layer_openvino_cannot_carry_exits_2_naming_it_and_leaves_nothing(expo
         assert exited.value.code == 2
         assert "cannot carry this model" in line and "aten.digamma.default" in line and "'tail' (Digamma)" in line
         assert list((tmp_path / "exports").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_shape_openvino_refuses_at_the_input_size_names_the_layer(exported, tmp_path):
+    """resnet10t at 16 px: its last ResNet-D downsample pools 2x2 over a 1x1 map, which PyTorch's ceil_mode
+    allows and OpenVINO's shape check refuses."""
+    _, checkpoint, _, _, _ = exported
+    loaded = read_checkpoint(checkpoint)
+    loaded.cfg.data.img_size = 16
+    with pytest.raises(ConfigError, match=r"at 16 px: operator aten.avg_pool2d.default in layer "
+                                          r"'layer4.0.downsample.0' \(AvgPool2d\) refused: Kernel"):
+        openvino_format.write_openvino(loaded, tmp_path / "ir", None, {})
+    assert not (tmp_path / "ir").exists()
 
 
 @pytest.mark.slow
