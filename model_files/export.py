@@ -1,7 +1,7 @@
 """Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
 torch.export program, an OpenVINO IR, a timm model folder). Each carries the class names and the eval
-preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before export.py reports
-success."""
+preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before
+export.py reports success."""
 from __future__ import annotations
 
 import logging
