@@ -62,6 +62,7 @@ def _ir_function(compiled) -> Callable:
     def run(images: torch.Tensor) -> torch.Tensor:
         array = images.detach().to("cpu", torch.float32).contiguous().numpy()
         return torch.from_numpy(compiled(array)[0]).to(images.device)  # outputs are copies (share_outputs off)
+    run.compiled = compiled  # its settings, for whoever asks which threads and hints it runs with
     return run
 
 

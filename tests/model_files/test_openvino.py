@@ -26,6 +26,7 @@ from model_files.checkpoint_files import read_checkpoint
 from model_files.formats import format_of
 from model_files.formats import openvino as openvino_format
 from model_files.loading import load_model_file
+from prediction.predictor import Predictor
 from serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]
@@ -116,6 +117,18 @@ def test_eval_and_serve_open_the_ir(exported, tmp_path):
     paths = sorted(rows)[:3]
     got = served.classify([served.decode(Path(p).read_bytes()) for p in paths], paths)
     assert [r["label"] for r in got] == [rows[p]["label"] for p in paths]
+
+
+@pytest.mark.slow
+def test_the_ir_runs_with_the_thread_policys_count_in_fp32(exported):
+    _, _, fp32, _, _ = exported
+    for threads in (1, 2):
+        predictor = Predictor.open(str(fp32), device_setting="cpu", overrides=[f"train.threads={threads}"])
+        compiled = predictor.model.function.compiled
+        assert predictor.runtime.threads == threads
+        assert compiled.get_property("INFERENCE_NUM_THREADS") == threads
+        assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+        assert str(compiled.get_property("PERFORMANCE_HINT")) == "LATENCY"
 
 
 class Digamma(torch.nn.Module):
