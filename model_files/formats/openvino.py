@@ -43,12 +43,6 @@ def ir_xml(path: Path) -> Path:
     return path / IR_FILES[0] if path.is_dir() else path
 
 
-def ir_bytes(path: Path) -> int:
-    """The IR's size on disk: model.xml and model.bin."""
-    xml = ir_xml(path)
-    return sum(p.stat().st_size for p in (xml, xml.with_suffix(".bin")) if p.is_file())
-
-
 def compiled_ir(model, threads: int):
     """`model` compiled for the CPU with `threads` inference threads, in fp32, for one request at a time."""
     import openvino as ov
@@ -171,7 +165,8 @@ def _conversion_refusal(message: str, program) -> str:
         where = f" in layer {layers[0]}" if layers else ""
         reason = message[refused.end():].split("\n", 1)[-1].strip().split("\n", 1)[0][:200]
         return f"operator {operator}{where} refused: {reason} (export it as --format onnx or pt2)"
-    operators = sorted(set(_OPERATORS.findall(message)))
+    summary = message.split("Summary:", 1)[-1]  # the failed operators' list, past the nodes' input details
+    operators = sorted(set(_OPERATORS.findall(summary)))
     if not operators:
         lines = [line.strip() for line in message.splitlines() if line.strip()]
         return f"{lines[-1][:240] if lines else 'no reason given'} (export it as --format onnx or pt2)"
