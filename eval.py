@@ -6,7 +6,8 @@ python eval.py --checkpoint CKPT [--data ROOT] [--split val] [--batch-size N] [-
                [--reliability FILE.png] [--reject-below X] [--knn K] [--linear-probe]
                [KEY=VALUE ...]
 
-CKPT: a checkpoint written by train.py, or a model written by export.py (FILE.onnx, FILE.pt2, a timm folder).
+CKPT: a checkpoint written by train.py, or a model written by export.py (FILE.onnx, FILE.pt2, an OpenVINO IR
+folder or its .xml, a timm folder).
 --knn K / --linear-probe judge the pooled pre-logits features without the head: knn_top1 (cosine kNN, the
 training split as the memory bank, a weighted vote of K neighbours) / linear_probe_top1 (a logistic
 regression fitted on the frozen training-split features). One process: eval.py does not run under torchrun.
@@ -22,7 +23,7 @@ from core.outputs import check_output_file
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py, or a model "
-                                                            "written by export.py (FILE.onnx, FILE.pt2, a timm folder)")
+                        "written by export.py (FILE.onnx, FILE.pt2, an OpenVINO IR folder or its .xml, a timm folder)")
     parser.add_argument("--data", help="data root holding SPLIT/<class>/... (default: the checkpoint's data.root), "
                                        "or a CSV list (path,label) to evaluate")
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")

@@ -6,8 +6,8 @@ python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] 
                 [--reject] [--reject-below X] [--explain DIR] [--threshold X]
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
-FILE.pt2; a timm folder). `prob` is calibrated: the softmax of the logits divided by the temperature
-stored with the model (none stored: the plain softmax).
+FILE.pt2; an OpenVINO IR folder or its model.xml, run by OpenVINO; a timm folder). `prob` is calibrated: the
+softmax of the logits divided by the temperature stored with the model (none stored: the plain softmax).
 
 Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
 classified, 1 when none could be, 2 on a usage error.
@@ -33,8 +33,8 @@ def default_workers() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
-    parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, a timm folder "
-                                             "(default: the newest best.pt under ./runs/)")
+    parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, an OpenVINO "
+                        "IR folder or its .xml, a timm folder (default: the newest best.pt under ./runs/)")
     parser.add_argument("--batch-size", type=int, help="images per forward pass, the last batch padded (default 32; "
                                                        "a fixed-batch export's own batch)")
     parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign "

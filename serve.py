@@ -61,7 +61,7 @@ def check_arguments(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, "
-                                                            "a timm folder")
+                        "an OpenVINO IR folder or its .xml, a timm folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
     parser.add_argument("--max-batch", type=int, default=32, help="most images per forward pass")

@@ -1,5 +1,6 @@
 """export.py's work: read a train.py checkpoint, export it, check the export and report; with
-`--quantize int8`, also quantize the ONNX export and compare it with the fp32 one."""
+`--quantize int8`, also quantize the ONNX export (onnxruntime) or the OpenVINO IR (NNCF) and compare it with
+the fp32 one."""
 from __future__ import annotations
 
 import tempfile
@@ -32,6 +33,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     loaded = read_checkpoint(checkpoint)
     if quantize == "int8":
         loaded.task.check_supported("--quantize int8")
+        if fmt == "openvino":
+            return run_openvino_int8_export(loaded, path, batch, calibration_images, min_agreement)
         return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
     report = export_checkpoint(loaded, fmt, path, batch, embedding)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"
@@ -78,15 +81,45 @@ def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibra
         checked = spread(list(zip(paths, labels)), CHECK_LIMIT)
         report = compare_int8(fp32_path, path, [p for p, _ in checked], [y for _, y in checked], described,
                               fp32_path.stat().st_size, used)
+    print_int8_report(loaded, report, fp32, batch, "onnx int8, QDQ, per-channel weights", described)
+    check_agreement(report, min_agreement)
+    return 0
+
+
+def run_openvino_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibration_images: int,
+                             min_agreement: float) -> int:
+    """fp32 IR export (checked as always) and NNCF's int8 IR, both in a hidden folder beside `path`; the int8
+    IR is moved to `path` once compared with the fp32 one (and kept there for inspection when the agreement
+    is below `min_agreement`: exit 1)."""
+    from model_files.export import publish_folder, staging_folder
+    from model_files.openvino_int8 import quantize_ir
+    from model_files.quantize import CHECK_LIMIT, check_agreement, compare_int8, model_bytes, spread
+
+    paths, labels, described = validation_files(loaded)
+    with staging_folder(path) as work:
+        fp32_path, int8_path = work / "fp32", work / "int8"
+        fp32 = export_checkpoint(loaded, "openvino", fp32_path, batch)
+        used = quantize_ir(fp32_path, int8_path, spread(paths, calibration_images))
+        checked = spread(list(zip(paths, labels)), CHECK_LIMIT)
+        report = compare_int8(fp32_path, int8_path, [p for p, _ in checked], [y for _, y in checked], described,
+                              model_bytes(fp32_path), used)
+        publish_folder(int8_path, path, work)
+    report.path = path
+    print_int8_report(loaded, report, fp32, batch, "openvino int8, NNCF post-training quantization", described)
+    check_agreement(report, min_agreement)
+    return 0
+
+
+def print_int8_report(loaded: ModelFile, report, fp32, batch: Optional[int], what: str, described: str) -> None:
+    """export.py's lines for an int8 export: what was written, the sizes, and the agreement with fp32."""
     batch_text = "any batch" if batch is None else f"batch {batch}"
     n = report.num_images
-    print(f"wrote {path} (onnx int8, QDQ, per-channel weights, {batch_text}, {len(loaded.classes)} classes, input "
-          f"{loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch}); calibrated on {used} images")
+    print(f"wrote {report.path} ({what}, {batch_text}, {len(loaded.classes)} classes, input "
+          f"{loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch}); calibrated on "
+          f"{report.calibration_images} images")
     print(f"size: {report.int8_bytes / 1e6:.2f} MB int8 vs {report.fp32_bytes / 1e6:.2f} MB fp32 "
           f"({report.int8_bytes / report.fp32_bytes:.2f}x)")
     print(f"check: fp32 export vs checkpoint max |probability difference| {fp32.max_prob_diff:.2e}; int8 top-1 "
           f"agreement with fp32 {100 * report.agreement:.2f}% ({report.agree}/{n}), top-1 accuracy fp32 "
           f"{100 * report.fp32_correct / n:.2f}% int8 {100 * report.int8_correct / n:.2f}% on {n} images from "
           f"{described}")
-    check_agreement(report, min_agreement)
-    return 0

@@ -1,13 +1,16 @@
 """Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
-torch.export program, a timm model folder). Each carries the class names and the eval preprocessing, and is
-read back and checked against the checkpoint's PyTorch model on a few images before export.py reports
-success."""
+torch.export program, an OpenVINO IR, a timm model folder). Each carries the class names and the eval
+preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before
+export.py reports success."""
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -59,7 +62,10 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
     """Write `loaded` as `fmt` to `output` (batch None: any batch size), read it back and compare it with
     the checkpoint's model. ExportError (exit 1) when the exporter fails or the outputs disagree.
     `embedding`: the file also outputs the pooled pre-logits features (`embedding`) and records the
-    checkpoint's digest, which embed.py's index records."""
+    checkpoint's digest, which embed.py's index records. A folder is written and checked in a hidden folder
+    beside `output` and moved there whole."""
+    if FORMATS[fmt].folder:
+        return export_folder(loaded, fmt, output, batch)
     output.parent.mkdir(parents=True, exist_ok=True)
     metadata = export_metadata(loaded, batch)
     if embedding:
@@ -94,6 +100,41 @@ def check_embedding_export(loaded: ModelFile, output: Path) -> float:
                           f"cosine {cosine:.6f} < {MIN_EMBEDDING_COSINE} on {len(x)} images from {source}; the "
                           f"file is kept for inspection")
     return cosine
+
+
+@contextmanager
+def staging_folder(output: Path) -> Iterator[Path]:
+    """A hidden folder beside `output` (`.NAME-...`) to write and check an export in; it goes with what is
+    left in it when the block ends, on an error, or on SIGTERM (export.py unwinds): never a half-written
+    export at `output`."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as work:
+        yield Path(work)
+
+
+def publish_folder(staged: Path, output: Path, work: Path) -> None:
+    """Move the export folder `staged` to `output`, whose empty folder or (--overwrite, allowed before any
+    work) earlier export is moved aside into `work` first; both renames stay on one file system."""
+    follow_umask(staged)
+    if output.exists():
+        os.rename(output, work / "previous")
+    os.rename(staged, output)
+
+
+def export_folder(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
+    """`export_checkpoint` for a folder format, staged: an export that fails its check is still moved to
+    `output` for inspection, as the error says."""
+    with staging_folder(output) as work:
+        staged = work / "export"
+        FORMATS[fmt].write(loaded, staged, batch, export_metadata(loaded, batch))
+        try:
+            report = check_export(loaded, fmt, staged, batch)
+        except ExportError as err:
+            publish_folder(staged, output, work)
+            raise ExportError(str(err).replace(str(staged), str(output))) from err
+        publish_folder(staged, output, work)
+    report.path = output
+    return report
 
 
 # ---------------------------------------------------------------- the check after export

@@ -19,6 +19,7 @@ METADATA_VERSION = 1
 ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
 PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
 TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
+OPENVINO_RT_INFO_KEY = "imgcls"     # the OpenVINO IR's rt_info section: imgcls/classes, ... each a JSON string
 
 
 def numbered_classes(count: int, path: Path) -> list[str]:

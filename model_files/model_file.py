@@ -21,7 +21,7 @@ from tasks.base import Task
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | timm
+    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino | timm
     path: Path
     cfg: Config
     classes: list[str]
@@ -47,8 +47,8 @@ class ModelFile:
 
     @property
     def fp32_only(self) -> bool:
-        """onnxruntime runs the exported fp32 graph; autocast does not reach it."""
-        return self.kind == "onnx"
+        """onnxruntime / OpenVINO run the exported fp32 graph; autocast does not reach it."""
+        return self.kind in ("onnx", "openvino")
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)

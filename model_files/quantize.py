@@ -126,9 +126,15 @@ def quantize_int8(fp32_path: Path, output: Path, calibration_paths: list[str]) -
     return reader.used
 
 
+def model_bytes(path: Path) -> int:
+    """A model file's size, or the sum of a model folder's files."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def compare_int8(fp32_path: Path, int8_path: Path, paths: list[str], labels: list[int], source: str,
                  fp32_bytes: int, calibration_images: int) -> QuantizeReport:
-    """Run both models over `paths` as infer.py does and count top-1 agreement and correct labels."""
+    """Run both models (any format) over `paths` as infer.py does and count top-1 agreement and correct
+    labels."""
     tops = []
     valid = None
     for path in (fp32_path, int8_path):
@@ -145,7 +151,7 @@ def compare_int8(fp32_path: Path, int8_path: Path, paths: list[str], labels: lis
         raise ExportError(f"int8 check: none of the {len(paths)} images from {source} could be read")
     target = torch.tensor(labels)[valid]
     fp32_top, int8_top = tops[0][valid], tops[1][valid]
-    return QuantizeReport(int8_path, fp32_bytes, int8_path.stat().st_size, calibration_images, int(valid.sum()),
+    return QuantizeReport(int8_path, fp32_bytes, model_bytes(int8_path), calibration_images, int(valid.sum()),
                           int((fp32_top == int8_top).sum()), int((fp32_top == target).sum()),
                           int((int8_top == target).sum()), source)
 

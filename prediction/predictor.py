@@ -72,8 +72,9 @@ class Predictor:
         if trust.explain_dir:
             task.check_supported("--explain")
         check_trust_options(loaded, trust)
-        if compile_model and loaded.kind == "onnx":
-            raise ConfigError("--compile: an ONNX model runs in onnxruntime, not in torch; drop --compile")
+        if compile_model and loaded.fp32_only:
+            raise ConfigError(f"--compile: {FORMATS[loaded.kind].description} runs in its own runtime, not in torch; "
+                              f"drop --compile")
         runtime = prediction_runtime(loaded, device_setting, amp)
         device = runtime.device
         if channels_last is None:
@@ -167,7 +168,8 @@ def prediction_runtime(loaded: ModelFile, device_setting: Optional[str], amp: Op
     pays here: padded batches have one input shape, tuned once."""
     try:
         if loaded.fp32_only and amp not in (None, "none", "auto"):
-            log.warning("--amp %s: an ONNX model runs its fp32 graph in onnxruntime; running in fp32", amp)
+            log.warning("--amp %s: %s runs its fp32 graph in its own runtime; running in fp32", amp,
+                        FORMATS[loaded.kind].description)
         setting = amp or loaded.cfg.train.amp
         if (amp is None and setting == "fp16" and device_setting is not None
                 and select_device(device_setting).type != "cuda"):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_files.formats import checkpoint, onnx, pt2, timm_folder
+from model_files.formats import checkpoint, onnx, openvino, pt2, timm_folder
 from model_files.formats.base import ModelFormat
 
-FORMATS: dict[str, ModelFormat] = {m.FORMAT.name: m.FORMAT for m in (checkpoint, onnx, pt2, timm_folder)}
+# a folder holding model.xml is an OpenVINO IR before it is taken for a timm folder (any other folder)
+FORMATS: dict[str, ModelFormat] = {m.FORMAT.name: m.FORMAT for m in (checkpoint, onnx, pt2, openvino, timm_folder)}
 DEFAULT = FORMATS["checkpoint"]  # a file no other kind names
 
 

@@ -26,9 +26,12 @@ class ModelFormat:
     traced: bool = False               # a traced graph (for a fixed or a dynamic batch), not weights
     folder_files: tuple = ()           # what a folder export holds: the only files --overwrite replaces there
     write: Optional[Callable] = None   # (loaded, output, batch, metadata) -> None; None: export.py does not write it
+    recognises: Optional[Callable] = None  # (path) -> bool, where a name or folder alone does not tell the kind
 
     def names(self, path: Path) -> bool:
         """Whether `path` is a file of this kind by its name (a folder for folder formats)."""
+        if self.recognises is not None:
+            return self.recognises(path)
         return path.is_dir() if self.folder else self.suffix is not None and path.suffix.lower() == self.suffix
 
 
