@@ -62,6 +62,17 @@ class HalfWriter:
         self.then()
 
 
+class Payload:
+    """Unpickling this calls os.system, which creates the marker file (what a hostile pickle would do,
+    harmlessly): tests of files that must never be unpickled check the marker never appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 def class_image(label: int, size=(24, 24), rng=None) -> Image.Image:
     """An RGB image whose colour pattern depends on the class, plus noise: learnable in a few steps."""
     rng = rng or np.random.default_rng(label)
@@ -91,6 +102,13 @@ def make_tree(root: Path, counts: dict, splits=("train", "val"), size=(24, 24), 
 def tiny_tree(tmp_path) -> Path:
     """3 classes, 16 train / 6 val images each, 24x24 PNGs."""
     return make_tree(tmp_path / "data", {"a": (16, 6), "b": (16, 6), "c": (16, 6)})
+
+
+@pytest.fixture(scope="session")
+def three_class_jpegs(tmp_path_factory) -> Path:
+    """3 classes x 4 train / 2 val JPEGs, 16 px: data for the tests that read a tree and train nothing."""
+    return make_tree(tmp_path_factory.mktemp("jpegs") / "tree", {"a": (4, 2), "b": (4, 2), "c": (4, 2)},
+                     size=(16, 16), ext=".jpg")
 
 
 @pytest.fixture(autouse=True)
