@@ -78,6 +78,7 @@ def pytest_cmd(suite: Path, *args: str) -> list[str]:
             *args, str(suite)]
 
 
+@pytest.mark.slow
 def test_plain_pytest_leaves_out_the_container_and_slurm_tests_and_m_brings_them_back(tmp_path):
     suite = tiny_suite(tmp_path)
     env = dict(os.environ, SUITE_MARKS=str(tmp_path))
@@ -132,6 +133,7 @@ def test_sigint_ends_a_two_worker_run_and_every_process_it_started(tmp_path, to)
     assert not [pid for pid in started if alive(pid)], "a worker or a process its test started outlived the run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite, opt_in, expected", [
     (0, 0, 0), (1, 0, 1), (0, 1, 1), (2, 1, 2),
     (5, 0, 5),  # no test collected: the suite is broken
