@@ -107,8 +107,8 @@ def test_sigint_ends_a_two_worker_run_and_every_process_it_started(tmp_path, to)
     env = dict(os.environ, SUITE_MARKS=str(marks), PYTHONUNBUFFERED="1")
     log = tmp_path / "pytest.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(pytest_cmd(suite, "-n", "2", "--dist", "loadfile", "-k", "holds_sigint or own"), cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(pytest_cmd(suite, "-n", "2", "--dist", "loadfile", "-k", "holds_sigint or own"),
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while {p.name for p in marks.iterdir()} != {"held", "own_session"}:

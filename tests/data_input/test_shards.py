@@ -298,7 +298,8 @@ def test_a_cut_shard_is_named_and_counted_under_the_bad_file_policy(shard_set, c
     spec = str(shard_set / "shard-{000000..000002}.tar")
     assert shards.shard_damage(str(shard_set / "shard-000000.tar")) is None
     assert "cut short" in shards.shard_damage(str(shard_set / "shard-000001.tar"))
-    with pytest.raises(BadDataError, match=r"(?s)in damaged shards, more than data.max_bad_fraction=0.01.*shard-000001.tar \(cut short"):
+    damaged = r"(?s)in damaged shards, more than data.max_bad_fraction=0.01.*shard-000001.tar \(cut short"
+    with pytest.raises(BadDataError, match=damaged):
         shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.01)
     with caplog.at_level(logging.WARNING):
         index = shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.5)
