@@ -11,7 +11,7 @@ python -m benchmarking.kd_compare --timm-train /tmp/timm_kd/train.py --teacher r
 
 The KEY=VALUE overrides (e.g. model.name=resnet10t train.epochs=6) apply to our run and, through the
 mapping, to timm's. --timm-env adds a third run each seed: timm's train.py with those environment variables
-(e.g. the OpenMP wait our train.py sets for itself on a busy machine, docs/cpu_tuning.md). Writes
+(e.g. the OpenMP wait our train.py sets for itself on a busy machine, docs/performance.md). Writes
 OUT/results.json and prints a Markdown table.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ the shorter side to `size / crop_pct`, centre crop `size` (`data.eval_img_size`,
 return square uint8 tensors; the float cast and normalisation happen once per batch (`normalize_batch`),
 on the training device.
 
-Decode path (docs/cpu_tuning.md has the measurement): the file is read once and PIL opens it from those
+Decode path (measured in docs/performance.md, "The decode path"): the file is read once and PIL opens it from those
 bytes (the header only: size and EXIF orientation); the training crop is drawn from that size first, and
 a JPEG is decoded at the smallest of PIL's draft scales (1/2, 1/4, 1/8) that still keeps the crop at
 >= img_size pixels. `data.images.decode_rgb` applies the pixel policy (EXIF orientation, modes, refusal

@@ -17,7 +17,7 @@ from tasks import TASKS
 
 log = logging.getLogger(__name__)
 CURVES_FILE = "curves.png"
-COST_SHARE = 0.02  # the most of a run's time redrawing curves.png may take (6 s epochs: 2.8 s of 47 s before)
+COST_SHARE = 0.02  # the most of a run's time redrawing curves.png may take (a redraw after every 6 s epoch costs 6%)
 FIRST_DRAW_S = 0.02  # what the first draw is taken to cost before it is measured
 _warned = []
 
@@ -145,7 +145,7 @@ def draw_panel(draw, font, box: tuple[int, int, int, int], title: str, epochs: l
 
 def draw_curves(columns: dict[str, list[float]], path: Path) -> Path:
     """Three panels over the epochs: losses, LR (log scale), validation metrics; written atomically. Drawn
-    with Pillow (a few milliseconds): matplotlib's import and draw took 0.7 s of every run's end."""
+    with Pillow (a few milliseconds): matplotlib's import and draw cost 0.7 s at every run's end."""
     from PIL import Image, ImageDraw, ImageFont
 
     epochs = columns.get("epoch", [])

@@ -1,5 +1,5 @@
 """The CPU tuning, in one place: how waiting OpenMP threads behave, how many threads the main process runs,
-and whether freed host memory is kept. docs/cpu_tuning.md has what each piece measured.
+and whether freed host memory is kept. docs/performance.md ("CPU tuning") has what each piece measured.
 
 Two moments, both once per process:
 

@@ -67,7 +67,7 @@ def build_runtime(cfg, saved_threads: Optional[int] = None,
                   distributed: bool = False, training: bool = True, **settings) -> Runtime:
     """`start_runtime`, then the CPU threads: `saved_threads` is the count a checkpoint's run used (eval.py
     and infer.py keep it: their sums then round as validation's did). `train.reuse_host_memory` applies
-    only with `training`: predictions gained nothing from it (docs/cpu_tuning.md), and a server would
+    only with `training`: predictions gained nothing from it (docs/performance.md, "CPU tuning"), and a server would
     keep what it freed."""
     runtime = start_runtime(cfg, distributed, **settings)
     runtime.apply_cpu_policy(cfg.train.threads, cfg.train.reuse_host_memory and training, saved_threads,

@@ -76,11 +76,41 @@ def test_wrong_type_is_refused_naming_key_and_what_is_allowed(override, key, all
     ("data.mean=[0.5,0.5]", "data.mean"),
     ("early_stop.patience=0", "early_stop.patience"),
     ("optim.betas=[0.9,1.0]", "optim.betas"),
+    ("data.val_fraction=0", "data.val_fraction"),
 ])
 def test_out_of_range_is_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config("quickstart", [override])
     assert f"'{key}'" in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "data.max_bad_fraction=.nan", "optim.lr=.nan", "optim.lr=.inf", "optim.momentum=.nan",
+    "train.clip_grad_norm=.nan", "optim.weight_decay=.inf", "data.mean=[.nan,0,0]", "schedule.warmup_epochs=.inf",
+    "data.crop_pct=.nan", "data.crop_pct=1e-300", "optim.lr=1e308", "train.seed=99999999999999999999999",
+    "data.std=[.inf,1,1]", "train.label_smoothing=.nan", "data.hflip=.nan", "schedule.min_lr=.nan",
+    "early_stop.min_delta=.nan", "data.img_size=100000", "train.epochs=99999999999", "data.ratio=[1e-300,1]",
+    "optim.lr=nan", "train.clip_grad_norm=-inf",
+])
+def test_nan_inf_and_extreme_config_values_are_refused_naming_the_key(override):
+    """No range test catches NaN; `nan` and `-inf` spelt as words (YAML reads them as text) are named as
+    non-finite numbers, not as text where a float belongs."""
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", [override])
+    assert f"'{key}'" in str(err.value)
+    if value in ("nan", "-inf"):
+        assert "NaN and infinity are refused" in str(err.value)
+    elif "nan" in value or "inf" in value:
+        assert "must be a finite number" in str(err.value)
+
+
+def test_a_yaml_typo_is_not_called_a_tag(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("train:\n  epochs: [3\n")
+    with pytest.raises(ConfigError) as err:
+        read_yaml(path)
+    assert "is not valid YAML" in str(err.value) and "tags" not in str(err.value)
 
 
 def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
@@ -90,6 +120,9 @@ def test_bad_values_exit_2_through_train_py(monkeypatch, capsys, tmp_path):
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "quickstart", "data.sampler=balanced",
                                      f"output.dir={tmp_path / 'run'}")
     assert code == 2 and "'data.sampler'" in err and "'weighted'" in err
+    code, err = run_train_in_process(monkeypatch, capsys, "--config", "quickstart", "optim.lr=.nan",
+                                     f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and "'optim.lr' = nan" in err and "finite" in err
     assert not (tmp_path / "run").exists()
 
 

@@ -47,6 +47,20 @@ def test_mkdocs_build_strict_builds_every_page(tmp_path, monkeypatch):
         assert built.is_file(), page
 
 
+def test_every_page_is_in_the_nav_the_index_and_the_readme_in_one_order():
+    """The rule: every page of docs/ but the home page is listed once in mkdocs.yml's nav, in docs/index.md's
+    Pages table and in the README's Documentation table, in the nav's order."""
+    nav = [page for entry in yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"] for page in entry.values()
+           if page != "index.md"]
+    index = (REPO / "docs" / "index.md").read_text()
+    index_list = re.findall(r"^\| \[[^\]]+\]\(([a-z_]+\.md)\) \|", index.split("## Pages", 1)[1], re.M)
+    readme = (REPO / "README.md").read_text()
+    readme_list = re.findall(r"\]\(docs/([a-z_]+\.md)\) \|$", readme.split("## Documentation", 1)[1], re.M)
+    assert sorted(nav) == sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name != "index.md")
+    assert index_list == nav, "docs/index.md's Pages table: the nav's pages, in its order"
+    assert readme_list == nav, "the README's Documentation table: the nav's pages, in its order"
+
+
 def test_readme_links_point_at_files_and_headings():
     text = (REPO / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", text)
@@ -74,7 +88,9 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
     test_command = "python -m pytest -q -n 2 --dist loadfile"
     assert f"pip install -r requirements-dev.txt && {test_command}" in text
     ci = (REPO / ".ci" / "run").read_text()
-    assert "pip install -q -r requirements-dev.txt" in ci and f"\n{test_command}\n" in ci  # CI runs what the README says
+    ci_runs = [line.split(" ||")[0] for line in ci.splitlines() if line.startswith("python -m pytest")]
+    assert "pip install -q -r requirements-dev.txt" in ci and ci_runs[0] == test_command  # what the README says
+    assert ci_runs[1] == f'{test_command} -m "container or slurm"'  # and the tests a plain run leaves out
     first_screen = "\n".join(text.splitlines()[:60])
     for command in ("python train.py", "python infer.py", "python serve.py"):
         assert command in first_screen
@@ -250,3 +266,42 @@ def test_the_configs_and_overrides_shown_validate():
             pytest.fail(f"{doc}: `python {' '.join(argv)}`: {err}")
         validated += 1
     assert validated > 30
+
+
+# --- every flag on the page of its command -----------------------------------------------------------------
+
+COMMAND_PAGES = {"train.py": "training.md", "eval.py": "evaluation.md", "infer.py": "evaluation.md",
+                 "export.py": "export.md", "serve.py": "serving.md", "tune.py": "tuning.md", "audit.py": "audit.md",
+                 "benchmark.py": "performance.md"}
+
+
+class ParserBuilt(Exception):
+    """Raised where the entry script's main() would parse its arguments: carries the parser it built."""
+
+
+def declared_flags(script: str, monkeypatch) -> set[str]:
+    """The long options the entry script's argparse parser declares, read from the parser its main() builds
+    (in-process: the entry scripts build it before importing torch)."""
+    import argparse
+
+    def caught(parser, *args, **kwargs):
+        raise ParserBuilt(parser)
+
+    main = runpy.run_path(str(REPO / script), run_name="docs_check")["main"]
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+        patch.setattr(sys, "argv", [script])
+        with pytest.raises(ParserBuilt) as built:
+            main()
+    parser = built.value.args[0]
+    return {flag for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+@pytest.mark.parametrize("script", ENTRY_SCRIPTS)
+def test_every_flag_of_an_entry_script_is_on_the_page_of_its_command(script, monkeypatch):
+    page = (REPO / "docs" / COMMAND_PAGES[script]).read_text()
+    flags = declared_flags(script, monkeypatch)
+    assert flags, script
+    missing = sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", page))
+    assert not missing, f"docs/{COMMAND_PAGES[script]} does not mention {script}'s {', '.join(missing)}"

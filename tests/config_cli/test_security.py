@@ -1,6 +1,7 @@
-"""Hostile files: a checkpoint whose unpickling would run code, a YAML config with Python tags.
+"""Hostile files: a checkpoint or .pt2 whose unpickling would run code, a YAML config with Python tags or
+an alias bomb, a FIFO where a file is read.
 
-Both are refused with a clear message (exit 2 from the entry scripts) and nothing in them runs: the
+Each is refused with a clear message (exit 2 from the entry scripts) and nothing in them runs: the
 payload would create a marker file, which must never appear.
 """
 from __future__ import annotations
@@ -15,21 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import exit_code, REPO, make_tree, tiny_overrides
+from conftest import Payload, exit_code, REPO, make_tree, tiny_overrides
 from core.errors import CheckpointError
 from core.safe_load import load_checkpoint
 from core.config import ConfigError, load_config, parse_override
 from training_run.trainer import run
-
-
-class Payload:
-    """Unpickling this calls os.system, which creates the marker file."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def write_hostile(path: Path, marker: Path, form: str) -> Path:
@@ -132,6 +123,87 @@ def test_a_yaml_config_with_python_tags_exits_2_and_runs_nothing(data_root, tmp_
 def test_an_override_with_python_tags_is_refused(marker):
     with pytest.raises(ConfigError):
         parse_override(f"train.epochs=!!python/object/apply:os.system ['touch {marker}']")
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\ndata:\n  mean: *a8\n")  # 10^9 values from 1 KB
+    with pytest.raises(ConfigError, match="expands to more than"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="expands to more than"):
+        load_config("quickstart", ["data.mean=&a [*a]"])  # an alias of itself nests without end
+
+
+# ---------------------------------------------------------------- FIFOs where a file is read
+
+
+def test_fifos_named_as_config_checkpoint_classes_or_weights_say_so_without_reading(tmp_path):
+    """Each of these was opened and read: a FIFO blocked for ever (--classes) or was called missing."""
+    from core.config import resolve_config_path
+    from core.errors import ModelError
+    from model_files.loading import read_classes_file
+    from models.factory import read_weights_file
+
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a named pipe \\(FIFO\\); it must name a regular YAML file"):
+        resolve_config_path(str(fifo))
+    with pytest.raises(CheckpointError, match="a named pipe \\(FIFO\\); a checkpoint is a regular file"):
+        load_checkpoint(fifo)
+    with pytest.raises(ConfigError, match="--classes .*a named pipe"):
+        read_classes_file(fifo, 3)
+    with pytest.raises(ModelError, match="'model.weights' = .*a named pipe"):
+        read_weights_file(fifo)
+
+
+# ---------------------------------------------------------------- a hostile .pt2
+
+
+def rewrite_zip(source: Path, target: Path, replace: dict) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            for suffix, change in replace.items():
+                if info.filename.endswith(suffix):
+                    data = change(data)
+            dst.writestr(info.filename, data)
+
+
+@pytest.fixture(scope="module")
+def plain_pt2(tmp_path_factory) -> Path:
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    path = tmp_path_factory.mktemp("pt2") / "plain.pt2"
+    torch.export.save(torch.export.export(model, (torch.zeros(1, 3, 16, 16),)), str(path),
+                      extra_files={"imgcls.json": '{"classes": ["a", "b", "c"]}'})
+    return path
+
+
+@pytest.mark.parametrize("how", ["use_pickle", "sample_inputs"])
+def test_a_pt2_that_would_unpickle_is_refused_before_anything_in_it_runs(plain_pt2, tmp_path, marker, how):
+    """A weight marked use_pickle (or sample inputs a plain load refuses) ran its payload in infer.py."""
+    import json
+
+    from model_files.loading import load_model_file
+
+    payload = pickle.dumps(Payload(marker))
+
+    def pickled_weight(data: bytes) -> bytes:
+        config = json.loads(data)
+        config["config"]["0.weight"]["use_pickle"] = True
+        return json.dumps(config).encode()
+
+    evil = tmp_path / "evil.pt2"
+    if how == "use_pickle":
+        rewrite_zip(plain_pt2, evil, {"model_weights_config.json": pickled_weight, "data/weights/weight_0":
+                                      lambda _: payload})
+    else:
+        rewrite_zip(plain_pt2, evil, {"data/sample_inputs/model.pt": lambda _: payload})
+    with pytest.raises(CheckpointError, match="refused before loading, nothing in it was run"):
+        load_model_file(evil)
 
 
 # ---------------------------------------------------------------- the code itself

@@ -62,7 +62,7 @@ def images():
     second build of the same tree, from the cache, too."""
     if shutil.which("docker") is None or docker("info", check=False, timeout=60).returncode != 0:
         pytest.fail("no Docker daemon: apt-get install docker.io and start dockerd (.ci/run does both), or "
-                    "deselect these tests with -m 'not container'")
+                    "leave out -m container (a plain pytest run does)")
     result = subprocess.run([str(REPO / "docker" / "build-standin-base.sh")], capture_output=True, text=True,
                             timeout=3600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -3,7 +3,8 @@
 Every broken kind (truncated JPEG, zero-byte, text named .jpg, decompression bomb, unknown pixel mode)
 is an ImageDecodeError; training replaces it by a seeded re-draw of its class and names it in
 summary.json; evaluation leaves it out and says how many samples it evaluated. Image modes follow one
-policy in training and evaluation (EXIF orientation, 16-bit, alpha on white, CMYK).
+policy in training and evaluation (EXIF orientation, 16-bit, alpha on white, CMYK). A FIFO in a split is
+skipped and named; a run that fails on its data ends at once, its loader workers with it.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import io
 import json
 import os
 import re
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -20,7 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import exit_code, class_image, make_tree, run_script, tiny_overrides
+from conftest import IN_PROCESS, exit_code, class_image, make_cfg, make_tree, run_script, tiny_overrides
 from data.datasets import EvalDataset, TrainDataset
 from data.listing.folder import scan_split
 from data.images import ImageDecodeError, load_rgb
@@ -340,3 +342,58 @@ def test_train_and_val_class_sets_that_differ_exit_2_listing_the_difference(tmp_
     assert exit_code(lambda: run(cfg)) == 2
     err = capsys.readouterr().err
     assert "missing here: ['c']" in err and "not in training: ['d']" in err
+
+
+@pytest.mark.slow
+def test_a_run_with_a_fifo_in_the_validation_split_finishes_and_names_it(faults_tree, tmp_path):
+    """The FIFO used to block validation for ever (and infer.py too)."""
+    root = tmp_path / "data"
+    shutil.copytree(faults_tree, root)
+    fifo = root / "val" / "a" / "pipe.jpg"
+    os.mkfifo(fifo)
+    out = tmp_path / "run"
+    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(IN_PROCESS | {
+        "train.epochs": 1, "data.num_workers": 2})), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{fifo} (a FIFO)" in (out / "train.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["best"]["num_samples"] == 9
+    inferred = run_script("infer.py", str(root / "val"), str(fifo), "--checkpoint", str(out / "best.pt"),
+                          "--num-workers", "0", timeout=240)
+    assert inferred.returncode == 0, inferred.stderr[-3000:]
+    assert "not a regular file (a FIFO)" in inferred.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_run_with_loader_workers_exits_at_once_without_a_worker_traceback(tmp_path):
+    """Every file of a class junk (re-draws give up): the workers were left to interpreter exit, which
+    waited out their 60 s SIGTERM grace and printed 'DataLoader worker ... killed by signal: Alarm clock'."""
+    root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
+    for path in (root / "train" / "b").iterdir():
+        path.write_bytes(b"junk")
+    out = tmp_path / "run"
+    done = run_script("train.py", "--config", "base", *tiny_overrides(root, out, **(IN_PROCESS | {
+        "data.num_workers": 2, "data.max_bad_fraction": 1.0})), timeout=240)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "20 files of class 'b' in a row could not be read" in done.stderr
+    assert "killed by signal" not in done.stderr and "Alarm clock" not in done.stderr
+    assert "Traceback" not in done.stderr  # the worker's traceback is not the message
+
+
+@pytest.mark.slow
+def test_a_validation_of_zero_samples_is_an_error_not_a_best(tmp_path, capsys):
+    root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
+    for path in (root / "val").rglob("*.png"):
+        path.write_bytes(b"")
+    out = tmp_path / "run"
+    cfg = make_cfg(root, out, **{"data.max_bad_fraction": 1.0, "train.epochs": 1})
+    assert exit_code(lambda: run(cfg)) == 1
+    assert "validation evaluated no image" in capsys.readouterr().err
+    assert not (out / "best.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_split_with_one_class_exits_2(tmp_path, capsys):
+    root = make_tree(tmp_path / "data", {"only": (8, 2)})
+    cfg = make_cfg(root, tmp_path / "run")
+    assert exit_code(lambda: run(cfg)) == 2
+    assert "needs at least two classes" in capsys.readouterr().err

@@ -1,10 +1,13 @@
 """Data sources: the `data.val_fraction` split of one folder (stratified, seeded, stable, recorded, reproduced by
-eval.py, held to on resume) and CSV lists (labels by name, missing files counted and limited, mistakes exit 2
-naming the row or column)."""
+eval.py, held to on resume), CSV lists (labels by name, missing files counted and limited, mistakes exit 2
+naming the row or column, rows outside the root or repeated warned) and the files the data keys name (never a
+FIFO or a folder)."""
 from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from conftest import class_image, make_tree, run_script, tiny_overrides
-from core.config import ConfigError, load_config, resume_free_keys
+from core.config import ConfigError, check_data_root, load_config, resume_free_keys
 from core.errors import BadDataError, DataTreeError
 from data.file_list import expand_inputs
 from data.listing.folder import ImageIndex
@@ -171,6 +174,8 @@ def test_csv_lists_label_by_name_and_split_like_a_folder(csv_data):
     ([("images/000_0.png", "cat"), ("images/001_0.png", "")], ("path", "label"), {}, "line 3: empty 'label'"),
     ([("images/000_0.png", "cat"), ("images/000_1.png", "dog"), ("images/000_2.png", "emu")], ("path", "label"), {},
      "line 4: label 'emu' is not one of the labels of the training list (cat, dog, owl)"),
+    ([("images/000_0.png", "cat"), ("images/x", "y.png", "cat")], ("path", "label"), {},  # an unquoted comma
+     "line 3: 3 field(s), the header has 2 (a path or label holding a comma must be quoted"),
 ])
 def test_csv_mistakes_are_data_errors_naming_the_row_or_column(csv_data, tmp_path, rows, header, extra, message):
     bad = write_csv(tmp_path / "val.csv", rows, header)
@@ -245,6 +250,26 @@ def test_training_from_csv_lists_and_eval_on_best_and_on_a_csv(csv_data, tmp_pat
         assert {k: json.loads(report.read_text())[k] for k in METRIC_KEYS} == summary["best"]
 
 
+@pytest.mark.parametrize("sampler", ["random", "weighted"])
+def test_a_csv_class_whose_files_are_all_missing_exits_2_naming_it(csv_data, tmp_path, sampler):
+    listed = write_csv(tmp_path / "train.csv", read_list(csv_data / "train.csv") + [("images/ghost/1.png", "ghost")])
+    with pytest.raises(DataTreeError, match="class\\(es\\) with no existing image file: ghost"):
+        scan_sources(csv_cfg(csv_data, **{"data.train_csv": str(listed), "data.sampler": sampler,
+                                          "data.max_bad_fraction": 0.5}))
+
+
+def test_csv_rows_leaving_the_root_and_repeated_rows_are_warned_with_counts(csv_data, tmp_path, caplog):
+    rows = read_list(csv_data / "train.csv")  # 36 rows: lines 2-37
+    outside = (str(csv_data / rows[0][0]), rows[0][1])  # absolute, but inside data.root
+    class_image(1).save(csv_data.parent / "loose.png")
+    climbing = ("../loose.png", "dog")
+    listed = write_csv(tmp_path / "train.csv", rows + [outside, climbing, rows[2]])
+    with caplog.at_level(logging.WARNING):
+        sources = scan_sources(csv_cfg(csv_data, **{"data.train_csv": str(listed)}))
+    assert len(sources.train_index) == 39
+    assert "1 row(s) name files outside" in caplog.text and "line 39 '../loose.png'" in caplog.text
+    assert "2 row(s) repeat a path listed before" in caplog.text and "line 38" in caplog.text
+
 
 def test_infer_inputs_take_a_csv_lists_paths(csv_data):
     # infer.py's inputs: a CSV list stands for the files of its path column (relative to the CSV's folder)
@@ -260,3 +285,43 @@ def test_a_val_fraction_split_with_no_validation_image_exits_2_before_training(t
     cfg = load_config("base", [f"data.root={data}", "data.val_fraction=0.2"])
     with pytest.raises(DataTreeError, match="data.val_fraction=0.2: .*validation side empty"):
         scan_sources(cfg)
+
+
+# ---------------------------------------------------------------- files the config names
+
+@pytest.mark.parametrize("fmt", ["folder", "csv", "webdataset"])
+def test_a_fifo_named_by_a_data_key_exits_2_saying_it_is_a_fifo(three_class_jpegs, tmp_path, fmt):
+    """data.classes on a FIFO hung for ever; data.train_csv on a FIFO said 'no such file'."""
+    tree = three_class_jpegs
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    values = {"folder": {"data.root": tree, "data.classes": fifo},
+              "csv": {"data.format": "csv", "data.root": tree, "data.train_csv": fifo, "data.val_fraction": 0.5},
+              "webdataset": {"data.format": "webdataset", "data.root": "null", "data.classes": fifo,
+                             "data.train_shards": "x.tar", "data.val_shards": "y.tar"}}[fmt]
+    cfg = load_config("base", [f"{k}={v}" for k, v in values.items()])
+    key = "data.train_csv" if fmt == "csv" else "data.classes"
+    with pytest.raises(ConfigError, match=f"'{key}' = {fifo}: a named pipe \\(FIFO\\); it must name a regular file"):
+        check_data_root(cfg)
+    with pytest.raises(DataTreeError, match="a named pipe"):  # and the readers themselves never open one
+        scan_sources(cfg)
+
+
+def test_a_folder_named_as_the_class_list_says_so(three_class_jpegs):
+    cfg = load_config("base", [f"data.root={three_class_jpegs}", f"data.classes={three_class_jpegs}"])
+    with pytest.raises(ConfigError, match="a folder; it must name a regular file"):
+        check_data_root(cfg)
+
+
+def test_webdataset_with_a_missing_root_does_not_speak_of_csv_lists(tmp_path):
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a\nb\n")
+    cfg = load_config("base", ["data.format=webdataset", f"data.root={tmp_path / 'nope'}", f"data.classes={classes}",
+                               "data.train_shards=x.tar", "data.val_shards=y.tar"])
+    with pytest.raises(ConfigError) as err:
+        check_data_root(cfg)
+    assert "no such folder" in str(err.value) and "CSV" not in str(err.value)
+    fifo = tmp_path / "root"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="'data.root' = .*: not a folder \\(a named pipe \\(FIFO\\)\\)"):
+        check_data_root(load_config("base", [f"data.root={fifo}"]))

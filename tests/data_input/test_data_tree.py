@@ -1,10 +1,18 @@
-"""Class-folder trees: what counts as a class and an image, and the errors for unusable trees."""
+"""Class-folder trees: what counts as a class and an image, links and special files in the tree, and the
+errors for unusable trees."""
+import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import class_image, make_tree
+from conftest import REPO, class_image, make_tree
+from data.file_list import FileListDataset, expand_inputs
 from data.listing.folder import DataTreeError, scan_split
+from data.transforms import EvalTransform
 
 
 def test_hidden_entries_and_non_images_are_ignored_and_classes_sorted(tmp_path):
@@ -62,3 +70,80 @@ def test_split_without_class_folders_is_an_error(tmp_path):
     class_image(0).save(tmp_path / "train" / "loose.png")
     with pytest.raises(DataTreeError, match="no class folders"):
         scan_split(tmp_path / "train")
+
+
+# ---------------------------------------------------------------- links and special files in the tree
+
+
+SCAN = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from data.listing.folder import scan_split
+index = scan_split(sys.argv[1])
+print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels": index.labels,
+                  "skipped": getattr(index, "skipped", [])}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("links", [("self",), ("up",), ("self", "up"), ("outside",)])
+def test_links_in_a_class_folder_neither_repeat_nor_relabel_images(tmp_path, links):
+    """`ln -s . a/self` counted class a 40 times over, `ln -s .. a/up` labelled b's files as a, and both
+    together never finished. Each real folder is read once, never one outside the class folder; a link to
+    a single file outside the class folder is left out and listed too (issue 28)."""
+    root = make_tree(tmp_path / "data", {"a": 3, "b": 2}, splits=("train",))
+    train = root / "train"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_image(1).save(elsewhere / "stranger.png")
+    targets = {"self": ".", "up": "..", "outside": str(elsewhere)}
+    for name in links:
+        os.symlink(targets[name], train / "a" / name)
+    os.symlink(elsewhere / "stranger.png", train / "b" / "linked.png")
+    # In a subprocess: the unfixed scan never ends on ("self", "up").
+    done = subprocess.run([sys.executable, "-c", SCAN, str(train)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert found["counts"] == [3, 2]
+    assert any(entry.startswith(str(train / "b" / "linked.png")) for entry in found["skipped"])
+    for path, label in zip(found["paths"], found["labels"]):
+        assert Path(path).relative_to(train).parts[0] == "ab"[label]
+        assert "/self/" not in path and "/up/" not in path and "/outside/" not in path
+    for name in links:
+        assert any(entry.startswith(str(train / "a" / name)) for entry in found["skipped"]), found["skipped"]
+        assert str(train / "a" / name) in done.stderr  # the log says what was left out
+
+
+def test_a_fifo_named_jpg_is_skipped_and_listed_in_scans_and_infer_inputs(tmp_path, caplog):
+    root = make_tree(tmp_path / "data", {"a": 2, "b": 2}, splits=("val",))
+    fifo = root / "val" / "a" / "pipe.jpg"
+    os.mkfifo(fifo)
+    with caplog.at_level(logging.WARNING):
+        index = scan_split(root / "val")
+        inputs = expand_inputs([str(root / "val")])
+    assert str(fifo) not in index.paths and str(fifo) not in inputs and len(inputs) == 4
+    assert f"{fifo} (a FIFO)" in index.skipped
+    assert f"{fifo} (a FIFO)" in caplog.text
+    # Named on the command line it is tried, and fails at once instead of waiting for a writer.
+    item = FileListDataset([str(fifo)], EvalTransform(16, 0.875, "bilinear"), 16)[0]
+    assert item[1] is False and "not a regular file (a FIFO)" in item[3]
+
+
+def test_file_links_out_of_the_class_folder_are_left_out_and_listed(tmp_path, caplog):
+    root = make_tree(tmp_path / "data", {"a": 3, "b": 2}, splits=("train",))
+    train = root / "train"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_image(0).save(elsewhere / "stranger.png")
+    os.symlink("../b/b_0000.png", train / "a" / "fromb.png")            # into another class
+    os.symlink(elsewhere / "stranger.png", train / "a" / "outside.png")  # out of the tree
+    os.symlink("a_0000.png", train / "a" / "again.png")                  # a second name in its own class
+    with caplog.at_level(logging.WARNING):
+        index = scan_split(train)
+    assert index.class_counts() == [3, 2]
+    assert not any(Path(p).name in ("fromb.png", "outside.png", "again.png") for p in index.paths)
+    assert f"{train / 'a' / 'fromb.png'} (a link to a file outside {train / 'a'})" in index.skipped
+    assert f"{train / 'a' / 'outside.png'} (a link to a file outside {train / 'a'})" in index.skipped
+    assert f"{train / 'a' / 'again.png'} (a second name of a file already read)" in index.skipped
+    assert "fromb.png" in caplog.text

@@ -1,10 +1,12 @@
 """WebDataset shards written by `webdataset.ShardWriter` (python -m data.shards): the training stream (disjoint
 shards per rank, a pure function of (seed, epoch, batch), broken samples skipped and counted), validation
-counting each sample once at any world size, train + eval.py on shards, 2-process DDP, SIGKILL + resume."""
+counting each sample once at any world size, train + eval.py on shards, 2-process DDP, SIGKILL + resume; the
+writer never mixes old shards with new ones, and a cut shard is named and counted as broken."""
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import webdataset as wds
 import data.shards as shards
 from conftest import REPO, class_image, make_tree, run_script, tiny_overrides
 from core.config import ConfigError, load_config
-from core.errors import DataTreeError
+from core.errors import BadDataError, DataTreeError
 from rundir.resume import check_resume_compatible
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
 from data.listing.folder import scan_split
@@ -237,3 +239,69 @@ def test_int8_export_of_a_shards_run_exits_2_naming_the_shards(shard_run, tmp_pa
     assert result.returncode == 2, result.stderr[-2000:]
     assert "holds no image files" in result.stderr and "shards" in result.stderr
     assert not (tmp_path / "int8.onnx").exists()
+
+
+# ---------------------------------------------------------------- the shard writer's output folder, a damaged shard
+
+
+def test_shard_writer_refuses_a_folder_of_old_shards_and_overwrite_replaces_them_all(three_class_jpegs, tmp_path,
+                                                                                     capsys):
+    """A second write into sh2 left old shards 2-7 beside the new 0-1, and a brace pattern trained on both."""
+    tree = three_class_jpegs
+    out = tmp_path / "sh2"
+    assert shards.main(["--from", str(tree / "train"), "--to", str(out), "--shard-size", "2"]) == 0
+    assert len(list(out.glob("shard-*.tar"))) == 6
+    with pytest.raises(ConfigError, match="not empty.*--overwrite"):
+        shards.main(["--from", str(tree / "val"), "--to", str(out), "--shard-size", "4"])
+    assert len(list(out.glob("shard-*.tar"))) == 6  # nothing touched
+    capsys.readouterr()
+    assert shards.main(["--from", str(tree / "val"), "--to", str(out), "--shard-size", "4", "--overwrite"]) == 0
+    said = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("shard-*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
+    assert "6 samples of 3 classes in 2 shard(s)" in said and "shard-000000.tar..shard-000001.tar" in said
+    assert "removed the 7 file(s)" in said
+    assert shards.count_samples(sorted(str(p) for p in out.glob("shard-*.tar"))) == [4, 2]
+    # --overwrite replaces shards only, never a folder of other things
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes.txt"):
+        shards.main(["--from", str(tree / "val"), "--to", str(out), "--overwrite"])
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_shard_writer_to_a_file_and_from_a_csv_of_missing_files_exit_2(three_class_jpegs, tmp_path):
+    tree = three_class_jpegs
+    target = tmp_path / "file.tar"
+    target.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        shards.main(["--from", str(tree / "train"), "--to", str(target)])
+    ghosts = tmp_path / "ghosts.csv"
+    ghosts.write_text("path,label\n" + "".join(f"nowhere/{i}.jpg,{'abcd'[i]}\n" for i in range(4)))
+    with pytest.raises(DataTreeError, match="none of its 4 row"):
+        shards.main(["--from", str(ghosts), "--to", str(tmp_path / "out")])
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
+@pytest.fixture(scope="module")
+def shard_set(three_class_jpegs, tmp_path_factory) -> Path:
+    """12 samples in 3 shards of 4, then shard 1 cut at half its bytes."""
+    tree = three_class_jpegs
+    out = tmp_path_factory.mktemp("shardset") / "sh"
+    assert shards.main(["--from", str(tree / "train"), "--to", str(out), "--shard-size", "4"]) == 0
+    cut = out / "shard-000001.tar"
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    return out
+
+
+def test_a_cut_shard_is_named_and_counted_under_the_bad_file_policy(shard_set, caplog):
+    """webdataset's reader stopped at the cut without a word: 24 samples cut at 50% counted as 14."""
+    spec = str(shard_set / "shard-{000000..000002}.tar")
+    assert shards.shard_damage(str(shard_set / "shard-000000.tar")) is None
+    assert "cut short" in shards.shard_damage(str(shard_set / "shard-000001.tar"))
+    damaged = r"(?s)in damaged shards, more than data.max_bad_fraction=0.01.*shard-000001.tar \(cut short"
+    with pytest.raises(BadDataError, match=damaged):
+        shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.01)
+    with caplog.at_level(logging.WARNING):
+        index = shards.shard_index(spec, ["a", "b", "c"], None, "data.train_shards", 0.5)
+    assert [Path(u).name for u in index.urls] == ["shard-000000.tar", "shard-000002.tar"] and index.total == 8
+    assert "1 damaged shard(s) left out" in caplog.text and "shard-000001.tar: cut short" in caplog.text

@@ -1,26 +1,32 @@
-"""Crash-safe saves, damaged or mismatched checkpoints on resume, and non-finite steps under each policy.
+"""Crash-safe saves, damaged or mismatched checkpoints on resume (other data, a damaged but loadable state),
+one run per run directory, a full disk, and non-finite steps and validations under each policy.
 
 Training runs here are in-process (no loader workers) so faults can be injected with monkeypatch.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import HalfWriter, exit_code, make_cfg, make_tree
+from conftest import (IN_PROCESS, REPO, HalfWriter, class_image, exit_code, make_cfg, make_tree, tiny_overrides,
+                      wait_for)
 from rundir import atomic_files as checkpoint
 from core.safe_load import load_checkpoint
 from rundir.atomic_files import save_atomic
 from core.config import ConfigError
 from rundir.resume import resolve_resume
-from training_run.trainer import run
+from rundir.run_lock import open_run_dir
+from rundir.state import TrainState
+from training_run.trainer import Trainer, run
 
 def finite(state_dict: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())
@@ -131,8 +137,16 @@ def test_checkpoints_follow_the_umask(tmp_path):
 # ---------------------------------------------------------------- resume: damaged files, mismatched configs
 
 
+def copy_run(finished_run: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    return run_dir
+
+
 def damage(path: Path, how: str) -> None:
-    if how == "truncated":
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 3])
     elif how == "garbage":
@@ -142,17 +156,19 @@ def damage(path: Path, how: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["truncated", "garbage", "empty"])
+@pytest.mark.parametrize("how", ["missing", "truncated", "garbage", "empty"])
 def test_resume_auto_falls_back_to_the_previous_state_with_a_warning(finished_run, tmp_path, how, caplog):
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
+    run_dir = copy_run(finished_run, tmp_path)
     damage(run_dir / "last.pt", how)
     with caplog.at_level("WARNING"):
         ckpt = resolve_resume("auto", run_dir)
     assert ckpt["step"] == 4  # last.prev.pt: the end of epoch 1
-    assert any("damaged or truncated" in r.message and "trying the previous state" in r.message
-               for r in caplog.records)
-    damage(run_dir / "last.prev.pt", how)
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    said = "missing" if how == "missing" else "damaged"
+    assert any(f"last.pt in {run_dir} is {said}" in m and "last.prev.pt (epoch 1, step 4)" in m for m in warnings)
+    if how != "missing":
+        assert any("damaged or truncated" in m and "trying the previous state" in m for m in warnings)
+    damage(run_dir / "last.prev.pt", "empty")
     with pytest.raises(ConfigError, match="no loadable checkpoint"):
         resolve_resume("auto", run_dir)
 
@@ -480,3 +496,226 @@ def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_furt
     after = file_bytes(run_dir)
     for name in ("last.pt", "last.prev.pt", "best.pt", "summary.json", "metrics.csv"):
         assert after[Path(name)] == before[Path(name)], name  # nothing trained, nothing rewritten
+
+
+# ---------------------------------------------------------------- resume on other data, from a damaged state
+
+
+@pytest.mark.slow
+def test_resume_on_a_different_data_set_with_the_same_classes_exits_2_naming_what_changed(faults_tree, finished_run,
+                                                                                         tmp_path, capsys):
+    smaller = make_tree(tmp_path / "smaller", {"a": 8, "b": 8, "c": 8}, splits=("train",))
+    shutil.copytree(faults_tree / "val", smaller / "val")
+    cfg = make_cfg(smaller, copy_run(finished_run, tmp_path))
+    assert exit_code(lambda: run(cfg, resume="auto")) == 2
+    err = capsys.readouterr().err
+    assert "data (training split): 36 files -> 24 files (a: 12 -> 8, b: 12 -> 8, c: 12 -> 8)" in err
+    assert "validation split" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_resume_notices_a_rewritten_file_and_allows_the_same_files_under_another_root(faults_tree, finished_run,
+                                                                                     tmp_path, capsys):
+    moved = tmp_path / "moved"
+    shutil.copytree(faults_tree, moved)
+    run_dir = copy_run(finished_run, tmp_path)
+    # Back to the end of epoch 1, so that the resumed run has an epoch to train.
+    checkpoint.save_atomic(load_checkpoint(run_dir / "last.prev.pt"), run_dir / "last.pt")
+    class_image(0, size=(30, 30)).save(moved / "val" / "a" / "a_0000.png")  # same name, other size
+    cfg = make_cfg(moved, run_dir)
+    assert exit_code(lambda: run(cfg, resume="auto")) == 2
+    assert "data (validation split): the same number of files (9), but other names or sizes" in capsys.readouterr().err
+    shutil.copy(faults_tree / "val" / "a" / "a_0000.png", moved / "val" / "a" / "a_0000.png")
+    assert run(make_cfg(moved, run_dir), resume="auto") == 0  # the same files under another data.root
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, expected", [
+    ("no rng", "'rng' is missing"),
+    ("missing weights", "the checkpoint's 'model' does not load"),
+    ("unknown train_state key", "'train_state' has unknown keys ['surprise']"),
+    ("rng without numpy", "'rng' lacks numpy"),
+])
+def test_resume_from_a_damaged_but_loadable_checkpoint_exits_2_with_one_line(faults_tree, finished_run, tmp_path,
+                                                                            capsys, damage, expected):
+    run_dir = copy_run(finished_run, tmp_path)
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    if damage == "no rng":
+        del ckpt["rng"]
+    elif damage == "missing weights":
+        del ckpt["model"][next(iter(ckpt["model"]))]
+    elif damage == "unknown train_state key":
+        ckpt["train_state"]["surprise"] = 1
+    else:
+        del ckpt["rng"]["numpy"]
+    checkpoint.save_atomic(ckpt, run_dir / "last.pt")
+    cfg = make_cfg(faults_tree, run_dir)
+    assert exit_code(lambda: run(cfg, resume="auto")) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+@pytest.mark.slow
+def test_resume_of_a_folder_says_it_is_a_folder(faults_tree, finished_run, tmp_path, capsys):
+    cfg = make_cfg(faults_tree, tmp_path / "run")
+    assert exit_code(lambda: run(cfg, resume=str(finished_run))) == 2
+    err = capsys.readouterr().err
+    assert "is a folder, not a checkpoint file" in err and "does not exist" not in err
+
+
+@pytest.mark.slow
+def test_finetune_from_another_architecture_exits_2_unless_asked_and_warns_with_the_share(faults_tree, finished_run,
+                                                                                          tmp_path, capsys, trainer_of):
+    source = str(finished_run / "best.pt")  # a test_resnet
+    cfg = make_cfg(faults_tree, tmp_path / "run", **{"model.name": "resnet10t"})
+    assert exit_code(lambda: run(cfg, finetune=source)) == 2
+    err = capsys.readouterr().err
+    assert f"--finetune {source}: only " in err and "model.name=test_resnet" in err and "--finetune-partial" in err
+    trainer_of(make_cfg(faults_tree, tmp_path / "run2", **{"model.name": "resnet10t"}), finetune=source,
+               finetune_partial=True)
+    log = (tmp_path / "run2" / "train.log").read_text()
+    assert "WARNING --finetune: 0.0% of the model's parameters loaded from" in log
+
+
+@pytest.mark.slow
+def test_resume_and_finetune_together_are_a_usage_error(faults_tree, finished_run, tmp_path, capsys):
+    cfg = make_cfg(faults_tree, tmp_path / "run")
+    assert exit_code(lambda: run(cfg, resume="auto", finetune=str(finished_run / "best.pt"))) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- one run per run directory, a full disk, a failing run
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_run_directory_in_use_exits_2_naming_the_holder(faults_tree, tmp_path, capsys):
+    """Two runs 2 s apart into one directory: the second's temp-file clean-up deleted the first's checkpoint
+    mid-save and both wrote train.log. Now the second exits 2 before touching anything."""
+    out, marker = tmp_path / "run", tmp_path / "paused"
+    first = subprocess.Popen([sys.executable, str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:1",
+                              "--", "--config", "base", *tiny_overrides(faults_tree, out, **IN_PROCESS)],
+                             env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(first, marker.exists, "the first run's first save")
+        log_before = (out / "train.log").read_text()
+        files_before = sorted(p.name for p in out.iterdir())
+        cfg = make_cfg(faults_tree, out)
+        assert exit_code(lambda: run(cfg)) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another run (pid {first.pid} on " in err and "Traceback" not in err
+        assert (out / "train.log").read_text() == log_before
+        assert sorted(p.name for p in out.iterdir()) == files_before
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    lock = open_run_dir(out)  # the kernel let go of the dead run's lock
+    assert lock is not None
+    lock.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
+def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(faults_tree, tmp_path, capsys,
+                                                                             monkeypatch, kind):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    out = {"a file": blocker, "under a file": blocker / "run", "not writable": tmp_path / "ro"}[kind]
+    if kind == "not writable":  # a read-only mount (root ignores permission bits, so it is simulated)
+        import rundir.run_lock as run_lock
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+        monkeypatch.setattr(run_lock.tempfile, "mkstemp", read_only)
+    cfg = make_cfg(faults_tree, out)
+    assert exit_code(lambda: run(cfg)) == 2
+    err = capsys.readouterr().err
+    reason = {"a file": "a file of that name is in the way", "under a file": "a part of the path is a file",
+              "not writable": "Read-only file system"}[kind]
+    assert f"'output.dir' = {out}: cannot be used as the run directory ({reason})" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_says_so_and_keeps_metrics_and_summary_with_the_last_checkpoint(
+        faults_tree, tmp_path, monkeypatch, trainer_of):
+    out = tmp_path / "run"
+    trainer = trainer_of(make_cfg(faults_tree, out))
+    real_fdopen, saves = os.fdopen, []
+
+    def disk_full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def fdopen(fd, *args, **kwargs):  # checkpoint writes: the 3rd (last.pt at the end of epoch 2) fills the disk
+        saves.append(fd)
+        f = real_fdopen(fd, *args, **kwargs)
+        return HalfWriter(f, disk_full) if len(saves) == 3 else f
+
+    monkeypatch.setattr(checkpoint.os, "fdopen", fdopen)
+    assert trainer.fit() == 1
+    log = (out / "train.log").read_text()
+    assert f"no space left on device in {out} (needed ~" in log and "last.pt keeps its previous state" in log
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["epochs_completed"], summary["steps_completed"]) == (1, 4)
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].startswith("1,")
+    assert load_checkpoint(out / "last.pt")["step"] == 4
+    assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_after_it_started_logging_says_why_in_train_log(tmp_path, capsys, monkeypatch):
+    def broken(self):
+        raise RuntimeError("validation broke")
+
+    monkeypatch.setattr(Trainer, "validate", broken)
+    root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2)})
+    out = tmp_path / "run"
+    assert exit_code(lambda: run(make_cfg(root, out, **{"train.epochs": 1}))) == 1
+    assert "error: RuntimeError: validation broke" in capsys.readouterr().err
+    assert (out / "train.log").read_text().splitlines()[-1].endswith("ERROR error: RuntimeError: validation broke")
+
+
+# ---------------------------------------------------------------- a diverged validation is never best
+
+
+def test_a_nonfinite_validation_is_never_best_and_counts_as_a_bad_epoch():
+    state = TrainState()
+    diverged = {"top1": 33.3, "top5": 100.0, "loss": float("nan"), "mean_class_acc": 33.3, "num_samples": 6}
+    assert not state.record_validation(0, diverged, "top1", 0.0, patience=None)
+    assert state.best_value is None and state.best_metrics == {} and state.bad_epochs == 1
+    assert state.record_validation(1, dict(diverged, loss=1.0), "top1", 0.0, patience=None)
+    assert state.best_epoch == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metric", ["loss", "top1"])
+def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(faults_tree, tmp_path, monkeypatch,
+                                                                               metric):
+    """`optim.lr=1000000`: epoch 1 logged `loss nan ... best` and best.pt held `summary.best.loss: null`."""
+    import training_run.trainer as trainer
+
+    calls = []
+
+    def first_pass_diverged(*args, **kwargs):
+        sums, unreadable = real_evaluate(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            sums.loss_sum.fill_(float("nan"))
+        return sums, unreadable
+
+    real_evaluate = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", first_pass_diverged)
+    out = tmp_path / "run"
+    assert trainer.run(make_cfg(faults_tree, out, **{"early_stop.metric": metric})) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_epoch"] == 2 and summary["best"]["loss"] is not None
+    assert torch.load(out / "best.pt", weights_only=True)["epoch"] == 2
+    log = (out / "train.log").read_text()
+    assert "epoch 1: validation is not finite (loss nan): the model has diverged, so this epoch is never best" in log
+    assert "loss nan" in log and "(9 samples)" in log
+    assert not [line for line in log.splitlines() if "epoch 1/2" in line and line.endswith("best")]

@@ -1,11 +1,14 @@
 """export.py: ONNX, torch.export and timm-folder exports round-trip; eval.py and infer.py give the same
-metrics and labels from each; timm's own loader reproduces the model; bad input exits as INTERFACE.md says."""
+metrics and labels from each; timm's own loader reproduces the model; bad input (an output over a run
+directory or an earlier export, a timm folder at odds with itself, a foreign ONNX of fixed non-square inputs)
+exits as INTERFACE.md says."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import onnx
 import pytest
@@ -14,7 +17,7 @@ import torch
 import eval as eval_script
 import export
 import infer
-from conftest import REPO, train_tiny
+from conftest import REPO, Payload, train_tiny, write_pretrained_folder
 from commands.cli import run_main
 from core.errors import CheckpointError, ConfigError, ExportError
 from data.listing.folder import list_images
@@ -393,3 +396,115 @@ def test_export_offers_every_registered_export_format():
     from model_files.formats import export_formats
 
     assert list(export.EXPORT_FORMATS) == export_formats()
+
+
+@pytest.mark.slow
+def test_an_export_never_overwrites_silently_nor_writes_into_a_run_directory(trained, tmp_path, capsys):
+    data, checkpoint, _ = trained
+    run_dir = checkpoint.parent
+    before = sorted(p.name for p in run_dir.iterdir())
+    for fmt, output in (("timm", run_dir), ("onnx", run_dir / "model.onnx"), ("timm", run_dir / "sub" / "..")):
+        code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)],
+                           capsys)
+        assert code == 2 and "is a run directory (it holds last.pt)" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    onnx_out = tmp_path / "m.onnx"
+    assert export.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output", str(onnx_out)]) == 0
+    first = onnx_out.read_bytes()
+    code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", "onnx", "--output", str(onnx_out)],
+                       capsys)
+    assert code == 2 and f"--output {onnx_out} exists; pass --overwrite" in line
+    assert onnx_out.read_bytes() == first
+    assert export.main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output", str(onnx_out),
+                        "--overwrite"]) == 0
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    code, line = _exit(export.main, ["--checkpoint", str(checkpoint), "--format", "timm", "--output", str(busy),
+                                     "--overwrite"], capsys)
+    assert code == 2 and "holds other files (notes.txt)" in line
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+# ---------------------------------------------------------------- timm folders and ONNX files made elsewhere
+
+@pytest.fixture
+def timm_folder(tmp_path) -> Path:
+    folder = tmp_path / "timm_model"
+    write_pretrained_folder(folder, num_classes=3, label_names=["a", "b", "c"])
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def refusals(folder: Path) -> list[str]:
+    """The messages of infer/eval's loader and of model.pretrained=true model.name=local-dir:FOLDER."""
+    from core.config import load_config
+    from core.errors import ModelError
+    from models.factory import load_pretrained
+
+    said = []
+    for load in (lambda: load_model_file(folder),
+                 lambda: load_pretrained(load_config("base", [f"model.name=local-dir:{folder}",
+                                                              "model.pretrained=true"]).model)):
+        with pytest.raises(ModelError) as err:
+            load()
+        said.append(str(err.value))
+    return said
+
+
+def test_a_timm_folder_whose_config_disagrees_with_its_weights_exits_2_naming_it(timm_folder):
+    """num_classes 7 over 3-class weights silently got a random classifier."""
+    edit_config(timm_folder, num_classes=7)
+    for said in refusals(timm_folder):
+        assert "config.json: num_classes 7 but model_args.num_classes 3" in said
+    edit_config(timm_folder, num_classes=3, label_names=["a", "b"])
+    for said in refusals(timm_folder):
+        assert "num_classes 3 but 2 label_names" in said
+    # a folder without model_args (an older timm): the classifier's shape tells
+    edit_config(timm_folder, num_classes=7, label_names=[f"n{i}" for i in range(7)], model_args={})
+    for said in refusals(timm_folder):
+        assert "config.json (architecture and num_classes 7) and model.safetensors disagree" in said
+        assert "[3, " in said and "(config.json: [7, " in said
+
+
+def test_timm_folders_with_cut_mismatched_or_pickled_weights_exit_2_in_one_line(timm_folder):
+    import pickle
+
+    from safetensors.torch import load_file, save_file
+
+    weights = timm_folder / "model.safetensors"
+    state = {k: v.clone() for k, v in load_file(str(weights)).items()}  # not mapped: the file is cut below
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    for said in refusals(timm_folder):
+        assert "damaged or truncated safetensors file" in said
+    conv = next(k for k, v in state.items() if v.ndim == 4)
+    save_file(dict(state, **{conv: torch.zeros(5, *state[conv].shape[1:])}), str(weights))
+    for said in refusals(timm_folder):
+        assert "disagree on" in said and conv in said
+    weights.unlink()
+    (timm_folder / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(timm_folder / "ran"), protocol=2))
+    for said in refusals(timm_folder):
+        assert "was refused" in said and "pytorch_model.bin" in said
+    assert not (timm_folder / "ran").exists()
+
+
+def test_a_foreign_onnx_with_a_fixed_non_square_input_exits_2(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["images"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["logits"])], "foreign",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, 64, 48])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "foreign.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(CheckpointError, match="fixed 64x48 \\(height x width\\) inputs"):
+        load_model_file(path)

@@ -1,4 +1,5 @@
-"""infer.py: padded fixed-shape batches, every decodable image mode, error rows, exit codes, outputs."""
+"""infer.py: padded fixed-shape batches, every decodable image mode, error rows, exit codes, outputs (never a
+folder, names with newlines quoted), a model whose outputs are not finite."""
 from __future__ import annotations
 
 import csv
@@ -13,7 +14,7 @@ import torch
 from PIL import Image
 
 import infer
-from conftest import class_image, run_script, train_tiny
+from conftest import class_image, exit_code, run_script, train_tiny
 from data.listing.folder import DataTreeError
 from data.file_list import FileListDataset, build_inference_loader, expand_inputs
 from core.errors import CheckpointError
@@ -21,6 +22,8 @@ from core.config import ConfigError
 from model_files.checkpoint_files import build_eval_model, read_checkpoint
 from runtime.device import DeviceInput
 from evaluation.evaluate import predict
+from tasks.single_label_rows import format_predictions_table
+from data.transforms import EvalTransform
 
 CLASSES = ["a", "b", "c"]
 
@@ -339,3 +342,54 @@ def test_check_outputs_apart_compares_resolved_paths(tmp_path):
         check_outputs_apart({"--json": str(tmp_path / "alias" / "r.json")}, {}, {"data root": [str(tmp_path / "root")]})
     with pytest.raises(ConfigError, match="--explain .*input image"):
         check_outputs_apart({}, {"input image": [str(tmp_path / "alias" / "a.png")]}, {}, {"--explain": str(tmp_path)})
+
+
+@pytest.mark.slow
+def test_output_files_that_are_folders_are_refused_before_any_work(tmp_path, capsys):
+    import eval as eval_script
+
+    folder = tmp_path / "preds.csv"
+    folder.mkdir()
+    missing_ckpt = str(tmp_path / "no.pt")  # checked later: the output check comes first
+    assert exit_code(lambda: infer.main([str(tmp_path), "--checkpoint", missing_ckpt,
+                                         "--output", str(folder)])) == 2
+    assert f"--output {folder}: is a folder" in capsys.readouterr().err
+    assert exit_code(lambda: eval_script.main(["--checkpoint", missing_ckpt, "--json", str(tmp_path)])) == 2
+    assert f"--json {tmp_path}: is a folder" in capsys.readouterr().err
+
+
+def test_infer_quotes_names_with_newlines_and_clamps_the_batch_to_the_inputs(tmp_path):
+    rows = [{"path": "odd\nname.jpg", "label": "a", "prob": 0.5, "error": None},
+            {"path": "plain.jpg", "label": None, "prob": None, "error": "empty file"}]
+    table = format_predictions_table(rows).splitlines()
+    assert len(table) == 3 and table[1].startswith("'odd\\nname.jpg'")
+    paths = []
+    for i in range(3):
+        class_image(i).save(tmp_path / f"{i}.png")
+        paths.append(str(tmp_path / f"{i}.png"))
+    loader = build_inference_loader(FileListDataset(paths, EvalTransform(16, 0.875, "bilinear"), 16), 4096, 0, False)
+    images, valid, indices, _ = next(iter(loader))
+    assert images.shape[0] == 3 and valid.tolist() == [True] * 3
+
+
+@pytest.mark.slow
+def test_nan_weights_are_an_error_naming_the_model_file_in_infer_and_eval(checkpoint, tmp_path, capsys):
+    """A .pt whose first conv weight is NaN printed 'classified 4 of 4' with prob nan, exit 0."""
+    import eval as eval_script
+
+    data = checkpoint.parent.parent / "data"  # train_tiny's layout: base/data, base/run/best.pt
+    saved = torch.load(checkpoint, weights_only=True)
+    first_conv = next(k for k, v in saved["model"].items() if v.ndim == 4)
+    saved["model"][first_conv] = torch.full_like(saved["model"][first_conv], float("nan"))
+    broken = tmp_path / "nan.pt"
+    torch.save(saved, broken)
+    out = tmp_path / "rows.csv"
+    assert exit_code(lambda: infer.main([str(data / "val"), "--checkpoint", str(broken), "--num-workers", "0",
+                                         "--output", str(out)])) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {broken}: the model's outputs are not finite") and "Traceback" not in err
+    assert "for 9 of 9 image(s)" in line and not out.exists()
+    assert exit_code(lambda: eval_script.main(["--checkpoint", str(broken), "--data", str(data)])) == 1
+    err = capsys.readouterr().err
+    assert f"{broken}: the model's outputs are not finite" in err.strip().splitlines()[-1] and "Traceback" not in err

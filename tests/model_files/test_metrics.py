@@ -115,3 +115,5 @@ def test_is_improvement_respects_direction_and_min_delta():
     assert is_improvement(0.4, 0.5, "loss", 0.0)
     assert not is_improvement(0.6, 0.5, "loss", 0.0)
     assert not is_improvement(0.45, 0.5, "loss", 0.1)
+    assert not is_improvement(float("nan"), None, "loss", 0.0)  # a diverged validation is never best
+    assert not is_improvement(float("-inf"), 1.0, "loss", 0.0)

@@ -1,15 +1,17 @@
-"""Gradient accumulation through the real training loop: batch 16 x 4 micro-batches == batch 64 x 1."""
+"""Gradient accumulation through the real training loop: batch 16 x 4 micro-batches == batch 64 x 1; a window
+longer than the epoch is clamped."""
 import copy
+import logging
 
 import pytest
 import torch
 
-from core.config import OptimConfig
+from core.config import OptimConfig, load_config
 from runtime.device import DeviceInput
 from objectives.base import Objective
 from training.loop import measuring_parts, train_one_epoch
 from training.optim import build_optimizer
-from training.schedule import build_scheduler, steps_per_epoch
+from training.schedule import build_scheduler, plan_run, steps_per_epoch
 from rundir.state import EpochCounters, TrainState
 from training.step import TrainStep
 
@@ -161,3 +163,11 @@ def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
         assert torch.allclose(targets, draw.lam * own + (1 - draw.lam) * own.roll(1, 0), atol=1e-6)
         lams.append(draw.lam)
     assert len(set(lams)) == 8, "the micro-batches of a window draw their own lambdas"
+
+
+def test_accum_steps_larger_than_the_epoch_is_clamped_and_the_true_effective_batch_planned(caplog):
+    cfg = load_config("quickstart", ["train.accum_steps=11", "train.batch_size=2", "optim.base_batch_size=2"])
+    with caplog.at_level(logging.WARNING):
+        plan = plan_run(cfg, 2, batches_in_split=4, world_size=1)
+    assert (plan.accum_steps, plan.effective_batch, plan.steps_per_epoch) == (4, 8, 1)
+    assert "train.accum_steps=11 is more than the 4 batches of an epoch" in caplog.text

@@ -1,10 +1,15 @@
 """tune.py: the sweep's arithmetic on synthetic curves (smoothing, the loss after the same samples, time
 to target, knee, verdict), its losses reproducible per seed on real steps, the LR range test's suggestion on
-a synthetic curve and identical on both ranks of a 2-process gloo group, and bad input exiting 2."""
+a synthetic curve and identical on both ranks of a 2-process gloo group, bad input exiting 2 (a batch BatchNorm
+cannot train on, warm-up as long as the run), small batches swept, and SIGTERM keeping the sizes so far."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
@@ -17,7 +22,7 @@ from runtime.runtime import Runtime
 from tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 from tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
                            sweep_verdict, throughput_knee, time_to_target_noise)
-from conftest import make_tree, run_script, tiny_overrides
+from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 
 
 def curve(batch, losses, seconds_per_step):
@@ -229,3 +234,56 @@ def test_refuses_to_write_into_a_run_directory(tmp_path, tiny_tree):
                         "--json", str(run_dir / "tune.json"))
     assert result.returncode == 2 and "run directory" in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.slow
+def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(tiny_tree, tmp_path, capsys):
+    """`--batch-sizes 2,4` probed memory at batch 1 and died in BatchNorm ('Expected more than 1 value per
+    channel'), exit 1, no table."""
+    from commands.tune_run import run_sweep
+
+    cfg = load_config("base", tiny_overrides(tiny_tree, tmp_path / "run"))
+    out = tmp_path / "t.json"
+    args = Namespace(steps=2, warmup_steps=0, target_loss=None, checkpointing=False, json=str(out), plot=None)
+    assert run_sweep(cfg, args, [2, 4]) == 0
+    assert [row["effective_batch"] for row in json.loads(out.read_text())["rows"]] == [2, 4]
+    assert "verdict" in capsys.readouterr().out
+
+
+def test_tune_refuses_a_one_image_batch_that_batchnorm_cannot_train_on():
+    from commands.tune_run import check_sizes
+
+    with pytest.raises(ConfigError, match="--batch-sizes: 1 is one image per process, and BatchNorm cannot train"):
+        check_sizes([1, 2], 24, 1)
+    with pytest.raises(ConfigError, match="--batch-sizes: 2 is one image per process"):
+        check_sizes([2, 4], 24, 2)
+    check_sizes([1, 2], 24, 1, norm="group")
+
+
+def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
+    from commands.tune import check_arguments
+
+    base = dict(batch_sizes=None, target_loss=None, lr_range=None, checkpointing=False, json=None, plot=None)
+    with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 2"):
+        check_arguments(Namespace(steps=2, warmup_steps=100, **base))
+    with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 100"):
+        check_arguments(Namespace(steps=None, warmup_steps=100, **base))
+    check_arguments(Namespace(steps=4, warmup_steps=3, **base))
+
+
+@pytest.mark.slow
+def test_tune_on_sigterm_writes_the_table_and_json_of_the_sizes_so_far(tiny_tree, tmp_path):
+    out, err = tmp_path / "t.json", tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tune.py"), "--config", "base",
+                                 *tiny_overrides(tiny_tree, tmp_path / "run"), "--batch-sizes", "4,8",
+                                 "--steps", "400", "--json", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        wait_for(proc, lambda: "s in all" in err.read_text(), "the sweep's first points")
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.read_text()[-2000:]
+    assert "verdict" in stdout and "(interrupted: the sizes so far)" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and [row["effective_batch"] for row in doc["rows"]] == [4]
