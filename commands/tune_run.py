@@ -21,6 +21,7 @@ from runtime.runtime import Runtime, build_runtime
 from tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
 from tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
+from objectives.distillation.teacher import check_teacher
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def prepare(cfg) -> tuple[Runtime, int, int]:
         prepare_root(cfg)
     dist_utils.barrier()
     train_index, _ = scan_splits(cfg)
+    if cfg.distill.teacher:  # a teacher that cannot teach is refused before any measurement (exit 2)
+        check_teacher(cfg, train_index.classes)
     return runtime, len(train_index), len(train_index.classes)
 
 

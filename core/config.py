@@ -209,7 +209,8 @@ class DistillConfig:
     # our checkpoint (best.pt), a timm folder (local-dir:PATH or a folder path), or a timm / hf-hub: model name
     teacher: Optional[str] = field(default=None, metadata=FREE)
     type: Literal["soft", "hard", "feature"] = "soft"
-    temperature: float = field(default=4.0, metadata=_range(0.0, 100.0, lo_open=True))
+    # below 0.05 the softened logits overflow (1e-300: inf, a non-finite first step); the soft term is stable above
+    temperature: float = field(default=4.0, metadata=_range(0.05, 100.0))
     alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
     feature_loss: Literal["cosine", "mse"] = "cosine"
 

@@ -39,6 +39,7 @@ from runtime.runtime import Runtime, start_runtime
 from evaluation.evaluate import evaluate
 from objectives.distillation.agreement import AgreementProbe, validate_teacher
 from objectives.distillation.distiller import Distiller, build_distiller, check_resume_teacher, teacher_summary
+from objectives.distillation.teacher import check_same_teacher_everywhere, check_teacher
 from training.loop import StepHooks, train_one_epoch
 from training.optim import base_lr, describe_groups
 from training_run.calibrate import best_is_calibrated, calibrate_best
@@ -124,6 +125,8 @@ class Trainer:
         check_tracking_client(cfg.tracking)
         check_model_name(cfg.model.name)
         check_grad_checkpointing(cfg.model)
+        if cfg.distill.teacher:  # before the run directory and its log: a teacher that cannot teach leaves nothing
+            check_teacher(cfg)
         self.runtime = start_runtime(cfg, distributed=True)
         self.run_lock = dist_utils.run_on_main(self.runtime.dist.is_main, lambda: open_run_dir(self.run_dir))
         dist_utils.barrier()
@@ -172,6 +175,7 @@ class Trainer:
         self.eval_model = self.ema.module if self.ema is not None else self.model
         if self.cfg.distill.teacher:  # distillation (objectives/distillation): the teacher is loaded and checked here
             self.distiller = build_distiller(self.cfg, self.classes, self.model, self.runtime.device)
+            check_same_teacher_everywhere(self.distiller.teacher)
         if resume_ckpt is not None:
             check_resume_teacher(resume_ckpt, self.distiller)
 
