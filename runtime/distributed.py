@@ -230,6 +230,16 @@ def broadcast_buffers(*models: torch.nn.Module) -> None:
             dist.broadcast(buffer, 0)
 
 
+def broadcast_state(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers into `model` on every rank (what rank 0 loaded from a file the others
+    may not see)."""
+    if not is_initialized():
+        return
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, 0)
+
+
 def convert_sync_bn(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     """Replace every BatchNorm layer by SyncBatchNorm (statistics over the global batch); returns the
     model and how many layers were converted."""

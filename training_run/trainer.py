@@ -271,7 +271,7 @@ class Trainer:
                           stop_requested=lambda step: self.stop_signal.agreed(step, self.runtime.dist, self.runtime.device), save=self._save_mid_epoch,
                           log_step=self._log_step, log_interval=self.cfg.output.log_interval)
         if self.state.epoch >= self.cfg.train.epochs or self.state.stopped_early:
-            if not best_is_calibrated(self.run_dir):  # the run ended before its calibration was written
+            if not best_is_calibrated(self.run_dir, self.runtime.dist):  # the run ended before its calibration was written
                 self._calibrate()
             self.reporter.report_complete(self.state, self.run_dir)  # its summary.json stays as it was
             self.tracking.status = "FINISHED"

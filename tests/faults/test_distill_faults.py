@@ -72,3 +72,14 @@ def test_two_processes_distil_the_same_student_as_one(data_root, teacher_folder,
 
     rows = [list(csv.DictReader((tmp_path / d / "metrics.csv").open())) for d in ("one", "two")]
     assert [r["val_teacher_agreement"] for r in rows[0]] == [r["val_teacher_agreement"] for r in rows[1]]
+
+
+@pytest.mark.slow
+def test_ranks_that_load_different_teacher_files_are_refused_on_every_rank(tmp_path):
+    from ddp_workers import teachers_compared
+
+    torch.multiprocessing.spawn(teachers_compared, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert said[0] == said[1]
+    assert said[0].startswith("'distill.teacher' = /nfs/teacher/best.pt: the processes loaded different teachers "
+                              "(rank 0: aaaaaaaaaaaa, rank 1: bbbbbbbbbbbb)")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
-from ddp_workers import nonfinite_on_one_rank, thread_counts_agreed
+from ddp_workers import calibrate_where_one_rank_cannot_see_best, nonfinite_on_one_rank, thread_counts_agreed
 from data.datasets import EvalDataset
 from data.listing.folder import scan_split
 from data.loaders import build_eval_loader
@@ -308,6 +308,20 @@ def test_a_step_nonfinite_on_one_rank_is_skipped_on_all_ranks(tmp_path):
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)   # the replicas stayed identical
+
+
+@pytest.mark.slow
+def test_calibration_ends_on_every_rank_when_only_rank_zero_sees_best_pt(tmp_path):
+    """Two nodes with separate working directories: rank 1 has no best.pt. Rank 0 decides and sends the weights;
+    before, rank 0 waited in the outputs' all_gather and rank 1 at the final barrier (gloo's timeout)."""
+    torch.multiprocessing.spawn(calibrate_where_one_rank_cannot_see_best, args=(2, str(tmp_path / "store"),
+                                                                               str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [r["before"] for r in ranks] == [False, False] and [r["after"] for r in ranks] == [True, True]
+    assert [r["record"] for r in ranks] == [True, False]  # rank 0 fits and writes
+    assert "calibration" in torch.load(tmp_path / "node0" / "best.pt", weights_only=True)
+    assert not (tmp_path / "node1" / "best.pt").exists()
+    assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
 
 
 @pytest.mark.slow
