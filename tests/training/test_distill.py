@@ -431,6 +431,42 @@ def test_a_teacher_with_other_classes_exits_2_naming_the_first_difference(teache
 
 
 @pytest.mark.slow
+def test_a_teacher_with_another_class_count_is_refused_before_the_batch_finder_and_tune(teacher_run, tmp_path):
+    """The teacher has 3 outputs, the student's data 4 classes: exit 2 before any search or sweep (it was a
+    RuntimeError, exit 1, inside the batch finder's first step)."""
+    _, teacher = teacher_run
+    data = make_tree(tmp_path / "four", {c: (6, 2) for c in "abcd"})
+    out = tmp_path / "run"
+    args = tiny_overrides(data, out, **STUDENT, **{"distill.teacher": str(teacher), "train.batch_size": "auto"})
+    for script, extra in (("train.py", []), ("tune.py", ["--batch-sizes", "2,4"])):
+        result = run_script(script, "--config", "base", *args, *extra)
+        assert result.returncode == 2, (script, result.stderr[-2000:])
+        assert "its classifier has 3 outputs, the student's 4 classes" in result.stderr
+        assert "Traceback" not in result.stderr and "searching the largest batch" not in result.stderr
+    assert not (out / "batch_finder.json").exists()
+
+
+@pytest.mark.slow
+def test_refused_teachers_leave_no_run_directory(teacher_run, tmp_path):
+    """A missing teacher file, a multi-label teacher for a single-label student: exit 2 naming
+    distill.teacher, before output.dir or its train.log exist."""
+    data, teacher = teacher_run
+    ckpt = torch.load(teacher, map_location="cpu", weights_only=True)
+    ckpt["config"]["data"].update({"task": "multilabel", "format": "csv", "train_csv": "t.csv", "val_csv": "v.csv"})
+    tagger = tmp_path / "tagger.pt"
+    torch.save(ckpt, tagger)
+    for source, said in ((str(tmp_path / "gone" / "best.pt"), "no such file or folder"),
+                         (str(tagger), "trained for data.task=multilabel and the student trains for data.task=multiclass")):
+        out = tmp_path / "run"
+        result = run_script("train.py", "--config", "base",
+                            *tiny_overrides(data, out, **STUDENT, **{"distill.teacher": source}))
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"'distill.teacher' = {source}" in result.stderr and said in result.stderr, result.stderr[-2000:]
+        assert "'model.name'" not in result.stderr
+        assert not out.exists()
+
+
+@pytest.mark.slow
 def test_a_timm_folder_teacher_trains_a_feature_student(teacher_run, tmp_path):
     """The teacher exported as a timm folder (export.py --format timm) teaches through `local-dir:`; the
     feature projection is in last.pt and the optimizer, never in best.pt."""
