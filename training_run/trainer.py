@@ -27,7 +27,7 @@ from data.loaders import loader_length, original_message, shutdown_workers
 from runtime import distributed as dist_utils
 from rundir.resume_hint import continue_command
 from rundir.checkpoints import Checkpointer, TrainingParts
-from rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume, run_inputs
 from rundir.restart import check_own_checkpoint, plan_resume
 from rundir.shared_view import check_shared_checkpoint
 from runtime.launcher import launch_info
@@ -137,7 +137,7 @@ class Trainer:
                                       share_result=True)
         self.resume = plan.resume
         check_shared_checkpoint(self.resume, self.run_dir, self.runtime.dist)
-        claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main)
+        claim_run_dir(self.run_dir, self.resume, cfg.output.overwrite, self.runtime.dist.is_main, run_inputs(cfg, self.finetune))
         resume_ckpt = resolve_resume(self.resume, self.run_dir) if self.resume else None
         if plan.must_own:
             check_own_checkpoint(resume_ckpt, self.run_dir, launch)
