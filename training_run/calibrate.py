@@ -102,3 +102,5 @@ def log_record(record: dict, val: SplitOutputs) -> None:
              record["thresholds"][record["method"]], 100 * record["coverage"])
     for note in record.get("temperature_notes", []):
         log.warning("calibration: %s", note)
+    for note in record.get("reject_notes", []):
+        log.warning("reject option: %s", note)
