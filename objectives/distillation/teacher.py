@@ -25,6 +25,7 @@ from model_files.loading import load_model_file
 from models.factory import LOCAL_DIR_PREFIX, check_model_name, load_pretrained, pretrained_preprocessing
 from models.timm_folder import weight_file
 from runtime import distributed as dist_utils
+from tasks import get_task, task_of
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +215,12 @@ def check_teacher(cfg, classes: Optional[list[str]] = None) -> Teacher:
 def teacher_mismatch(teacher: Teacher, cfg, classes: Optional[list[str]]) -> Optional[str]:
     """Why the teacher cannot teach the student of `cfg` (None when it can): another task, or (with `classes`
     known) other classes."""
-    if teacher.task != cfg.data.task:
-        return (f"it was trained for data.task={teacher.task} and the student trains for data.task="
-                f"{cfg.data.task}: its outputs are {TASK_OUTPUTS.get(teacher.task, teacher.task)}, the student's "
-                f"{TASK_OUTPUTS.get(cfg.data.task, cfg.data.task)}; use a teacher of the same task")
+    theirs, ours = get_task(teacher.task), task_of(cfg)
+    if theirs is not ours:
+        return (f"it was trained for data.task={theirs.name} and the student trains for data.task={ours.name}: "
+                f"a {theirs.title} model's outputs go through a {theirs.activation}, the student's through a "
+                f"{ours.activation}; use a {ours.title} teacher")
     return class_mismatch(teacher, classes) if classes is not None else None
-
-
-TASK_OUTPUTS = {"multiclass": "one softmax over the classes", "multilabel": "a sigmoid per class (tags)"}
 # A teacher whose input holds more than this many times the student's pixels is said aloud: its forward
 # runs in every training step at its own size (2048 px behind a 32 px student: 3 GB at batch 2)
 COSTLY_PIXEL_RATIO = 16
