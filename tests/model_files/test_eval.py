@@ -250,3 +250,13 @@ def test_eval_with_two_outputs_on_one_file_exits_2_before_writing(trained, tmp_p
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"--predictions {report}: is also --json {report}" in result.stderr
     assert not report.exists()
+
+
+def test_an_explicit_train_amp_override_is_evals_amp():
+    """eval.py has no --amp: `train.amp=bf16` on its command line keeps bf16 where the checkpoint's own bf16
+    would run in fp32 (a CPU that emulates it)."""
+    from commands.evaluate import amp_override
+
+    assert amp_override(["data.num_workers=0", "train.amp=bf16"]) == "bf16"
+    assert amp_override(["train.amp=none", "train.amp = auto"]) == "auto"
+    assert amp_override(["data.num_workers=0"]) is None
