@@ -46,7 +46,7 @@ def env_rank() -> int:
 
 # How long a process started without torchrun waits for the others to join: torchrun's workers start once
 # every node has joined, but a hand-set WORLD_SIZE with a missing peer would otherwise wait gloo's 30 minutes
-JOIN_TIMEOUT = timedelta(minutes=3)
+JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 # Device types PyTorch's SyncBatchNorm runs on (DistributedDataParallel refuses it on CPU).
