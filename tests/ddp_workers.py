@@ -94,21 +94,3 @@ def calibrate_where_one_rank_cannot_see_best(rank: int, world: int, init_file: s
                 "weights": {k: v.clone() for k, v in model.state_dict().items()}}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
-
-def teachers_compared(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Each rank of a 2-process gloo group holds a teacher of another digest (rank 1's file differs); writes what
-    check_same_teacher_everywhere said."""
-    from core.errors import ConfigError
-    from objectives.distillation.teacher import check_same_teacher_everywhere
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    digest = "a" * 64 if rank == 0 else "b" * 64
-    teacher = SimpleNamespace(identity={"source": "/nfs/teacher/best.pt", "sha256": digest})
-    try:
-        check_same_teacher_everywhere(teacher)
-        said = "ok"
-    except ConfigError as err:
-        said = str(err)
-    with open(f"{out_dir}/rank{rank}.txt", "w") as f:
-        f.write(said)
-    dist.destroy_process_group()
