@@ -74,7 +74,6 @@ def main(argv=None) -> int:
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.batch_size, args.tta, args.overrides,
                                  args.classes, args.reject_below,
                                  outputs={"--json": args.json, "--reliability": args.reliability,
-                                          "--json's confusion PNG": args.json and confusion_png_path(args.json),
                                           "--predictions": args.predictions},
                                  knn=args.knn, linear_probe=args.linear_probe)
     report_evaluation(result, args.json, args.reliability, args.predictions)

@@ -31,8 +31,13 @@ from runtime.runtime import build_runtime
 log = logging.getLogger("audit")
 
 
+ALWAYS_TRAINED = -1  # the "fold" of a class whose images are all copies of one: in every fold's training
+
+
 def assign_folds(digests: list[str], labels: list[int], folds: int, seed: int) -> list[int]:
-    """The fold (0..folds-1) of each image: stratified by label, copies (equal digests) of a class together."""
+    """The fold (0..folds-1) of each image: stratified by label, copies (equal digests) of a class together.
+    A class whose images are all copies of one image cannot be held out from its own training (the other folds
+    would not know the class): its images are ALWAYS_TRAINED, in every fold's training, and never checked."""
     fold_of_content: dict[tuple[int, str], int] = {}
     by_class: dict[int, list[str]] = {}
     for digest, label in zip(digests, labels):
@@ -43,7 +48,7 @@ def assign_folds(digests: list[str], labels: list[int], folds: int, seed: int) -
     for label, contents in by_class.items():
         ranked = sorted(contents, key=lambda c: hashlib.sha256(f"{seed}\0{c}".encode()).digest())
         for position, content in enumerate(ranked):
-            fold_of_content[(label, content)] = position % folds
+            fold_of_content[(label, content)] = position % folds if len(ranked) > 1 else ALWAYS_TRAINED
     return [fold_of_content[(label, digest)] for digest, label in zip(digests, labels)]
 
 
@@ -99,10 +104,16 @@ def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = Non
 def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: list[str], classes: list[str],
                           work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None,
                           outlier_z: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[N, C] probabilities, row i from the fold model that did not train on file i. `outlier_z` (N, filled
+    """[N, C] probabilities, row i from the fold model that did not train on file i (NaN for the images of a
+    class of copies of one image, which every fold trains on: `assign_folds`). `outlier_z` (N, filled
     in place): each file's out-of-distribution score under that fold model (auditing/outliers.py). The
     fold runs log to their own train.log; stderr shows their errors only, and one line per fold."""
     fold_of = assign_folds(digests, labels, folds, cfg.audit.seed)
+    single = sorted({classes[label] for label, fold in zip(labels, fold_of) if fold == ALWAYS_TRAINED})
+    if single:
+        log.warning("audit: every image of class(es) %s is a copy of one image: a fold cannot hold them out and "
+                    "still train the class, so they train in every fold and their labels are not checked",
+                    ", ".join(single))
     (work / "classes.txt").write_text("".join(f"{name}\n" for name in classes))
     probs = torch.full((len(files), len(classes)), float("nan"))
     for fold in range(folds):

@@ -86,6 +86,11 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
         source = f"{folds}-fold cross-validation, {epochs} epoch(s) per fold"
         note = (f"out-of-sample predictions for the {len(pool)} training and validation images: each from a "
                 f"{cfg.model.name} trained {epochs} epoch(s) on the other {folds - 1} fold(s)")
+    checked = probs.isfinite().all(dim=1)  # not a class of copies of one image, which no fold held out
+    if not bool(checked.all()):
+        note += (f"; {int((~checked).sum())} image(s) not checked: every image of their class is a copy of one "
+                 f"image, which no fold can hold out from its own training")
+    pool, probs = [i for i, keep in zip(pool, checked.tolist()) if keep], probs[checked]
     issues = find_label_issues([data.items[i].label for i in pool], probs.numpy())
     named = [{"path": data.items[pool[x["position"]]].name, "split": data.items[pool[x["position"]]].split,
               "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"]}

@@ -43,6 +43,13 @@ class EvalResult:
     representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/eval_representation.py)
 
 
+def amp_override(overrides: list[str]) -> str | None:
+    """eval.py's `train.amp=X` (its --amp): used as named, where the checkpoint's own train.amp is resolved for
+    this machine (a bf16 checkpoint runs in fp32 on a CPU that emulates bf16)."""
+    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "train.amp"]
+    return given[-1] if given else None
+
+
 def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, split: str | None = None,
                         batch_size: int | None = None, tta: bool = False, overrides: list[str] = (),
                         classes_file: str | None = None, reject_below: float | None = None,
@@ -85,7 +92,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
         loaded.task.check_supported(flag)  # a multi-label model has neither (they were ignored)
     check_eval_outputs(outputs or {}, checkpoint, classes_file, data_root, cfg.data.root, index.files)
 
-    predictor = Predictor.from_model_file(loaded, None, for_serving=False)
+    predictor = Predictor.from_model_file(loaded, None, amp=amp_override(overrides), for_serving=False)
     model, transform = predictor.model, predictor.transform
     pin = pin_memory_for(cfg.data.pin_memory, predictor.runtime.device)
     limit = cfg.data.limit_val_batches * cfg.train.batch_size if cfg.data.limit_val_batches else None

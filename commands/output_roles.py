@@ -27,11 +27,27 @@ def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, cl
                         {"--explain": explain_dir})
 
 
+def eval_output_files(outputs: dict) -> dict:
+    """eval.py's outputs by flag, with the files it derives from --json's name (`<name>_confusion.png`,
+    `<name>_errors.csv`, `<name>_errors.html`) beside --json."""
+    files = {}
+    for flag, path in outputs.items():
+        files[flag] = path
+        if flag == "--json" and path:
+            from commands.eval_errors import errors_paths  # eval.py's modules (torch), not at infer.py --help
+            from commands.report import confusion_png_path
+
+            errors_csv, errors_html = errors_paths(path)
+            files.update({"--json's confusion matrix": str(confusion_png_path(path)),
+                          "--json's misclassified list": str(errors_csv), "--json's misclassified page": str(errors_html)})
+    return files
+
+
 def check_eval_outputs(outputs: dict, checkpoint: str, classes_file: Optional[str], data: Optional[str],
                        data_root: Optional[str], images: list[str]) -> None:
-    """eval.py: --json (and its confusion PNG) and --reliability apart from the evaluated images, the data
-    root or list, the model file and the classes file."""
-    check_outputs_apart(outputs, {"evaluated image": images, "data list": _files(data), "checkpoint": _files(checkpoint),
+    """eval.py: --json (and the files named after it), --predictions and --reliability apart from each other
+    and from the evaluated images, the data root or list, the model file and the classes file."""
+    check_outputs_apart(eval_output_files(outputs), {"evaluated image": images, "data list": _files(data), "checkpoint": _files(checkpoint),
                                   "classes file": _files(classes_file)},
                         {"data root": _dirs(data_root, data), "checkpoint folder": _dirs(checkpoint)})
 

@@ -22,6 +22,7 @@ from tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
 from tuning.arithmetic import format_sweep_table, lr_suggestion, sweep_rows, sweep_verdict
 from models.factory import check_grad_checkpointing, check_model_name
 from training.optim import check_optimizer
+from objectives.distillation.teacher import check_teacher
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def prepare(cfg) -> tuple[Runtime, int, int]:
         prepare_root(cfg)
     dist_utils.barrier()
     train_index, _ = scan_splits(cfg)
+    if cfg.distill.teacher:  # a teacher that cannot teach is refused before any measurement (exit 2)
+        check_teacher(cfg, train_index.classes)
     return runtime, len(train_index), len(train_index.classes)
 
 

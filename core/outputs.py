@@ -69,6 +69,21 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def check_outputs_distinct(outputs: dict) -> None:
+    """ConfigError (exit 2) before any work when two of a command's outputs (flag -> file, including the files
+    it derives from a given name) are one file: the second would replace the first."""
+    seen: dict = {}
+    for flag, out in outputs.items():
+        if not out:
+            continue
+        target = os.path.realpath(out)
+        if target in seen:
+            first, first_path = seen[target]
+            raise ConfigError(f"{flag} {out}: is also {first} {first_path}, which this command writes too; give each "
+                              f"output a file of its own")
+        seen[target] = (flag, out)
+
+
 def check_outputs_apart(outputs: dict, input_files: dict, input_dirs: dict = None, output_dirs: dict = None
                         ) -> None:
     """ConfigError (exit 2) before any work when a command would write over what it reads. `outputs`:
@@ -78,6 +93,7 @@ def check_outputs_apart(outputs: dict, input_files: dict, input_dirs: dict = Non
     lies inside an input folder; an output folder that holds an input file or overlaps an input folder.
     Paths compare resolved (symlinks followed, relative to the working directory)."""
     real = os.path.realpath
+    check_outputs_distinct(outputs)
     files = [(role, f, real(f)) for role, paths in input_files.items() for f in (paths or ()) if f]
     dirs = [(role, d, real(d)) for role, paths in (input_dirs or {}).items() for d in (paths or ()) if d]
     for flag, out in outputs.items():

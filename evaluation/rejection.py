@@ -169,6 +169,9 @@ class LayerTap:
         self._handles = []
 
 
+TIE = 1e-6  # scores closer than this (relative, at least absolute) are one score
+
+
 def threshold_for_coverage(scores: torch.Tensor, coverage: float) -> float:
     """A threshold t such that at least `coverage` of `scores` are >= t: midway between the lowest score
     kept and the next one down, so rounding differences between passes (batch size, memory layout) do not
@@ -177,6 +180,11 @@ def threshold_for_coverage(scores: torch.Tensor, coverage: float) -> float:
         return -math.inf
     ordered = scores.double().sort(descending=True).values
     keep = min(len(ordered), max(1, math.ceil(coverage * len(ordered) - 1e-9)))
+    # scores equal up to rounding (copies of one image) are kept or rejected together: a threshold between
+    # them would fall differently in another pass
+    gaps = ordered[keep - 1:-1] - ordered[keep:]
+    apart = (gaps > TIE * ordered[keep:].abs().clamp(min=1.0)).nonzero()
+    keep = keep + int(apart[0]) if len(apart) else len(ordered)
     if keep == len(ordered):
         lowest = float(ordered[-1])
         return lowest - max(1e-6, 1e-3 * abs(lowest))
@@ -203,10 +211,28 @@ def knn_score(features: torch.Tensor, bank: torch.Tensor, k: int = KNN_K) -> tor
     return -(2.0 - 2.0 * kth).clamp(min=0).sqrt()
 
 
+# Features whose variance around their class means is below this share of their mean square are constant up
+# to float rounding (constant-colour images): their covariance is rounding noise, and its inverse (1e15) would
+# make the scores of the same image differ between passes (a batch of 1 or 8) by whole units
+DEGENERATE_VARIANCE = 1e-8
+
+
+def variance_share(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> float:
+    """The features' total variance around their class means over their mean square (0 when all are zero)."""
+    x = features.double()
+    means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64).index_add_(0, labels, x)
+    means /= torch.bincount(labels, minlength=num_classes).clamp(min=1).double()[:, None]
+    mean_square = float((x * x).sum(dim=1).mean()) if len(x) else 0.0
+    variance = float(((x - means[labels]) ** 2).sum(dim=1).mean()) if len(x) else 0.0
+    return variance / mean_square if mean_square > 0 else 0.0
+
+
 def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
                     num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class means [C, D] and the precision matrix [D, D] of the shared (tied) covariance, in float64,
-    regularised by a small ridge so it inverts when features outnumber samples."""
+    """Class means [C, D] and the precision matrix [D, D] of the shared (tied) covariance, in float64, shrunk
+    towards a scaled identity: by a small ridge (it inverts when features outnumber samples), and wholly when
+    the fit is degenerate (`variance_share` under DEGENERATE_VARIANCE): then the distance is the Euclidean one
+    in units of the features' mean square per dimension, which rounding cannot blow up."""
     x = features.double()
     means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64)
     means.index_add_(0, labels, x)
@@ -214,8 +240,12 @@ def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
     means /= counts[:, None]
     centred = x - means[labels]
     covariance = centred.T @ centred / max(len(x), 1)
+    eye = torch.eye(x.shape[1], dtype=torch.float64)
+    if variance_share(features, labels, num_classes) < DEGENERATE_VARIANCE:
+        scale = (x * x).sum(dim=1).mean().clamp(min=1e-12) / x.shape[1] if len(x) else torch.tensor(1.0)
+        return means.float(), (eye / scale).float()
     ridge = 1e-3 * covariance.diagonal().mean().clamp(min=1e-12)
-    precision = torch.linalg.inv(covariance + ridge * torch.eye(x.shape[1], dtype=torch.float64))
+    precision = torch.linalg.inv(covariance + ridge * eye)
     return means.float(), precision.float()
 
 
@@ -225,13 +255,20 @@ def mahalanobis_score(features: torch.Tensor, means: torch.Tensor, precision: to
     return -distance.min(dim=1).values.float()
 
 
-def score_scale(scores: torch.Tensor) -> tuple[float, float]:
+# The least spread a score is standardised by: below it the spread is float rounding (identical images), which
+# standardising would blow up to whole units. Mahalanobis distances are in whitened units (an in-distribution
+# spread is about sqrt(2 x dimensions)); energy in nats.
+MIN_SPREAD = {"mahalanobis": 1e-3, "energy": 1e-4}
+
+
+def score_scale(scores: torch.Tensor, least: float = 1e-12) -> tuple[float, float]:
     """(centre, spread) of a score on the validation split: its median, and the distance from the median down
-    to the 5th percentile (the side rejection looks at), so scores of different units compare."""
+    to the 5th percentile (the side rejection looks at), so scores of different units compare; a spread
+    below `least` (MIN_SPREAD) is taken as 1."""
     values = scores.double()
     centre = float(values.median())
     spread = centre - float(values.quantile(0.05))
-    return centre, spread if spread > 1e-12 else 1.0
+    return centre, spread if spread > least else 1.0
 
 
 def combined_score(parts: list[torch.Tensor], scales: list[tuple[float, float]]) -> torch.Tensor:

@@ -9,7 +9,8 @@ raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `co
 `combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split);
 `mahalanobis_layers` stores `layer_names` (the stages), `layer_means` and `layer_precisions` (one fit per
 stage) and `layer_scales` (per stage [centre, spread] on the validation split), and the `mahalanobis_l2`
-fit (audit.py's outlier score, and the score where the stages cannot be tapped).
+fit (audit.py's outlier score, and the score where the stages cannot be tapped). `reject_notes`: warnings
+about the fit (a threshold resting on few validation images, features constant up to rounding).
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from evaluation.calibration import (apply_temperature, calibrated_temperature, e
                                            selective_report)
 from evaluation.split_outputs import SplitOutputs
 from evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
-                                         Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
+                                         DEGENERATE_VARIANCE, MIN_SPREAD, Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
                                          mahalanobis_fit, mahalanobis_score, msp_score, multilayer_score, normalise,
-                                         rejector_from_record, score_scale, seeded_subset, threshold_for_coverage)
+                                         rejector_from_record, score_scale, seeded_subset, threshold_for_coverage,
+                                         variance_share)
 
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
@@ -42,6 +44,10 @@ def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[
     if temperature_problem(t):
         raise ConfigError(f"calibration.temperature: {temperature_problem(t)}")
     return t, notes
+
+
+def least_spread(score: str) -> float:
+    return MIN_SPREAD["mahalanobis" if score.startswith("mahalanobis") else "energy"]
 
 
 def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.Tensor:
@@ -68,20 +74,21 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                 "mahalanobis_l2": mahalanobis_fit(normalise(bank.features), bank.labels, classes)}
         scores["mahalanobis"] = mahalanobis_score(val.features, *fits["mahalanobis"])
         scores["mahalanobis_l2"] = mahalanobis_score(normalise(val.features), *fits["mahalanobis_l2"])
-        scales = {name: score_scale(scores[name]) for name in COMBINED_OF}
+        scales = {name: score_scale(scores[name], least_spread(name)) for name in COMBINED_OF}
         scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
                                             [scales[name] for name in COMBINED_OF])
         layers = bool(layer_names) and val.layers is not None and bank.layers is not None
         if method == LAYERS_METHOD and layers:
             fitted = layer_fits(bank.layers, bank.labels, classes)
             per_layer = layer_scores(val.layers, fitted)
-            layer_scales = [score_scale(x) for x in per_layer]
+            layer_scales = [score_scale(x, MIN_SPREAD["mahalanobis"]) for x in per_layer]
             scores[LAYERS_METHOD] = multilayer_score(per_layer, layer_scales)
             record.update(layer_names=list(layer_names), layer_means=[m for m, _ in fitted],
                           layer_precisions=[p for _, p in fitted], layer_scales=[list(x) for x in layer_scales])
         elif method == LAYERS_METHOD:
             method = "combined"
         record["feature_bank"] = stored
+        record["reject_notes"] = degenerate_notes(bank, classes, layer_names if LAYERS_METHOD in scores else [])
         needed = {"combined": COMBINED_OF, LAYERS_METHOD: ("mahalanobis_l2",)}.get(method, (method,))
         if "mahalanobis" in needed:
             record["class_means"], record["precision"] = fits["mahalanobis"]
@@ -90,9 +97,34 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
         if method == "combined":
             record["combined_of"] = list(COMBINED_OF)
             record["score_scales"] = {name: list(scales[name]) for name in COMBINED_OF}
+    record["reject_notes"] = [*few_images_notes(len(val), coverage), *record.get("reject_notes", [])]
     record["thresholds"] = {name: threshold_for_coverage(s, coverage) for name, s in scores.items()}
     record["method"] = method if method in scores else LOGITS_METHOD
     return record
+
+
+# Below this many validation images a threshold is said to rest on too few: 95% coverage is not even
+# resolvable under 20 (every image is kept)
+MIN_THRESHOLD_IMAGES = 20
+
+
+def few_images_notes(count: int, coverage: float) -> list[str]:
+    if count >= MIN_THRESHOLD_IMAGES:
+        return []
+    return [f"the reject threshold rests on {count} validation image(s) (fewer than {MIN_THRESHOLD_IMAGES}): the "
+            f"share it keeps of new images may be far from calibration.coverage={coverage:g}; a larger validation "
+            f"split makes it meaningful"]
+
+
+def degenerate_notes(bank: SplitOutputs, classes: int, layer_names: list[str]) -> list[str]:
+    """What the reject fits say when the training features are constant up to rounding (all images alike)."""
+    views = [("penultimate features", bank.features), *zip(layer_names, bank.layers or [])]
+    flat = [name for name, x in views if variance_share(normalise(x), bank.labels, classes) < DEGENERATE_VARIANCE]
+    if not flat:
+        return []
+    return [f"the training images' features ({', '.join(flat)}) are constant up to float rounding (images all "
+            f"alike, e.g. of one colour): the Mahalanobis fit is degenerate and scores by the plain distance to "
+            f"the class means instead; the threshold keeps images like these and little else"]
 
 
 def export_record(record: Optional[dict]) -> Optional[dict]:
@@ -121,7 +153,7 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
               "temperature": temperature,
-              "calibration_notes": list(record.get("temperature_notes", [])) if record else []}
+              "calibration_notes": [*record.get("temperature_notes", []), *record.get("reject_notes", [])] if record else []}
     rejector = (usable_rejector(record, outputs.features is not None, method, outputs.layers is not None)
                 if record else None)
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):

@@ -8,6 +8,7 @@ import torch
 
 from objectives.base import Objective
 from objectives.distillation.distiller import build_distiller, check_no_teacher
+from objectives.distillation.teacher import check_teacher
 from tasks import task_of
 
 
@@ -21,6 +22,12 @@ OBJECTIVES = {"task": build_task_objective, "distill": build_distiller}
 
 def objective_name(cfg) -> str:
     return "distill" if cfg.distill.teacher else "task"
+
+
+def check_objective(cfg) -> None:
+    """Before any work (exit 2): what the objective needs can be had (distillation: a teacher that can teach)."""
+    if objective_name(cfg) == "distill":
+        check_teacher(cfg)
 
 
 def build_objective(cfg, classes: Optional[list[str]], model: torch.nn.Module, device: torch.device) -> Objective:

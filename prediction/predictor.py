@@ -21,7 +21,7 @@ from model_files.formats import FORMATS
 from model_files.model_file import ModelFile
 from model_files.loading import load_model_file
 from prediction.trust import ScoreRecorder, TrustOptions, apply_reject, build_rejector, check_trust_options
-from runtime.device import DeviceInput, select_device
+from runtime.device import DeviceInput, inference_amp, select_device
 from runtime.runtime import Runtime, build_runtime
 from models.factory import fold_batchnorm
 from tasks.base import Predictions, Task
@@ -170,10 +170,8 @@ def prediction_runtime(loaded: ModelFile, device_setting: Optional[str], amp: Op
         if loaded.fp32_only and amp not in (None, "none", "auto"):
             log.warning("--amp %s: %s runs its fp32 graph in its own runtime; running in fp32", amp,
                         FORMATS[loaded.kind].description)
-        setting = amp or loaded.cfg.train.amp
-        if (amp is None and setting == "fp16" and device_setting is not None
-                and select_device(device_setting).type != "cuda"):
-            setting = "auto"  # trained with fp16 on a GPU, classifying on a CPU
+        # no --amp: the checkpoint's precision, as this machine runs it (fp16 from a GPU, bf16 where emulated)
+        setting = amp or inference_amp(loaded.cfg.train.amp, select_device(device_setting or loaded.cfg.train.device))
         return build_runtime(loaded.cfg, saved_threads=loaded.threads, training=False, device_setting=device_setting,
                              amp_setting=setting, fp32_only=loaded.fp32_only)
     except ConfigError as err:

@@ -13,6 +13,7 @@ import torch
 
 from core.config import Config, config_differences
 from core.errors import CheckpointError, ConfigError
+from core.outputs import check_outputs_apart
 from core.safe_load import load_checkpoint
 from data.listing.fingerprint import fingerprint_differences
 from rundir.state import EpochCounters, TrainState
@@ -149,14 +150,21 @@ CHECKPOINT_FILES = ("last.pt", "last.prev.pt", "best.pt")
 RUN_FILES = ("summary.json", "metrics.csv", "config.yaml", "batch_finder.json", "tracking_run.json")
 
 
-def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main: bool) -> None:
+def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main: bool,
+                  inputs: Optional[dict] = None) -> None:
     """Before a new run writes into `run_dir` (call right after the log is set up): a folder holding another
     run's checkpoints is refused (ConfigError, exit 2) unless `output.overwrite`, which deletes that run's
-    files first. `--resume PATH` continues a run, and so does `--resume auto` when a last.pt is there."""
+    files first, after checking that none of the run's `inputs` (role -> path, `run_inputs`) lies inside.
+    `--resume PATH` continues a run, and so does `--resume auto` when a last.pt is there."""
     found = [name for name in CHECKPOINT_FILES if (run_dir / name).exists()]
     resuming = resume is not None and (resume != "auto" or "last.pt" in found or "last.prev.pt" in found)
     if resuming or not found:
         return
+    if overwrite:  # the same role check as infer.py / eval.py / export.py: what the run starts from stays
+        existing = {role: [path] for role, path in (inputs or {}).items() if path and os.path.exists(path)}
+        check_outputs_apart({}, {r: p for r, p in existing.items() if os.path.isfile(p[0])},
+                            {r: p for r, p in existing.items() if os.path.isdir(p[0])},
+                            {"output.dir (output.overwrite=true deletes its run files)": str(run_dir)})
     if not overwrite:
         if "last.pt" in found or "last.prev.pt" in found:
             keep = "Continue that run with --resume auto"
@@ -178,6 +186,13 @@ def claim_run_dir(run_dir: Path, resume: Optional[str], overwrite: bool, is_main
         os.truncate(run_dir / "train.log", 0)
     log.warning("output.overwrite=true: deleted the previous run's %s%s from %s and emptied its train.log",
                 ", ".join(removed), f" and {len(events)} TensorBoard event file(s)" if events else "", run_dir)
+
+
+def run_inputs(cfg, finetune: Optional[str]) -> dict:
+    """The files a new run starts from, by the key or flag that names them (what output.overwrite must keep)."""
+    teacher = cfg.distill.teacher
+    return {"distill.teacher": teacher.removeprefix("local-dir:") if teacher else None, "--finetune": finetune,
+            "model.weights": cfg.model.weights}
 
 
 # Below this share of the model's parameters, a --finetune source is most likely another architecture.

@@ -1,15 +1,19 @@
 """Process-group set-up for torchrun (env://), and the few collectives the engine needs."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from core.errors import ConfigError, DistributedSetupError
-from runtime.launcher import LaunchInfo, launch_info
+from runtime.launcher import LaunchInfo, launch_info, process_place
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,16 +32,21 @@ class DistInfo:
 
 
 def env_world_size() -> int:
-    """The process count torchrun announces (1 outside torchrun); the only readers of these variables."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The process count torchrun announces (1 outside torchrun); ConfigError (exit 2) naming a malformed variable."""
+    return process_place().world_size
 
 
 def env_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return process_place().local_rank
 
 
 def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return process_place().rank
+
+
+# How long a process started without torchrun waits for the others to join: torchrun's workers start once
+# every node has joined, but a hand-set WORLD_SIZE with a missing peer would otherwise wait gloo's 30 minutes
+JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 # Device types PyTorch's SyncBatchNorm runs on (DistributedDataParallel refuses it on CPU).
@@ -51,8 +60,9 @@ def check_sync_bn(sync_bn: bool, device_type: str, world_size: int) -> None:
                           f"{device_type}. Drop model.sync_bn, or use model.norm=group for small per-process batches")
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Join the process group torchrun describes in the environment; a no-op for a single process."""
+def init_distributed(device_type: str, join_timeout: timedelta = JOIN_TIMEOUT) -> DistInfo:
+    """Join the process group torchrun describes in the environment; a no-op for a single process. Started
+    without torchrun, the processes wait at most `join_timeout` for each other (DistributedSetupError)."""
     world = env_world_size()
     if world <= 1:
         return DistInfo()
@@ -62,11 +72,13 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     try:
-        store = restart_store(world, launch_info())
+        store = restart_store(world, launch_info()) or joined_store(world, rank, join_timeout)
         if store is None:
             dist.init_process_group(backend=backend, init_method="env://")
         else:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    except DistributedSetupError:
+        raise
     except Exception as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DistributedSetupError(
@@ -86,6 +98,28 @@ def restart_store(world: int, launch: LaunchInfo):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=default_pg_timeout)
     return dist.PrefixStore(f"imgcls/restart_{launch.restart_count}", store)
+
+
+def joined_store(world: int, rank: int, timeout: timedelta):
+    """For processes started by hand (no torchrun agent): rank 0's store, waiting at most `timeout` until
+    every process has joined. None under torchrun (its agent's store, whose workers start together)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"].strip()
+    if not port.isdigit():
+        return None  # env:// names the problem
+    log.info("rank %d of %d: waiting up to %d s for the %s at %s:%s", rank, world, timeout.total_seconds(),
+             f"other {world - 1} process(es)" if rank == 0 else "rank 0 process", address, port)
+    try:
+        store = dist.TCPStore(address, int(port), world, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+    except Exception as err:
+        waited = (f"the other {world - 1} process(es) to join {address}:{port}" if rank == 0
+                  else f"rank 0 at {address}:{port}")
+        raise DistributedSetupError(f"WORLD_SIZE={world}, RANK={rank}: waited {timeout.total_seconds():g} s for "
+                                    f"{waited}; start every process (RANK 0 to {world - 1}), or run with torchrun "
+                                    f"({type(err).__name__})") from err
+    store.set_timeout(default_pg_timeout)
+    return store
 
 
 def is_initialized() -> bool:
@@ -194,6 +228,16 @@ def broadcast_buffers(*models: torch.nn.Module) -> None:
     for model in models:
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)
+
+
+def broadcast_state(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers into `model` on every rank (what rank 0 loaded from a file the others
+    may not see)."""
+    if not is_initialized():
+        return
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, 0)
 
 
 def convert_sync_bn(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:

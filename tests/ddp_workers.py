@@ -58,3 +58,37 @@ def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) ->
     threads, source = runtime.threads, runtime.threads_source
     torch.save({"threads": threads, "torch": torch.get_num_threads(), "source": source}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def calibrate_where_one_rank_cannot_see_best(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Each rank of a 2-process gloo group has its own run directory (as two nodes with separate working
+    directories): only rank 0's holds best.pt. Both calibrate; a hang ends at the group's 60 s timeout."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    from core.config import load_config
+    from models.factory import build_model
+    from runtime.distributed import DistInfo
+    from training_run.calibrate import best_is_calibrated, calibrate_best
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    cfg = load_config("base", ["model.name=test_resnet", "data.img_size=16", "train.batch_size=4"])
+    torch.manual_seed(rank)  # the ranks' models differ until rank 0's best weights reach them
+    model = build_model(cfg.model, 3)
+    run_dir = Path(out_dir) / f"node{rank}"
+    run_dir.mkdir()
+    if rank == 0:
+        torch.save({"model": model.state_dict()}, run_dir / "best.pt")
+    g = torch.Generator().manual_seed(rank)
+    loader = [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=g), torch.tensor([0, 1, 2, rank]),
+               torch.ones(4, dtype=torch.bool), torch.arange(4) + 4 * b + 8 * rank) for b in range(2)]
+    device_input = DeviceInput(torch.device("cpu"), (0.5,) * 3, (0.25,) * 3, False, None)
+    info = DistInfo(rank=rank, world_size=world)
+    calibrated_before = best_is_calibrated(run_dir, info)
+    record = calibrate_best(cfg, run_dir, model, loader, None, device_input, info)
+    torch.save({"before": calibrated_before, "after": best_is_calibrated(run_dir, info), "record": record is not None,
+                "weights": {k: v.clone() for k, v in model.state_dict().items()}}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+

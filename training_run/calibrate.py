@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from core.config import Config, eval_size
+from core.errors import CheckpointError, ConfigError
 from core.safe_load import load_checkpoint
 from data.build import build_eval_loader_for, eval_transform
 from data.listing.folder import ImageIndex
@@ -37,8 +38,11 @@ def bank_index(train_index, seed: int) -> Optional[ImageIndex]:
                                labels=[train_index.labels[i] for i in keep])
 
 
-def best_is_calibrated(run_dir: Path) -> bool:
-    """Whether the run's best.pt holds its calibration record (True when there is no best.pt to calibrate)."""
+def best_is_calibrated(run_dir: Path, dist: Optional[dist_utils.DistInfo] = None) -> bool:
+    """Whether the run's best.pt holds its calibration record (True when there is no best.pt to calibrate).
+    With `dist`: rank 0's answer on every rank (another node may not see rank 0's files yet)."""
+    if dist is not None:
+        return dist_utils.run_on_main(dist.is_main, lambda: best_is_calibrated(run_dir), share_result=True)
     path = run_dir / "best.pt"
     if not path.exists():
         return True
@@ -55,12 +59,15 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     if not task.supports("calibration"):
         log.info("calibration: %s", task.unsupported["calibration"])
         return None
-    dist_utils.barrier()
-    if not best_path.exists():
+    # rank 0 decides and shares its weights: a rank on another node may not see best.pt (its own working
+    # directory, an NFS lookup cache), and ranks that disagree would wait for each other in different collectives
+    if not dist_utils.run_on_main(dist.is_main, best_path.exists, share_result=True):
         log.info("calibration: no best.pt (no validation ran); nothing to calibrate")
         return None
-    best = load_checkpoint(best_path)
-    eval_model.load_state_dict(best["model"])
+    best = dist_utils.run_on_main(dist.is_main, lambda: load_checkpoint(best_path), shared=(ConfigError, CheckpointError))
+    if dist.is_main:
+        eval_model.load_state_dict(best["model"])
+    dist_utils.broadcast_state(eval_model)
     # Inference passes, as infer.py's and serve.py's: channels_last whatever the training's layout (training
     # is over). resnet10t at 32 px on the CPU: 1.32x the images per second of NCHW, the calibration 0.4 s less.
     eval_model.to(memory_format=torch.channels_last)
@@ -95,3 +102,5 @@ def log_record(record: dict, val: SplitOutputs) -> None:
              record["thresholds"][record["method"]], 100 * record["coverage"])
     for note in record.get("temperature_notes", []):
         log.warning("calibration: %s", note)
+    for note in record.get("reject_notes", []):
+        log.warning("reject option: %s", note)

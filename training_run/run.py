@@ -25,11 +25,11 @@ from data.loaders import shutdown_workers
 from model_files.checkpoint_files import recorded_threads
 from models.ema import create_ema
 from models.factory import BackboneFreeze, check_grad_checkpointing, check_model_name, prepare_pretrained
-from objectives.registry import build_objective, check_resume_objective
+from objectives.registry import build_objective, check_objective, check_resume_objective
 from objectives.base import Objective
 from rundir.checkpoints import Checkpointer, ModuleWeights, RandomState, Recorded, RunRecord
 from rundir.restart import RUN_ID_KEY as ELASTIC_RUN_ID_KEY, check_own_checkpoint, plan_resume
-from rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume
+from rundir.resume import check_resume_compatible, claim_run_dir, load_finetune_source, resolve_resume, run_inputs
 from rundir.run_lock import open_run_dir
 from rundir.runlog import RunLog, setup_logging
 from rundir.shared_view import check_shared_checkpoint
@@ -149,6 +149,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     check_model_name(cfg.model.name)
     check_grad_checkpointing(cfg.model)
     check_optimizer(cfg.optim)
+    check_objective(cfg)  # before the run directory and its log: an objective that cannot run leaves nothing
     runtime = start_runtime(cfg, distributed=True)
     lock = dist_utils.run_on_main(runtime.dist.is_main, lambda: open_run_dir(run_dir))
     if lock is not None:
@@ -160,7 +161,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     plan = dist_utils.run_on_main(runtime.dist.is_main, lambda: plan_resume(resume, run_dir, launch),
                                   share_result=True)
     check_shared_checkpoint(plan.resume, run_dir, runtime.dist)
-    claim_run_dir(run_dir, plan.resume, cfg.output.overwrite, runtime.dist.is_main)
+    claim_run_dir(run_dir, plan.resume, cfg.output.overwrite, runtime.dist.is_main, run_inputs(cfg, finetune))
     resume_ckpt = resolve_resume(plan.resume, run_dir) if plan.resume else None
     if plan.must_own:
         check_own_checkpoint(resume_ckpt, run_dir, launch)

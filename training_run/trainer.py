@@ -75,7 +75,7 @@ class Trainer:
     def _fit(self) -> int:
         r, cfg = self.run, self.run.cfg
         if r.state.epoch >= cfg.train.epochs or r.state.stopped_early:
-            if not best_is_calibrated(r.run_dir):  # the run ended before its calibration was written
+            if not best_is_calibrated(r.run_dir, r.runtime.dist):  # the run ended before its calibration was written
                 self.calibrate()
             r.reporter.report_complete(r.state, r.run_dir)  # its summary.json stays as it was
             r.runlog.finish(r.state.step, "FINISHED")

@@ -33,6 +33,7 @@ from runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_f
 from training.schedule import ceil_div
 from training.step import build_train_step
 from objectives.registry import build_objective
+from objectives.distillation.teacher import check_teacher
 from tuning.timing import synthetic_batch, time_train_steps
 from tuning.arithmetic import throughput_knee
 from core.errors import ModelError
@@ -421,6 +422,8 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     from core.outputs import write_json
 
     train_index, _ = scan_splits(cfg)
+    if cfg.distill.teacher:  # a teacher that cannot teach is refused before the search (exit 2)
+        check_teacher(cfg, train_index.classes)
     log.info("train.batch_size=auto: searching the largest batch that fits on %s (model %s, %d px)...", device,
              cfg.model.name, cfg.data.img_size)
     report = run_finder(cfg, device, amp_dtype, len(train_index.classes), len(train_index), dist.world_size)

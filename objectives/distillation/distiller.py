@@ -18,7 +18,8 @@ import torch
 from core.errors import ConfigError
 from objectives.distillation.conversion import InputConversion
 from objectives.distillation.losses import feature_distance, logit_term
-from objectives.distillation.teacher import Teacher, TeacherPredictions, class_mismatch, load_teacher
+from objectives.distillation.teacher import (Teacher, TeacherPredictions, check_same_teacher_everywhere, load_teacher,
+                                             teacher_change, teacher_mismatch)
 from objectives.base import Objective
 from objectives.distillation.agreement import AgreementProbe, validate_teacher
 from runtime import distributed as dist_utils
@@ -218,11 +219,10 @@ class Distiller(Objective):
         if not isinstance(saved, dict):
             raise ConfigError(f"--resume: the checkpoint was trained without a teacher; distill.teacher="
                               f"{ours['source']} would be another training (start a new run)")
-        if saved.get("sha256") != ours["sha256"]:
-            # the same source whose file changed, or another source: either way another teacher
-            raise ConfigError(f"--resume: distill.teacher is another teacher than the checkpoint's: "
-                              f"{saved.get('source')} (sha256 {str(saved.get('sha256'))[:12]}) -> {ours['source']} "
-                              f"(sha256 {ours['sha256'][:12]}); resume with the same teacher, or start a new run")
+        change = teacher_change(saved, ours)  # the same source whose file changed, or another: another teacher
+        if change:
+            raise ConfigError(f"--resume: distill.teacher is another teacher than the checkpoint's: {change}; "
+                              f"resume with the same teacher, or start a new run")
 
 
 def check_no_teacher(ckpt: dict) -> None:
@@ -239,7 +239,9 @@ def build_distiller(cfg, classes: Optional[list[str]], student: torch.nn.Module,
     measuring a step's cost only (tune.py's batch finder on synthetic data), nothing is checked."""
     d = cfg.distill
     teacher = load_teacher(d.teacher, device)
-    problem = class_mismatch(teacher, classes) if classes is not None else None
+    problem = teacher_mismatch(teacher, cfg, classes)
+    if classes is not None:
+        check_same_teacher_everywhere(teacher)
     if problem:
         raise ConfigError(f"'distill.teacher' = {d.teacher}: this teacher cannot teach the student: {problem}")
     conversion = InputConversion(cfg.data.mean, cfg.data.std, teacher.mean, teacher.std, cfg.data.img_size,

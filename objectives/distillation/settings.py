@@ -19,8 +19,8 @@ class DistillConfig:
     type: Literal["soft", "hard", "feature"] = setting(
         "soft", "soft (KL of temperature-softened outputs x T^2) | hard (cross-entropy on the teacher's argmax) | "
                 "feature (pooled pre-logit features through a learned projection)")
-    temperature: float = setting(4.0, "softening temperature T of the soft targets (> 0)", lo=0.0, hi=100.0,
-                                 lo_open=True)
+    # below 0.05 the softened logits overflow (1e-300: inf, a non-finite first step); the soft term is stable above
+    temperature: float = setting(4.0, "softening temperature T of the soft targets", lo=0.05, hi=100.0)
     alpha: float = setting(0.5, "weight of the distillation term; the task loss gets 1 - alpha", lo=0.0, hi=1.0)
     feature_loss: Literal["cosine", "mse"] = setting("cosine", "type=feature: cosine (1 - cosine similarity) | mse, "
                                                                "between projected student and teacher features")

@@ -548,3 +548,30 @@ def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
     check_checkpoint_task(get_task("multiclass"), get_task("multiclass"), "m.pt")
     with pytest.raises(ConfigError, match="--checkpoint m.pt: a multi-label model, but the data is single-label"):
         check_checkpoint_task(get_task("multilabel"), get_task("multiclass"), "m.pt")
+
+
+def test_a_class_of_copies_of_one_image_trains_in_every_fold_and_is_not_held_out():
+    from auditing.folds import ALWAYS_TRAINED, assign_folds
+
+    digests = ["x", "y", "z", "w"] + ["same"] * 6
+    labels = [0, 0, 0, 0] + [1] * 6
+    folds = assign_folds(digests, labels, 2, seed=0)
+    assert sorted(folds[:4]) == [0, 0, 1, 1] and folds[4:] == [ALWAYS_TRAINED] * 6
+
+
+@pytest.mark.slow
+def test_audit_with_a_class_of_identical_copies_writes_its_report(tmp_path):
+    """--folds 2 where every image of class c is one image: exit 2 naming an internal temporary CSV, no report
+    (fold 1's training lacked the class). Now c trains in every fold and its labels are said to be unchecked."""
+    root = make_tree(tmp_path / "data", {"a": (8, 2), "b": (8, 2), "c": (8, 2)})
+    one = (root / "train" / "c" / "c_0000.png").read_bytes()
+    for path in [*(root / "train" / "c").iterdir(), *(root / "val" / "c").iterdir()]:
+        path.write_bytes(one)
+    report = tmp_path / "a.json"
+    done = audit(*tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 4, "train.epochs": 1}),
+                 "--folds", "2", "--json", str(report))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "every image of class(es) c is a copy of one image" in done.stderr
+    doc = json.loads(report.read_text())
+    assert "10 image(s) not checked" in doc["label_issues_note"]
+    assert all(issue["given"] != "c" for issue in doc["label_issues"])

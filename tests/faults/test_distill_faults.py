@@ -72,3 +72,22 @@ def test_two_processes_distil_the_same_student_as_one(data_root, teacher_folder,
 
     rows = [list(csv.DictReader((tmp_path / d / "metrics.csv").open())) for d in ("one", "two")]
     assert [r["val_teacher_agreement"] for r in rows[0]] == [r["val_teacher_agreement"] for r in rows[1]]
+
+
+def test_ranks_that_load_different_teacher_files_are_refused_on_every_rank(monkeypatch):
+    """Every rank gathers every rank's digest (all_gather: the same list everywhere), so all of them refuse,
+    listing the digests; the same teacher everywhere passes."""
+    from types import SimpleNamespace
+
+    from core.errors import ConfigError
+    from objectives.distillation import teacher as teacher_module
+
+    ours = SimpleNamespace(identity={"source": "/nfs/teacher/best.pt", "sha256": "a" * 64})
+    gathered = [["a" * 64, None], ["b" * 64, None]]  # what all_gather gives every rank: rank 1 saw another file
+    monkeypatch.setattr(teacher_module.dist_utils, "all_gather_objects", lambda item: gathered)
+    with pytest.raises(ConfigError) as caught:
+        teacher_module.check_same_teacher_everywhere(ours)
+    assert str(caught.value).startswith("'distill.teacher' = /nfs/teacher/best.pt: the processes loaded different "
+                                        "teachers (rank 0: aaaaaaaaaaaa, rank 1: bbbbbbbbbbbb)")
+    gathered[1] = ["a" * 64, None]
+    teacher_module.check_same_teacher_everywhere(ours)

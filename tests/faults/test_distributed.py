@@ -6,23 +6,28 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
-from ddp_workers import nonfinite_on_one_rank, thread_counts_agreed
+from ddp_workers import calibrate_where_one_rank_cannot_see_best, nonfinite_on_one_rank, thread_counts_agreed
 from data.datasets import EvalDataset
 from data.listing.folder import scan_split
 from data.loaders import build_eval_loader
 from data.samplers import UnpaddedEvalSampler, TrainSampler
 from data.transforms import EvalTransform
 from core.config import ConfigError
-from runtime.distributed import check_sync_bn, convert_sync_bn
+from core.errors import DistributedSetupError
+from runtime.distributed import check_sync_bn, convert_sync_bn, init_distributed
+from runtime.launcher import ProcessPlace, process_place
 from runtime.device import DeviceInput
 from evaluation.evaluate import evaluate
 from models.factory import create_model
@@ -242,12 +247,55 @@ def test_sigterm_during_validation_stops_all_ranks_at_one_validation_batch(data_
 
 @pytest.mark.slow
 def test_failed_process_group_start_is_one_clear_line(data_root, tmp_path):
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": "not-a-port"}
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "not-a-port"}
     result = run_script("train.py", "--config", "resnet18", *ddp_overrides(data_root, tmp_path / "run"), env=env)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "WORLD_SIZE=2 asks for distributed training" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"WORLD_SIZE": "-1"}, "WORLD_SIZE='-1'"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='x'"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 with WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "-3", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "LOCAL_RANK='-3'"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29500"}, "without MASTER_ADDR"),
+])
+def test_a_malformed_launcher_environment_names_the_variable(env, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        process_place(env)
+
+
+def test_the_launcher_environment_of_torchrun_and_of_one_process_is_read():
+    assert process_place({}) == ProcessPlace(1, 0, 0)
+    torchrun_env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}
+    assert process_place(torchrun_env) == ProcessPlace(4, 3, 1)
+
+
+@pytest.mark.slow
+def test_world_size_abc_exits_2_naming_it_before_any_work(data_root, tmp_path):
+    result = run_script("train.py", "--config", "resnet18", *ddp_overrides(data_root, tmp_path / "run"),
+                        env={"WORLD_SIZE": "abc"})
+    assert result.returncode == 2, result.stderr
+    assert "WORLD_SIZE='abc'" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("rank, waited", [(0, "the other 1 process(es) to join 127.0.0.1:"), (1, "rank 0 at 127.0.0.1:")])
+def test_a_missing_peer_is_waited_for_a_bounded_time_naming_the_address(monkeypatch, rank, waited):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DistributedSetupError, match=re.escape(waited)) as caught:
+        init_distributed("cpu", join_timeout=timedelta(seconds=1))
+    assert "waited 1 s" in str(caught.value)
 
 
 # ---------------------------------------------------------------- in-process: the loop, samplers, SyncBN
@@ -260,6 +308,20 @@ def test_a_step_nonfinite_on_one_rank_is_skipped_on_all_ranks(tmp_path):
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)   # the replicas stayed identical
+
+
+@pytest.mark.slow
+def test_calibration_ends_on_every_rank_when_only_rank_zero_sees_best_pt(tmp_path):
+    """Two nodes with separate working directories: rank 1 has no best.pt. Rank 0 decides and sends the weights;
+    before, rank 0 waited in the outputs' all_gather and rank 1 at the final barrier (gloo's timeout)."""
+    torch.multiprocessing.spawn(calibrate_where_one_rank_cannot_see_best, args=(2, str(tmp_path / "store"),
+                                                                               str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [r["before"] for r in ranks] == [False, False] and [r["after"] for r in ranks] == [True, True]
+    assert [r["record"] for r in ranks] == [True, False]  # rank 0 fits and writes
+    assert "calibration" in torch.load(tmp_path / "node0" / "best.pt", weights_only=True)
+    assert not (tmp_path / "node1" / "best.pt").exists()
+    assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
 
 
 @pytest.mark.slow

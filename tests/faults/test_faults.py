@@ -482,6 +482,24 @@ def test_overwrite_deletes_the_previous_runs_files_and_nothing_else(faults_tree,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("role", ["distill.teacher", "--finetune", "model.weights"])
+def test_overwrite_refuses_before_deleting_the_model_the_run_starts_from(faults_tree, finished_run, tmp_path,
+                                                                        capsys, role):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = file_bytes(run_dir)
+    best = str(run_dir / "best.pt")
+    extra = {"distill.teacher": best} if role == "distill.teacher" else {"model.weights": best} \
+        if role == "model.weights" else {}
+    cfg = make_cfg(faults_tree, run_dir, **{"train.epochs": 1, "output.overwrite": "true", **extra})
+    assert exit_code(lambda: run(cfg, finetune=best if role == "--finetune" else None)) == 2
+    err = capsys.readouterr().err
+    assert (f"output.dir (output.overwrite=true deletes its run files) {run_dir}: holds the {role} {best}, which "
+            f"this command reads") in err, err[-2000:]
+    assert file_bytes(run_dir) == before  # nothing deleted
+
+
+@pytest.mark.slow
 def test_resume_auto_of_a_finished_run_says_it_is_complete_and_how_to_train_further(faults_tree, finished_run,
                                                                                      tmp_path):
     run_dir = tmp_path / "run"

@@ -353,6 +353,8 @@ def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(runtime, "select_device", lambda setting, local_rank, world: chosen.append(
         (setting, local_rank, world)) or torch.device("cpu"))
     monkeypatch.setattr(runtime.dist_utils, "init_distributed", lambda device_type: DistInfo(5, 1, 8))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -218,3 +219,44 @@ def test_an_output_over_an_input_exits_2_naming_both_roles(trained, tmp_path, ca
     assert all(w in result.stderr for w in words), result.stderr[-2000:]
     assert {p: p.read_bytes() for p in before} == before
     assert not (data / "val" / "report.json").exists()
+
+
+@pytest.mark.parametrize("outputs, words", [
+    ({"--json": "r.json", "--predictions": "r.json"}, "--predictions r.json: is also --json r.json"),
+    ({"--json": "r.json", "--reliability": "r_confusion.png"},
+     "--reliability r_confusion.png: is also --json's confusion matrix r_confusion.png"),
+    ({"--json": "r2.json", "--predictions": "r2_errors.csv"},
+     "--predictions r2_errors.csv: is also --json's misclassified list r2_errors.csv"),
+    ({"--json": None, "--predictions": "X.png", "--reliability": "X.png"}, "--reliability X.png: is also --predictions X.png"),
+    ({"--json": "sub/../r.json", "--predictions": "r.json"}, "--predictions r.json: is also --json sub/../r.json"),
+])
+def test_evals_outputs_and_the_files_it_derives_are_apart_from_each_other(tmp_path, monkeypatch, outputs, words):
+    from commands.output_roles import check_eval_outputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        check_eval_outputs(outputs, "best.pt", None, None, None, [])
+    check_eval_outputs({"--json": "r.json", "--predictions": "rows.csv", "--reliability": "rel.png"}, "best.pt",
+                       None, None, None, [])
+
+
+@pytest.mark.slow
+def test_eval_with_two_outputs_on_one_file_exits_2_before_writing(trained, tmp_path):
+    data, run_dir = trained
+    report = tmp_path / "r.json"
+    result = run_script("eval.py", "--checkpoint", str(run_dir / "best.pt"), "--json", str(report),
+                        "--predictions", str(report), "data.num_workers=0")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"--predictions {report}: is also --json {report}" in result.stderr
+    assert not report.exists()
+
+
+def test_an_explicit_train_amp_override_is_evals_amp():
+    """eval.py has no --amp: `train.amp=bf16` on its command line keeps bf16 where the checkpoint's own bf16
+    would run in fp32 (a CPU that emulates it)."""
+    from commands.evaluate import amp_override
+
+    assert amp_override(["data.num_workers=0", "train.amp=bf16"]) == "bf16"
+    assert amp_override(["train.amp=none", "train.amp = auto"]) == "auto"
+    assert amp_override(["data.num_workers=0"]) is None

@@ -175,3 +175,54 @@ def test_infer_json_never_holds_a_bare_nan(tmp_path):
     assert json.loads(out.read_text())[0]["prob"] is None and "NaN" not in out.read_text()
     write_tag_rows([{"path": "a.png", "labels": ["x"], "probs": {"x": float("nan")}, "error": None}], out, ["x"], " ")
     assert json.loads(out.read_text())[0]["probs"] == {"x": None} and "NaN" not in out.read_text()
+
+
+def constant_outputs(n: int, rounding: float, seed: int) -> SplitOutputs:
+    """Outputs of n copies of one image, as two passes give them: equal up to `rounding` (batch arrangement)."""
+    g = torch.Generator().manual_seed(seed)
+    noisy = lambda base: base + rounding * torch.randn(n, base.shape[1], generator=g)  # noqa: E731
+    logits = torch.tensor([[2.0, 0.5, -1.0]]).expand(n, -1)
+    features = torch.linspace(0.1, 1.0, 16)[None].expand(n, -1)
+    layers = [torch.linspace(0.2, 0.9, 8)[None].expand(n, -1), torch.linspace(1.0, 3.0, 12)[None].expand(n, -1)]
+    return SplitOutputs(noisy(logits), torch.arange(n) % 3, torch.arange(n), noisy(features),
+                        [noisy(x) for x in layers])
+
+
+def test_reject_option_on_constant_colour_data_keeps_every_copy_in_every_pass_and_says_so():
+    """Training's pass, eval.py's and infer.py's differ by float rounding only: each keeps every copy (it was
+    95%, 0% and 100%: precision matrices of 1e15 turned rounding into whole units)."""
+    from evaluation.rejection import rejector_from_record
+
+    val, bank = constant_outputs(40, 1e-8, 0), constant_outputs(60, 1e-8, 1)
+    record = build_record(val, bank, "none", 0.95, seed=0, method="mahalanobis_layers", layer_names=["s1", "s2"])
+    assert record["method"] == "mahalanobis_layers"
+    assert max(float(p.abs().max()) for p in record["layer_precisions"]) < 1e3  # shrunk to a scaled identity
+    assert float(record["precision_l2"].abs().max()) < 1e3
+    notes = record["reject_notes"]
+    assert len(notes) == 1 and "(penultimate features, s1, s2) are constant up to float rounding" in notes[0]
+    combined = build_record(val, bank, "none", 0.95, seed=0, method="combined")
+    for stored, method in ((record, "mahalanobis_layers"), (record, "mahalanobis_l2"), (record, "energy"),
+                           (record, "msp"), (combined, "combined")):
+        rejector = rejector_from_record(stored, method)
+        for seed in (2, 3, 4):  # other passes over the same images
+            again = constant_outputs(40, 1e-7, seed)
+            assert not rejector.rejected(rejector.scores(again.logits, again.features, again.layers)).any(), method
+    foreign = SplitOutputs(val.logits, val.labels, val.indices, val.features + 0.5, [x + 0.5 for x in val.layers])
+    rejector = rejector_from_record(record)
+    assert rejector.rejected(rejector.scores(foreign.logits, foreign.features, foreign.layers)).all()
+    assert any("constant up to float rounding" in n for n in trust_metrics(val, record)["calibration_notes"])
+
+
+def test_a_threshold_never_falls_between_copies_and_one_on_few_images_is_warned():
+    tied = torch.tensor([3.0, 2.0, 2.0 + 1e-9, 2.0 - 1e-9, 2.0, 1.0])
+    t = threshold_for_coverage(tied, 0.5)  # 3 of 6 would cut through the copies scoring 2: all four kept
+    assert int((tied >= t).sum()) == 5 and 1.0 < t < 2.0 - 1e-6
+    g = torch.Generator().manual_seed(0)
+    one = SplitOutputs(torch.randn(1, 3, generator=g), torch.tensor([0]), torch.tensor([0]), torch.randn(1, 8, generator=g))
+    bank = SplitOutputs(torch.randn(90, 3, generator=g), torch.arange(90) % 3, torch.arange(90),
+                        torch.randn(90, 8, generator=g))
+    notes = build_record(one, bank, "none", 0.95, seed=0)["reject_notes"]
+    assert len(notes) == 1 and notes[0].startswith("the reject threshold rests on 1 validation image(s) (fewer than 20)")
+    many = SplitOutputs(torch.randn(40, 3, generator=g), torch.arange(40) % 3, torch.arange(40),
+                        torch.randn(40, 8, generator=g))
+    assert build_record(many, bank, "none", 0.95, seed=0)["reject_notes"] == []

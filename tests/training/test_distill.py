@@ -223,8 +223,86 @@ def test_class_mismatch_names_the_first_difference_and_another_head_size():
     assert "records no class names" in class_mismatch(nameless, ["a", "b", "c"])
 
 
+def test_a_teacher_of_the_other_task_is_refused_both_ways():
+    from objectives.distillation.teacher import teacher_mismatch
+
+    from types import SimpleNamespace
+
+    single, multi = (SimpleNamespace(data=SimpleNamespace(task=task)) for task in ("multiclass", "multilabel"))
+    tagger = tiny_teacher(["a", "b", "c"])
+    tagger.task = "multilabel"
+    assert "trained for data.task=multilabel and the student trains for data.task=multiclass" in \
+        teacher_mismatch(tagger, single, ["a", "b", "c"])
+    assert "data.task=multiclass and the student trains for data.task=multilabel" in \
+        teacher_mismatch(tiny_teacher(["a", "b", "c"]), multi, None)  # the batch finder's check: no classes
+    assert teacher_mismatch(tagger, multi, ["a", "b", "c"]) is None
+
+
+def test_teacher_load_errors_name_distill_teacher_not_the_students_keys(tmp_path):
+    import timm
+    from timm.models import save_for_hf
+
+    from core.errors import ConfigError, ModelError
+    from objectives.distillation.teacher import load_teacher
+
+    for missing in (str(tmp_path / "runs" / "x" / "best.pt"), "runs/nothere/best.pt", f"local-dir:{tmp_path / 'no'}"):
+        with pytest.raises(ConfigError, match=r"'distill.teacher' = .*: no such file or folder") as caught:
+            load_teacher(missing, torch.device("cpu"))
+        assert "model.name" not in str(caught.value)
+    gray = timm.create_model("test_resnet", num_classes=3, in_chans=1)
+    gray.pretrained_cfg = dict(gray.pretrained_cfg, mean=(0.5,), std=(0.25,), input_size=(1, 32, 32))
+    save_for_hf(gray, str(tmp_path / "gray"), safe_serialization=True, model_config={"label_names": ["a", "b", "c"]})
+    with pytest.raises(ConfigError, match=r"^'distill.teacher' = local-dir:.*gray: the teacher does not load: "
+                                          r"'data.mean' .* \(in the teacher's own record\)"):
+        load_teacher(f"local-dir:{tmp_path / 'gray'}", torch.device("cpu"))
+    with pytest.raises((ConfigError, ModelError), match=r"^'distill.teacher' = no_such_net_xyz: ") as caught:
+        load_teacher("no_such_net_xyz", torch.device("cpu"))
+    assert "'model.name'" not in str(caught.value)
+
+
+def test_a_timm_folder_teacher_is_another_teacher_when_its_config_json_changes(tmp_path):
+    from conftest import write_pretrained_folder
+    from objectives.distillation.teacher import load_teacher, teacher_change
+
+    folder = tmp_path / "teacher"
+    write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])
+    before = load_teacher(f"local-dir:{folder}", torch.device("cpu")).identity
+    config = json.loads((folder / "config.json").read_text())
+    config["pretrained_cfg"]["mean"] = [0.1, 0.1, 0.1]
+    config["pretrained_cfg"]["input_size"] = [3, 64, 64]
+    (folder / "config.json").write_text(json.dumps(config))
+    after = load_teacher(f"local-dir:{folder}", torch.device("cpu")).identity
+    assert before["sha256"] == after["sha256"]  # the same weights
+    assert "its config.json (preprocessing, input size, labels) changed" in teacher_change(before, after)
+    assert teacher_change(before, dict(before)) is None
+    older = {k: v for k, v in before.items() if k != "config_sha256"}  # a last.pt written before it was hashed
+    assert teacher_change(older, after) is None
+
+
+def test_a_teacher_far_larger_than_the_student_is_warned_with_its_cost(caplog):
+    import logging
+
+    import timm
+    from objectives.distillation.teacher import forward_profile, warn_costly_size
+
+    model = timm.create_model("test_resnet", num_classes=3).eval()
+    outputs, at_64 = forward_profile(model, 64, torch.device("cpu"))
+    _, at_128 = forward_profile(model, 128, torch.device("cpu"))
+    assert outputs == 3 and at_128 == 4 * at_64 > 0  # activations grow with the pixels
+    warn_costly_size.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="objectives.distillation.teacher"):
+        warn_costly_size("big.pt", 2048, 512 * 2**20, 32, 2)
+        warn_costly_size("near.pt", 64, at_64, 32, 2)  # 4x the pixels: ordinary
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["distill.teacher big.pt runs at 2048 px, 4096x the pixels of the student's 32 px: in every "
+                        "training step its largest activation alone takes 512 MiB per image, 1.00 GiB at "
+                        "train.batch_size=2. A teacher recorded at a size nearer the student's costs less"]
+
+
 @pytest.mark.parametrize("override, key", [("distill.type=logit", "distill.type"),
                                            ("distill.temperature=0", "distill.temperature"),
+                                           ("distill.temperature=1e-300", "distill.temperature"),
+                                           ("distill.temperature=0.01", "distill.temperature"),
                                            ("distill.alpha=1.5", "distill.alpha"),
                                            ("distill.feature_loss=l1", "distill.feature_loss"),
                                            ("distill.teacher=''", "distill.teacher")])
@@ -352,6 +430,42 @@ def test_a_teacher_with_other_classes_exits_2_naming_the_first_difference(teache
     assert result.returncode == 2
     assert "class 1 is 'x' for the teacher and 'b' for the student" in result.stderr
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_teacher_with_another_class_count_is_refused_before_the_batch_finder_and_tune(teacher_run, tmp_path):
+    """The teacher has 3 outputs, the student's data 4 classes: exit 2 before any search or sweep (it was a
+    RuntimeError, exit 1, inside the batch finder's first step)."""
+    _, teacher = teacher_run
+    data = make_tree(tmp_path / "four", {c: (6, 2) for c in "abcd"})
+    out = tmp_path / "run"
+    args = tiny_overrides(data, out, **STUDENT, **{"distill.teacher": str(teacher), "train.batch_size": "auto"})
+    for script, extra in (("train.py", []), ("tune.py", ["--batch-sizes", "2,4"])):
+        result = run_script(script, "--config", "base", *args, *extra)
+        assert result.returncode == 2, (script, result.stderr[-2000:])
+        assert "its classifier has 3 outputs, the student's 4 classes" in result.stderr
+        assert "Traceback" not in result.stderr and "searching the largest batch" not in result.stderr
+    assert not (out / "batch_finder.json").exists()
+
+
+@pytest.mark.slow
+def test_refused_teachers_leave_no_run_directory(teacher_run, tmp_path):
+    """A missing teacher file, a multi-label teacher for a single-label student: exit 2 naming
+    distill.teacher, before output.dir or its train.log exist."""
+    data, teacher = teacher_run
+    ckpt = torch.load(teacher, map_location="cpu", weights_only=True)
+    ckpt["config"]["data"].update({"task": "multilabel", "format": "csv", "train_csv": "t.csv", "val_csv": "v.csv"})
+    tagger = tmp_path / "tagger.pt"
+    torch.save(ckpt, tagger)
+    for source, said in ((str(tmp_path / "gone" / "best.pt"), "no such file or folder"),
+                         (str(tagger), "trained for data.task=multilabel and the student trains for data.task=multiclass")):
+        out = tmp_path / "run"
+        result = run_script("train.py", "--config", "base",
+                            *tiny_overrides(data, out, **STUDENT, **{"distill.teacher": source}))
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"'distill.teacher' = {source}" in result.stderr and said in result.stderr, result.stderr[-2000:]
+        assert "'model.name'" not in result.stderr
+        assert not out.exists()
 
 
 @pytest.mark.slow

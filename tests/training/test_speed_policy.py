@@ -1,5 +1,6 @@
 """train.threads (the CPU thread policy) and train.val_interval (validation every N epochs)."""
 import csv
+import logging
 import json
 
 import pytest
@@ -55,6 +56,66 @@ def test_auto_precision_takes_bf16_on_cpus_with_amx_only():
     assert not bf16_is_fast(flags)                          # AVX512-BF16 alone: fp32 measured faster
     assert bf16_is_fast(flags + " amx_bf16 amx_tile amx_int8")
     assert not bf16_is_fast("flags\t\t: fpu sse2 avx2")
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+
+
+def test_bf16_is_emulated_on_cpus_without_avx512_bf16_amx_or_arm_bf16():
+    from runtime.device import bf16_emulated
+
+    assert "neither AVX512-BF16 nor AMX" in bf16_emulated(AVX2_ONLY)
+    assert bf16_emulated("flags\t\t: fpu avx2 avx512f avx512_bf16") is None
+    assert bf16_emulated("flags\t\t: fpu avx2 amx_bf16 amx_tile") is None
+    assert bf16_emulated("Features\t: fp asimd sve bf16 i8mm") is None
+    assert "emulates" in bf16_emulated("Features\t: fp asimd")
+    assert bf16_emulated("") is None  # unknown (no /proc/cpuinfo): no claim
+
+
+@pytest.fixture
+def emulating_cpu(monkeypatch):
+    import runtime.device as device
+
+    reason = device.bf16_emulated(AVX2_ONLY)
+    monkeypatch.setattr(device, "cpu_bf16_emulated", lambda: reason)
+    device.warn_emulated_bf16.cache_clear()
+    yield reason
+    device.warn_emulated_bf16.cache_clear()
+
+
+def test_bf16_chosen_on_an_emulating_cpu_is_warned_once_with_the_reason(emulating_cpu, caplog):
+    from runtime.device import resolve_amp
+
+    with caplog.at_level(logging.WARNING, logger="runtime.device"):
+        assert resolve_amp("bf16", torch.device("cpu")) == torch.bfloat16  # as asked, but said
+        assert resolve_amp("bf16", torch.device("cpu")) == torch.bfloat16
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and emulating_cpu in warnings[0], warnings
+
+
+def test_inference_runs_a_bf16_checkpoint_in_fp32_where_bf16_is_emulated_unless_amp_says(emulating_cpu):
+    from types import SimpleNamespace
+
+    from prediction.predictor import prediction_runtime
+    from runtime.device import inference_amp
+
+    cpu = torch.device("cpu")
+    assert inference_amp("bf16", cpu) == "none" and inference_amp("fp16", cpu) == "auto"
+    assert inference_amp("none", cpu) == "none"
+    loaded = SimpleNamespace(cfg=load_config("base", ["train.amp=bf16"]), fp32_only=False, threads=None)
+    before = torch.get_num_threads()
+    try:
+        assert prediction_runtime(loaded, "cpu", None).amp_dtype is None
+        assert prediction_runtime(loaded, "cpu", "bf16").amp_dtype == torch.bfloat16
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_inference_keeps_a_bf16_checkpoint_where_the_cpu_runs_bf16(monkeypatch):
+    import runtime.device as device
+
+    monkeypatch.setattr(device, "cpu_bf16_emulated", lambda: None)
+    assert device.inference_amp("bf16", torch.device("cpu")) == "bf16"
 
 
 def test_threads_must_be_positive_or_auto():
