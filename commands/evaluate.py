@@ -63,23 +63,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     task = loaded.task
     cfg = loaded.cfg
     list_arg = data_root is not None and data_root.lower().endswith((".csv", ".tar"))  # a CSV list or shards
-    if data_root is not None and not list_arg:
-        cfg.data.root = data_root
-    if batch_size is not None:
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size {batch_size}: must be >= 1")
-        cfg.train.batch_size = batch_size
-    if loaded.fixed_batch is not None:  # an export traced for one batch runs that batch (as infer.py does)
-        if batch_size is not None and batch_size != loaded.fixed_batch:
-            log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
-                        loaded.fixed_batch, loaded.fixed_batch, batch_size)
-        cfg.train.batch_size = loaded.fixed_batch
-    if not cfg.data.root and cfg.data.format == "folder" and not list_arg:
-        raise ConfigError("no data folder: the checkpoint's config has no data.root; pass --data ROOT")
-    if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
-        raise ConfigError("the checkpoint's train.batch_size is 'auto'; pass --batch-size N")
-    if cfg.data.builtin and data_root is None and not (Path(cfg.data.root).expanduser() / cfg.data.val_split).is_dir():
-        prepare_root(cfg)  # the checkpoint's own built-in data set, written anew; never a folder the user named
+    set_eval_data_and_batch(loaded, data_root, batch_size, list_arg)
     if loaded.saved_val_limit and not cfg.data.limit_val_batches:
         log.warning("training validated this checkpoint on its first %d batch(es) only (data.limit_val_batches); "
                     "this evaluation reads the whole split (pass data.limit_val_batches=%d to match training)",
@@ -124,6 +108,29 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     rows = prediction_rows(predictor, recorded, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
                       predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe))
+
+
+def set_eval_data_and_batch(loaded, data_root: str | None, batch_size: int | None, list_arg: bool) -> None:
+    """The loaded model's config as this evaluation reads it: --data's root, --batch-size (or the batch an
+    export was traced for); usage errors (exit 2) when neither the checkpoint nor the command names them."""
+    cfg = loaded.cfg
+    if data_root is not None and not list_arg:
+        cfg.data.root = data_root
+    if batch_size is not None:
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size {batch_size}: must be >= 1")
+        cfg.train.batch_size = batch_size
+    if loaded.fixed_batch is not None:  # an export traced for one batch runs that batch (as infer.py does)
+        if batch_size is not None and batch_size != loaded.fixed_batch:
+            log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
+                        loaded.fixed_batch, loaded.fixed_batch, batch_size)
+        cfg.train.batch_size = loaded.fixed_batch
+    if not cfg.data.root and cfg.data.format == "folder" and not list_arg:
+        raise ConfigError("no data folder: the checkpoint's config has no data.root; pass --data ROOT")
+    if isinstance(cfg.train.batch_size, str):  # 'auto' is resolved before training saves its config
+        raise ConfigError("the checkpoint's train.batch_size is 'auto'; pass --batch-size N")
+    if cfg.data.builtin and data_root is None and not (Path(cfg.data.root).expanduser() / cfg.data.val_split).is_dir():
+        prepare_root(cfg)  # the checkpoint's own built-in data set, written anew; never a folder the user named
 
 
 def evaluation_settings(predictor: Predictor, source, tta: bool) -> dict:

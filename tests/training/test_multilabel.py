@@ -120,7 +120,7 @@ def test_shards_carry_the_tags(images, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.format=folder", "data.root=."], "use data.format=csv"),
+    (["data.format=folder", "data.root=.", "data.train_csv=null", "data.val_fraction=null"], "use data.format=csv"),
     (["train.loss=ce"], "train.loss=bce or asl"),
     (["data.sampler=weighted"], "data.sampler=random"),
     (["early_stop.metric=top1"], "use mAP"),

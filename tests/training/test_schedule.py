@@ -123,6 +123,7 @@ def test_scheduler_state_round_trips_through_a_weights_only_load(tmp_path):
 from types import SimpleNamespace  # noqa: E402
 
 from core.config import load_config  # noqa: E402
+from objectives.base import Objective  # noqa: E402
 from training.schedule import (LrSchedule, epochs_to_steps, observe_epoch, plan_run, schedule_from_config,  # noqa: E402
                              schedule_warnings)
 
@@ -256,7 +257,7 @@ def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
     cfg = load_config("base", ["schedule.warmup_epochs=5", "train.epochs=4", "train.mixup_alpha=0.2",
                                "schedule.name=multistep", "optim.name=lamb", "train.loss=bce"])
     plan = plan_run(cfg, 8, 10, 1)
-    reporter = RunReporter(cfg, None, True, 1, plan.total_steps, plan.batches_per_epoch)
+    reporter = RunReporter(cfg, None, True, 1, plan.total_steps, plan.batches_per_epoch, Objective(None))
     data = SimpleNamespace(classes=["a", "b"], train_index=[0] * 80, val_index=[0] * 8)
     with caplog.at_level(logging.INFO):
         reporter.log_startup(data, Runtime(torch.device("cpu"), None), plan)
