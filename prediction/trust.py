@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from core.errors import ConfigError
-from evaluation.rejection import FeatureTap, LayerTap, LOGITS_METHOD, Rejector
+from evaluation.rejection import LayerTap, LOGITS_METHOD, Rejector
 from evaluation.trust import usable_rejector
+from models.feature_tap import FeatureTap
 from tasks.single_label_rows import EXPLAIN_COLUMNS
 
 log = logging.getLogger(__name__)
