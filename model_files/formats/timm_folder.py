@@ -11,9 +11,10 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ConfigError, ExportError
-from model_files.checkpoint_files import build_eval_model, check_class_names, eval_config, preprocessing_record
+from model_files.checkpoint_files import build_eval_model, preprocessing_record
 from model_files.formats.base import ModelFormat
 from model_files.metadata import TIMM_METADATA_KEY, metadata_thresholds, numbered_classes
+from model_files.stored_metadata import check_class_names, check_output_count, eval_config
 from model_files.model_file import ModelFile
 from runtime.device import memory_format
 from models.factory import TORCHVISION_PREFIX
@@ -51,6 +52,7 @@ def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
     saved_config = ours.get("config") or {"model": {"name": architecture}}
     cfg, saved_val_limit = eval_config(saved_config, preprocessing, overrides, str(config_path))
     classes = check_class_names(list(names), str(config_path)) if names else numbered_classes(count, path)
+    check_output_count(classes, count, str(config_path))
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
         import timm

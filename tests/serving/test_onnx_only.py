@@ -19,8 +19,9 @@ from data.transforms import EvalTransform, normalize_batch
 from multilabel_data import make_tag_list
 from served_rows import assert_same_rows as assert_rows_agree
 from serving.onnx_only.model import OnnxServedModel
-from serving.onnx_only.preprocess import EvalPreprocess, centre_crop_box, resized_short_side
-from serving.onnx_only.rows import energy, softmax, top_k
+from data.eval_preprocessing import EvalPreprocessing, centre_crop_box, resized_short_side
+from data.images import open_image
+from tasks.single_label_rows import energy_score as energy, softmax, top_k
 
 PROB_TOLERANCE = 1e-5
 CLASSES = ["a", "b", "c"]
@@ -74,11 +75,11 @@ def test_preprocessing_equals_the_torch_path(img_size, crop_pct, interpolation):
     """The same uint8 crop as data.transforms.EvalTransform for every file (both decode through PIL), and
     normalize_batch's floats exactly."""
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    slim = EvalPreprocess(img_size, crop_pct, interpolation, mean, std)
-    torch_path = EvalTransform(img_size, crop_pct, interpolation)
+    slim = EvalPreprocessing(img_size, crop_pct, interpolation, tuple(mean), tuple(std))
+    torch_path = EvalTransform.of(slim)
     worst = {}
     for name, body in sample_images().items():
-        got, want = slim.decode(body), torch_path(body).numpy()
+        got, want = slim.decode(open_image(io.BytesIO(body), name=name), name), torch_path(body).numpy()
         assert got.shape == want.shape == (3, img_size, img_size) and got.dtype == np.uint8, name
         worst[name] = int(np.abs(got.astype(int) - want.astype(int)).max())
         batch = np.stack([got])
