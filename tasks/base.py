@@ -115,6 +115,10 @@ class Task:
         """Per image, whether two `prediction` results are equal (a bool vector)."""
         return (prediction == other).reshape(len(prediction), -1).all(dim=1)
 
+    def probabilities(self, logits: np.ndarray, temperature: Optional[float] = None) -> np.ndarray:
+        """What infer.py reports as probabilities for `logits` ([N, C] NumPy, float32)."""
+        raise NotImplementedError
+
     def outputs(self, logits: np.ndarray, topk: int, temperature: Optional[float] = None) -> dict:
         """What a row needs of a batch's logits [N, C] (NumPy, float32; the torch path hands them over once per
         batch): name -> [N, ...] array, kept until the pass ends (memory grows with the rows, and not with the

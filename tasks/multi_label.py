@@ -108,6 +108,11 @@ class MultiLabel(Task):
         """The tags called at probability 0.5 (a bool per tag)."""
         return logits > 0
 
+    def probabilities(self, logits, temperature=None):
+        from tasks.multi_label_rows import sigmoid
+
+        return sigmoid(logits)
+
     def outputs(self, logits, topk, temperature=None) -> dict:
         """Every class's probability (no calibration: each tag is called at its threshold)."""
         from tasks.multi_label_rows import tag_outputs

@@ -28,10 +28,15 @@ def applied_thresholds(recorded: Optional[list[float]], override: Optional[float
     return list(recorded) if recorded else [DEFAULT_THRESHOLD] * count
 
 
-def tag_outputs(logits: np.ndarray) -> dict:
-    """What a row needs of a batch's logits [N, C]: every class's probability (float32 sigmoid)."""
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Every class's probability, float32."""
     x = np.asarray(logits, dtype=np.float32)
-    return {"probs": np.float32(1.0) / (np.float32(1.0) + np.exp(-x))}
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def tag_outputs(logits: np.ndarray) -> dict:
+    """What a row needs of a batch's logits [N, C]: every class's probability."""
+    return {"probs": sigmoid(logits)}
 
 
 def tag_rows(paths: list[str], preds, classes: list[str], thresholds: list[float],

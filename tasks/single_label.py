@@ -55,6 +55,11 @@ class SingleLabel(Task):
         """The top class (int32: a stored row per image costs 4 bytes)."""
         return logits.argmax(dim=1).int()
 
+    def probabilities(self, logits, temperature=None):
+        from tasks.single_label_rows import softmax
+
+        return softmax(logits, temperature)
+
     def outputs(self, logits, topk, temperature=None) -> dict:
         from tasks.single_label_rows import label_outputs
 

@@ -25,6 +25,11 @@ PROVENANCE_KEYS = ("tag", "hf_hub_id", "hf_hub_filename", "url", "file", "source
                    "origin_url", "paper_ids", "paper_name", "notes", "state_dict")
 
 
+def as_list(value):
+    """timm's tuples as lists; anything else as it is, for the preprocessing check to name."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -39,8 +44,8 @@ def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
         preprocessing = {"img_size": pretrained_cfg["input_size"][-1],
                          "crop_pct": pretrained_cfg.get("crop_pct", d.crop_pct),
                          "interpolation": pretrained_cfg.get("interpolation", d.interpolation),
-                         "mean": list(pretrained_cfg.get("mean", d.mean)),
-                         "std": list(pretrained_cfg.get("std", d.std))}
+                         "mean": as_list(pretrained_cfg.get("mean", d.mean)),
+                         "std": as_list(pretrained_cfg.get("std", d.std))}
         names = hf_config.get("label_names") or pretrained_cfg.get("label_names")
         if isinstance(names, dict):  # timm allows {index: name}
             names = [names[key] for key in sorted(names, key=int)]
