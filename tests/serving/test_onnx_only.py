@@ -217,9 +217,14 @@ def test_onnx_only_refuses_what_it_cannot_serve(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, changes, named", BAD_METADATA, ids=[case for case, _, _ in BAD_METADATA])
-def test_onnx_only_refuses_metadata_the_torch_path_refuses(tmp_path, capsys, case, changes, named):
+def test_onnx_only_refuses_metadata_the_torch_path_refuses(tmp_path, capsys, monkeypatch, case, changes, named):
     """Issue 50 item 6: an export's spoilt metadata is refused before the port opens (exit 2, naming the field,
     its value and what is allowed), as the torch path refuses it; no class dropped, no 500 per request."""
+    import serving.onnx_only.server as slim_server
+
+    def port_opened(config):
+        raise AssertionError(f"{case}: the server started on this export")
+    monkeypatch.setattr(slim_server, "GracefulServer", port_opened)
     path = write_onnx(tmp_path / "model.onnx", spoilt(changes))
     assert serve_exit("--checkpoint", str(path)) == 2
     said = capsys.readouterr().err
