@@ -38,13 +38,15 @@ RUN python -m pip install --no-cache-dir -r /tmp/requirements-serve.txt && rm /t
 RUN useradd --create-home --uid 1000 --user-group app \
     && mkdir -p /app/runs && chown app:app /app /app/runs
 
-# serve.py and what its ONNX-only path imports (serving.onnx_only: no torch)
+# serve.py and what its ONNX-only path imports (serving.onnx_only: no torch): the rows are the tasks' own,
+# the preprocessing data/eval_preprocessing.py, the metadata checks model_files/stored_metadata.py
 COPY --chown=app:app serve.py ./
 COPY --chown=app:app core/ core/
 COPY --chown=app:app tasks/ tasks/
 COPY --chown=app:app commands/__init__.py commands/cli.py commands/
 COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
-COPY --chown=app:app data/__init__.py data/images.py data/
+COPY --chown=app:app data/__init__.py data/images.py data/eval_preprocessing.py data/
+COPY --chown=app:app model_files/__init__.py model_files/stored_metadata.py model_files/
 COPY --chown=app:app serving/ serving/
 # serve.py --index DIR: the FAISS index of an embed.py folder (POST /similar)
 COPY --chown=app:app embedding/__init__.py embedding/index.py embedding/store.py embedding/neighbours.py embedding/

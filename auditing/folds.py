@@ -87,7 +87,7 @@ def predict_probs(model, model_cfg, files: list[str], batch_size: int, num_worke
                                     pin_memory=device.type == "cuda")
     preds = predict(model, loader, DeviceInput.from_config(model_cfg, device, amp_dtype), classes_count)
     probs = torch.zeros(len(files), classes_count)
-    probs.scatter_(1, preds.top_indices, preds.top_probs)
+    probs.scatter_(1, torch.from_numpy(preds.top_indices), torch.from_numpy(preds.top_probs))
     return probs, preds.valid
 
 

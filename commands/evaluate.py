@@ -154,7 +154,7 @@ def prediction_rows(predictor: Predictor, outputs, paths: list[str], log_probs: 
     logits, indices = outputs.logits[order], outputs.indices[order]
     task = predictor.task
     temperature = None if log_probs else predictor.temperature
-    kept = task.kept_outputs(task.probabilities(logits, temperature), predictor.topk)
+    kept = task.outputs(logits.float().numpy(), predictor.topk, temperature)
     preds = Predictions(kept, torch.ones(len(indices), dtype=torch.bool))
     rows = task.rows([paths[i] for i in indices.tolist()], preds, predictor.classes, predictor.thresholds,
                      predictor.delimiter)

@@ -9,6 +9,7 @@ from data.settings import eval_size
 from core.errors import ConfigError
 from data.listing.builtin import ensure_builtin
 from data.datasets import EvalDataset, TrainDataset
+from data.eval_preprocessing import EvalPreprocessing
 from data.listing.folder import ImageIndex
 from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
@@ -53,7 +54,7 @@ def scan_splits(cfg) -> tuple[ImageIndex, ImageIndex]:
 def eval_transform(data_cfg) -> EvalTransform:
     """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation), at
     `data.eval_img_size` when set (FixRes: evaluate at another size than training)."""
-    return EvalTransform(eval_size(data_cfg), data_cfg.crop_pct, data_cfg.interpolation)
+    return EvalTransform.of(EvalPreprocessing.of(data_cfg))
 
 
 def train_transform(data_cfg) -> TrainTransform:

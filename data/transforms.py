@@ -38,7 +38,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
-from data.images import centre_box, decode_rgb, open_image, oriented_size, require_regular_file
+from data.eval_preprocessing import EvalPreprocessing, centre_region, resize_size
+from data.images import decode_rgb, open_image, oriented_size, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -173,28 +174,23 @@ def resized_crop(image: torch.Tensor, full_size: tuple[int, int], box, size: int
 
 # The longest side evaluation resizes, in multiples of the short side (a longer one is cut first).
 class EvalTransform:
-    """path -> uint8 tensor: shorter side to img_size / crop_pct, then a centre crop of img_size (the eval
-    size: `data.eval_img_size` when set). An image longer than `MAX_EVAL_ASPECT` to 1 is first cut to that
-    ratio around its centre, so the work is bounded by the output size whatever the shape."""
+    """path -> uint8 tensor: data.eval_preprocessing's description (shorter side to img_size / crop_pct, then
+    a centre crop of img_size, the eval size: `data.eval_img_size` when set) with torchvision on the PIL image.
+    An image longer than `MAX_EVAL_ASPECT` to 1 is first cut to that ratio around its centre, so the work is
+    bounded by the output size whatever the shape."""
 
     def __init__(self, img_size: int, crop_pct: float, interpolation: str):
         self.img_size = img_size
-        self.resize_to = int(math.floor(img_size / crop_pct))
+        self.resize_to = resize_size(img_size, crop_pct)
         self.interpolation = TV_INTERPOLATION[interpolation]
+
+    @classmethod
+    def of(cls, preprocessing: EvalPreprocessing) -> "EvalTransform":
+        return cls(preprocessing.img_size, preprocessing.crop_pct, preprocessing.interpolation)
 
     def __call__(self, path) -> torch.Tensor:
         source = read_source(path)
-        width, height = source.size
-        box = centre_box(width, height)
-        short = min(width, height)
-        need = (math.ceil((box[2] - box[0]) * self.resize_to / short),
-                math.ceil((box[3] - box[1]) * self.resize_to / short))
-        img = source.rgb(min_size=need)
-        if box != (0, 0, width, height):  # scaled to a draft decode's size
-            sx, sy = img.width / width, img.height / height
-            img = img.crop((math.floor(box[0] * sx), math.floor(box[1] * sy),
-                            max(1, math.ceil(box[2] * sx)), max(1, math.ceil(box[3] * sy))))
-        return self.from_image(img)
+        return self.from_image(centre_region(*source.size, self.resize_to, source.rgb))
 
     def from_image(self, img: Image.Image) -> torch.Tensor:
         img = F.resize(img, self.resize_to, interpolation=self.interpolation, antialias=True)

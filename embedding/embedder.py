@@ -1,6 +1,6 @@
 """`Embedder`: a model file opened for vectors. The same runtime (device, precision, the recorded threads),
 eval preprocessing and padded fixed-shape batches as infer.py's Predictor; the model gives the pooled
-pre-logits features (models/embedding.py) instead of the logits, L2-normalised here."""
+pre-logits features (models/feature_tap.py) instead of the logits, L2-normalised here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from data.transforms import EvalTransform
 from model_files.digest import model_digest
 from model_files.loading import load_model_file
 from model_files.model_file import ModelFile
-from models.embedding import features_and_logits
+from models.feature_tap import features_and_logits
 from prediction.predictor import folded, prediction_runtime
 from runtime.device import DeviceInput
 from runtime.runtime import Runtime

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from core.errors import ModelOutputError, StopRequested
@@ -57,14 +58,25 @@ def evaluate(model: torch.nn.Module, loader, device_input: DeviceInput, task: Ta
 def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, temperature: Optional[float] = None,
             on_logits: Optional[Callable] = None, task: Task = SINGLE_LABEL) -> Predictions:
     """Run `model` over a loader of padded batches (images, valid, indices, errors) in input order; the
-    padding rows are dropped before the task's probabilities and what a row needs of them
-    (`task.kept_outputs`: the top `k` for one label per image). `temperature` scales the logits first
-    (calibrated probabilities; the ranking is unchanged); `on_logits(logits, n)` receives each batch's logits,
-    padding included, and the count of real rows (the reject scores)."""
-    kept: dict[str, list[torch.Tensor]] = {}
+    padding rows are dropped, and each batch's logits go to the host once, as NumPy, for what a row needs of
+    them (`task.outputs`: the top `k` calibrated probabilities for one label per image): the rows are made by
+    the same NumPy code as the slim server's. A batch's copy is read while the next one runs, so the loop
+    does not wait for the device. `temperature` scales the logits first (calibrated probabilities; the ranking
+    is unchanged); `on_logits(logits, n)` receives each batch's logits, padding included, and the count of
+    real rows (the reject scores)."""
+    kept: dict[str, list[np.ndarray]] = {}
     valid_out: list[torch.Tensor] = []
     errors: dict = {}
-    nonfinite = torch.zeros((), dtype=torch.int64, device=device_input.device)
+    nonfinite = 0
+    copies = HostCopies()
+
+    def keep(due) -> None:
+        nonlocal nonfinite
+        for host, batch_valid in due:
+            nonfinite += int((~np.isfinite(host).all(axis=1) & batch_valid.numpy()).sum())
+            for name, value in task.outputs(host, k, temperature).items():
+                kept.setdefault(name, []).append(value)
+
     with torch.inference_mode():
         for images, valid, indices, reasons in loader:
             n = len(indices)
@@ -72,16 +84,39 @@ def predict(model: torch.nn.Module, loader, device_input: DeviceInput, k: int, t
                 logits = model(device_input.prepare(images))
             if on_logits is not None:
                 on_logits(logits, n)
-            bad = ~torch.isfinite(logits[:n]).all(dim=1)
-            nonfinite += (bad & valid.to(bad.device, non_blocking=True)).sum()
-            for name, value in task.kept_outputs(task.probabilities(logits[:n].float(), temperature), k).items():
-                kept.setdefault(name, []).append(value)
+            copies.put(logits[:n], valid)
+            keep(copies.ready())
             valid_out.append(valid)
             errors.update((i, reason) for i, reason in zip(indices.tolist(), reasons) if reason)
+        keep(copies.ready(flush=True))
     if not valid_out:
-        return Predictions(task.kept_outputs(torch.zeros(0, max(k, 1)), k), torch.zeros(0, dtype=torch.bool), errors)
-    return Predictions({name: torch.cat(parts).cpu() for name, parts in kept.items()}, torch.cat(valid_out), errors,
-                       int(nonfinite))
+        return Predictions(task.outputs(np.zeros((0, max(k, 1)), np.float32), k), torch.zeros(0, dtype=torch.bool),
+                           errors)
+    return Predictions({name: np.concatenate(parts) for name, parts in kept.items()}, torch.cat(valid_out), errors,
+                       nonfinite)
+
+
+class HostCopies:
+    """Each batch's logits copied to the host as float32 without waiting (on CUDA: a non-blocking copy and an
+    event); `ready()` hands over the copies that are due: all but the newest, whose batch may still run."""
+
+    def __init__(self):
+        self.pending: list = []
+
+    def put(self, logits: torch.Tensor, valid: torch.Tensor) -> None:
+        host = logits.detach().float().to("cpu", non_blocking=True)
+        event = None
+        if logits.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((host, event, valid))
+
+    def ready(self, flush: bool = False):
+        due, self.pending = (self.pending, []) if flush else (self.pending[:-1], self.pending[-1:])
+        for host, event, valid in due:
+            if event is not None:
+                event.synchronize()
+            yield host.numpy(), valid
 
 
 def check_finite_outputs(nonfinite: int, total: int, model_path) -> None:

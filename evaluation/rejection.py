@@ -46,48 +46,6 @@ MAX_LAYERS = 5         # stages the multi-layer score pools (a ViT's 12 blocks: 
 LAYER_CHANNELS = 128   # channels per stage after group averaging: a stage's fit is at most 256 x 256 (256 KB)
 
 
-def classifier_name(model: torch.nn.Module) -> Optional[str]:
-    """The qualified name of a timm model's classifier (`get_classifier()`), None for a model without one
-    with weights (torchvision models, exports)."""
-    head = model.get_classifier() if hasattr(model, "get_classifier") else None
-    if not isinstance(head, torch.nn.Module) or not any(True for _ in head.parameters()):
-        return None
-    return next((name for name, m in model.named_modules() if m is head), None)
-
-
-class FeatureTap:
-    """Records the input of a timm model's classifier on every forward: the pooled penultimate features,
-    caught without changing how the model is called (compiled, or BatchNorm-folded by torch.fx, which keeps
-    the submodule names: pass `head_name` found on the model before folding). `available` is False for a
-    model without a classifier module."""
-
-    def __init__(self, model: torch.nn.Module, head_name: Optional[str] = None):
-        self.features: Optional[torch.Tensor] = None
-        name = head_name or classifier_name(model)
-        head = None
-        if name:
-            try:
-                head = model.get_submodule(name)
-            except AttributeError:
-                head = None
-        self.available = head is not None
-        self._handle = head.register_forward_hook(self._record) if self.available else None
-
-    def _record(self, module, inputs, output) -> None:
-        if self.features is None:  # the first forward since the last take (with TTA: the unflipped image)
-            self.features = inputs[0].detach().flatten(1)
-
-    def take(self) -> Optional[torch.Tensor]:
-        """The features of the last forward (then forgotten)."""
-        features, self.features = self.features, None
-        return features
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-
 def layer_names(model: torch.nn.Module, most: int = MAX_LAYERS) -> list[str]:
     """The modules whose outputs the multi-layer score pools: a timm model's stages (`feature_info`), at most
     `most` of them spread evenly from the first to the last; [] for a model without them."""

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from evaluation.rejection import FeatureTap, LayerTap, layer_names
+from evaluation.rejection import LayerTap, layer_names
+from models.feature_tap import FeatureTap
 from runtime.device import DeviceInput
 
 

@@ -8,26 +8,20 @@ from typing import Optional
 
 import torch
 
-from core.config import Config, apply_overrides, config_from_dict, eval_size, validate
-from core.errors import CheckpointError, ConfigError
+from core.config import Config, eval_size
+from core.errors import CheckpointError
 from core.safe_load import load_checkpoint
-from data.build import eval_transform
+from data.eval_preprocessing import EvalPreprocessing
 from model_files.model_file import ModelFile
+from model_files.stored_metadata import check_class_names, check_thresholds, eval_config
 from runtime.device import memory_format
 from models.factory import build_model
-
-# keys of a checkpoint's `preprocessing` that are also `data.*` config keys
-PREPROCESSING_KEYS = ("img_size", "crop_pct", "interpolation", "mean", "std")
 
 
 def preprocessing_record(cfg: Config) -> dict:
     """The eval preprocessing saved beside the weights, which eval.py and infer.py apply: `img_size` is the
     eval input size (`data.eval_img_size` when set), `train_img_size` the training crop's."""
-    d = cfg.data
-    return {"img_size": eval_size(d), "resize": eval_transform(d).resize_to, "crop_pct": d.crop_pct,
-            "mean": list(d.mean), "std": list(d.std), "interpolation": d.interpolation,
-            "train_img_size": d.img_size}
-
+    return EvalPreprocessing.of(cfg.data).record(train_img_size=cfg.data.img_size)
 
 
 def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> ModelFile:
@@ -50,50 +44,10 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> ModelFile:
     return opened
 
 
-def check_thresholds(thresholds, count: int, where: str) -> Optional[list]:
-    """A multi-label model's per-class thresholds: None, or `count` numbers in [0, 1] (CheckpointError)."""
-    if thresholds is None:
-        return None
-    if (not isinstance(thresholds, list) or len(thresholds) != count
-            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= 1 for t in thresholds)):
-        raise CheckpointError(f"{where}: 'thresholds' must be {count} numbers in [0, 1], one per class")
-    return [float(t) for t in thresholds]
-
-
 def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:
     """The CPU thread count a checkpoint's run computed with (None: no checkpoint, or none recorded)."""
     threads = ckpt.get("threads") if ckpt is not None else None
     return threads if isinstance(threads, int) and threads > 0 else None
-
-
-def check_class_names(classes, where: str) -> list[str]:
-    """`classes` as a list of distinct names, or CheckpointError (exit 2) naming `where` they came from."""
-    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or not classes:
-        raise CheckpointError(f"{where}: 'classes' must be a non-empty list of class names")
-    if len(set(classes)) != len(classes):
-        raise CheckpointError(f"{where}: duplicate class names in 'classes'")
-    return list(classes)
-
-
-def eval_config(saved_config: dict, preprocessing: dict, overrides: list[str] = (),
-                where: str = "checkpoint") -> tuple[Config, Optional[int]]:
-    """The config eval.py and infer.py run with: the saved training config, then the saved eval
-    preprocessing, then `overrides`. Returns it with the training run's data.limit_val_batches."""
-    try:
-        cfg = config_from_dict(saved_config)
-    except ConfigError as err:
-        raise CheckpointError(f"{where}: its saved config does not load: {err}") from err
-    saved_val_limit = cfg.data.limit_val_batches
-    # The loaded config describes evaluation: data.img_size is the size validation used, so an override
-    # data.img_size=N (or data.eval_img_size=N) sets the eval size.
-    cfg.data.img_size, cfg.data.eval_img_size = eval_size(cfg.data), None
-    for key in PREPROCESSING_KEYS:
-        if key in preprocessing:
-            setattr(cfg.data, key, preprocessing[key])
-    cfg.data.limit_val_batches = None  # a training dry-run setting; evaluation reads the whole split unless asked
-    apply_overrides(cfg, overrides)
-    validate(cfg)
-    return cfg, saved_val_limit
 
 
 def build_eval_model(loaded: ModelFile, device: torch.device, channels_last: bool) -> torch.nn.Module:

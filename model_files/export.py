@@ -83,7 +83,7 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
 def check_embedding_export(loaded: ModelFile, output: Path) -> float:
     """The least cosine between the export's `embedding` vectors and the checkpoint's pre-logits features
     on the check images; ExportError (exit 1) below MIN_EMBEDDING_COSINE."""
-    from models.embedding import features_and_logits
+    from models.feature_tap import features_and_logits
 
     images, source = check_images(loaded)
     x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
@@ -169,7 +169,10 @@ def check_export(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]
     x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
     reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
     exported = load_model_file(output).build_model(torch.device("cpu"), channels_last=False)
-    probs = loaded.task.probabilities  # the probabilities infer.py reports
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:  # the probabilities infer.py reports
+        return torch.from_numpy(loaded.task.probabilities(logits.numpy()))
+
     with torch.inference_mode():
         want = probs(reference(x).float())
         got = probs(exported(x).float())

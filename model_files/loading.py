@@ -9,9 +9,9 @@ from typing import Optional
 
 from core.errors import CheckpointError, ConfigError
 from core.paths import not_a_regular_file
-from model_files.checkpoint_files import check_class_names
 from model_files.formats import format_of
 from model_files.model_file import ModelFile
+from model_files.stored_metadata import check_class_names
 
 
 def load_model_file(path: str | Path, overrides: list[str] = (), classes_file: Optional[str] = None) -> ModelFile:

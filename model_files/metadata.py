@@ -7,16 +7,14 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from core.config import Config
-from core.errors import CheckpointError
 from evaluation.trust import export_record
-from model_files.checkpoint_files import check_class_names, check_thresholds, eval_config, preprocessing_record
+from model_files.checkpoint_files import preprocessing_record
 from model_files.model_file import ModelFile
+from model_files.stored_metadata import ONNX_METADATA_PREFIX, check_thresholds
 
 log = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
-ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
 PT2_METADATA_FILE = "imgcls.json"   # the .pt2 archive's extra file holding the same metadata as JSON
 TIMM_METADATA_KEY = "imgcls"        # config.json key holding our training config beside timm's own keys
 OPENVINO_RT_INFO_KEY = "imgcls"     # the OpenVINO IR's rt_info section: imgcls/classes, ... each a JSON string
@@ -43,26 +41,6 @@ def onnx_metadata_props(metadata: dict) -> dict[str, str]:
     return {ONNX_METADATA_PREFIX + key: json.dumps(value) for key, value in metadata.items()}
 
 
-def metadata_from_onnx_props(props: dict[str, str], path: Path) -> Optional[dict]:
-    ours = {k[len(ONNX_METADATA_PREFIX):]: v for k, v in props.items() if k.startswith(ONNX_METADATA_PREFIX)}
-    if "classes" not in ours:
-        return None
-    try:
-        return {key: json.loads(value) for key, value in ours.items()}
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
-
-
 def metadata_thresholds(metadata: Optional[dict], classes: list[str], path: Path) -> Optional[list]:
     """The per-class thresholds an export of a multi-label model carries (None: none recorded)."""
     return check_thresholds((metadata or {}).get("thresholds"), len(classes), str(path))
-
-
-def from_metadata(metadata: dict, path: Path, overrides: list[str]) -> tuple[Config, list[str], Optional[int]]:
-    where = f"{path}"
-    classes = check_class_names(metadata.get("classes"), where)
-    cfg, saved_val_limit = eval_config(metadata.get("config") or {}, metadata.get("preprocessing") or {},
-                                       overrides, where)
-    return cfg, classes, saved_val_limit
-
-

@@ -145,7 +145,7 @@ def compare_int8(fp32_path: Path, int8_path: Path, paths: list[str], labels: lis
         model = model_file.build_model(torch.device("cpu"), channels_last=False)
         device_input = DeviceInput.from_config(model_file.cfg, torch.device("cpu"), None, channels_last=False)
         preds = predict(model, loader, device_input, 1)
-        tops.append(preds.top_indices[:, 0])
+        tops.append(torch.from_numpy(preds.top_indices[:, 0]))
         valid = preds.valid
     if valid is None or not bool(valid.any()):
         raise ExportError(f"int8 check: none of the {len(paths)} images from {source} could be read")

@@ -28,6 +28,7 @@ from core.config import fill_unset
 from core.errors import CheckpointError, ModelError
 from core.paths import not_a_regular_file
 from core.safe_load import load_checkpoint
+from models.feature_tap import TORCHVISION_HEADS, classifier_heads
 from models.hub_access import hub_offline
 from models.timm_folder import check_timm_folder
 
@@ -363,16 +364,14 @@ def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, nam
 
 
 def classifier_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Names of the classifier's parameters: timm's get_classifier(); for other models the last Linear layer."""
-    heads = model.get_classifier() if hasattr(model, "get_classifier") else ()
-    heads = [h for h in (heads if isinstance(heads, (tuple, list)) else (heads,)) if isinstance(h, torch.nn.Module)]
-    ids = {id(p) for h in heads for p in h.parameters()}
-    if not ids:
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        if not linears:
-            raise ModelError(f"cannot tell the classifier of {type(model).__name__}: no get_classifier() and no "
-                             f"Linear layer (model.freeze and optim.head_lr_scale need one)")
-        ids = {id(p) for p in linears[-1].parameters()}
+    """Names of the classifier's parameters, by models.feature_tap's rule (timm's get_classifier(), else
+    torchvision's fc / classifier / heads)."""
+    heads = classifier_heads(model)
+    if not heads:
+        raise ModelError(f"cannot tell the classifier of {type(model).__name__}: no get_classifier() with weights "
+                         f"and no torchvision head ({', '.join(TORCHVISION_HEADS)}); model.freeze and "
+                         f"optim.head_lr_scale need one")
+    ids = {id(p) for _, h in heads for p in h.parameters()}
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 

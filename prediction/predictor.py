@@ -16,7 +16,7 @@ import torch
 from core.errors import ConfigError
 from data.transforms import EvalTransform
 from evaluation.evaluate import check_finite_outputs, predict
-from evaluation.rejection import Rejector, classifier_name, has_modules
+from evaluation.rejection import Rejector, has_modules
 from model_files.formats import FORMATS
 from model_files.model_file import ModelFile
 from model_files.loading import load_model_file
@@ -24,6 +24,7 @@ from prediction.trust import ScoreRecorder, TrustOptions, apply_reject, build_re
 from runtime.device import DeviceInput, inference_amp, select_device
 from runtime.runtime import Runtime, build_runtime
 from models.factory import fold_batchnorm
+from models.feature_tap import classifier_name
 from tasks.base import Predictions, Task
 from tasks.multi_label_rows import applied_thresholds
 

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from core.errors import ConfigError
-from evaluation.rejection import FeatureTap, LayerTap, LOGITS_METHOD, Rejector
+from evaluation.rejection import LayerTap, LOGITS_METHOD, Rejector
 from evaluation.trust import usable_rejector
-from tasks.single_label_rows import EXPLAIN_COLUMNS
+from models.feature_tap import FeatureTap
+from tasks.single_label_rows import EXPLAIN_COLUMNS, reject_rows
 
 log = logging.getLogger(__name__)
 
-UNKNOWN = "unknown"
 REJECT_COLUMNS = ["predicted", "score"]
 EXPLAIN_BATCH = 16
 OVERLAY_MAX_SIDE = 1024  # an overlay's longer side, in pixels (the original scaled down to it when larger)
@@ -106,17 +106,9 @@ class ScoreRecorder:
 
 
 def apply_reject(rows: list[dict], scores: torch.Tensor, rejector: Rejector) -> int:
-    """Set `predicted` and `score` on every classified row and `label` = unknown where the score is below
-    the threshold; returns how many were rejected."""
-    rejected = 0
-    for row, score in zip(rows, scores.tolist()):
-        if row.get("error") is not None:
-            continue
-        row["predicted"], row["score"] = row["label"], score
-        if score < rejector.threshold:
-            row["label"] = UNKNOWN
-            rejected += 1
-    return rejected
+    """The reject option on the rows (tasks.single_label_rows.reject_rows, the slim server's too): `predicted`
+    and `score` on every classified row, `label` = unknown below the threshold; returns how many."""
+    return reject_rows(rows, scores.numpy(), rejector.threshold)
 
 
 def explain_items(rows: list[dict], classes: list[str], task) -> list[tuple[int, int]]:

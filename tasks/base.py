@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
+
 from core.errors import ConfigError
 from tasks.metric import SHARED_METRICS, Metric
 
@@ -18,10 +20,10 @@ if TYPE_CHECKING:  # the task registry loads without torch (config validation, -
 @dataclass
 class Predictions:
     """A prediction pass's results by input order: what the task keeps of each row's probabilities
-    (`Task.kept_outputs`), which rows were readable, why the others were not."""
+    (`Task.outputs`), which rows were readable, why the others were not."""
 
-    kept: dict                           # name -> [N, ...] tensor (CPU); rows of unreadable files are undefined
-    valid: "torch.Tensor"                # [N] bool
+    kept: dict                           # name -> [N, ...] NumPy array; rows of unreadable files are undefined
+    valid: "torch.Tensor"                # [N] bool (a tensor, or a NumPy array in the slim server)
     errors: dict = field(default_factory=dict)  # input index -> reason the file could not be read
     nonfinite: int = 0                   # readable inputs whose logits hold a NaN or an infinity
 
@@ -104,10 +106,6 @@ class Task:
 
     # ---------------------------------------------------------------- prediction
 
-    def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
-        """What infer.py reports as probabilities for `logits` ([N, C] float)."""
-        raise NotImplementedError
-
     def prediction(self, logits: torch.Tensor) -> torch.Tensor:
         """Per image, what the model predicts: a row of the result that two models are compared on."""
         raise NotImplementedError
@@ -121,9 +119,14 @@ class Task:
         """Per image, whether two `prediction` results are equal (a bool vector)."""
         return (prediction == other).reshape(len(prediction), -1).all(dim=1)
 
-    def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
-        """What a row needs of a batch's probabilities (kept on the device until the pass ends, so memory
-        grows with the rows and not with the classes where a task needs only a few per row)."""
+    def probabilities(self, logits: np.ndarray, temperature: Optional[float] = None) -> np.ndarray:
+        """What infer.py reports as probabilities for `logits` ([N, C] NumPy, float32)."""
+        raise NotImplementedError
+
+    def outputs(self, logits: np.ndarray, topk: int, temperature: Optional[float] = None) -> dict:
+        """What a row needs of a batch's logits [N, C] (NumPy, float32; the torch path hands them over once per
+        batch): name -> [N, ...] array, kept until the pass ends (memory grows with the rows, and not with the
+        classes where a task needs only a few per row). `temperature`: the stored calibration."""
         raise NotImplementedError
 
     def rows(self, names: list, preds: Predictions, classes: list[str], thresholds: Optional[list[float]],

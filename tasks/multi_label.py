@@ -114,15 +114,20 @@ class MultiLabel(Task):
                 f"{metrics['micro_f1_at_0.5']:.2f})  macro F1 {metrics['macro_f1']:.2f} (at 0.5: "
                 f"{metrics['macro_f1_at_0.5']:.2f})  loss {metrics['loss']:.4f}  ({metrics['num_samples']} samples)")
 
-    def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
-        return logits.sigmoid()
-
     def prediction(self, logits: torch.Tensor) -> torch.Tensor:
         """The tags called at probability 0.5 (a bool per tag)."""
         return logits > 0
 
-    def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
-        return {"probs": probs}
+    def probabilities(self, logits, temperature=None):
+        from tasks.multi_label_rows import sigmoid
+
+        return sigmoid(logits)
+
+    def outputs(self, logits, topk, temperature=None) -> dict:
+        """Every class's probability (no calibration: each tag is called at its threshold)."""
+        from tasks.multi_label_rows import tag_outputs
+
+        return tag_outputs(logits)
 
     def rows(self, names, preds, classes, thresholds, delimiter) -> list[dict]:
         from tasks.multi_label_rows import tag_rows
@@ -142,7 +147,7 @@ class MultiLabel(Task):
     def evaluation_figures(self, sums, classes, thresholds) -> tuple:
         """F1, precision and recall at the model's tuned thresholds (those infer.py applies; 0.5 where the
         model records none) and at 0.5, mAP over the classes with a positive."""
-        from tasks.multi_label_metrics import DEFAULT_THRESHOLD
+        from tasks.multi_label_rows import DEFAULT_THRESHOLD
 
         metrics = sums.compute(thresholds or [DEFAULT_THRESHOLD] * len(classes))
         return metrics, metrics.pop("per_class"), None

@@ -20,8 +20,7 @@ from typing import Optional
 import torch
 
 from tasks.gather import all_reduce_sum, gather_rows
-
-DEFAULT_THRESHOLD = 0.5
+from tasks.multi_label_rows import DEFAULT_THRESHOLD
 
 
 def ranked_counts(scores: torch.Tensor, positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""infer.py's and serve.py's rows for a multi-label model: the tags whose probability reaches the class's
+"""infer.py's and serve.py's rows for a multi-label model (NumPy only: the slim server's too): the tags whose probability reaches the class's
 threshold (the thresholds tuned in training, or `--threshold X` for every class), and every class's
 probability.
 
@@ -13,9 +13,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from core.outputs import finite_or_null
-from tasks.multi_label_metrics import DEFAULT_THRESHOLD, predicted
 from tasks.single_label_rows import EXPLAIN_COLUMNS
+
+DEFAULT_THRESHOLD = 0.5   # a tag's threshold where the model records none
 
 
 def applied_thresholds(recorded: Optional[list[float]], override: Optional[float], count: int) -> list[float]:
@@ -25,11 +28,24 @@ def applied_thresholds(recorded: Optional[list[float]], override: Optional[float
     return list(recorded) if recorded else [DEFAULT_THRESHOLD] * count
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Every class's probability, float32."""
+    x = np.asarray(logits, dtype=np.float32)
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def tag_outputs(logits: np.ndarray) -> dict:
+    """What a row needs of a batch's logits [N, C]: every class's probability."""
+    return {"probs": sigmoid(logits)}
+
+
 def tag_rows(paths: list[str], preds, classes: list[str], thresholds: list[float],
              delimiter: str) -> list[dict]:
-    """One dict per input file, in input order: `labels` (a list of tags, most probable first), `probs`."""
-    all_probs = preds.kept["probs"]
-    calls = predicted(all_probs, thresholds).tolist() if len(all_probs) else []
+    """One dict per input file, in input order: `labels` (a list of tags, most probable first; a tag is called
+    when its probability reaches its threshold, compared in float64), `probs`."""
+    all_probs = np.asarray(preds.kept["probs"])
+    calls = (all_probs.astype(np.float64) >= np.asarray(thresholds, dtype=np.float64)).tolist() \
+        if len(all_probs) else []
     probs = all_probs.tolist()
     valid = preds.valid.tolist()
     rows = []

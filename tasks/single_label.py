@@ -51,16 +51,19 @@ class SingleLabel(Task):
                 f"{metrics['loss']:.4f}  mean class acc {metrics['mean_class_acc']:.2f}  "
                 f"({metrics['num_samples']} samples)")
 
-    def probabilities(self, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
-        return (logits if temperature is None else logits / temperature).softmax(1)
-
     def prediction(self, logits: torch.Tensor) -> torch.Tensor:
         """The top class (int32: a stored row per image costs 4 bytes)."""
         return logits.argmax(dim=1).int()
 
-    def kept_outputs(self, probs: torch.Tensor, topk: int) -> dict:
-        top = probs.topk(topk, dim=1)
-        return {"top_probs": top.values, "top_indices": top.indices}
+    def probabilities(self, logits, temperature=None):
+        from tasks.single_label_rows import softmax
+
+        return softmax(logits, temperature)
+
+    def outputs(self, logits, topk, temperature=None) -> dict:
+        from tasks.single_label_rows import label_outputs
+
+        return label_outputs(logits, topk, temperature)
 
     def rows(self, names, preds, classes, thresholds, delimiter) -> list[dict]:
         from tasks.single_label_rows import result_rows

@@ -1,12 +1,19 @@
 """infer.py's and serve.py's rows for a single-label model: `path`, `label`, `prob`, the top-k labels and
-probabilities, `error`; the table on stdout and the CSV / JSON files."""
+probabilities, `error`; the reject option on them (`predicted`, `score`, `unknown`); the table on stdout and
+the CSV / JSON files. NumPy only: the torch path hands its logits over as NumPy, and the slim server
+(serving.onnx_only) makes its rows here too."""
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
+from typing import Optional
+
+import numpy as np
 
 from core.outputs import finite_or_null
+
+UNKNOWN = "unknown"   # a rejected image's label
 
 # --explain's CSV columns; the JSON keeps `explain` as a list instead
 EXPLAIN_COLUMNS = ["explain_peak", "explain_overlay"]
@@ -17,6 +24,49 @@ def result_columns(k: int) -> list[str]:
     for j in range(1, k + 1):
         columns += [f"top{j}_label", f"top{j}_prob"]
     return columns + ["error"]
+
+
+def softmax(logits: np.ndarray, temperature: Optional[float] = None) -> np.ndarray:
+    """float32 softmax over the classes of logits / temperature (the calibrated probabilities)."""
+    scaled = np.asarray(logits, dtype=np.float32)
+    if temperature is not None:
+        scaled = scaled / np.float32(temperature)
+    shifted = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest probabilities of each row, largest first, and their class indices (ties: lower index)."""
+    order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(probs, order, axis=1), order
+
+
+def label_outputs(logits: np.ndarray, k: int, temperature: Optional[float] = None) -> dict:
+    """What a row needs of a batch's logits [N, C]: the top k calibrated probabilities and their classes (so
+    the memory of a pass grows with the rows, not with the classes)."""
+    top_probs, top_indices = top_k(softmax(logits, temperature), k)
+    return {"top_probs": top_probs, "top_indices": top_indices}
+
+
+def energy_score(logits: np.ndarray) -> np.ndarray:
+    """The reject score of an export (its output is the logits only): logsumexp of the logits, float32."""
+    x = np.asarray(logits, dtype=np.float32)
+    peak = x.max(axis=1, keepdims=True)
+    return (peak + np.log(np.exp(x - peak).sum(axis=1, keepdims=True)))[:, 0]
+
+
+def reject_rows(rows: list[dict], scores, threshold: float) -> int:
+    """`predicted` (the would-be label) and `score` on every classified row, and `label` = unknown where the
+    score is below `threshold`; returns how many were rejected."""
+    rejected = 0
+    for row, score in zip(rows, np.asarray(scores).tolist()):
+        if row.get("error") is not None:
+            continue
+        row["predicted"], row["score"] = row["label"], score
+        if score < threshold:
+            row["label"] = UNKNOWN
+            rejected += 1
+    return rejected
 
 
 def result_rows(paths: list[str], preds, classes: list[str]) -> list[dict]:

@@ -16,12 +16,11 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ExportError
-from model_files.checkpoint_files import eval_config
 from model_files.formats.base import ModelFormat, shorten_export_error, traced_model
-from model_files.metadata import (from_metadata, metadata_from_onnx_props, metadata_thresholds, numbered_classes,
-                                      onnx_metadata_props)
+from model_files.metadata import numbered_classes, onnx_metadata_props
 from model_files.model_file import FunctionModel, ModelFile
-from models.embedding import features_and_logits
+from model_files.stored_metadata import check_output_count, eval_config, metadata_from_onnx_props, read_metadata
+from models.feature_tap import features_and_logits
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +83,10 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes [N, 3, H, W]")
     fixed_batch = shape[0] if isinstance(shape[0], int) else None
     metadata = metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
-    if metadata is not None:
-        cfg, classes, saved_val_limit = from_metadata(metadata, path, overrides)
-        outputs = _onnx_class_count(session, fixed_batch or 1, cfg.data.img_size)
-        if outputs != len(classes):
-            raise CheckpointError(f"{path}: its imgcls.classes names {len(classes)} class(es), but the model has "
-                                  f"{outputs} outputs; the file was altered after export.py wrote it: export it "
-                                  f"again")
+    stored = read_metadata(metadata, path, overrides) if metadata is not None else None
+    if stored is not None:
+        cfg, classes, saved_val_limit = stored.cfg, stored.classes, stored.saved_val_limit
+        check_output_count(classes, _onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), str(path))
     else:
         cfg, saved_val_limit = eval_config({}, _foreign_onnx_preprocessing(shape, path), overrides, str(path))
         classes = numbered_classes(_onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), path)
@@ -103,9 +99,9 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session, EMBEDDING_OUTPUT), fixed_batch)
     embeds = EMBEDDING_OUTPUT in [o.name for o in session.get_outputs()]
-    return ModelFile("onnx", path, cfg, classes, metadata.get("epoch") if metadata else None, build, fixed_batch,
-                     saved_val_limit, calibration=metadata.get("calibration") if metadata else None,
-                     thresholds=metadata_thresholds(metadata, classes, path),
+    return ModelFile("onnx", path, cfg, classes, stored.epoch if stored else None, build, fixed_batch,
+                     saved_val_limit, calibration=stored.calibration if stored else None,
+                     thresholds=stored.thresholds if stored else None,
                      build_embedding=build_embedding if embeds else None,
                      source_digest=(metadata or {}).get("source_digest"))
 

@@ -16,7 +16,8 @@ import torch
 
 from core.errors import CheckpointError, ConfigError, ExportError
 from model_files.formats.base import ModelFormat, shorten_export_error, traced_model
-from model_files.metadata import OPENVINO_RT_INFO_KEY, from_metadata, metadata_thresholds
+from model_files.metadata import OPENVINO_RT_INFO_KEY
+from model_files.stored_metadata import check_output_count, read_metadata
 from model_files.model_file import FunctionModel, ModelFile
 
 log = logging.getLogger(__name__)
@@ -90,16 +91,15 @@ def ir_metadata(model, path: Path) -> dict:
 def open_openvino(path: Path, overrides: list[str]) -> ModelFile:
     model = read_ir(path)
     metadata = ir_metadata(model, path)
-    cfg, classes, saved_val_limit = from_metadata(metadata, path, overrides)
+    stored = read_metadata(metadata, path, overrides)
+    cfg, classes, saved_val_limit = stored.cfg, stored.classes, stored.saved_val_limit
     shape = model.inputs[0].get_partial_shape()
     outputs = model.outputs[0].get_partial_shape()
     if len(model.inputs) != 1 or shape.rank.is_dynamic or shape.rank.get_length() != 4:
         raise CheckpointError(f"{path}: the IR takes {len(model.inputs)} input(s) of shape {shape}; an image "
                               f"classifier takes one [N, 3, H, W]")
-    if outputs[-1].is_static and outputs[-1].get_length() != len(classes):
-        raise CheckpointError(f"{path}: its imgcls classes name {len(classes)} class(es), but the model has "
-                              f"{outputs[-1].get_length()} outputs; the IR was altered after export.py wrote it: "
-                              f"export it again")
+    if outputs[-1].is_static:
+        check_output_count(classes, outputs[-1].get_length(), str(path))
     fixed_batch = shape[0].get_length() if shape[0].is_static else None
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
@@ -107,8 +107,8 @@ def open_openvino(path: Path, overrides: list[str]) -> ModelFile:
             log.warning("%s: an OpenVINO IR runs on the CPU here (OpenVINO's CPU plugin), not on %s", path, device)
         # the Predictor has applied the thread policy (train.threads, the checkpoint's count) to torch by now
         return FunctionModel(_ir_function(compiled_ir(model, torch.get_num_threads())), fixed_batch)
-    return ModelFile("openvino", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
-                     calibration=metadata.get("calibration"), thresholds=metadata_thresholds(metadata, classes, path))
+    return ModelFile("openvino", path, cfg, classes, stored.epoch, build, fixed_batch, saved_val_limit,
+                     calibration=stored.calibration, thresholds=stored.thresholds)
 
 
 def set_ir_metadata(model, metadata: dict) -> None:

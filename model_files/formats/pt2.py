@@ -10,9 +10,10 @@ import torch
 
 from core.errors import CheckpointError, ExportError
 from model_files.formats.base import ModelFormat, shorten_export_error, traced_model
-from model_files.metadata import PT2_METADATA_FILE, from_metadata, metadata_thresholds
+from model_files.metadata import PT2_METADATA_FILE
 from model_files.model_file import FunctionModel, ModelFile
 from model_files.pt2_archive import check_pt2_archive
+from model_files.stored_metadata import check_output_count, read_metadata
 
 
 def open_pt2(path: Path, overrides: list[str]) -> ModelFile:
@@ -30,8 +31,10 @@ def open_pt2(path: Path, overrides: list[str]) -> ModelFile:
         metadata = json.loads(extra[PT2_METADATA_FILE])
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: its {PT2_METADATA_FILE} is not valid JSON ({err})") from err
-    cfg, classes, saved_val_limit = from_metadata(metadata, path, overrides)
-    fixed_batch = metadata.get("batch")
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: its {PT2_METADATA_FILE} holds {type(metadata).__name__}, not a mapping")
+    stored = read_metadata(metadata, path, overrides)
+    check_output_count(stored.classes, program_outputs(program, path), str(path))
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
         on_device = program
@@ -39,10 +42,18 @@ def open_pt2(path: Path, overrides: list[str]) -> ModelFile:
             from torch.export.passes import move_to_device_pass
 
             on_device = move_to_device_pass(program, device)
-        return FunctionModel(on_device.module().__call__, fixed_batch)
-    return ModelFile("pt2", path, cfg, classes, metadata.get("epoch"), build, fixed_batch, saved_val_limit,
-                     calibration=metadata.get("calibration"),
-                     thresholds=metadata_thresholds(metadata, classes, path))
+        return FunctionModel(on_device.module().__call__, stored.batch)
+    return ModelFile("pt2", path, stored.cfg, stored.classes, stored.epoch, build, stored.batch, stored.saved_val_limit,
+                     calibration=stored.calibration, thresholds=stored.thresholds)
+
+
+def program_outputs(program, path: Path) -> int:
+    """The width of the program's (first) output, from the shapes torch.export recorded."""
+    try:
+        output = next(node for node in program.graph.nodes if node.op == "output").args[0][0]
+        return int(output.meta["val"].shape[-1])
+    except (StopIteration, IndexError, KeyError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"{path}: the program records no output shape ({type(err).__name__})") from err
 
 
 def write_pt2(loaded: ModelFile, path: Path, batch: Optional[int], metadata: dict) -> None:

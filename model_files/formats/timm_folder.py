@@ -11,9 +11,10 @@ import torch
 
 from core.config import Config
 from core.errors import CheckpointError, ConfigError, ExportError
-from model_files.checkpoint_files import build_eval_model, check_class_names, eval_config, preprocessing_record
+from model_files.checkpoint_files import build_eval_model, preprocessing_record
 from model_files.formats.base import ModelFormat
 from model_files.metadata import TIMM_METADATA_KEY, metadata_thresholds, numbered_classes
+from model_files.stored_metadata import check_class_names, check_output_count, eval_config
 from model_files.model_file import ModelFile
 from runtime.device import memory_format
 from models.factory import TORCHVISION_PREFIX
@@ -22,6 +23,11 @@ from models.timm_folder import check_timm_folder
 # pretrained_cfg entries that describe timm's published weights, not the ones we trained
 PROVENANCE_KEYS = ("tag", "hf_hub_id", "hf_hub_filename", "url", "file", "source", "license", "origin",
                    "origin_url", "paper_ids", "paper_name", "notes", "state_dict")
+
+
+def as_list(value):
+    """timm's tuples as lists; anything else as it is, for the preprocessing check to name."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
@@ -38,8 +44,8 @@ def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
         preprocessing = {"img_size": pretrained_cfg["input_size"][-1],
                          "crop_pct": pretrained_cfg.get("crop_pct", d.crop_pct),
                          "interpolation": pretrained_cfg.get("interpolation", d.interpolation),
-                         "mean": list(pretrained_cfg.get("mean", d.mean)),
-                         "std": list(pretrained_cfg.get("std", d.std))}
+                         "mean": as_list(pretrained_cfg.get("mean", d.mean)),
+                         "std": as_list(pretrained_cfg.get("std", d.std))}
         names = hf_config.get("label_names") or pretrained_cfg.get("label_names")
         if isinstance(names, dict):  # timm allows {index: name}
             names = [names[key] for key in sorted(names, key=int)]
@@ -51,6 +57,7 @@ def open_timm_folder(path: Path, overrides: list[str]) -> ModelFile:
     saved_config = ours.get("config") or {"model": {"name": architecture}}
     cfg, saved_val_limit = eval_config(saved_config, preprocessing, overrides, str(config_path))
     classes = check_class_names(list(names), str(config_path)) if names else numbered_classes(count, path)
+    check_output_count(classes, count, str(config_path))
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
         import timm

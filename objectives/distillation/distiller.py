@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from core.errors import ConfigError
+from models.feature_tap import FeatureTap, classifier_of, feature_width as tapped_width
 from objectives.distillation.conversion import InputConversion
 from objectives.distillation.losses import feature_distance, logit_term
 from objectives.distillation.teacher import (Teacher, TeacherPredictions, check_same_teacher_everywhere, load_teacher,
@@ -30,37 +31,18 @@ log = logging.getLogger(__name__)
 
 
 def classifier_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose input is the pooled pre-logit features: timm's get_classifier(), else the last Linear."""
-    head = model.get_classifier() if hasattr(model, "get_classifier") else None
-    if isinstance(head, torch.nn.Module) and any(True for _ in head.parameters()):
-        return head
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not linears:
+    """The module whose input is the pooled pre-logit features (models.feature_tap's rule)."""
+    head = classifier_of(model)
+    if head is None:
         raise ConfigError(f"distill.type=feature: cannot find the classifier of {type(model).__name__} (no "
-                          f"get_classifier() and no Linear layer); use distill.type=soft or hard")
-    return linears[-1]
-
-
-class FeatureTap:
-    """Keeps the input of a model's classifier (its pooled pre-logit features) from the last forward."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.features: Optional[torch.Tensor] = None
-        self.handle = classifier_module(model).register_forward_pre_hook(self._keep)
-
-    def _keep(self, module, args) -> None:
-        self.features = args[0].flatten(1)
-
-    def take(self) -> torch.Tensor:
-        features, self.features = self.features, None
-        return features
+                          f"get_classifier() with weights and no torchvision fc / classifier / heads); use "
+                          f"distill.type=soft or hard")
+    return head[1]
 
 
 def feature_width(model: torch.nn.Module) -> int:
-    head = classifier_module(model)
-    if isinstance(head, torch.nn.Linear):
-        return head.in_features
-    return next(p for p in head.parameters() if p.ndim == 2).shape[1]
+    classifier_module(model)
+    return tapped_width(model)
 
 
 class StepTimer:
@@ -127,8 +109,8 @@ class Distiller(Objective):
         self.val_predictions = TeacherPredictions()  # its prediction per validation image, for the agreement
         self.projection: Optional[torch.nn.Linear] = None
         if kind == "feature":
-            self.student_tap = FeatureTap(student)
-            self.teacher_tap = FeatureTap(teacher.model)
+            self.student_tap = FeatureTap(student, keep_graph=True, keep="last")  # trains through it
+            self.teacher_tap = FeatureTap(teacher.model, keep_graph=True, keep="last")
             self.projection = torch.nn.Linear(feature_width(student), feature_width(teacher.model))
             self.projection.to(next(student.parameters()).device)
 

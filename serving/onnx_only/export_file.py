@@ -1,23 +1,21 @@
 """An ONNX model written by export.py, opened without torch: onnxruntime's session (set up as
 model_files.formats.onnx.onnx_session sets it up) and the imgcls metadata export.py stores in the
-model's metadata_props (`imgcls.classes`, `imgcls.preprocessing`, `imgcls.config`, `imgcls.calibration`,
-`imgcls.thresholds`, ...), read back as model_files.metadata reads it."""
+model's metadata_props, read back and checked by model_files.stored_metadata, the same checks every path
+that opens a model file makes."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from core.config import Config
 from core.errors import CheckpointError
-from core.temperature import check_calibration_record
-from tasks import TASKS
+from model_files.stored_metadata import check_output_count, metadata_from_onnx_props, read_metadata
+from tasks import task_of
 from tasks.base import Task
-from serving.onnx_only.preprocess import PREPROCESSING_KEYS
 
-METADATA_PREFIX = "imgcls."   # model_files.metadata.ONNX_METADATA_PREFIX
 REJECT_METHOD = "energy"      # an export's reject score: its output is the logits only
 
 
@@ -35,21 +33,13 @@ def onnx_session(path: Path):
         raise CheckpointError(f"{path}: onnxruntime {ort.__version__} cannot load this model: {reason}") from err
 
 
-def read_metadata(props: dict[str, str], path: Path) -> dict:
-    ours = {k[len(METADATA_PREFIX):]: v for k, v in props.items() if k.startswith(METADATA_PREFIX)}
-    if "classes" not in ours:
-        raise CheckpointError(f"{path}: no imgcls metadata (not written by export.py); without torch only "
-                              f"export.py's ONNX files are served (serve other models with the full image)")
-    try:
-        return {key: json.loads(value) for key, value in ours.items()}
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
-
-
-def export_task(name, path: Path) -> Task:
-    if name not in TASKS:
-        raise CheckpointError(f"{path}: its config names data.task {name!r}, not one of {', '.join(TASKS)}")
-    return TASKS[name]
+def output_count(session, batch: int, img_size: int) -> int:
+    """The model's outputs per image: from the graph, else from one pass over a zero batch."""
+    count = session.get_outputs()[0].shape[-1]
+    if isinstance(count, int):
+        return count
+    zeros = np.zeros((batch, 3, img_size, img_size), dtype=np.float32)
+    return int(session.run(None, {session.get_inputs()[0].name: zeros})[0].shape[-1])
 
 
 EMBEDDING_OUTPUT = "embedding"  # as model_files/formats/onnx.py names it (torch is not imported here)
@@ -59,12 +49,10 @@ EMBEDDING_OUTPUT = "embedding"  # as model_files/formats/onnx.py names it (torch
 class OnnxExport:
     path: Path
     session: object
+    cfg: Config                                  # the training config with the checked eval preprocessing
     classes: list[str]
-    preprocessing: dict
-    model_name: str
     epoch: Optional[int]
     fixed_batch: Optional[int]
-    task: Task                                   # the training's task (data.task), from the export's config
     temperature: Optional[float]                 # the calibration stored with the model (`prob`)
     reject_threshold: Optional[float]            # the stored energy threshold (--reject)
     tag_thresholds: Optional[list[float]]        # a multi-label model's per-class thresholds
@@ -83,28 +71,27 @@ class OnnxExport:
         if len(shape) != 4:
             raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes "
                                   f"[N, 3, H, W]")
-        metadata = read_metadata(session.get_modelmeta().custom_metadata_map, path)
-        classes = metadata.get("classes")
-        if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes) \
-                or len(set(classes)) != len(classes):
-            raise CheckpointError(f"{path}: 'classes' must be a non-empty list of distinct class names")
-        preprocessing = metadata.get("preprocessing") or {}
-        missing = [key for key in PREPROCESSING_KEYS if key not in preprocessing]
-        if missing:
-            raise CheckpointError(f"{path}: its preprocessing record lacks {', '.join(missing)}")
-        config = metadata.get("config") or {}
-        data = config.get("data") or {}
-        calibration = metadata.get("calibration") or {}
-        check_calibration_record(calibration, path)
-        thresholds = metadata.get("thresholds")
-        if thresholds is not None and (not isinstance(thresholds, list) or len(thresholds) != len(classes)):
-            raise CheckpointError(f"{path}: 'thresholds' must be {len(classes)} numbers in [0, 1], one per class")
-        stored_reject = (calibration.get("thresholds") or {}).get(REJECT_METHOD)
-        return cls(path, session, list(classes), preprocessing, (config.get("model") or {}).get("name", "?"),
-                   metadata.get("epoch"), shape[0] if isinstance(shape[0], int) else None,
-                   export_task(data.get("task", "multiclass"), path),
-                   calibration.get("temperature"), stored_reject,
-                   [float(t) for t in thresholds] if thresholds is not None else None, metadata.get("source_digest"))
+        metadata = metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
+        if metadata is None:
+            raise CheckpointError(f"{path}: no imgcls metadata (not written by export.py); without torch only "
+                                  f"export.py's ONNX files are served (serve other models with the full image)")
+        stored = read_metadata(metadata, path)
+        fixed_batch = shape[0] if isinstance(shape[0], int) else None
+        check_output_count(stored.classes, output_count(session, fixed_batch or 1, stored.cfg.data.img_size),
+                           str(path))
+        calibration = stored.calibration or {}
+        return cls(path, session, stored.cfg, stored.classes, stored.epoch, fixed_batch,
+                   calibration.get("temperature"), (calibration.get("thresholds") or {}).get(REJECT_METHOD),
+                   stored.thresholds, metadata.get("source_digest"))
+
+    @property
+    def task(self) -> Task:
+        """The training's task (data.task), from the export's config."""
+        return task_of(self.cfg)
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.session.get_inputs()[0].name: batch})[0]

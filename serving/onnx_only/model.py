@@ -1,8 +1,10 @@
 """The model behind serve.py without torch: an ONNX export run by onnxruntime on the CPU, with the methods
-serving.app calls on serving.model.ServedModel (`decode`, `classify`, `warm_up`, `health`, `max_batch`) and
-the same rows."""
+serving.app calls on serving.model.ServedModel (`decode`, `classify`, `warm_up`, `health`, `max_batch`). The
+preprocessing is data.eval_preprocessing's description of the export's record, run in PIL and NumPy; the
+rows and the reject option are the task's own (tasks/*_rows.py), which the torch path makes its rows with."""
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -10,20 +12,24 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
-from core.errors import ConfigError
+from core.errors import ConfigError, ImageDecodeError
+from data.eval_preprocessing import EvalPreprocessing
+from data.images import open_image, oriented_size
 from serving.batch_shapes import batch_shapes, padded_size
+from serving.errors import BadImage, classify_decode_error
 from serving.onnx_only.export_file import REJECT_METHOD, OnnxExport
-from serving.onnx_only.preprocess import EvalPreprocess
-from serving.onnx_only.rows import label_rows, energy, reject, tag_rows
+from tasks.base import Predictions
+from tasks.multi_label_rows import applied_thresholds
+from tasks.single_label_rows import energy_score, reject_rows
 
 log = logging.getLogger("serve")
-DEFAULT_TAG_THRESHOLD = 0.5   # a multi-label export without tuned thresholds (tasks/multi_label_metrics.py)
+SOURCE_NAME = "<image bytes>"   # how the torch path names a request's image in its messages
 
 
 @dataclass
 class OnnxServedModel:
     export: OnnxExport
-    preprocess: EvalPreprocess
+    preprocess: EvalPreprocessing
     topk: int
     max_batch: int
     shapes: list[int]
@@ -49,25 +55,46 @@ class OnnxServedModel:
                         export.fixed_batch, export.fixed_batch, max_batch)
             max_batch = export.fixed_batch
         shapes = [max_batch] if export.fixed_batch is not None else batch_shapes(max_batch)
-        preprocess = EvalPreprocess.from_record(export.preprocessing, Image.MAX_IMAGE_PIXELS)
-        return cls(export, preprocess, min(topk, len(export.classes)), max_batch, shapes, threshold)
+        return cls(export, EvalPreprocessing.of(export.cfg.data), min(topk, len(export.classes)), max_batch, shapes,
+                   threshold)
 
     @property
     def classes(self) -> list[str]:
         return self.export.classes
 
     def decode(self, body: bytes) -> np.ndarray:
-        return self.preprocess.decode(body)
+        """One request's image: BadImage when the bytes are empty, not an image, truncated, or above PIL's
+        decompression-bomb limit (as serving.model.decode_image)."""
+        if not body:
+            raise BadImage("empty_body", "the request carried no image bytes")
+        try:
+            pil = open_image(io.BytesIO(body), name=SOURCE_NAME)
+            width, height = oriented_size(pil)
+            limit = Image.MAX_IMAGE_PIXELS
+            if limit is not None and width * height > limit:
+                raise BadImage("decompression_bomb", f"{width}x{height} = {width * height} pixels, above the limit "
+                                                     f"of {limit} (PIL.Image.MAX_IMAGE_PIXELS)")
+            return self.preprocess.decode(pil, SOURCE_NAME)
+        except (ImageDecodeError, OSError) as err:
+            message = str(err).removeprefix(f"{SOURCE_NAME}: ")
+            raise BadImage(classify_decode_error(message), message) from err
 
     def classify(self, images: list[np.ndarray], names: list[Optional[str]]) -> list[dict]:
-        """serve.py's rows for decoded images, run as one batch padded with zero images to a fixed shape."""
+        """serve.py's rows for decoded images, run as one batch padded with zero images to a fixed shape: the
+        task's rows of the calibrated probabilities, the reject option by energy where it is on."""
         n = len(images)
         batch = np.stack(images)
         pad = padded_size(n, self.shapes) - n
         if pad:
             batch = np.concatenate([batch, np.zeros((pad, *batch.shape[1:]), dtype=batch.dtype)])
         logits = self.export.logits(self.preprocess.normalise(batch))[:n]
-        return ROWS[self.export.task.label_format](self, names, logits)
+        task, cfg = self.export.task, self.export.cfg
+        preds = Predictions(task.outputs(logits, self.topk, self.export.temperature), np.ones(n, dtype=bool))
+        thresholds = applied_thresholds(self.export.tag_thresholds, None, len(self.classes))
+        rows = task.rows(names, preds, self.classes, thresholds, cfg.data.label_delimiter)
+        if self.reject_threshold is not None:
+            reject_rows(rows, energy_score(logits), self.reject_threshold)
+        return rows
 
     @property
     def embeds(self) -> bool:
@@ -97,23 +124,5 @@ class OnnxServedModel:
         e = self.export
         return {"status": "ok", "model": e.model_name, "model_format": "onnx", "checkpoint": e.path.name,
                 "epoch": e.epoch, "num_classes": len(self.classes), "classes": list(self.classes), "topk": self.topk,
-                "preprocessing": e.preprocessing, "device": "cpu", "precision": "fp32", "batch_shapes": self.shapes,
+                "preprocessing": self.preprocess.record(train_img_size=e.cfg.data.img_size), "device": "cpu", "precision": "fp32", "batch_shapes": self.shapes,
                 "runtime": "onnxruntime"}
-
-
-def class_rows(served: OnnxServedModel, names: list, logits: np.ndarray) -> list[dict]:
-    """One label per image: the calibrated top-k, the reject option by energy where it is on."""
-    rows = label_rows(names, logits, served.classes, served.topk, served.export.temperature)
-    if served.reject_threshold is not None:
-        reject(rows, energy(logits), served.reject_threshold)
-    return rows
-
-
-def tagged_rows(served: OnnxServedModel, names: list, logits: np.ndarray) -> list[dict]:
-    """Tags: each called at its tuned threshold (0.5 where the export records none)."""
-    thresholds = served.export.tag_thresholds or [DEFAULT_TAG_THRESHOLD] * len(served.classes)
-    return tag_rows(names, logits, served.classes, thresholds)
-
-
-# the rows of a task, by how its samples carry labels (tasks/: Task.label_format) -- numpy's, as the torch path's
-ROWS = {"class": class_rows, "tags": tagged_rows}

@@ -69,6 +69,24 @@ def copy_serve_image_files(target: Path) -> None:
                 shutil.copy(origin, folder)
 
 
+def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_they_need_no_torch(tmp_path):
+    """The slim server has no copies of its own: the tasks' rows, data/eval_preprocessing.py and
+    model_files/stored_metadata.py are copied, not the torch modules beside them, and they import with torch
+    unimportable (the rows modules are imported when a row is made)."""
+    copy_serve_image_files(tmp_path)
+    shared = ["tasks.single_label_rows", "tasks.multi_label_rows", "data.eval_preprocessing",
+              "model_files.stored_metadata"]
+    assert all((tmp_path / (name.replace(".", "/") + ".py")).is_file() for name in shared)
+    assert not (tmp_path / "model_files" / "checkpoint_files.py").exists()
+    assert not (tmp_path / "data" / "transforms.py").exists()
+    assert not {"rows.py", "preprocess.py"} & {p.name for p in (tmp_path / "serving" / "onnx_only").iterdir()}
+    code = ("import importlib, sys; sys.modules.update(torch=None, torchvision=None)\n"
+            f"for name in {['serving.onnx_only.server', *shared]!r}: importlib.import_module(name)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=""))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
     from serving.model import ServedModel

@@ -12,7 +12,7 @@ from evaluation.calibration import (apply_temperature, expected_calibration_erro
                                            reliability_bins, selective_report)
 from evaluation.explain import crop_geometry, heatmap_peak, to_original
 from evaluation.split_outputs import SplitOutputs, gather_outputs
-from evaluation.rejection import (FeatureTap, energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
+from evaluation.rejection import (energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
                                          seeded_subset, threshold_for_coverage)
 from evaluation.trust import build_record, export_record, trust_metrics
 
@@ -103,20 +103,6 @@ def test_record_stores_a_small_fp16_bank_and_exports_carry_numbers_only():
     log_probs = SplitOutputs(val.logits.log_softmax(1), val.labels, val.indices, None)
     selective = trust_metrics(log_probs, exported, log_probs=True)["selective"]
     assert selective["threshold"] is None and selective["coverage"] == 100.0 and selective["method"] is None
-
-
-def test_feature_tap_catches_the_classifier_input():
-    import timm
-
-    model = timm.create_model("resnet10t", num_classes=4).eval()
-    tap = FeatureTap(model)
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        logits = model(x)
-        features = tap.take()
-        assert torch.allclose(model.get_classifier()(features), logits, atol=1e-5)
-    tap.close()
-    assert not FeatureTap(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))).available
 
 
 def test_gather_outputs_sorts_by_index_in_one_process():

@@ -18,9 +18,11 @@ from core.errors import ConfigError
 from data.transforms import EvalTransform, normalize_batch
 from multilabel_data import make_tag_list
 from served_rows import assert_same_rows as assert_rows_agree
+from stored_metadata_cases import BAD_METADATA, good_metadata, spoilt, write_onnx
 from serving.onnx_only.model import OnnxServedModel
-from serving.onnx_only.preprocess import EvalPreprocess, centre_crop_box, resized_short_side
-from serving.onnx_only.rows import energy, softmax, top_k
+from data.eval_preprocessing import EvalPreprocessing, centre_crop_box, resized_short_side
+from data.images import open_image
+from tasks.single_label_rows import energy_score as energy, softmax, top_k
 
 PROB_TOLERANCE = 1e-5
 CLASSES = ["a", "b", "c"]
@@ -74,11 +76,11 @@ def test_preprocessing_equals_the_torch_path(img_size, crop_pct, interpolation):
     """The same uint8 crop as data.transforms.EvalTransform for every file (both decode through PIL), and
     normalize_batch's floats exactly."""
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    slim = EvalPreprocess(img_size, crop_pct, interpolation, mean, std)
-    torch_path = EvalTransform(img_size, crop_pct, interpolation)
+    slim = EvalPreprocessing(img_size, crop_pct, interpolation, tuple(mean), tuple(std))
+    torch_path = EvalTransform.of(slim)
     worst = {}
     for name, body in sample_images().items():
-        got, want = slim.decode(body), torch_path(body).numpy()
+        got, want = slim.decode(open_image(io.BytesIO(body), name=name), name), torch_path(body).numpy()
         assert got.shape == want.shape == (3, img_size, img_size) and got.dtype == np.uint8, name
         worst[name] = int(np.abs(got.astype(int) - want.astype(int)).max())
         batch = np.stack([got])
@@ -212,3 +214,32 @@ def test_onnx_only_refuses_what_it_cannot_serve(tmp_path, capsys):
     not_onnx.write_bytes(b"not a protobuf")
     assert serve_exit("--checkpoint", str(not_onnx)) == 2
     assert "onnxruntime" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, changes, named", BAD_METADATA, ids=[case for case, _, _ in BAD_METADATA])
+def test_onnx_only_refuses_metadata_the_torch_path_refuses(tmp_path, capsys, monkeypatch, case, changes, named):
+    """Issue 50 item 6: an export's spoilt metadata is refused before the port opens (exit 2, naming the field,
+    its value and what is allowed), as the torch path refuses it; no class dropped, no 500 per request."""
+    import serving.onnx_only.server as slim_server
+
+    def port_opened(config):
+        raise AssertionError(f"{case}: the server started on this export")
+    monkeypatch.setattr(slim_server, "GracefulServer", port_opened)
+    path = write_onnx(tmp_path / "model.onnx", spoilt(changes))
+    assert serve_exit("--checkpoint", str(path)) == 2
+    said = capsys.readouterr().err
+    assert named in said and str(path) in said and "Traceback" not in said
+
+
+def test_onnx_only_serves_good_metadata_as_the_torch_path(tmp_path):
+    """The hand-built export the refusals start from is served, with the same rows on both paths."""
+    from serving.model import ServedModel
+
+    path = write_onnx(tmp_path / "model.onnx", good_metadata())
+    slim, torch_model = OnnxServedModel.load(str(path), 3, 4), ServedModel.load(str(path), 3, 4, "cpu")
+    bodies = sample_images()
+    names = list(bodies)[:4]
+    got = slim.classify([slim.decode(bodies[n]) for n in names], names)
+    want = torch_model.classify([torch_model.decode(bodies[n]) for n in names], names)
+    assert got == want  # one rows path: the same NumPy code on the same logits
+    assert slim.health()["preprocessing"] == torch_model.health()["preprocessing"]

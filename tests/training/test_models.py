@@ -181,3 +181,48 @@ def test_fold_batchnorm_leaves_training_and_untraceable_models_alone():
 
     odd = DataDependent().eval()
     assert fold_batchnorm(odd) == (odd, 0)
+
+
+# ---------------------------------------------------------------- the classifier and the feature tap
+
+
+def test_feature_tap_catches_timms_pre_logits():
+    """The tap's features are what timm's forward_head(pre_logits=True) returns, and the classifier maps them
+    to the logits; a model without a classifier has none to tap."""
+    import timm
+
+    from models.feature_tap import FeatureTap, classifier_of
+
+    model = timm.create_model("resnet10t", num_classes=4).eval()
+    assert classifier_of(model) == ("fc", model.get_classifier())
+    tap = FeatureTap(model)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(x)
+        features = tap.take()
+        assert torch.allclose(features, model.forward_head(model.forward_features(x), pre_logits=True))
+        assert torch.allclose(model.get_classifier()(features), logits, atol=1e-5)
+    tap.close()
+    assert not FeatureTap(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))).available
+    assert classifier_of(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4, 2))) \
+        is None  # neither timm's nor torchvision's: no guess at the last Linear
+
+
+@pytest.mark.parametrize("name, head", [("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
+                                        ("efficientnet_b0", "classifier.1")])
+def test_torchvisions_classifier_is_the_last_linear_of_its_head(name, head):
+    """fc / classifier / heads; in a Sequential head the last Linear, whose input is the penultimate features
+    (mobilenet_v3's classifier has two Linear layers): one rule for the freeze, distillation and rejection."""
+    from models.factory import classifier_parameter_names
+    from models.feature_tap import FeatureTap, classifier_of, feature_width
+
+    model = getattr(torchvision.models, name)(num_classes=3).eval()
+    found, module = classifier_of(model)
+    assert found == head and classifier_parameter_names(model) == {f"{head}.weight", f"{head}.bias"}
+    tap = FeatureTap(model, keep_graph=True, keep="last")
+    x = torch.randn(2, 3, 32, 32)
+    logits = model(x)
+    flipped = model(x.flip(3))
+    features = tap.take()
+    assert features.shape == (2, feature_width(model)) and features.requires_grad
+    assert torch.equal(module(features), flipped) and not torch.equal(module(features), logits)  # the last forward's
