@@ -45,7 +45,18 @@ COPY --chown=app:app core/ core/
 COPY --chown=app:app tasks/ tasks/
 COPY --chown=app:app commands/__init__.py commands/cli.py commands/
 COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
-COPY --chown=app:app data/__init__.py data/images.py data/eval_preprocessing.py data/
+COPY --chown=app:app data/__init__.py data/images.py data/eval_preprocessing.py data/settings.py data/
+# the config's sections, each declared beside its owner (torch-free: core/config.py composes them)
+COPY --chown=app:app data/listing/__init__.py data/listing/source_csv_settings.py \
+     data/listing/source_folder_settings.py data/listing/source_webdataset_settings.py data/listing/
+COPY --chown=app:app auditing/__init__.py auditing/settings.py auditing/
+COPY --chown=app:app evaluation/__init__.py evaluation/settings.py evaluation/
+COPY --chown=app:app models/__init__.py models/settings.py models/
+COPY --chown=app:app objectives/__init__.py objectives/
+COPY --chown=app:app objectives/distillation/__init__.py objectives/distillation/settings.py objectives/distillation/
+COPY --chown=app:app rundir/__init__.py rundir/settings.py rundir/
+COPY --chown=app:app tracking/__init__.py tracking/settings.py tracking/
+COPY --chown=app:app training/__init__.py training/settings.py training/
 COPY --chown=app:app model_files/__init__.py model_files/stored_metadata.py model_files/
 COPY --chown=app:app serving/ serving/
 # serve.py --index DIR: the FAISS index of an embed.py folder (POST /similar)

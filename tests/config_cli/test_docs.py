@@ -272,7 +272,7 @@ def test_the_configs_and_overrides_shown_validate():
 
 COMMAND_PAGES = {"train.py": "training.md", "eval.py": "evaluation.md", "infer.py": "evaluation.md",
                  "export.py": "export.md", "serve.py": "serving.md", "tune.py": "tuning.md", "audit.py": "audit.md",
-                 "benchmark.py": "performance.md"}
+                 "benchmark.py": "performance.md", "embed.py": "embeddings.md", "search.py": "embeddings.md"}
 
 
 class ParserBuilt(Exception):
