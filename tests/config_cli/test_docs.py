@@ -250,3 +250,14 @@ def test_the_configs_and_overrides_shown_validate():
             pytest.fail(f"{doc}: `python {' '.join(argv)}`: {err}")
         validated += 1
     assert validated > 30
+
+
+def test_the_docs_preview_and_serve_py_take_different_ports():
+    """`mkdocs serve` and the README's `serve.py --port 8000` both took port 8000: the second one failed."""
+    root = REPO
+    serve_port = re.search(r'"--port", type=int, default=(\d+)', (root / "serve.py").read_text()).group(1)
+    site = yaml.safe_load((root / "mkdocs.yml").read_text())
+    assert site["dev_addr"].rsplit(":", 1)[1] != serve_port
+    documented = re.findall(r"mkdocs serve( -a [\d.:]+)?", (root / "README.md").read_text()
+                            + (root / "docs" / "index.md").read_text())
+    assert documented and all(f"127.0.0.1:{site['dev_addr'].rsplit(':', 1)[1]}" in a for a in documented)
