@@ -90,7 +90,8 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
                 f"{cfg.model.name} trained {epochs} epoch(s) on the other {folds - 1} fold(s)")
     issues = find_label_issues([data.items[i].label for i in pool], probs.numpy())
     named = [{"path": data.items[pool[x["position"]]].name, "split": data.items[pool[x["position"]]].split,
-              "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"]}
+              "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"],
+              "rule": x["rule"]}
              for x in issues]
     return named, source, note, time.perf_counter() - started, outliers
 
