@@ -2,6 +2,8 @@
 """Train an image classifier: python train.py --config CONFIG [KEY=VALUE ...] [--resume PATH|auto], or
 python train.py --resume PATH [KEY=VALUE ...] to continue a run with the config its last.pt recorded."""
 import argparse
+import os
+import sys
 
 from commands.cli import announce, run_main
 from core.config import available_configs
@@ -18,8 +20,23 @@ def main() -> int:
     parser.add_argument("--finetune", help="start a new schedule from this checkpoint's weights")
     parser.add_argument("--finetune-partial", action="store_true",
                         help="accept a --finetune checkpoint that matches under half of the model's parameters")
+    parser.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
+                        help="print the model.name values this install builds (timm's, then torchvision's as "
+                             "tv:NAME) matching PATTERN, a shell wildcard or a word the name contains "
+                             "(e.g. mobilenet), one a line, and exit; docs/training.md has a guide for CPUs")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=3")
     args = parser.parse_intermixed_args()  # KEY=VALUE may come before and after --resume / --finetune
+    if args.list_models is not None:
+        from models.factory import list_model_names
+
+        names = list_model_names(args.list_models)
+        if not names:
+            parser.error(f"--list-models {args.list_models}: no timm or torchvision model name matches")
+        try:
+            print("\n".join(names), flush=True)
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
     if args.config is None and args.resume in (None, "auto"):
         parser.error("--config is required (unless --resume PATH continues a run with the config its last.pt "

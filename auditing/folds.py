@@ -101,6 +101,28 @@ def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = Non
     return loaded, model, runtime.device, runtime.amp_dtype
 
 
+def copy_keys(names: list[str], digests: list[str], duplicates: list[dict], leaks: list[dict]) -> list[str]:
+    """A fold key per image: near copies (one duplicate or leak group, by auditing.findings) share one, the
+    group's first name, so that they land in one fold; any other image keeps its content hash. A near copy in
+    the training folds teaches the model the held-out image's own (possibly wrong) label, and makes a foreign
+    image look familiar."""
+    parent = {name: name for name in names}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    groups = [g["paths"] for g in duplicates] + [[p for s in leak["splits"] for p in leak[s]] for leak in leaks]
+    for group in groups:
+        members = [p for p in group if p in parent]
+        for other in members[1:]:
+            parent[root(other)] = root(members[0])
+    grouped = {name for group in groups for name in group}
+    return [f"group:{root(name)}" if name in grouped else digest for name, digest in zip(names, digests)]
+
+
 def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: list[str], classes: list[str],
                           work: Path, folds: int, epochs: int, on_fold: Callable[[int], None] | None = None,
                           outlier_z: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -138,7 +160,7 @@ def cross_validated_probs(cfg, files: list[str], labels: list[int], digests: lis
         best = Path(fold_cfg.output.dir) / "best.pt"
         if outlier_z is not None and best.exists():
             z = fold_outlier_z(open_model(best, cfg.train.device, cfg.train.amp), [files[i] for i in held],
-                               cfg.data.num_workers)
+                               cfg.data.num_workers, [labels[i] for i in held])
             if z is not None:
                 outlier_z[held] = z
         right = float((fold_probs.argmax(1) == torch.tensor([labels[i] for i in held])).double().mean())

@@ -15,6 +15,7 @@ import imagehash
 from torch.utils.data import DataLoader, Dataset
 
 from data.file_list import describe_failure
+from auditing.colour import chroma
 from auditing.pixel_match import reencode_score, thumbnail
 from data.images import ImageDecodeError, decode_rgb, open_image, oriented_size
 
@@ -30,6 +31,7 @@ class ImageFacts:
     error: Optional[str] = None
     thumb: bytes = b""      # auditing.pixel_match.thumbnail: confirms a pHash candidate pixel by pixel
     reencode: float = 1.0   # auditing.pixel_match.reencode_score: what a harmless copy of it scores
+    chroma: float = 0.0     # auditing.colour.chroma: 0 for a grayscale image, however stored
 
 
 def image_facts(path: str) -> ImageFacts:
@@ -42,7 +44,7 @@ def image_facts(path: str) -> ImageFacts:
     except (ImageDecodeError, OSError) as err:
         return ImageFacts(error=describe_failure(path, err))
     return ImageFacts(digest, int(str(imagehash.phash(rgb)), 16), width, height, mode, fmt, thumb=thumbnail(rgb),
-                      reencode=reencode_score(rgb))
+                      reencode=reencode_score(rgb), chroma=chroma(rgb))
 
 
 class FactsDataset(Dataset):

@@ -1,5 +1,5 @@
 """Measure the trust figures of a checkpoint: ECE before and after temperature scaling on its validation
-split, and for each reject score (msp, energy, knn, mahalanobis) the share of out-of-distribution images
+split, and for each reject score (msp, energy, knn, mahalanobis, and the default mahalanobis_layers) the share of out-of-distribution images
 rejected at the threshold that keeps `calibration.coverage` of the validation images. The
 out-of-distribution sets are crops of scikit-learn's two sample photos and benchmarking/photos.py's
 generated photos. Prints one JSON object: the figures that chose the reject score checkpoints use.
@@ -23,8 +23,9 @@ from data.build import build_eval_loader_for, scan_splits
 from data.listing.folder import ImageIndex
 from evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from evaluation.split_outputs import collect_outputs
-from evaluation.rejection import (knn_score, mahalanobis_fit, mahalanobis_score, msp_score, energy_score,
-                                         threshold_for_coverage)
+from evaluation.rejection import (knn_score, layer_fits, layer_names, layer_scores, mahalanobis_fit,
+                                  mahalanobis_score, msp_score, multilayer_score, energy_score, score_scale,
+                                  threshold_for_coverage)
 from evaluation.trust import build_record
 from model_files.loading import load_model_file
 from training_run.calibrate import bank_index
@@ -51,7 +52,7 @@ def write_ood_images(folder: Path, count: int, seed: int = 0) -> dict[str, list[
 
 def outputs_of(model, index, loaded, batch: int, device_input):
     loader = build_eval_loader_for(index, loaded.eval_transform(), loaded.cfg.data.img_size, batch, 0, False)
-    return collect_outputs(model, loader, device_input, with_features=True)
+    return collect_outputs(model, loader, device_input, with_features=True, with_layers=True)
 
 
 def measure(checkpoint: str, count: int, coverage: float) -> dict:
@@ -66,11 +67,16 @@ def measure(checkpoint: str, count: int, coverage: float) -> dict:
     t = record["temperature"]
     means, precision = mahalanobis_fit(bank.features, bank.labels, len(loaded.classes))
     stored_bank = record["feature_bank"].float()
+    fits = layer_fits(bank.layers, bank.labels, len(loaded.classes)) if layer_names(model) else None
+    scales = [score_scale(x) for x in layer_scores(val.layers, fits)] if fits else None
 
     def scores(out):
-        return {"msp": msp_score(out.logits, t), "energy": energy_score(out.logits),
-                "knn": knn_score(out.features, stored_bank, record["knn_k"]),
-                "mahalanobis": mahalanobis_score(out.features, means, precision)}
+        found = {"msp": msp_score(out.logits, t), "energy": energy_score(out.logits),
+                 "knn": knn_score(out.features, stored_bank, record["knn_k"]),
+                 "mahalanobis": mahalanobis_score(out.features, means, precision)}
+        if fits:  # the shipped default (calibration.reject_method): stages' scores standardised on validation
+            found["mahalanobis_layers"] = multilayer_score(layer_scores(out.layers, fits), scales)
+        return found
     val_scores = scores(val)
     thresholds = {name: threshold_for_coverage(s, coverage) for name, s in val_scores.items()}
     result = {"checkpoint": str(checkpoint), "val_images": len(val), "temperature": t,

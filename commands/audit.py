@@ -15,12 +15,13 @@ from commands.audit_args import check_arguments, check_checkpoint_task
 from core.outputs import write_json
 from auditing import stats as stats_mod
 from auditing.findings import by_split, clean_training_names, find_copies
-from auditing.folds import (align_classes, check_same_classes, cross_validated_probs, open_model,
-                                predict_probs, unseen_by_checkpoint)
+from auditing.colour import grayscale_outliers
+from auditing.folds import (align_classes, check_same_classes, copy_keys, cross_validated_probs, open_model,
+                            predict_probs, unseen_by_checkpoint)
 from auditing.hashing import compute_facts
 from auditing.html_report import render
 from auditing.label_issues import find_label_issues
-from auditing.outliers import find_outliers, outliers_summary
+from auditing.outliers import find_outliers, merge_outliers, outliers_summary
 from auditing.audit_data import read_audit_data
 from tasks import task_of
 from training.optim import check_optimizer
@@ -47,10 +48,11 @@ class Progress:
         self.bar.close()
 
 
-def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
+def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path, copies: tuple = ([], [], [])
                  ) -> tuple[list[dict], Optional[str], str, float, Optional[list]]:
     """(label issues named, their source, a note for the reader, seconds, the out-of-distribution images found
-    by the fold models: None when not searched)."""
+    by the fold models: None when not searched). `copies`: find_copies' (duplicates, leaks, conflicts), whose
+    near copies share a fold."""
     started = time.perf_counter()
     if not task_of(cfg).supports("label errors"):
         return [], None, ("not searched: the label-error search (cleanlab on out-of-sample class probabilities) "
@@ -77,9 +79,9 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
 
         bar = Progress(cfg, folds, "folds")
         z = torch.full((len(pool),), float("nan"))
+        keys = copy_keys([data.items[i].name for i in pool], [facts[i].sha256 for i in pool], copies[0], copies[1])
         probs = cross_validated_probs(cfg, [data.items[i].file for i in pool], [data.items[i].label for i in pool],
-                                      [facts[i].sha256 for i in pool], data.classes, work, folds, epochs,
-                                      on_fold=lambda _: bar(), outlier_z=z)
+                                      keys, data.classes, work, folds, epochs, on_fold=lambda _: bar(), outlier_z=z)
         bar.close()
         outliers = find_outliers([data.items[i].name for i in pool], [data.items[i].split for i in pool],
                                  [data.classes[data.items[i].label] for i in pool], z)
@@ -93,9 +95,17 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
     pool, probs = [i for i, keep in zip(pool, checked.tolist()) if keep], probs[checked]
     issues = find_label_issues([data.items[i].label for i in pool], probs.numpy())
     named = [{"path": data.items[pool[x["position"]]].name, "split": data.items[pool[x["position"]]].split,
-              "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"]}
+              "given": data.classes[x["given"]], "suggested": data.classes[x["suggested"]], "score": x["score"],
+              "rule": x["rule"]}
              for x in issues]
     return named, source, note, time.perf_counter() - started, outliers
+
+
+def grayscale_of(cfg, data, facts) -> list[dict]:
+    """auditing.colour's grayscale images among colour ones, of the readable single-label images."""
+    rows = [(item, f) for item, f in zip(data.items, facts) if f.error is None and not isinstance(item.label, tuple)]
+    return grayscale_outliers([i.name for i, _ in rows], [i.split for i, _ in rows],
+                              [data.classes[i.label] for i, _ in rows], [f.chroma for _, f in rows])
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -116,11 +126,16 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timings) -> dict:
+def copies_of(cfg, data, facts) -> tuple[list[dict], list[dict], list[dict]]:
+    """find_copies' (duplicates, leaks, label conflicts) of the readable images."""
+    return find_copies(data.items, facts, by_split(data.items, facts), cfg.audit.near_threshold,
+                       cfg.audit.pixel_threshold, lambda item: label_text(cfg, data, item.label))
+
+
+def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timings, copies=None) -> dict:
     splits = by_split(data.items, facts)
     threshold = cfg.audit.near_threshold
-    duplicates, leaks, conflicts = find_copies(data.items, facts, splits, threshold, cfg.audit.pixel_threshold,
-                                               lambda item: label_text(cfg, data, item.label))
+    duplicates, leaks, conflicts = copies if copies is not None else copies_of(cfg, data, facts)
     unreadable = data.unreadable + extra_unreadable
     labels_by_split: dict[str, list[int]] = {}
     for item in data.items:
@@ -211,13 +226,15 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
                   for item, f in zip(data.items, facts) if f.error is not None]
         readable = len(data.items) - len(failed)
         issues, source, note, label_s, outliers = [], None, "", 0.0, None
+        copies = copies_of(cfg, data, facts)
         if readable and (checkpoint or cfg.audit.folds >= 2):
-            issues, source, note, label_s, outliers = label_search(cfg, data, facts, checkpoint, opened, work)
+            issues, source, note, label_s, outliers = label_search(cfg, data, facts, checkpoint, opened, work,
+                                                                   copies)
         timings = {"images": len(data.items), "hashing_s": round(hashing_s, 3),
                    "hashing_images_per_s": round(len(data.items) / max(hashing_s, 1e-9), 1),
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
-        report = build_report(cfg, data, facts, failed, issues, source, note, timings)
-        report["outliers"] = outliers
+        report = build_report(cfg, data, facts, failed, issues, source, note, timings, copies)
+        report["outliers"] = merge_outliers(outliers, grayscale_of(cfg, data, facts))
         report["summary"].append(outliers_summary(outliers))
         if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "

@@ -17,8 +17,9 @@ def _pyplot():
     return plt
 
 
-def plot_sweep(results: list[dict], target: Optional[float], path: str) -> None:
-    """One line per batch size: smoothed training loss against wall time; the target as a dashed line."""
+def plot_sweep(results: list[dict], target: Optional[float], path: str, equal_time: Optional[float] = None) -> None:
+    """One line per batch size: smoothed training loss against wall time; the target as a dashed line, the
+    wall time at which the verdict compares the losses as a dotted one."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     for r in results:
@@ -29,6 +30,9 @@ def plot_sweep(results: list[dict], target: Optional[float], path: str) -> None:
         ax.plot(curve.seconds, curve.losses, marker=".", label=label)
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3g}")
+    if equal_time:
+        ax.axvline(equal_time, color="black", linestyle=":", linewidth=1,
+                   label=f"losses compared at {equal_time:.1f} s")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("smoothed training loss")
     ax.set_title("batch-size sweep: loss vs wall time")

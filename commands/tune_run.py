@@ -91,7 +91,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     verdict = sweep_verdict(rows)
     if ctx.dist.is_main:
         print(format_sweep_table(rows, common, target))
-        print(format_verdict(verdict, target) + (" (interrupted: the sizes so far)" if interrupted else ""))
+        print(format_verdict(verdict, target, rows) + (" (interrupted: the sizes so far)" if interrupted else ""))
         doc = {"config": cfg.model.name, "steps": steps, "warmup_steps": warmup, "target_loss": target,
                "common_samples": common, "rows": rows, "verdict": verdict, "interrupted": interrupted,
                "memory_breakdown": breakdown.as_dict(max(sizes) // world),
@@ -100,7 +100,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
         if args.plot:
             from commands.tune_plot import plot_sweep
 
-            plot_sweep(results, target, args.plot)
+            plot_sweep(results, target, args.plot, rows[0]["common_seconds"] if rows else None)
         log_tune_run(cfg, "sweep", doc, [args.json, args.plot], world, str(ctx.device))
     dist_utils.shutdown()
     if interrupted:
@@ -126,17 +126,33 @@ def curve_document(result: dict) -> dict:
             "seconds": [round(s, 4) for s in c.seconds], "smoothed_loss": [round(v, 6) for v in c.losses]}
 
 
-def format_verdict(verdict: dict, target: Optional[float]) -> str:
+def format_verdict(verdict: dict, target: Optional[float], rows: Optional[list] = None) -> str:
+    """The sweep's verdict, each part saying what it compared: the loss at equal wall time (what --plot
+    draws: loss against wall time), the time to the target loss (equal step counts: a smaller batch saw fewer
+    samples, and one that did not reach the target within the steps is named), the throughput knee."""
     def name(value):
         return "-" if value is None else str(value)
 
+    rows = rows or []
     close = verdict.get("within_noise") or []
     fastest = (f"batch {' and '.join(map(str, close))} are within the measurement noise of each other: no clear "
                f"winner (time->tgt ± in the table)" if len(close) > 1 else
                f"batch {name(verdict['least_time_to_target'])}")
-    return (f"verdict: least time to loss {target if target is None else format(target, '.4g')}: {fastest}; "
-            f"throughput knee: batch {name(verdict['throughput_knee'])}; "
-            f"largest that fits as it is: batch {name(verdict['largest_that_fits'])}")
+    short = verdict.get("not_reaching_target") or []
+    if short:
+        fastest += (f" (every size ran the same optimizer steps, so smaller batches saw fewer samples; batch "
+                    f"{' and '.join(map(str, short))} did not reach it within them)")
+    parts = []
+    timed = [r for r in rows if r.get("loss_at_common_seconds") is not None]
+    if verdict.get("lowest_loss_at_equal_time") is not None and timed:
+        losses = ", ".join(f"{r['effective_batch']}: {r['loss_at_common_seconds']:.4g}" for r in timed)
+        parts.append(f"lowest smoothed loss at equal wall time ({timed[0]['common_seconds']:.1f} s, the shortest "
+                     f"run's length; the plot's dotted line): batch {verdict['lowest_loss_at_equal_time']} "
+                     f"({losses})")
+    parts += [f"least time to loss {target if target is None else format(target, '.4g')}: {fastest}",
+              f"throughput knee: batch {name(verdict['throughput_knee'])}",
+              f"largest that fits as it is: batch {name(verdict['largest_that_fits'])}"]
+    return "verdict: " + "; ".join(parts)
 
 
 class EstimateOnce:
@@ -208,12 +224,31 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     return 0
 
 
+RISE_NAMED = 1.25  # a smoothed loss this many times its minimum by the range's end is a rise the plot shows
+
+
+def rise_after_minimum(doc: dict) -> str:
+    """What the plot shows past the lowest loss when the test never called divergence (DIVERGENCE_FACTOR x the
+    minimum): the rise to the highest loss after it, or that there was none."""
+    from tuning.arithmetic import DIVERGENCE_FACTOR
+
+    losses, lrs, low = doc.get("smoothed_loss") or [], doc.get("lrs") or [], doc.get("minimum_index")
+    if low is None or low >= len(losses) - 1:
+        return "; no divergence within the range (the loss was lowest at its end)"
+    top = max(range(low + 1, len(losses)), key=losses.__getitem__)
+    if losses[top] < RISE_NAMED * losses[low]:
+        return "; no divergence within the range"
+    return (f"; past the lowest loss the smoothed loss rises from {losses[low]:.3g} to {losses[top]:.3g} at LR "
+            f"{lrs[top]:.3g} ({losses[top] / losses[low]:.1f}x; the test calls it divergence at "
+            f"{DIVERGENCE_FACTOR:g}x): stay below that LR")
+
+
 def format_lr_result(doc: dict) -> str:
     if doc["optim_lr"] is None:
         return (f"LR range test: too few steps before the loss reached its minimum to suggest an LR (divergence at "
                 f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
     diverged = (f"; the loss diverges from LR {doc['divergence_lr']:.3g}" if doc["divergence_lr"] is not None
-                else "; no divergence within the range")
+                else rise_after_minimum(doc))
     why = "".join(f"\n  - {reason}" for reason in doc["confidence_reasons"])
     return (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
             f"LR {doc['steepest_lr']:.3g}; lowest loss at LR {doc['minimum_lr']:.3g}{diverged}\n"

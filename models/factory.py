@@ -48,6 +48,19 @@ def model_exists(name: str) -> bool:
     return timm.is_model(name)
 
 
+def list_model_names(pattern: str = "*") -> list[str]:
+    """The model.name values this install builds that match `pattern` (a shell wildcard; a plain word matches
+    the names containing it, case-insensitively): timm's, then torchvision's as tv:NAME."""
+    import fnmatch
+
+    wildcard = pattern.lower() if any(c in pattern for c in "*?[") else f"*{pattern.lower()}*"
+    timm_names = [n for n in timm.list_models() if fnmatch.fnmatchcase(n.lower(), wildcard)]
+    tv_names = [TORCHVISION_PREFIX + n for n in sorted(torchvision.models.list_models(module=torchvision.models))
+                if fnmatch.fnmatchcase(n.lower(), wildcard)
+                or fnmatch.fnmatchcase((TORCHVISION_PREFIX + n).lower(), wildcard)]
+    return timm_names + tv_names
+
+
 def _check_local_dir(name: str) -> None:
     folder = Path(name[len(LOCAL_DIR_PREFIX):]).expanduser()
     config = folder / "config.json"

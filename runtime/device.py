@@ -118,6 +118,21 @@ def inference_amp(setting: str, device: torch.device) -> str:
     return setting
 
 
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm")  # x86 VNNI / AMX, Arm dot product
+
+
+def int8_slow_reason(cpuinfo: str) -> Optional[str]:
+    """Why an int8 ONNX model may run no faster than fp32 on this CPU (None where it has int8 dot-product
+    instructions: /proc/cpuinfo's flags name VNNI or AMX int8, or Arm's dot product). Without them
+    onnxruntime's u8s8 kernels widen to 16 bits on plain AVX2 and gain little or nothing."""
+    flags = set(cpuinfo.split())
+    if flags & set(INT8_DOT_FLAGS):
+        return None
+    return ("this CPU has no int8 dot-product instructions (none of " + ", ".join(INT8_DOT_FLAGS) + " in "
+            "/proc/cpuinfo), so onnxruntime's int8 kernels may be no faster than the fp32 export here; int8 still "
+            "makes the file ~4x smaller. Compare both on this machine (docs/export.md, 'int8 measured')")
+
+
 def resolve_amp(setting: str, device: torch.device) -> Optional[torch.dtype]:
     """`auto` picks bf16 where the hardware runs it well, else full precision (None)."""
     if setting == "none":

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.batcher import DynamicBatcher
 from serving.errors import BadImage
@@ -57,6 +58,26 @@ class BodyTooLarge(Exception):
 
 def error(status: int, kind: str, detail: str) -> JSONResponse:
     return JSONResponse({"error": kind, "detail": detail}, status_code=status)
+
+
+ROUTING_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+
+
+def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The router's own answers (an unknown path, a wrong method) in the API's `{"error", "detail"}` shape,
+    with their headers (405's `Allow`) kept."""
+    kind = ROUTING_ERRORS.get(exc.status_code, "http_error")
+    if exc.status_code == 404:
+        detail = f"no such endpoint: {request.url.path} (POST /predict, GET /health)"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        detail = f"{request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+    else:
+        detail = str(exc.detail)
+    response = error(exc.status_code, kind, detail)
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
 
 
 async def read_body(request: Request, max_bytes: int, drain_bytes: int) -> bytes:
@@ -136,7 +157,8 @@ def create_app(served: "ServedModel", settings: ServeSettings, index: Optional["
         await batcher.stop()  # after uvicorn has answered every request in flight
         decoders.shutdown(wait=True)
 
-    app = FastAPI(title="imgcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="imgcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  exception_handlers={StarletteHTTPException: routing_error})
     app.state.batcher = batcher
     app.state.in_flight = 0  # requests whose headers are in and whose answer is not yet sent
 

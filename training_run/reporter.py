@@ -39,6 +39,7 @@ class RunReporter:
         self.wait_warned = False
         self.top5_k = 5  # top5 is top-k with k = min(5, classes): stated beside it when under 5
         self.task = task_of(cfg)
+        self.last_agreement: Optional[float] = None  # a distilled run's latest validation agreement, for `done:`
         self.objective = objective  # its summary goes into summary.json (distillation: the teacher's record)
 
     def log_startup(self, data, runtime, plan) -> None:
@@ -145,6 +146,7 @@ class RunReporter:
                      self.task.epoch_text(metrics, self.top5_k), samples_per_s, progress)
             self._warn_nonfinite(epoch, metrics, state)
         if metrics.get("teacher_agreement") is not None:
+            self.last_agreement = metrics["teacher_agreement"]
             log.info("epoch %d/%d  teacher agreement %.2f%% of validation images", epoch + 1, cfg.train.epochs,
                      metrics["teacher_agreement"])
         if state.stopped_early:
@@ -212,10 +214,10 @@ class RunReporter:
     def log_done(self, state, run_dir, wall_s: float) -> None:
         """The run's last line: what it reached, where the files are, how long it took (the whole process,
         imports included, and the run from the start of its set-up)."""
-        log.info("done: %d epoch(s)%s, %s | summary %s | wall time %s (process; %s from set-up) | %.0f img/s",
+        log.info("done: %d epoch(s)%s, %s%s | summary %s | wall time %s (process; %s from set-up) | %.0f img/s",
                  state.epoch, " (stopped early)" if state.stopped_early else "", self._best_text(state, run_dir),
-                 Path(run_dir) / "summary.json", format_duration(process_age_s()), format_duration(wall_s),
-                 self.train_rate(state))
+                 objective_text(self.objective.summary(), self.last_agreement), Path(run_dir) / "summary.json",
+                 format_duration(process_age_s()), format_duration(wall_s), self.train_rate(state))
 
     def report_complete(self, state, run_dir) -> None:
         """`--resume` of a run that has nothing left to do: say so, and how to train further."""
@@ -224,6 +226,17 @@ class RunReporter:
         log.info("the run in %s is complete (%s): %s. Nothing to resume. To train further: --finetune %s with a "
                  "new output.dir (a new schedule from these weights), or a larger train.epochs with a new "
                  "output.dir (a new run)", run_dir, done, self._best_text(state, run_dir), Path(run_dir) / "best.pt")
+
+
+def objective_text(summary: dict, agreement: Optional[float]) -> str:
+    """The done line's part for a distilled run (empty otherwise): the teacher, its validation figures, and the
+    last validation's agreement with it (percent of images)."""
+    teacher = summary.get("teacher")
+    if not teacher:
+        return ""
+    figures = "".join(f" {k} {teacher[k]:.2f}" for k in ("top1", "top5", "mAP") if teacher.get(k) is not None)
+    agreed = f", agreement {agreement:.2f}% at the last validation" if agreement is not None else ""
+    return f" | teacher {teacher.get('source')}{figures}{agreed}"
 
 
 def format_duration(seconds: float) -> str:

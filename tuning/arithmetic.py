@@ -52,6 +52,26 @@ def loss_after_samples(curve: Curve, samples: int) -> Optional[float]:
     return points[-1][1]
 
 
+def loss_at_seconds(curve: Curve, seconds: float) -> Optional[float]:
+    """The smoothed loss at `seconds` of wall time since the run's start (what the sweep's plot shows),
+    interpolated linearly between logged points; None when the run ended before."""
+    points = list(zip(curve.seconds, curve.losses))
+    if not points or seconds > points[-1][0]:
+        return None
+    if seconds <= points[0][0]:
+        return points[0][1]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= seconds <= t1:
+            return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0) if t1 > t0 else l1
+    return points[-1][1]
+
+
+def common_seconds(curves: list[Curve]) -> float:
+    """The wall time every run lasted (the shortest run's): where the losses are compared at equal time."""
+    timed = [c.seconds[-1] for c in curves if c.seconds]
+    return min(timed) if timed else 0.0
+
+
 def default_target(curves: list[Curve]) -> Optional[float]:
     """The loss at least half of the sizes reached: the median of their lowest smoothed losses (the lower one
     of the middle two for an even count). The lowest loss *every* size reached is the worst size's level,
@@ -104,7 +124,8 @@ def throughput_knee(rates: dict[int, float], tolerance: float = KNEE_TOLERANCE) 
 
 def sweep_verdict(rows: list[dict]) -> dict:
     """From the sweep's rows (`effective_batch`, `img_per_s`, `time_to_target_s`, `time_to_target_noise_s`,
-    `fits`): the batch with the least time to target, the batches whose time is within the measurement noise of
+    `loss_at_common_seconds`, `fits`): the batch with the lowest smoothed loss at equal wall time (what the
+    plot of loss against wall time shows at the shortest run's end), the batch with the least time to target, the batches whose time is within the measurement noise of
     it (`within_noise`, the fastest included: more than one means no clear winner), the throughput knee, and the
     largest that fits as it is (no accumulation)."""
     reached = [r for r in rows if r.get("time_to_target_s") is not None]
@@ -114,7 +135,12 @@ def sweep_verdict(rows: list[dict]) -> dict:
              r.get("time_to_target_noise_s", 0.0) + best.get("time_to_target_noise_s", 0.0)]
     knee = throughput_knee({r["effective_batch"]: r["img_per_s"] for r in rows if r.get("img_per_s")})
     fitting = [r["effective_batch"] for r in rows if r.get("fits")]
-    return {"least_time_to_target": best["effective_batch"] if best else None, "within_noise": sorted(close),
+    timed = [r for r in rows if r.get("loss_at_common_seconds") is not None]
+    at_time = min(timed, key=lambda r: (r["loss_at_common_seconds"], r["effective_batch"])) if timed else None
+    return {"lowest_loss_at_equal_time": at_time["effective_batch"] if at_time else None,
+            "not_reaching_target": [r["effective_batch"] for r in rows
+                                    if r.get("final_loss") is not None and r.get("time_to_target_s") is None],
+            "least_time_to_target": best["effective_batch"] if best else None, "within_noise": sorted(close),
             "throughput_knee": knee, "largest_that_fits": max(fitting) if fitting else None}
 
 
@@ -211,6 +237,7 @@ def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict]
     curves = [r["curve"] for r in results if r["curve"] is not None and r["curve"].losses]
     target = target if target is not None else default_target(curves)
     common = min(c.samples[-1] for c in curves) if curves else 0
+    at_seconds = common_seconds(curves)
     rows = []
     for r in results:
         curve = r["curve"]
@@ -223,6 +250,8 @@ def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict]
             "img_per_s": round(r["img_per_s"], 2) if ran else None,
             "peak_memory_mb": r["peak_memory_mb"] if ran else None,
             "loss_at_common_samples": round(loss_after_samples(curve, common), 5) if ran else None,
+            "loss_at_common_seconds": round(loss_at_seconds(curve, at_seconds), 5) if ran else None,
+            "common_seconds": round(at_seconds, 3),
             "final_loss": round(curve.losses[-1], 5) if ran else None,
             "steps_to_target": steps,
             "time_to_target_s": None if seconds is None else round(seconds, 3),
@@ -235,7 +264,9 @@ def format_sweep_table(rows: list[dict], common: int, target: Optional[float]) -
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    at = next((r["common_seconds"] for r in rows if r.get("common_seconds") is not None), 0.0)
     lines = [f"{'batch':>6} {'micro x accum':>13} {'img/s':>9} {'peak MiB':>9} {f'loss@{common}':>12} "
+             f"{f'loss@{at:.1f}s':>11} "
              f"{'steps->' + (format(target, '.3g') if target is not None else '?'):>13} {'time->tgt s':>14}  how"]
     for r in rows:
         micro = f"{r['batch']} x {r['accum_steps']}" if r["batch"] else "-"
@@ -243,5 +274,6 @@ def format_sweep_table(rows: list[dict], common: int, target: Optional[float]) -
             f"{r['time_to_target_s']:.1f} ± {r.get('time_to_target_noise_s') or 0:.1f}"
         lines.append(f"{r['effective_batch']:>6} {micro:>13} {cell(r['img_per_s'], '.1f'):>9} "
                      f"{cell(r['peak_memory_mb'], '.0f'):>9} {cell(r['loss_at_common_samples'], '.4f'):>12} "
+                     f"{cell(r.get('loss_at_common_seconds'), '.4f'):>11} "
                      f"{cell(r['steps_to_target'], 'd'):>13} {time:>14}  {r['how']}")
     return "\n".join(lines)

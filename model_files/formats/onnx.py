@@ -76,6 +76,47 @@ def _onnx_function(session, output: Optional[str] = None) -> Callable:
     return run
 
 
+QUANTIZED_OPS = {"QuantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
+                 "MatMulInteger"}
+
+
+def is_int8_model(path: Path) -> bool:
+    """Whether the graph holds quantized operators (export.py --quantize int8 writes QDQ nodes)."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - the session has opened it; a graph onnx cannot parse is simply not checked
+        return False
+    return any(node.op_type in QUANTIZED_OPS for node in graph.node)
+
+
+_WARNED_INT8: set = set()
+
+
+def read_cpuinfo() -> Optional[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:  # not Linux: nothing to say
+        return None
+
+
+def warn_if_int8_is_slow_here(path: Path) -> None:
+    """Once per process: an int8 model about to run on a CPU without int8 dot-product instructions."""
+    from runtime.device import int8_slow_reason
+
+    if _WARNED_INT8:
+        return
+    cpuinfo = read_cpuinfo()
+    if cpuinfo is None:
+        return
+    reason = int8_slow_reason(cpuinfo)
+    if reason is not None and is_int8_model(path):
+        _WARNED_INT8.add(str(path))
+        log.warning("%s is an int8 model: %s", path, reason)
+
+
 def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
     session = onnx_session(path)
     shape = session.get_inputs()[0].shape  # [batch, 3, H, W]; symbolic dims are strings
@@ -92,6 +133,8 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         classes = numbered_classes(_onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), path)
 
     def build(device: torch.device, channels_last: bool) -> torch.nn.Module:
+        if device.type == "cpu":
+            warn_if_int8_is_slow_here(path)
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session), fixed_batch)
 

@@ -305,3 +305,14 @@ def test_every_flag_of_an_entry_script_is_on_the_page_of_its_command(script, mon
     assert flags, script
     missing = sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", page))
     assert not missing, f"docs/{COMMAND_PAGES[script]} does not mention {script}'s {', '.join(missing)}"
+
+
+def test_the_docs_preview_and_serve_py_take_different_ports():
+    """`mkdocs serve` and the README's `serve.py --port 8000` both took port 8000: the second one failed."""
+    root = REPO
+    serve_port = re.search(r'"--port", type=int, default=(\d+)', (root / "serve.py").read_text()).group(1)
+    site = yaml.safe_load((root / "mkdocs.yml").read_text())
+    assert site["dev_addr"].rsplit(":", 1)[1] != serve_port
+    documented = re.findall(r"mkdocs serve( -a [\d.:]+)?", (root / "README.md").read_text()
+                            + (root / "docs" / "index.md").read_text())
+    assert documented and all(f"127.0.0.1:{site['dev_addr'].rsplit(':', 1)[1]}" in a for a in documented)

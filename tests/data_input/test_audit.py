@@ -355,6 +355,30 @@ def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
     assert issues[0]["score"] == pytest.approx(0.04)
 
 
+def test_an_under_confident_fold_model_still_names_the_image_it_files_under_another_class():
+    """The audit's 2-fold, 4-epoch case: the fold model put the planted image in class c at 0.576 (its given
+    class a at 0.234) while c's own images averaged 0.63; cleanlab's confident learning alone found nothing."""
+    from cleanlab.filter import find_label_issues as cleanlab_find
+
+    from auditing.label_issues import find_label_issues
+
+    rng = np.random.default_rng(0)
+    labels = [i % 3 for i in range(45)]
+    probs = np.full((45, 3), 0.0)
+    for i, label in enumerate(labels):
+        own = rng.uniform(0.5, 0.76)
+        probs[i] = (1 - own) / 2
+        probs[i, label] = own
+    probs[3] = [0.234, 0.19, 0.576]            # given 0, predicted 2 at 2.5x
+    probs[6] = [0.40, 0.25, 0.35]              # given 0, predicted 0: no issue
+    probs[9] = [0.30, 0.36, 0.34]              # given 0, predicted 1 at 1.2x: a hard image, not named
+    assert probs[[i for i, label in enumerate(labels) if label == 2], 2].mean() > 0.576
+    assert 3 not in cleanlab_find(np.array(labels), probs, filter_by="prune_by_noise_rate")
+    issues = {i["position"]: i for i in find_label_issues(labels, probs)}
+    assert (issues[3]["suggested"], issues[3]["rule"]) == (2, "disagreement")
+    assert issues[3]["score"] == pytest.approx(0.234) and 6 not in issues and 9 not in issues
+
+
 def test_balance_advice_names_the_weighted_sampler_and_small_classes():
     from auditing.stats import advice, balance, image_stats
 

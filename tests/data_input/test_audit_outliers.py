@@ -10,7 +10,10 @@ import torch
 from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
-from auditing.outliers import OUTLIER_Z, find_outliers, lowest_z, outliers_section, outliers_summary, robust_z
+from auditing.colour import chroma, grayscale_outliers
+from auditing.folds import assign_folds, copy_keys
+from auditing.outliers import (OUTLIER_Z, find_outliers, lowest_z, merge_outliers, outliers_section, outliers_summary,
+                               robust_z, robust_z_by_class)
 
 
 def test_robust_z_is_not_moved_by_the_outliers_themselves():
@@ -31,6 +34,59 @@ def test_find_outliers_lists_the_most_foreign_first_and_renders():
     assert outliers_summary(rows).startswith("2 out-of-distribution image(s)")
 
 
+def test_a_varied_class_is_judged_against_itself_not_the_pooled_fold():
+    """Class 1 sits farther from its mean and spreads 3x wider than class 0: pooled, its ordinary images fell
+    below -6 (the user's 19 of 21 flags); per class only the foreign image filed under class 0 does."""
+    rng = np.random.default_rng(0)
+    tight = torch.tensor(rng.normal(0, 1, 100))
+    varied = torch.tensor(rng.normal(-6, 3, 30))
+    scores = torch.cat([tight, torch.tensor([-30.0]), varied])
+    labels = [0] * 101 + [1] * 30
+    pooled = lowest_z([scores])
+    per_class = lowest_z([scores], labels)
+    assert int((pooled[101:] < -OUTLIER_Z).sum()) >= 2                      # varied ordinary images, flagged
+    assert float(per_class[100]) < -OUTLIER_Z and int((per_class < -OUTLIER_Z).sum()) == 1
+    few = robust_z_by_class(torch.tensor([0.0, 1.0, 2.0, -1.0]), [0, 0, 1, 1])  # classes too small: pooled
+    assert torch.allclose(few, robust_z(torch.tensor([0.0, 1.0, 2.0, -1.0])))
+
+
+def test_grayscale_images_in_a_class_of_colour_ones_are_flagged_however_stored():
+    colour = class_like(0)
+    gray_rgb = Image.fromarray(np.stack([np.asarray(colour.convert("L"))] * 3, axis=-1))
+    assert chroma(colour) > 0.2 and chroma(gray_rgb) == 0.0 and chroma(colour.convert("L")) == 0.0
+    names = [f"a/{i}.png" for i in range(10)] + ["a/gray.png", "b/0.png", "b/1.png"]
+    given = ["a"] * 11 + ["b"] * 2
+    values = [0.3] * 10 + [0.0, 0.0, 0.0]       # class b: too few images for a rule
+    rows = grayscale_outliers(names, ["train"] * 13, given, values)
+    assert [r["path"] for r in rows] == ["a/gray.png"]
+    assert rows[0]["reason"] == "grayscale among colour images (10 of the 11 images of a are in colour)"
+    assert grayscale_outliers(names, ["train"] * 13, given, [0.0] * 13) == []     # a grayscale data set
+    merged = merge_outliers(find_outliers(["a/gray.png", "a/1.png"], ["train"] * 2, ["a"] * 2,
+                                          torch.tensor([-8.0, 0.0])), rows)
+    assert len(merged) == 1 and merged[0]["score"] == -8.0 and "grayscale" in merged[0]["reason"]
+    assert merge_outliers(None, rows)[0]["score"] is None and merge_outliers(None, []) is None
+    assert "grayscale among colour images: 1" in outliers_summary(merge_outliers(None, rows))
+
+
+def test_near_copies_share_a_fold():
+    """A resized copy of a mislabelled image in the training folds teaches the fold model its wrong label."""
+    names = [f"a/{i}.png" for i in range(8)]
+    digests = [f"d{i}" for i in range(8)]
+    dups = [{"split": "train", "paths": ["a/1.png", "a/6.png"]}]
+    leaks = [{"train": ["a/2.png"], "val": ["a/7.png"], "splits": ["train", "val"]}]
+    keys = copy_keys(names, digests, dups, leaks)
+    assert keys[1] == keys[6] and keys[2] == keys[7] and keys[0] == "d0"
+    for seed in range(5):
+        folds = assign_folds(keys, [0] * 8, 4, seed)
+        assert folds[1] == folds[6] and folds[2] == folds[7]
+
+
+def class_like(label: int) -> Image.Image:
+    from conftest import class_image
+
+    return class_image(label)
+
+
 def foreign_image(kind: int, size: int = 24) -> Image.Image:
     """Not like any class_image: a black-and-white checkerboard, or a grey gradient."""
     if kind == 0:
@@ -48,6 +104,7 @@ def test_audit_folds_are_quiet_and_flag_foreign_images(tmp_path):
         path = data / "train" / "a" / f"foreign{kind}.png"
         foreign_image(kind).save(path)
         foreign.append(f"train/a/foreign{kind}.png")
+    class_like(1).save(data / "train" / "c" / "planted.png")
     out = tmp_path / "out"
     result = run_script("audit.py", "--config", "base", *tiny_overrides(data, tmp_path / "unused",
                                                                        **{"train.batch_size": 8, "optim.lr": 0.1}),
@@ -61,6 +118,11 @@ def test_audit_folds_are_quiet_and_flag_foreign_images(tmp_path):
     flagged = [o["path"] for o in report["outliers"]]
     assert set(foreign) <= set(flagged), report["outliers"]
     assert len(flagged) <= len(foreign) + 3, report["outliers"]          # few ordinary images among them
-    assert all(o["score"] < -OUTLIER_Z for o in report["outliers"])
+    assert all(o["score"] is None or o["score"] < -OUTLIER_Z for o in report["outliers"])
+    reasons = {o["path"]: o["reason"] for o in report["outliers"]}
+    assert all("grayscale among colour images" in reasons[p] for p in foreign), reasons
+    # the planted label error: a class-b image filed under c, found by cleanlab on out-of-fold probabilities
+    issues = {i["path"]: i for i in report["label_issues"]}
+    assert "train/c/planted.png" in issues and issues["train/c/planted.png"]["suggested"] == "b", issues
     assert any("out-of-distribution image(s)" in line for line in report["summary"])
     assert "Out-of-distribution images" in (out / "a.html").read_text()

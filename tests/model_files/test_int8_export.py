@@ -98,6 +98,38 @@ def test_sigterm_mid_export_exits_143_and_leaves_no_temporary_folder(quantized, 
     assert "terminated" in err and list(out.iterdir()) == []
 
 
+AVX2_ONLY = "flags : fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c"
+
+
+def test_int8_is_said_to_be_no_faster_only_without_vnni_amx_or_dot_product():
+    from runtime.device import int8_slow_reason
+
+    assert "no int8 dot-product instructions" in int8_slow_reason(AVX2_ONLY)
+    for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp"):
+        assert int8_slow_reason(f"{AVX2_ONLY} {flag}") is None, flag
+
+
+@pytest.mark.slow
+def test_infer_on_a_cpu_without_vnni_says_once_that_int8_may_be_no_faster(quantized, tmp_path, monkeypatch, caplog):
+    from model_files.formats import onnx as onnx_format
+
+    data, checkpoint, out, _ = quantized
+    monkeypatch.setattr(onnx_format, "read_cpuinfo", lambda: AVX2_ONLY)
+    monkeypatch.setattr(onnx_format, "_WARNED_INT8", set())
+    assert onnx_format.is_int8_model(out)
+    for _ in range(2):
+        assert infer.main([str(data / "val"), "--checkpoint", str(out), "--output", str(tmp_path / "rows.json"),
+                           "--num-workers", "0"]) == 0
+    said = [r for r in caplog.records if "no int8 dot-product instructions" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING" and str(out) in said[0].getMessage()
+    monkeypatch.setattr(onnx_format, "_WARNED_INT8", set())
+    monkeypatch.setattr(onnx_format, "read_cpuinfo", lambda: AVX2_ONLY + " avx512_vnni")
+    caplog.clear()
+    assert infer.main([str(data / "val"), "--checkpoint", str(out), "--output", str(tmp_path / "rows.json"),
+                       "--num-workers", "0"]) == 0
+    assert not [r for r in caplog.records if "int8" in r.getMessage()]
+
+
 def test_agreement_below_the_floor_is_an_export_error(tmp_path):
     report = quantize.QuantizeReport(tmp_path / "m.onnx", 100, 25, 8, num_images=200, agree=193, fp32_correct=150,
                                      int8_correct=149, images_from="val")

@@ -361,3 +361,18 @@ def test_overlay_geometry_and_names():
     assert explain_items(rows, ["a", "b"], get_task("multiclass")) == [(0, 1), (2, 0)]
     assert explain_items([{"labels": ["b", "a"], "error": None}], ["a", "b"], get_task("multilabel")) == [(0, 1),
                                                                                                           (0, 0)]
+
+
+@pytest.mark.slow
+def test_the_trust_benchmark_measures_the_shipped_default_score(tmp_path):
+    """trust.md's reject table compared msp, energy, kNN and Mahalanobis but not the default the checkpoints
+    use; benchmarking.trust measures `mahalanobis_layers` beside them."""
+    from benchmarking.trust import measure
+    from conftest import train_tiny
+
+    _, checkpoint = train_tiny(tmp_path, {"a": (8, 6), "b": (8, 6)})
+    result = measure(str(checkpoint), 4, 0.95)
+    assert set(result["val_kept"]) == {"msp", "energy", "knn", "mahalanobis", "mahalanobis_layers"}
+    for kind in ("sample_photos", "generated_photos"):
+        assert 0.0 <= result["rejected"][kind]["mahalanobis_layers"] <= 100.0
+    assert 0.0 <= result["held_out"]["val_kept"]["mahalanobis_layers"] <= 100.0

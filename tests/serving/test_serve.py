@@ -228,6 +228,17 @@ def test_the_api_key_is_required_on_predict(served):
     assert post(served["url"], body).status_code == 200
 
 
+@pytest.mark.slow
+def test_unknown_paths_and_wrong_methods_answer_the_documented_error_shape(served):
+    missing = requests.get(f"{served['url']}/nope", timeout=TIMEOUT)
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "not_found", "detail": "no such endpoint: /nope (POST /predict, GET /health)"}
+    wrong = requests.get(f"{served['url']}/predict", headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=TIMEOUT)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json() == {"error": "method_not_allowed", "detail": "GET is not allowed on /predict; use POST"}
+
+
 def test_usage_errors_are_found_before_the_port_opens(tmp_path):
     with pytest.raises(CheckpointError, match="missing.pt"):
         serve.main(["--checkpoint", str(tmp_path / "missing.pt"), "--port", "0"])

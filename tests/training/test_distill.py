@@ -149,6 +149,15 @@ def eval_student_and_distiller() -> tuple:
     return student, teacher, Distiller(teacher, conversion, "soft", 4.0, 0.5, get_task("multiclass"), student)
 
 
+def test_the_done_line_names_the_teacher_and_the_agreement_only_when_distilled():
+    from training_run.reporter import objective_text
+
+    summary = {"teacher": {"source": "runs/big/best.pt", "kind": "checkpoint", "top1": 91.5, "top5": 99.0}}
+    assert objective_text(summary, 87.25) == (
+        " | teacher runs/big/best.pt top1 91.50 top5 99.00, agreement 87.25% at the last validation")
+    assert objective_text({}, 87.25) == ""
+
+
 def test_agreement_probe_counts_only_readable_images():
     student, teacher, distiller = eval_student_and_distiller()
     probe = AgreementProbe(student, distiller)
@@ -364,6 +373,9 @@ def test_distilled_run_logs_the_teacher_and_the_agreement_everywhere(student_run
     with (out / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     agreement = [float(r["val_teacher_agreement"]) for r in rows]
+    done = next(line for line in log.splitlines() if "INFO done: " in line)
+    assert (f"| teacher {teacher_run[1]} top1 {teacher['top1']:.2f}" in done
+            and f"agreement {agreement[-1]:.2f}% at the last validation" in done), done
     assert len(agreement) == 2 and all(0 <= a <= 100 for a in agreement)
     assert all(a * 9 / 100 == pytest.approx(round(a * 9 / 100)) for a in agreement)  # a share of 9 images
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

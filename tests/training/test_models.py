@@ -128,6 +128,36 @@ def test_unknown_model_exits_2_before_any_work(monkeypatch, capsys, tiny_tree, t
     assert not run_dir.exists()
 
 
+def test_list_models_prints_timm_and_torchvision_names_that_build(monkeypatch, capsys):
+    from models.factory import model_exists
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--list-models", "mobilenetv3_small"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(train.main)
+    names = capsys.readouterr().out.split()
+    assert exit_info.value.code == 0
+    assert "mobilenetv3_small_100" in names and all("mobilenetv3_small" in n for n in names)
+    assert all(model_exists(n) for n in names)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--list-models", "tv:mobilenet_v3*"])
+    with pytest.raises(SystemExit):
+        run_main(train.main)
+    assert capsys.readouterr().out.split() == ["tv:mobilenet_v3_large", "tv:mobilenet_v3_small"]
+    monkeypatch.setattr(sys, "argv", ["train.py", "--list-models", "no-such-model"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(train.main)
+    assert exit_info.value.code == 2 and "--list-models no-such-model" in capsys.readouterr().err
+
+
+def test_cpu_model_guide_rows_are_measured_from_the_model():
+    from benchmarking.cpu_models import markdown, model_row
+
+    row = model_row("resnet10t", 32, 2, 1, classes=10)
+    model = create_model("resnet10t", 10)
+    assert row["params_m"] == round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
+    assert row["gflops"] > 0 and row["img_per_s"] > 0
+    assert "| `resnet10t` | " in markdown([row])
+
+
 def test_group_norm_swap_keeps_timm_fused_activations():
     """timm's BatchNormAct2d carries the activation: the swap must keep it (GroupNormAct), not drop it."""
     from timm.layers import BatchNormAct2d

@@ -89,3 +89,24 @@ def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
     losses = [float(r["train_loss"]) for r in rows]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert json.loads((run_dir / "summary.json").read_text())["best"]["top1"] >= 60.0
+
+
+def test_a_rise_short_of_divergence_is_said_not_denied():
+    """The issue's case: the plot's loss climbs from 1.18 to 4.2 (3.5x, under the 4x that stops the test), and
+    the result said 'no divergence within the range'. It names the rise and the LR it reached instead."""
+    from commands.tune_run import format_lr_result
+
+    lrs = exponential_lrs(1e-4, 10, 60)
+    falls_then_rises = [1.16 + 2.0 / (1 + (lr / 1e-2) ** 2) + (3.04 * min(lr, 10) / 10 if lr > 0.1 else 0)
+                        for lr in lrs]
+    found = lr_suggestion(lrs, falls_then_rises)
+    assert found["divergence_lr"] is None
+    doc = {**found, "lrs": lrs, "smoothed_loss": falls_then_rises, "effective_batch": 16,
+           "optim_lr": found["suggested_lr"] * 16, "base_batch_size": 256, "lr_scaling": "linear"}
+    text = format_lr_result(doc)
+    assert "no divergence" not in text
+    assert "rises from 1.18 to 4.2 at LR 10 (3.5x; the test calls it divergence at 4x)" in text
+    flat = [1.16 + 2.0 / (1 + (lr / 1e-2) ** 2) for lr in lrs]
+    flat_found = lr_suggestion(lrs, flat)
+    assert "no divergence within the range" in format_lr_result({**flat_found, **{k: doc[k] for k in (
+        "effective_batch", "optim_lr", "base_batch_size", "lr_scaling")}, "lrs": lrs, "smoothed_loss": flat})

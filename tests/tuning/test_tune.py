@@ -21,7 +21,7 @@ from runtime.distributed import DistInfo
 from runtime.runtime import Runtime
 from tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 from tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
-                           sweep_verdict, throughput_knee, time_to_target_noise)
+                           sweep_verdict, throughput_knee, time_to_target_noise, loss_at_seconds)
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 
 
@@ -54,11 +54,49 @@ def test_time_to_target_on_known_step_times():
     assert rows[1]["loss_at_common_samples"] == pytest.approx(0.5)
     assert rows[2]["loss_at_common_samples"] == pytest.approx(1.0 - 0.5 * 2.5 / 5)
     verdict = sweep_verdict(rows)
-    assert verdict == {"least_time_to_target": 256, "within_noise": [256], "throughput_knee": 1024,
+    assert verdict == {"lowest_loss_at_equal_time": 256, "not_reaching_target": [],
+                       "least_time_to_target": 256, "within_noise": [256], "throughput_knee": 1024,
                        "largest_that_fits": 1024}
     # no target given: the loss half of the sizes reached (the median of the minima), not the worst size's
     minima = sorted(min(r["curve"].losses) for r in results)
     assert sweep_rows(results, None)[1] == pytest.approx(minima[1]) and minima[1] < minima[2]
+
+
+def test_the_verdict_compares_what_the_plot_shows_loss_at_equal_wall_time():
+    """The issue's case: 20 steps each; batch 16 is lower than 32 and 64 at every wall-clock time but, having
+    seen 320 samples, never reaches the default target, so the least time to it goes to batch 32. The verdict
+    names batch 16 at equal wall time (the plot's comparison) and says why 16 has no time to target."""
+    from commands.tune_run import format_verdict
+
+    steps = list(range(1, 21))
+    # wall time per step 0.5, 1.0, 2.0 s; by wall time batch 16 falls fastest while it runs (10 s), the others
+    # slowly over those 10 s and faster after, to 0.9 (batch 32, at 20 s) and 1.0 (batch 64, at 40 s)
+    def loss(b, t):
+        if b == 16:
+            return 2.0 - 0.05 * t
+        slow = {32: 0.02, 64: 0.01}[b]
+        end, last = {32: (20.0, 0.9), 64: (40.0, 1.0)}[b]
+        return 2.0 - slow * t if t <= 10 else (2.0 - slow * 10) + ((last - (2.0 - slow * 10)) * (t - 10) / (end - 10))
+
+    results = [{"size": b, "how": "as is", "fits": True, "img_per_s": b / t, "seconds_per_step": t,
+                "peak_memory_mb": 1.0,
+                "curve": Curve(b, 1, b, steps, [s * b for s in steps], [s * t for s in steps],
+                               [loss(b, s * t) for s in steps])}
+               for b, t in ((16, 0.5), (32, 1.0), (64, 2.0))]
+    rows, target, _ = sweep_rows(results, None)
+    at = rows[0]["common_seconds"]
+    assert at == pytest.approx(10.0)
+    # at every logged time batch 16 is the lowest of the three
+    for r in results[1:]:
+        for t, loss in zip(r["curve"].seconds, r["curve"].losses):
+            if t <= at:
+                assert loss_at_seconds(results[0]["curve"], t) < loss
+    verdict = sweep_verdict(rows)
+    assert verdict["lowest_loss_at_equal_time"] == 16
+    assert verdict["least_time_to_target"] == 32 and verdict["not_reaching_target"] == [16]
+    text = format_verdict(verdict, target, rows)
+    assert "lowest smoothed loss at equal wall time (10.0 s" in text and ": batch 16 (" in text
+    assert "batch 16 did not reach it within them" in text and "smaller batches saw fewer samples" in text
 
 
 def test_a_difference_within_the_measurement_noise_names_no_winner():
