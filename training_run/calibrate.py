@@ -93,5 +93,7 @@ def log_record(record: dict, val: SplitOutputs) -> None:
              len(val), "none" if t is None else f"{t:.4f}", nll(val.logits, val.labels),
              nll(val.logits, val.labels, t or 1.0), before, after, record["method"],
              record["thresholds"][record["method"]], 100 * record["coverage"])
+    if record.get("temperature_decision") and record["temperature_decision"] not in record.get("temperature_notes", []):
+        log.info("calibration: temperature %s", record["temperature_decision"])
     for note in record.get("temperature_notes", []):
         log.warning("calibration: %s", note)
