@@ -64,6 +64,67 @@ def test_the_printed_result_names_the_suggestion_and_its_confidence():
     assert "fell only" in text
 
 
+def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
+    """Issue 51: 'confidence: low' followed by `use: optim.lr=0.0004632` trained to 17.6% against the
+    recipe's 47.1%. A low confidence names the recipe's LR and the test to run for a confident one."""
+    from commands.tune_run import format_lr_result
+
+    lrs = exponential_lrs(1e-4, 1, 50)
+    found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])   # hardly falls, never diverges
+    assert found["confidence"] == "low"
+    text = format_lr_result({**found, "effective_batch": 32, "optim_lr": found["suggested_lr"] * 8,
+                             "base_batch_size": 256, "lr_scaling": "linear", "recipe_lr": 0.1})
+    assert "use:" not in text
+    assert "the recipe's optim.lr=0.1 stands" in text
+    assert "run again with --lr-range 1e-05,100 --steps 100" in text
+
+
+def test_a_loss_that_rose_back_is_not_called_no_divergence():
+    """The loss falls from 2.3 to 1.0, then climbs back to 2.6 as the LR grows (under 4x its minimum, so no
+    divergence by the 4x rule): the result says it rose, and the confidence is not 'never diverged'."""
+    from commands.tune_run import format_lr_result
+
+    lrs = exponential_lrs(1e-4, 10, 60)
+    raw = [2.3 - 1.3 / (1 + math.exp(-(math.log10(lr) + 2.5) * 4)) + (0.8 * (math.log10(lr) + 1) if lr > 0.1 else 0)
+           for lr in lrs]
+    losses = smooth(raw, beta=0.3)
+    found = lr_suggestion(lrs, losses)
+    assert found["divergence_lr"] is None and found["rise_lr"] is not None and found["rise_lr"] > found["minimum_lr"]
+    assert not any("never diverged" in r for r in found["confidence_reasons"])
+    text = format_lr_result({**found, "effective_batch": 32, "optim_lr": found["suggested_lr"] * 8,
+                             "base_batch_size": 256, "lr_scaling": "linear", "smoothed_loss": losses,
+                             "recipe_lr": 0.1})
+    assert "no divergence within the range" not in text and "rose back" in text
+
+
+@pytest.mark.slow
+def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
+    """Every optimizer step of the range test runs at the planned LR (no warmup, schedule or scaling in
+    between): the parameter groups' LR at each `optimizer.step` is the exponential ramp."""
+    from core.config import load_config
+    from commands.tune_run import prepare
+    from tuning import sweep
+
+    root = make_tree(tmp_path / "data", {"a": (16, 4), "b": (16, 4)}, size=(16, 16))
+    cfg = load_config("base", tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 8,
+                                                                           "schedule.warmup_epochs": 3}))
+    seen = []
+    real_build = sweep.build_run
+
+    def spying_build(*args, **kwargs):
+        step, data = real_build(*args, **kwargs)
+        group = step.optimizer.param_groups[0]
+        step.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs: seen.append(group["lr"] / group.get("lr_scale", 1.0)))
+        return step, data
+    monkeypatch.setattr(sweep, "build_run", spying_build)
+    ctx, _, _ = prepare(cfg)
+    result = sweep.run_lr_range(cfg, ctx, 1e-3, 1.0, 12)
+    planned = exponential_lrs(1e-3, 1.0, 12)[:len(seen)]
+    assert len(seen) >= 6 and seen == pytest.approx(planned, rel=1e-6)
+    assert result.lrs == pytest.approx(planned, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
     """The range test on generated data, then train.py at its `use: optim.lr=...`: the training loss falls and
@@ -78,7 +139,11 @@ def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
     assert run_lr_test(cfg, Namespace(steps=40, json=str(json_path), plot=None), (1e-4, 100.0)) == 0
     doc = json.loads(json_path.read_text())
     assert doc["suggested_lr"] <= doc["minimum_lr"] / 10 + 1e-12 and doc["confidence"] in ("high", "medium", "low")
-    assert f"use: optim.lr={doc['optim_lr']:.4g}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    if doc["confidence"] == "low":
+        assert "use: optim.lr" not in out and "the recipe's optim.lr=" in out
+    else:
+        assert f"use: optim.lr={doc['optim_lr']:.4g}" in out
 
     run_dir = tmp_path / "run"
     result = run_script("train.py", "--config", "base",
