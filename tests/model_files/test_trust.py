@@ -197,6 +197,7 @@ def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
         (explained,) = results[path]["explain"]
         x, y = explained["peak"]
         assert 0 <= x < 2 * SIZE and 0 <= y < 2 * SIZE and explained["label"] == results[path]["label"]
+        assert explained["layer"] == "layer2"                  # 8x8 cells at 64 px; layer4 would be 2x2
         assert Image.open(explained["overlay"]).size == (2 * SIZE, 2 * SIZE)
         hits += ("t" if y < SIZE else "b") + ("l" if x < SIZE else "r") == corner
     assert hits >= 0.75 * len(rows), hits

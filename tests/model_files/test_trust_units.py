@@ -175,3 +175,24 @@ def test_infer_json_never_holds_a_bare_nan(tmp_path):
     assert json.loads(out.read_text())[0]["prob"] is None and "NaN" not in out.read_text()
     write_tag_rows([{"path": "a.png", "labels": ["x"], "probs": {"x": float("nan")}, "error": None}], out, ["x"], " ")
     assert json.loads(out.read_text())[0]["probs"] == {"x": None} and "NaN" not in out.read_text()
+
+
+def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
+    """Issue 51: at 48 px ResNet's last stage is a 2x2 map, coarser than the objects; Grad-CAM reads the
+    deepest stage with at least 6 cells a side, and says which."""
+    import timm
+
+    from evaluation.explain import Explainer, MIN_CAM_CELLS, target_layer
+
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=3)
+    assert target_layer(model, 224)[0] == "layer4"                  # 7x7
+    assert target_layer(model, 48)[0] == "layer2"                   # 6x6 (layer3: 3x3, layer4: 2x2 or less)
+    assert target_layer(model, 8)[0] == "act1"                      # nothing fine enough: the finest stage
+    assert target_layer(model)[0] == "layer4"                       # no input size: the last stage
+    explainer = Explainer(model, 48)
+    try:
+        assert explainer.describe() == "'layer2' (6x6 cells)" and MIN_CAM_CELLS == 6
+        cams = explainer.heatmaps(torch.randn(2, 3, 48, 48), [0, 1])
+        assert cams.shape == (2, 48, 48)
+    finally:
+        explainer.close()
