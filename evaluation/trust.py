@@ -123,7 +123,9 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
               "temperature": temperature,
-              "calibration_notes": list(record.get("temperature_notes", [])) if record else []}
+              "calibration_notes": list(record.get("temperature_notes", [])) if record else [],
+              "reject_notes": list(record.get("reject_notes", [])) if record else [],
+              "reject_probe": dict(record.get("reject_probe") or {}) if record else {}}
     rejector = (usable_rejector(record, outputs.features is not None, method, outputs.layers is not None)
                 if record else None)
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):

@@ -102,6 +102,11 @@ def test_best_pt_carries_the_calibration_record(trained):
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     assert 0.05 <= record["temperature"] <= 20 and record["temperature_setting"] == "auto"
     assert record["method"] == "mahalanobis_layers" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    # how much of generated far-off images the fit rejects (issue 51), and a note when that is weak
+    assert list(record["reject_probe"]) == ["noise", "flat colours", "strokes", "grey blocks"]
+    assert all(0.0 <= rate <= 100.0 for rate in record["reject_probe"].values())
+    assert bool(record["reject_notes"]) == any(rate < 90.0 for rate in record["reject_probe"].values())
+    assert record["temperature_decision"].startswith(("applied", "declined"))
     assert record["class_means_l2"].shape[0] == 3 and record["precision_l2"].shape[0] == record["precision_l2"].shape[1]
     # resnet10t's five stages, each pooled to (mean, std) of at most 128 channel groups: a bounded fit per stage
     assert record["layer_names"] == ["act1", "layer1", "layer2", "layer3", "layer4"]

@@ -196,3 +196,43 @@ def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
         assert cams.shape == (2, 48, 48)
     finally:
         explainer.close()
+
+
+def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_weak():
+    """Issue 51: a 3-epoch photos model rejected 51.6% of digit images while 10-epoch ones rejected 93-94%;
+    the fit measures its rejection of generated far-off images and says when it is weak."""
+    from commands.report import format_trust_line
+    from evaluation.reject_probe import PROBE_KINDS, far_off_image, probe_batches, rejection_rates, weak_note
+
+    rng = np.random.default_rng(0)
+    for kind in PROBE_KINDS:
+        image = far_off_image(kind, rng, 40, 3)
+        assert image.shape == (3, 40, 40) and image.dtype == np.uint8
+    assert float(far_off_image("flat colours", rng, 16, 3).std(axis=(1, 2)).max()) == 0.0
+    batches = probe_batches(32, 1, seed=0, per_kind=5)
+    assert [b[0].shape for b in batches] == [(5, 1, 32, 32)] * len(PROBE_KINDS)
+    assert torch.equal(probe_batches(32, 1, seed=0, per_kind=5)[2][0], batches[2][0])   # seeded
+    scores = {"noise": torch.tensor([-5.0, -4.0, -3.0, 1.0]), "strokes": torch.tensor([-9.0, -8.0, -7.0, -6.0])}
+    rates = rejection_rates(scores, threshold=0.0)
+    assert rates == {"noise": 75.0, "strokes": 100.0}
+    note = weak_note(rates, "mahalanobis_layers")
+    assert note is not None and "noise 75%" in note and "strokes" not in note
+    assert weak_note({"noise": 95.0}, "energy") is None
+    line = format_trust_line({"ece": 1.0, "ece_uncalibrated": 2.0, "nll": 0.5, "temperature": 1.0,
+                              "selective": {"threshold": None}, "reject_notes": [note]})
+    assert f"reject warning: {note}" in line
+
+
+def test_the_probe_scores_far_off_images_through_the_model():
+    import timm
+
+    from evaluation.reject_probe import PROBE_KINDS, probe_rejector
+    from evaluation.rejection import Rejector
+    from runtime.device import DeviceInput
+
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=3).eval()
+    device_input = DeviceInput(torch.device("cpu"), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), False, None)
+    everything = probe_rejector(model, device_input, Rejector("energy", float("inf")), 32, 3, seed=0)
+    nothing = probe_rejector(model, device_input, Rejector("energy", -float("inf")), 32, 3, seed=0)
+    assert list(everything) == list(PROBE_KINDS)
+    assert set(everything.values()) == {100.0} and set(nothing.values()) == {0.0}
