@@ -230,13 +230,15 @@ def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
 
 def rerun_settings(lrs: list[float], reasons: list[str]) -> dict:
     """What a low-confidence test's reasons ask for: `low`, `high`, `steps` of the next test (the high end
-    100x higher when the loss still fell at the top; twice the steps and a 10x lower start when the loss hardly
-    fell or too few points led down to its minimum)."""
+    100x higher when the loss still fell at the top; twice the steps when the loss hardly fell (each LR is
+    then held twice as long); a 10x lower start too when too few points led down to its minimum)."""
     low, high, steps = lrs[0], lrs[-1], len(lrs)
     if any("raise the high end" in r for r in reasons):
         high *= 100
+    if any("points lead down" in r or "too few points" in r for r in reasons):
+        low = low / 10
     if any("fell only" in r or "points lead down" in r or "too few points" in r for r in reasons):
-        low, steps = low / 10, steps * 2
+        steps = steps * 2
     return {"low": low, "high": high, "steps": steps}
 
 

@@ -76,7 +76,7 @@ def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
                              "base_batch_size": 256, "lr_scaling": "linear", "recipe_lr": 0.1})
     assert "use:" not in text
     assert "the recipe's optim.lr=0.1 stands" in text
-    assert "run again with --lr-range 1e-05,100 --steps 100" in text
+    assert "run again with --lr-range 0.0001,100 --steps 100" in text
 
 
 def test_a_loss_that_rose_back_is_not_called_no_divergence():
