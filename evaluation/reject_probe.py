@@ -3,7 +3,7 @@ flat colours, dark strokes on paper, and blocky grey patterns (an 8x8 image upsc
 None of them is a training image of any task; a reject option that keeps many of them will keep real foreign
 images too. A briefly trained model's stages have learnt less (docs/advice.md: a 3-epoch photos model
 rejected 51.6% of digit images, 10-epoch ones 93-94%), so the figure is measured for every fit and said in the
-log and in eval.py when it is weak.
+log, eval.py and infer.py when it is weak (WEAK_REJECTION).
 
 The images are made with the model's input size and channels, as the eval loader would give them (uint8,
 channels first), so the rejector scores them through the model exactly as it scores a user's image.
@@ -17,8 +17,10 @@ import torch
 
 PROBE_KINDS = ("noise", "flat colours", "strokes", "grey blocks")
 PROBE_PER_KIND = 24
-# below this share of a kind rejected, the reject option is called weak
-WEAK_REJECTION = 90.0
+# below this share of the far-off images rejected (the mean over the kinds), the reject option is called weak:
+# between the 3-epoch photos model's 44% (it rejected 32% of real digit images) and the 10-epoch one's 91% (93%
+# of digits); docs/advice.md. One kind alone may stay lower (the 10-epoch model: grey blocks 71%).
+WEAK_REJECTION = 75.0
 
 
 def _strokes(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -66,14 +68,17 @@ def rejection_rates(scores_by_kind: dict[str, torch.Tensor], threshold: float) -
 
 
 def weak_note(rates: dict[str, float], method: str, limit: float = WEAK_REJECTION) -> Optional[str]:
-    """A sentence for the log and eval.py when some kind is rejected less than `limit` percent; else None."""
-    weak = {kind: rate for kind, rate in rates.items() if rate < limit}
-    if not weak:
+    """A sentence for the log and eval.py when the mean share rejected over the kinds is under `limit`
+    percent; else None."""
+    if not rates:
         return None
-    said = ", ".join(f"{kind} {rate:.0f}%" for kind, rate in weak.items())
-    return (f"the reject option ({method}) is weak: of generated far-off images it rejects only {said} (under "
-            f"{limit:.0f}%); a briefly trained model's features separate less: train longer before relying on "
-            f"--reject, or set --reject-below higher")
+    mean = sum(rates.values()) / len(rates)
+    if mean >= limit:
+        return None
+    said = ", ".join(f"{kind} {rate:.0f}%" for kind, rate in rates.items())
+    return (f"the reject option ({method}) is weak: it rejects only {mean:.0f}% of generated far-off images "
+            f"(under {limit:.0f}%: {said}); a briefly trained model's features separate less: train longer "
+            f"before relying on --reject, or set --reject-below higher")
 
 
 def probe_rejector(model: torch.nn.Module, device_input, rejector, size: int, channels: int,

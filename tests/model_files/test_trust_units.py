@@ -212,12 +212,12 @@ def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_w
     batches = probe_batches(32, 1, seed=0, per_kind=5)
     assert [b[0].shape for b in batches] == [(5, 1, 32, 32)] * len(PROBE_KINDS)
     assert torch.equal(probe_batches(32, 1, seed=0, per_kind=5)[2][0], batches[2][0])   # seeded
-    scores = {"noise": torch.tensor([-5.0, -4.0, -3.0, 1.0]), "strokes": torch.tensor([-9.0, -8.0, -7.0, -6.0])}
+    scores = {"noise": torch.tensor([-5.0, 1.0, 2.0, 1.0]), "strokes": torch.tensor([-9.0, -8.0, 7.0, 6.0])}
     rates = rejection_rates(scores, threshold=0.0)
-    assert rates == {"noise": 75.0, "strokes": 100.0}
+    assert rates == {"noise": 25.0, "strokes": 50.0}
     note = weak_note(rates, "mahalanobis_layers")
-    assert note is not None and "noise 75%" in note and "strokes" not in note
-    assert weak_note({"noise": 95.0}, "energy") is None
+    assert note is not None and "only 38% of generated far-off images" in note and "noise 25%, strokes 50%" in note
+    assert weak_note({"noise": 100.0, "strokes": 92.0, "grey blocks": 71.0}, "energy") is None   # mean 88%
     line = format_trust_line({"ece": 1.0, "ece_uncalibrated": 2.0, "nll": 0.5, "temperature": 1.0,
                               "selective": {"threshold": None}, "reject_notes": [note]})
     assert f"reject warning: {note}" in line
