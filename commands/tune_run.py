@@ -186,7 +186,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
     result = run_lr_range(cfg, ctx, low, high, steps, on_step=LrEstimateOnce(ctx, steps))
-    found = lr_suggestion(result.lrs, result.smoothed)
+    found = lr_suggestion(result.lrs, result.smoothed, requested=(low, high, steps))
     o = cfg.optim
     at_base = (found["suggested_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
                if found["suggested_lr"] is not None else None)

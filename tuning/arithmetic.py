@@ -201,14 +201,15 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
     return ("medium", reasons) if reasons else ("high", [])
 
 
-def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
+def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tuple[float, float, int]] = None) -> dict:
     """The LR range test's result. `suggested_lr`, the one to use: the smaller of the steepest descent before
     the minimum and a tenth of the minimum's LR (fastai's `minimum` rule). The minimum sits where the loss
     stops falling within a run that only lasts as long as the test and whose LR keeps rising; a whole run at
     one peak LR survives only well below it, and the steepest point on a short, flat-then-falling curve can
     sit close to it. Also the steepest descent, the minimum, the divergence, where the loss rose back without
     diverging (`rise_lr`, the highest loss after it `rise_loss`), `confidence` (with `confidence_reasons`, see
-    `lr_confidence`) and `rerun`: for a low confidence, the --lr-range and --steps to try instead."""
+    `lr_confidence`) and `rerun`: for a low confidence, the --lr-range and --steps to try instead of
+    `requested` (low, high, steps asked; default: the LRs tested, which end early at a divergence)."""
     skip = min(len(lrs) // 10, 10)
     steep = steepest_descent_index(lrs, losses, skip_start=skip)
     minimum = minimum_index(losses)
@@ -225,14 +226,14 @@ def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
             "rise_loss": max(losses[rose:]) if rose is not None else None,
             "steepest_index": steep, "minimum_index": minimum, "divergence_index": diverged, "rise_index": rose,
             "confidence": confidence, "confidence_reasons": reasons,
-            "rerun": rerun_settings(lrs, reasons) if confidence == "low" else None}
+            "rerun": rerun_settings(requested or (lrs[0], lrs[-1], len(lrs)), reasons) if confidence == "low" else None}
 
 
-def rerun_settings(lrs: list[float], reasons: list[str]) -> dict:
+def rerun_settings(requested: tuple[float, float, int], reasons: list[str]) -> dict:
     """What a low-confidence test's reasons ask for: `low`, `high`, `steps` of the next test (the high end
     100x higher when the loss still fell at the top; twice the steps when the loss hardly fell (each LR is
     then held twice as long); a 10x lower start too when too few points led down to its minimum)."""
-    low, high, steps = lrs[0], lrs[-1], len(lrs)
+    low, high, steps = requested
     if any("raise the high end" in r for r in reasons):
         high *= 100
     if any("points lead down" in r or "too few points" in r for r in reasons):

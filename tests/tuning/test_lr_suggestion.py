@@ -77,6 +77,9 @@ def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
     assert "use:" not in text
     assert "the recipe's optim.lr=0.1 stands" in text
     assert "run again with --lr-range 0.0001,100 --steps 100" in text
+    # a test that stopped early: the next one is built on the range and steps asked, not the ones run
+    stopped = lr_suggestion(lrs[:30], [2.0 - 0.01 * i / 50 for i in range(30)], requested=(1e-4, 1.0, 50))
+    assert stopped["rerun"] == {"low": 1e-4, "high": 100.0, "steps": 100}
 
 
 def test_a_loss_that_rose_back_is_not_called_no_divergence():
