@@ -70,19 +70,50 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, prior_sd: Option
     return min(max(t, MIN_TEMPERATURE), MAX_TEMPERATURE)
 
 
+def match_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The T at which the mean top-1 confidence equals the accuracy, counted with one more right and one more
+    wrong image (Laplace), so a split without errors asks for a confidence below 1: bisection on log T (the
+    top-1 probability falls as T grows), within [MIN_TEMPERATURE, MAX_TEMPERATURE]. 1.0 with no samples."""
+    n = len(labels)
+    if n == 0:
+        return 1.0
+    logits = logits.detach().double()
+    target = (float((logits.argmax(1) == labels.long()).sum()) + 1.0) / (n + 2.0)
+    low, high = math.log(MIN_TEMPERATURE), math.log(MAX_TEMPERATURE)
+    for _ in range(50):
+        middle = (low + high) / 2
+        confidence = float((logits / math.exp(middle)).softmax(dim=1).max(dim=1).values.mean())
+        if confidence > target:
+            low = middle
+        else:
+            high = middle
+    t = math.exp((low + high) / 2)
+    return t if math.isfinite(t) else 1.0
+
+
+def map_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The NLL fit with the prior on log T (`PRIOR_SD`)."""
+    return fit_temperature(logits, labels, prior_sd=PRIOR_SD)
+
+
+# the fits `calibrated_temperature` chooses between by their held-out ECE
+TEMPERATURE_FITS = {"NLL with a prior on T": map_temperature, "mean confidence = accuracy": match_temperature}
+
+
 def fold_of(n: int, folds: int = CALIBRATION_FOLDS) -> torch.Tensor:
     """Each validation image's fold (0 .. folds - 1): a fixed permutation, so a separate pass over the same
     outputs assigns the same folds."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(0)) % folds
 
 
-def held_out_probs(logits: torch.Tensor, labels: torch.Tensor, folds: int = CALIBRATION_FOLDS) -> torch.Tensor:
-    """Each image's probabilities under the temperature fitted (MAP, `PRIOR_SD`) on the other folds only."""
+def held_out_probs(logits: torch.Tensor, labels: torch.Tensor, folds: int = CALIBRATION_FOLDS,
+                   fit=map_temperature) -> torch.Tensor:
+    """Each image's probabilities under the temperature `fit` gives on the other folds only."""
     which = fold_of(len(labels), folds)
     probs = torch.empty(logits.shape, dtype=torch.float32)
     for k in range(folds):
         test = which == k
-        t = fit_temperature(logits[~test], labels[~test], prior_sd=PRIOR_SD)
+        t = fit(logits[~test], labels[~test])
         probs[test] = apply_temperature(logits[test], t)
     return probs
 
@@ -100,38 +131,42 @@ class TemperatureFit:
 
 
 def calibrated_temperature(logits: torch.Tensor, labels: torch.Tensor) -> TemperatureFit:
-    """The MAP fit (NLL with a normal prior on log T, `PRIOR_SD`), applied only when it lowers the expected
-    calibration error both on held-out data (each of CALIBRATION_FOLDS folds scored with the T fitted on the
-    others) and on the whole split; otherwise T stays 1 and a note says so. The prior keeps a split with few
-    or no errors from running to T -> 0, so an under-confident model with 2% errors is still sharpened; a
-    fit that ends at a bound, a split under MIN_CALIBRATION_SAMPLES images and a sharpening that rests on
-    fewer than MIN_CALIBRATION_ERRORS errors are said in `notes`."""
+    """Of the TEMPERATURE_FITS (the NLL with a normal prior on log T; the mean confidence matched to the
+    accuracy), the one whose temperatures give the lower ECE on held-out data (each of CALIBRATION_FOLDS folds
+    scored with the T fitted on the others); its T on the whole split is applied only when that held-out ECE
+    and the whole split's ECE are both lower than the plain softmax's, else T stays 1 and a note says so.
+    Neither fit runs to T -> 0 on a split with few or no errors (the prior; the Laplace-counted accuracy), so
+    an under-confident model with 2% errors is still sharpened; a fit at a bound, a split under
+    MIN_CALIBRATION_SAMPLES images and a sharpening on fewer than MIN_CALIBRATION_ERRORS errors are said in
+    `notes`."""
     n = len(labels)
-    fitted = fit_temperature(logits, labels, prior_sd=PRIOR_SD)
     errors = int((logits.argmax(1) != labels.long()).sum()) if n else 0
     notes = []
     if n and n < MIN_CALIBRATION_SAMPLES:
         notes.append(f"only {n} validation images (under {MIN_CALIBRATION_SAMPLES}): the temperature is uncertain")
-    if fitted <= MIN_TEMPERATURE * (1 + 1e-6) or fitted >= MAX_TEMPERATURE * (1 - 1e-6):
-        bound = "lower" if fitted < 1 else "upper"
-        notes.append(f"the fit ended at its {bound} bound ({fitted:g}): the validation split cannot pin the "
-                     f"temperature down")
     if n < 2 * CALIBRATION_FOLDS:
+        fitted = map_temperature(logits, labels)
         return TemperatureFit(1.0, fitted, errors, notes + [f"only {n} validation images: no held-out check "
                                                             f"possible, the temperature is kept at 1.0"],
                               "kept at 1.0 (too few images to check a fit)")
     plain = expected_calibration_error(apply_temperature(logits, None), labels)
-    held = expected_calibration_error(held_out_probs(logits, labels), labels)
+    held = {name: expected_calibration_error(held_out_probs(logits, labels, fit=fit), labels)
+            for name, fit in TEMPERATURE_FITS.items()}
+    method = min(held, key=held.get)
+    fitted = TEMPERATURE_FITS[method](logits, labels)
+    if fitted <= MIN_TEMPERATURE * (1 + 1e-6) or fitted >= MAX_TEMPERATURE * (1 - 1e-6):
+        bound = "lower" if fitted < 1 else "upper"
+        notes.append(f"the fit ended at its {bound} bound ({fitted:g}): the validation split cannot pin the "
+                     f"temperature down")
     whole = expected_calibration_error(apply_temperature(logits, fitted), labels)
-    if held < plain and whole <= plain:
-        decision = (f"applied T = {fitted:.4g}: held-out ECE {plain:.2f}% -> {held:.2f}% "
-                    f"({CALIBRATION_FOLDS}-fold), whole split {plain:.2f}% -> {whole:.2f}%")
+    figures = (f"held-out ECE {plain:.2f}% -> {held[method]:.2f}% ({CALIBRATION_FOLDS}-fold), whole split "
+               f"{plain:.2f}% -> {whole:.2f}%")
+    if held[method] < plain and whole <= plain:
         if fitted < 1.0 and errors < MIN_CALIBRATION_ERRORS:
             notes.append(f"the validation split has {errors} error(s) (under {MIN_CALIBRATION_ERRORS}): the "
-                         f"sharpening to T = {fitted:.4g} rests mostly on the prior on T")
-        return TemperatureFit(fitted, fitted, errors, notes, decision)
-    decision = (f"declined T = {fitted:.4g}, kept 1.0: it would not lower the ECE (held-out {plain:.2f}% -> "
-                f"{held:.2f}% over {CALIBRATION_FOLDS} folds, whole split {plain:.2f}% -> {whole:.2f}%)")
+                         f"sharpening to T = {fitted:.4g} rests on few errors")
+        return TemperatureFit(fitted, fitted, errors, notes, f"applied T = {fitted:.4g} ({method}): {figures}")
+    decision = f"declined T = {fitted:.4g} ({method}), kept 1.0: it would not lower the ECE ({figures})"
     return TemperatureFit(1.0, fitted, errors, notes + [decision], decision)
 
 
