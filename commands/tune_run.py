@@ -222,7 +222,7 @@ def format_lr_result(doc: dict) -> str:
     why = "".join(f"\n  - {reason}" for reason in doc["confidence_reasons"])
     head = (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
             f"LR {doc['steepest_lr']:.3g}; lowest loss at LR {doc['minimum_lr']:.3g}{diverged}\n"
-            f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a tenth of the "
+            f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a quarter of the "
             f"lowest loss's LR); confidence: {doc['confidence']}{why}\n")
     if doc["confidence"] == "low":
         recipe = f"optim.lr={doc['recipe_lr']:g}" if doc.get("recipe_lr") is not None else "optim.lr"

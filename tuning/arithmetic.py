@@ -10,7 +10,10 @@ from typing import Optional
 SMOOTHING = 0.9            # EMA weight of the past; debiased like fastai's / Lightning's lr_find
 KNEE_TOLERANCE = 0.05      # the throughput knee: the smallest batch within 5% of the best img/s
 DIVERGENCE_FACTOR = 4.0    # the LR range test stops once the smoothed loss exceeds 4x its minimum
-MINIMUM_DIVISOR = 10.0     # the suggestion is at most the LR of the loss minimum over this (fastai's `minimum`)
+# the suggestion is at most the LR of the loss minimum over this: fastai's `minimum` rule takes 10, which trained
+# the photos-like shapes 20 points below the recipe in 3 epochs; 4 trained both data sets measured within 2.1
+# points of it (docs/advice.md)
+MINIMUM_DIVISOR = 4.0
 LR_MIN_DROP = 0.10         # a suggestion is low-confidence when the loss fell less than this share before its minimum
 LR_MIN_POINTS = 5          # ... or fewer points than this lead down to the minimum
 RISE_SHARE = 0.5           # after its minimum the loss "rose back" once it undid this share of its fall
@@ -203,7 +206,7 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
 
 def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tuple[float, float, int]] = None) -> dict:
     """The LR range test's result. `suggested_lr`, the one to use: the smaller of the steepest descent before
-    the minimum and a tenth of the minimum's LR (fastai's `minimum` rule). The minimum sits where the loss
+    the minimum and the minimum's LR over MINIMUM_DIVISOR (4; fastai's `minimum` rule takes a tenth). The minimum sits where the loss
     stops falling within a run that only lasts as long as the test and whose LR keeps rising; a whole run at
     one peak LR survives only well below it, and the steepest point on a short, flat-then-falling curve can
     sit close to it. Also the steepest descent, the minimum, the divergence, where the loss rose back without
