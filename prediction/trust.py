@@ -199,6 +199,6 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     finally:
         explainer.close()
     if flat:
-        log.warning("--explain: %d of %d heatmap(s) are flat (the model's last feature map has one cell at "
+        log.warning("--explain: %d of %d heatmap(s) are flat (the read layer's feature map has one cell at "
                     "this input size, or the class gets no gradient): their peak carries no information "
                     "(peak_informative false)", flat, len(items))
