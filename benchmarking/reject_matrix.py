@@ -122,7 +122,8 @@ COMBINATIONS = (("mahalanobis", "energy"), ("mahalanobis_l2", "energy"), ("mahal
 def all_scores(out, bank, val_ref=None) -> dict:
     """Every candidate score of `out`; the fits come from the training bank, the scales of the combinations
     and of the stages from `val_ref` (the validation scores; None: `out` is the validation split itself).
-    `mahalanobis_layers_min` takes the lowest standardised stage score where mahalanobis_layers averages them."""
+    `mahalanobis_layers_min` takes the lowest standardised stage score where mahalanobis_layers averages them;
+    `mahalanobis_layers_early` averages the first half of the stages only."""
     raw_means, raw_precision = mahalanobis_fit(bank.features, bank.labels, bank.num_classes)
     l2_means, l2_precision = mahalanobis_fit(normalise(bank.features), bank.labels, bank.num_classes)
     scores = {"msp": msp_score(out.logits), "energy": energy_score(out.logits),
@@ -136,6 +137,8 @@ def all_scores(out, bank, val_ref=None) -> dict:
     layer_scales = [score_scale(ref[f"layer{i}"]) for i in range(len(per_layer))]
     scores["mahalanobis_layers"] = multilayer_score(per_layer, layer_scales)
     scores["mahalanobis_layers_min"] = combined_score(per_layer, layer_scales)
+    early = max(1, (len(per_layer) + 1) // 2)        # the first half of the stages (resnet: stem, layer1, layer2)
+    scores["mahalanobis_layers_early"] = multilayer_score(per_layer[:early], layer_scales[:early])
     for parts in COMBINATIONS:
         scores["+".join(parts)] = combined_score([scores[p] for p in parts], [score_scale(ref[p]) for p in parts])
     return scores

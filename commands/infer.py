@@ -73,6 +73,10 @@ def report_trust(predictor: Predictor, paths: list[str], rows: list[dict], trust
         classified = sum(1 for r in rows if r["error"] is None)
         print(f"rejected {rejected} of {classified} image(s) as {'unknown'!r} ({rejector.method} score < "
               f"{rejector.threshold:.4g})", file=sys.stderr)
+        record = predictor.model_file.calibration or {}
+        if rejector.method == record.get("method"):  # the notes measured this method (not an export's energy)
+            for note in record.get("reject_notes", []):
+                print(f"reject warning: {note}", file=sys.stderr)
     if trust.explain_dir:
         explain_rows(predictor.model_file, paths, rows, predictor.classes, trust.explain_dir)
         each = " (one per called tag)" if predictor.task.explains_each_label else ""

@@ -17,7 +17,8 @@ def format_trust_line(trust: dict) -> str:
     if sel["threshold"] is not None:
         line += (f"; selective ({sel['method']} score >= {sel['threshold']:.4g}): coverage {sel['coverage']:.2f}%, "
                  f"accuracy {sel['accuracy']:.2f}%")
-    return line + "".join(f"\ncalibration warning: {note}" for note in trust.get("calibration_notes") or [])
+    return (line + "".join(f"\ncalibration warning: {note}" for note in trust.get("calibration_notes") or []) +
+            "".join(f"\nreject warning: {note}" for note in trust.get("reject_notes") or []))
 
 
 def confusion_png_path(json_path: str | Path) -> Path:

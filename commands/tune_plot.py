@@ -52,7 +52,8 @@ def plot_lr_range(doc: dict, path: str) -> None:
     ax.set_xscale("log")
     for key, colour, name in (("steepest_index", "tab:green", "steepest descent"),
                               ("minimum_index", "tab:orange", "lowest loss"),
-                              ("divergence_index", "tab:red", "divergence")):
+                              ("divergence_index", "tab:red", "divergence"),
+                              ("rise_index", "tab:purple", "rose back (half the fall undone)")):
         i = doc.get(key)
         if i is not None:
             ax.plot([doc["lrs"][i]], [doc["smoothed_loss"][i]], "o", color=colour,

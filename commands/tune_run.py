@@ -205,13 +205,13 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
     result = run_lr_range(cfg, ctx, low, high, steps, on_step=LrEstimateOnce(ctx, steps))
-    found = lr_suggestion(result.lrs, result.smoothed)
+    found = lr_suggestion(result.lrs, result.smoothed, requested=(low, high, steps))
     o = cfg.optim
     at_base = (found["suggested_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
                if found["suggested_lr"] is not None else None)
     doc = {"effective_batch": result.effective_batch, "lrs": result.lrs, "loss": result.losses,
            "smoothed_loss": result.smoothed, **found, "optim_lr": at_base, "base_batch_size": o.base_batch_size,
-           "lr_scaling": o.lr_scaling}
+           "lr_scaling": o.lr_scaling, "recipe_lr": o.lr}
     if ctx.dist.is_main:
         print(format_lr_result(doc))
         write_json(doc, args.json)
@@ -244,15 +244,29 @@ def rise_after_minimum(doc: dict) -> str:
 
 
 def format_lr_result(doc: dict) -> str:
+    """The printed result. Only a medium or high confidence ends in a `use: optim.lr=...` line; a low one says
+    that the recipe's LR stands and which test to run for a confident suggestion."""
     if doc["optim_lr"] is None:
         return (f"LR range test: too few steps before the loss reached its minimum to suggest an LR (divergence at "
                 f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
-    diverged = (f"; the loss diverges from LR {doc['divergence_lr']:.3g}" if doc["divergence_lr"] is not None
-                else rise_after_minimum(doc))
+    if doc["divergence_lr"] is not None:
+        diverged = f"; the loss diverges from LR {doc['divergence_lr']:.3g}"
+    elif doc.get("rise_lr") is not None:
+        diverged = (f"; no 4x divergence, but the loss rose back from {doc['smoothed_loss'][doc['minimum_index']]:.3g}"
+                    f" to {doc['rise_loss']:.3g} from LR {doc['rise_lr']:.3g} (more than half its fall undone)"
+                    if doc.get("smoothed_loss") else f"; the loss rose back from LR {doc['rise_lr']:.3g}")
+    else:
+        diverged = rise_after_minimum(doc)
     why = "".join(f"\n  - {reason}" for reason in doc["confidence_reasons"])
-    return (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
+    head = (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
             f"LR {doc['steepest_lr']:.3g}; lowest loss at LR {doc['minimum_lr']:.3g}{diverged}\n"
-            f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a tenth of the "
-            f"lowest loss's LR); confidence: {doc['confidence']}{why}\n"
-            f"use: optim.lr={doc['optim_lr']:.4g} (at optim.base_batch_size={doc['base_batch_size']}, "
-            f"optim.lr_scaling={doc['lr_scaling']})")
+            f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a quarter of the "
+            f"lowest loss's LR); confidence: {doc['confidence']}{why}\n")
+    if doc["confidence"] == "low":
+        recipe = f"optim.lr={doc['recipe_lr']:g}" if doc.get("recipe_lr") is not None else "optim.lr"
+        rerun = doc.get("rerun")
+        again = (f"; for a confident suggestion run again with --lr-range {rerun['low']:.3g},{rerun['high']:.3g} "
+                 f"--steps {rerun['steps']}" if rerun else "")
+        return head + f"no LR to use at low confidence: the recipe's {recipe} stands{again}"
+    return head + (f"use: optim.lr={doc['optim_lr']:.4g} (at optim.base_batch_size={doc['base_batch_size']}, "
+                   f"optim.lr_scaling={doc['lr_scaling']})")

@@ -2,8 +2,10 @@
 peak mapped back to the original image's pixels (undoing the eval resize and centre crop), and an
 overlay PNG of the heatmap on the original image.
 
-Target layer: the module timm's `feature_info[-1]` names (the last stage, e.g. ResNet's `layer4`,
-EfficientNet's `conv_head`), else the model's last Conv2d (torchvision models).
+Target layer: of the stages timm's `feature_info` names, the deepest whose feature map at the input size has
+at least MIN_CAM_CELLS cells a side (ResNet at 224 px: `layer4`, 7x7; at 48 px: `layer2`, 6x6; the last
+stage there is 2x2, coarser than the objects); without an input size the last stage; without `feature_info`
+the model's last Conv2d (torchvision models).
 """
 from __future__ import annotations
 
@@ -15,15 +17,33 @@ import numpy as np
 import torch
 
 
-def target_layer(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
-    """(name, module) of the layer Grad-CAM reads: timm's feature_info[-1], else the last Conv2d."""
+MIN_CAM_CELLS = 6   # the coarsest map Grad-CAM may read: 6-7 cells a side (ResNet's 7x7 at 224 px)
+
+
+def stage_cells(model: torch.nn.Module, img_size: Optional[int]) -> list[tuple[str, Optional[int]]]:
+    """(module name, cells a side of its map at `img_size`, None when unknown) of each stage timm's
+    `feature_info` lists, shallow to deep."""
     info = getattr(model, "feature_info", None)
-    if info:
-        name = info[-1]["module"] if isinstance(info, list) else info.module_name()[-1]
+    if not info:
+        return []
+    stages = info if isinstance(info, list) else [dict(module=m, reduction=r) for m, r in
+                                                  zip(info.module_name(), info.reduction())]
+    return [(s["module"], img_size // s["reduction"] if img_size and s.get("reduction") else None) for s in stages]
+
+
+def target_layer(model: torch.nn.Module, img_size: Optional[int] = None) -> tuple[str, torch.nn.Module]:
+    """(name, module) of the layer Grad-CAM reads: of timm's feature_info stages, the deepest with at least
+    MIN_CAM_CELLS cells a side at `img_size` (the shallowest when none has; the last without `img_size`),
+    else the last Conv2d."""
+    stages = stage_cells(model, img_size)
+    fine = [name for name, cells in stages if cells is not None and cells >= MIN_CAM_CELLS]
+    names = ([fine[-1]] if fine else [stages[0][0]] if stages and img_size else []) + \
+        ([stages[-1][0]] if stages else [])
+    for name in names:
         try:
             return name, model.get_submodule(name)
         except AttributeError:
-            pass
+            continue
     convs = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
     if not convs:
         raise ValueError("the model has no convolution layer for Grad-CAM")
@@ -77,12 +97,17 @@ def heatmap_on_original(cam: np.ndarray, geometry, width: int, height: int) -> n
 class Explainer:
     """Grad-CAM of one model: `heatmaps(batch, class_indices)` -> [N, H, W] in [0, 1] at the input size."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, img_size: Optional[int] = None):
         from pytorch_grad_cam import GradCAM
 
         self.model = model.eval()
-        self.layer_name, layer = target_layer(model)
+        self.layer_name, layer = target_layer(model, img_size)
+        self.cells = dict(stage_cells(model, img_size)).get(self.layer_name)
         self.cam = GradCAM(model=self.model, target_layers=[layer])
+
+    def describe(self) -> str:
+        """The layer and its map's size, for the log."""
+        return f"'{self.layer_name}'" + (f" ({self.cells}x{self.cells} cells)" if self.cells else "")
 
     def heatmaps(self, batch: torch.Tensor, class_indices: list[int]) -> np.ndarray:
         from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget

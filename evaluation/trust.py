@@ -1,7 +1,8 @@
 """The `calibration` record a checkpoint carries (the temperature, the reject thresholds, the feature bank)
 built from the validation split's outputs, and the trust figures eval.py reports from one.
 
-Record keys: `temperature` (None: plain softmax), `temperature_setting`, `coverage`, `method` (the reject
+Record keys: `temperature` (None: plain softmax), `temperature_setting`, `temperature_decision` (whether a
+fitted temperature was applied, and the held-out ECE that decided it), `coverage`, `method` (the reject
 score used), `thresholds` (method -> the score that keeps `coverage` of the validation split), `knn_k`,
 `num_samples`, and for the feature scores `feature_bank` (fp16, L2-normalised training features: the kNN
 score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
@@ -30,20 +31,20 @@ from evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF,
                                          variance_share)
 
 
-def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str]]:
+def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str], str]:
     """calibration.temperature: `auto` fits on the validation outputs (`calibrated_temperature`'s rule, with
-    its notes), `none` is None, a number is itself; either way within core.temperature's range (the config's
-    check and the fit's clamp keep to it; a stored record is checked too)."""
+    its notes and its decision), `none` is None, a number is itself; either way within core.temperature's
+    range (the config's check and the fit's clamp keep to it; a stored record is checked too)."""
     if setting == "none":
-        return None, []
+        return None, [], "calibration.temperature=none: the plain softmax"
     if setting == "auto":
         fit = calibrated_temperature(val.logits, val.labels)
-        t, notes = fit.temperature, fit.notes
+        t, notes, decision = fit.temperature, fit.notes, fit.decision
     else:
-        t, notes = float(setting), []
+        t, notes, decision = float(setting), [], f"calibration.temperature={setting}: set, not fitted"
     if temperature_problem(t):
         raise ConfigError(f"calibration.temperature: {temperature_problem(t)}")
-    return t, notes
+    return t, notes, decision
 
 
 def least_spread(score: str) -> float:
@@ -61,10 +62,11 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
     """The checkpoint's `calibration` record. Without the stages' statistics (`layer_names` and the outputs'
     `layers`: a timm model without `feature_info`) mahalanobis_layers falls back to combined; without features
     (a model without a timm classifier, or no training features) the reject option falls back to energy."""
-    temperature, notes = resolve_temperature(setting, val)
+    temperature, notes, decision = resolve_temperature(setting, val)
     scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
-              "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes}
+              "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes,
+              "temperature_decision": decision}
     features = val.features is not None and bank is not None and bank.features is not None and len(bank) > 0
     if features:
         stored = feature_bank(bank, seed)
@@ -153,7 +155,9 @@ def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Opti
               "ece_uncalibrated": expected_calibration_error(apply_temperature(outputs.logits, None), labels),
               "nll": nll(outputs.logits, labels, temperature or 1.0) if len(labels) else float("nan"),
               "temperature": temperature,
-              "calibration_notes": [*record.get("temperature_notes", []), *record.get("reject_notes", [])] if record else []}
+              "calibration_notes": list(record.get("temperature_notes", [])) if record else [],
+              "reject_notes": list(record.get("reject_notes", [])) if record else [],
+              "reject_probe": dict(record.get("reject_probe") or {}) if record else {}}
     rejector = (usable_rejector(record, outputs.features is not None, method, outputs.layers is not None)
                 if record else None)
     if rejector is not None and not (log_probs and rejector.method == LOGITS_METHOD):

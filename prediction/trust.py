@@ -142,7 +142,8 @@ def display_size(width: int, height: int, max_side: int = OVERLAY_MAX_SIDE) -> t
 def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str], out_dir: str) -> None:
     """Grad-CAM for each class the model's task explains in a classified row (the predicted class; each of a
     multi-label row's called tags, the overlay named by the tag): an overlay PNG in `out_dir` (longer side at most OVERLAY_MAX_SIDE) and
-    `explain` = [{"label", "peak": [x, y], "peak_informative", "overlay"}], peak in the original's pixels.
+    `explain` = [{"label", "peak": [x, y], "peak_informative", "overlay", "layer"}], peak in the original's
+    pixels, `layer` the one Grad-CAM read (`evaluation.explain.target_layer`: fine enough for the input size).
     A flat heatmap (a feature map of one cell, as at 32 px) has no peak: `peak_informative` is false and
     the peak is the crop's first pixel, which means nothing."""
     from PIL import Image
@@ -152,9 +153,9 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     from evaluation.explain import (Explainer, crop_geometry, heatmap_on_original, heatmap_peak, to_original,
                                            write_overlay)
     model = loaded.build_model(torch.device("cpu"), channels_last=False)
-    explainer = Explainer(model)
-    log.info("--explain: Grad-CAM on layer '%s'", explainer.layer_name)
     transform = loaded.eval_transform()
+    explainer = Explainer(model, transform.img_size)
+    log.info("--explain: Grad-CAM on layer %s at %d px", explainer.describe(), transform.img_size)
     d = loaded.cfg.data
     items = explain_items(rows, classes, loaded.task)
     several = loaded.task.explains_each_label
@@ -181,7 +182,8 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
                 write_overlay(shown, heat, overlay, [round(peak[0] * factor), round(peak[1] * factor)]
                               if informative else None)
                 rows[i].setdefault("explain", []).append({"label": classes[c], "peak": peak,
-                                                          "peak_informative": informative, "overlay": str(overlay)})
+                                                          "peak_informative": informative, "overlay": str(overlay),
+                                                          "layer": explainer.layer_name})
         for row in rows:
             if row.get("explain"):
                 row["explain_peak"] = " | ".join(f"{e['peak'][0]} {e['peak'][1]}" for e in row["explain"])
@@ -189,6 +191,6 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     finally:
         explainer.close()
     if flat:
-        log.warning("--explain: %d of %d heatmap(s) are flat (the model's last feature map has one cell at "
+        log.warning("--explain: %d of %d heatmap(s) are flat (the read layer's feature map has one cell at "
                     "this input size, or the class gets no gradient): their peak carries no information "
                     "(peak_informative false)", flat, len(items))

@@ -89,16 +89,69 @@ def value_range(series: list[list[float]], log_scale: bool) -> tuple[float, floa
     return (low - pad, high + pad)
 
 
+def polyline(draw, points: list[tuple[float, float]], colour: str, dashed: bool, dash: float = 6.0,
+             gap: float = 5.0) -> None:
+    """A 2-px line through `points`; `dashed`: `dash` px drawn, `gap` px left out, along its whole length (a
+    line over another one then leaves the one beneath visible in its gaps)."""
+    if not dashed:
+        draw.line(points, fill=colour, width=2)
+        return
+    period, travelled = dash + gap, 0.0
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        length = math.hypot(xb - xa, yb - ya)
+        t = 0.0
+        while t < length:
+            phase = (travelled + t) % period
+            step = min((dash - phase) if phase < dash else (period - phase), length - t)
+            if phase < dash and step > 0:
+                a, b = t / length, (t + step) / length
+                draw.line([(xa + a * (xb - xa), ya + a * (yb - ya)), (xa + b * (xb - xa), ya + b * (yb - ya))],
+                          fill=colour, width=2)
+            t += max(step, 1e-6)
+        travelled += length
+
+
+def mark_coinciding(lines: list[tuple], tolerance: float = 0.05) -> list[tuple]:
+    """The lines with, for each one that runs within `tolerance` of an earlier one at every epoch where both
+    have a value (mean class accuracy over top-1 on a balanced split), "(= that one)" added to its label and a
+    dashed stroke, so both stay visible."""
+    out = []
+    for i, (label, values, colour) in enumerate(lines):
+        twin = next((other for other, earlier, _ in lines[:i]
+                     if any(math.isfinite(a) and math.isfinite(b) for a, b in zip(values, earlier))
+                     and all(abs(a - b) <= tolerance for a, b in zip(values, earlier)
+                             if math.isfinite(a) and math.isfinite(b))), None)
+        out.append((f"{label} (= {twin}, dashed)", values, colour, True) if twin else (label, values, colour, False))
+    return out
+
+
+def warmup_note(run_dir: Path, columns: dict[str, list[float]]) -> str | None:
+    """A line for the LR panel when the run's warmup (config.yaml's schedule.warmup_epochs) is longer than the
+    run (train.epochs): its LR climbs to the end and never reaches the peak."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+        warmup = float(cfg["schedule"]["warmup_epochs"])
+        epochs = float(cfg["train"]["epochs"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+    if warmup < epochs or not columns.get("lr"):
+        return None
+    return f"warmup {warmup:g} ep >= run's {epochs:g} ep: no peak LR"
+
+
 def draw_panel(draw, font, box: tuple[int, int, int, int], title: str, epochs: list[float],
-               lines: list[tuple[str, list[float], str]], log_scale: bool = False) -> None:
+               lines: list[tuple], log_scale: bool = False, note: str | None = None) -> None:
     """One panel in `box` (left, top, right, bottom of the panel): its frame, grid and ticks, the `lines`
-    (label, values per epoch, colour; a value that is not finite breaks the line) and their legend."""
+    (label, values per epoch, colour, and optionally dashed; a value that is not finite breaks the line),
+    their legend, and a `note` written under the title."""
     x0, y0, x1, y1 = box[0] + LEFT, box[1] + TOP, box[2] - RIGHT, box[3] - BOTTOM
     draw.text(((box[0] + box[2]) / 2 + LEFT / 2, box[1] + 6), title, fill="#222222", font=font, anchor="mt")
     first, last = (min(epochs), max(epochs)) if epochs else (0.0, 1.0)
     if last <= first:
         first, last = first - 0.5, last + 0.5
-    low, high = value_range([values for _, values, _ in lines], log_scale)
+    low, high = value_range([line[1] for line in lines], log_scale)
 
     def point(epoch: float, value: float) -> tuple[float, float]:
         v = math.log10(value) if log_scale else value
@@ -116,36 +169,41 @@ def draw_panel(draw, font, box: tuple[int, int, int, int], title: str, epochs: l
             draw.text((x, y1 + 4), str(int(t)), fill="#444444", font=font, anchor="mt")
     draw.text(((x0 + x1) / 2, y1 + 20), "epoch", fill="#444444", font=font, anchor="mt")
     draw.rectangle([x0, y0, x1, y1], outline="#555555")
-    for label, values, colour in lines:
+    if note:
+        draw.text((x0 + 4, y0 + 4), note, fill="#b00020", font=font, anchor="lt")
+    for label, values, colour, *style in lines:
+        dashed = bool(style and style[0])
         run: list[tuple[float, float]] = []
         for epoch, value in list(zip(epochs, values)) + [(math.nan, math.nan)]:
             if drawable(value, log_scale):
                 run.append(point(epoch, value))
                 continue
             if len(run) > 1:
-                draw.line(run, fill=colour, width=2)
+                polyline(draw, run, colour, dashed)
             for x, y in run:
-                draw.ellipse([x - 2.5, y - 2.5, x + 2.5, y + 2.5], fill=colour)
+                r = 1.5 if dashed else 2.5
+                draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
             run = []
-    named = [(label, colour) for label, _, colour in lines if label]
+    named = [(line[0], line[2], bool(line[3:] and line[3])) for line in lines if line[0]]
     if named:
-        points = [point(e, v) for _, values, _ in lines for e, v in zip(epochs, values)
+        points = [point(e, v) for _, values, *_ in lines for e, v in zip(epochs, values)
                   if drawable(v, log_scale)]
-        w = 30 + max(font.getlength(label) for label, _ in named)
+        w = 30 + max(font.getlength(label) for label, *_ in named)
         h = 6 + 14 * len(named)
         corners = [(x1 - 4 - w, y0 + 4), (x1 - 4 - w, y1 - 4 - h), (x0 + 4, y0 + 4), (x0 + 4, y1 - 4 - h)]
         left, top = min(corners, key=lambda c: sum(c[0] <= x <= c[0] + w and c[1] <= y <= c[1] + h
                                                    for x, y in points))  # the corner the lines cross least
         draw.rectangle([left, top, left + w, top + h], fill="white", outline="#cccccc")
-        for row, (label, colour) in enumerate(named):
+        for row, (label, colour, dashed) in enumerate(named):
             y = top + 10 + 14 * row
-            draw.line([(left + 6, y), (left + 22, y)], fill=colour, width=2)
+            polyline(draw, [(left + 6, y), (left + 22, y)], colour, dashed, dash=4.0, gap=3.0)
             draw.text((left + 26, y), label, fill="#222222", font=font, anchor="lm")
 
 
-def draw_curves(columns: dict[str, list[float]], path: Path) -> Path:
-    """Three panels over the epochs: losses, LR (log scale), validation metrics; written atomically. Drawn
-    with Pillow (a few milliseconds): matplotlib's import and draw cost 0.7 s at every run's end."""
+def draw_curves(columns: dict[str, list[float]], path: Path, lr_note: str | None = None) -> Path:
+    """Three panels over the epochs: losses, LR (log scale, with `lr_note` written in it), validation metrics
+    (one that coincides with another dashed); written atomically. Drawn with Pillow (a few milliseconds):
+    matplotlib's import and draw took 0.7 s of every run's end."""
     from PIL import Image, ImageDraw, ImageFont
 
     epochs = columns.get("epoch", [])
@@ -161,10 +219,11 @@ def draw_curves(columns: dict[str, list[float]], path: Path) -> Path:
               enumerate((("train_loss", "train loss"), ("val_loss", "val loss"))) if present(key)]
     draw_panel(draw, font, (0, 0, width, HEIGHT), "loss", epochs, losses)
     lrs = [("", columns["lr"], COLOURS[4])] if any(drawable(v, True) for v in columns.get("lr", [])) else []
-    draw_panel(draw, font, (width, 0, 2 * width, HEIGHT), "learning rate (epoch end)", epochs, lrs, log_scale=True)
+    draw_panel(draw, font, (width, 0, 2 * width, HEIGHT), "learning rate (epoch end)", epochs, lrs, log_scale=True,
+               note=lr_note)
     metrics = [(key.removeprefix("val_"), columns[key], COLOURS[i % len(COLOURS)])
                for i, key in enumerate(k for k in metric_columns() if present(k))]
-    draw_panel(draw, font, (2 * width, 0, WIDTH, HEIGHT), "validation metrics (%)", epochs, metrics)
+    draw_panel(draw, font, (2 * width, 0, WIDTH, HEIGHT), "validation metrics (%)", epochs, mark_coinciding(metrics))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     image.save(tmp, format="PNG")
     os.replace(tmp, path)
@@ -177,7 +236,8 @@ def write_curves(run_dir: Path, enabled: bool) -> None:
     if not enabled or not metrics.exists():
         return
     try:
-        draw_curves(read_columns(metrics), Path(run_dir) / CURVES_FILE)
+        columns = read_columns(metrics)
+        draw_curves(columns, Path(run_dir) / CURVES_FILE, warmup_note(run_dir, columns))
     except Exception as err:  # noqa: BLE001 - a picture must never stop a training run
         if not _warned:
             _warned.append(True)

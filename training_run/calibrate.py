@@ -19,7 +19,8 @@ from data.listing.folder import ImageIndex
 from evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
 from evaluation.rejection import BANK_SIZE, layer_names, seeded_subset
-from evaluation.trust import build_record
+from evaluation.reject_probe import probe_rejector, weak_note
+from evaluation.trust import build_record, usable_rejector
 from rundir.atomic_files import save_atomic
 from runtime import distributed as dist_utils
 from runtime.device import DeviceInput
@@ -84,11 +85,29 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     if dist.is_main and len(val):
         record = build_record(val, bank, cfg.calibration.temperature, cfg.calibration.coverage, cfg.train.seed,
                               layer_names=layer_names(eval_model))
+        probe_record(record, eval_model, device_input, eval_size(cfg.data), cfg.train.seed)
         best["calibration"] = record
         save_atomic(best, best_path)
         log_record(record, val)
     dist_utils.barrier()
     return record
+
+
+def input_channels(model: torch.nn.Module) -> int:
+    """The channels the model's first convolution takes (3 for a model without one)."""
+    first = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    return first.in_channels if first is not None else 3
+
+
+def probe_record(record: dict, model: torch.nn.Module, device_input: DeviceInput, size: int, seed: int) -> None:
+    """Add to `record` how much of each generated far-off kind its reject option rejects (`reject_probe`,
+    kind -> percent) and, when that is weak, `reject_notes` (evaluation.reject_probe). The thresholds and
+    fits are not touched: a separate pass fits the same ones."""
+    rejector = usable_rejector(record, have_features=record.get("feature_bank") is not None,
+                               have_layers=bool(record.get("layer_names")))
+    record["reject_probe"] = probe_rejector(model, device_input, rejector, size, input_channels(model), seed)
+    note = weak_note(record["reject_probe"], rejector.method)
+    record["reject_notes"] = [note] if note else []
 
 
 def log_record(record: dict, val: SplitOutputs) -> None:
@@ -100,7 +119,12 @@ def log_record(record: dict, val: SplitOutputs) -> None:
              len(val), "none" if t is None else f"{t:.4f}", nll(val.logits, val.labels),
              nll(val.logits, val.labels, t or 1.0), before, after, record["method"],
              record["thresholds"][record["method"]], 100 * record["coverage"])
+    if record.get("temperature_decision") and record["temperature_decision"] not in record.get("temperature_notes", []):
+        log.info("calibration: temperature %s", record["temperature_decision"])
     for note in record.get("temperature_notes", []):
         log.warning("calibration: %s", note)
+    if record.get("reject_probe"):
+        log.info("reject option on generated far-off images: %s rejected",
+                 ", ".join(f"{kind} {rate:.0f}%" for kind, rate in record["reject_probe"].items()))
     for note in record.get("reject_notes", []):
         log.warning("reject option: %s", note)

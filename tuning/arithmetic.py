@@ -10,9 +10,13 @@ from typing import Optional
 SMOOTHING = 0.9            # EMA weight of the past; debiased like fastai's / Lightning's lr_find
 KNEE_TOLERANCE = 0.05      # the throughput knee: the smallest batch within 5% of the best img/s
 DIVERGENCE_FACTOR = 4.0    # the LR range test stops once the smoothed loss exceeds 4x its minimum
-MINIMUM_DIVISOR = 10.0     # the suggestion is at most the LR of the loss minimum over this (fastai's `minimum`)
+# the suggestion is at most the LR of the loss minimum over this: fastai's `minimum` rule takes 10, which trained
+# the photos-like shapes 20 points below the recipe in 3 epochs; 4 trained both data sets measured within 2.1
+# points of it (docs/advice.md)
+MINIMUM_DIVISOR = 4.0
 LR_MIN_DROP = 0.10         # a suggestion is low-confidence when the loss fell less than this share before its minimum
 LR_MIN_POINTS = 5          # ... or fewer points than this lead down to the minimum
+RISE_SHARE = 0.5           # after its minimum the loss "rose back" once it undid this share of its fall
 
 
 def smooth(values: list[float], beta: float = SMOOTHING) -> list[float]:
@@ -169,6 +173,23 @@ def minimum_index(losses: list[float]) -> Optional[int]:
     return min(range(len(usable)), key=usable.__getitem__) if usable else None
 
 
+def rise_index(losses: list[float], minimum: Optional[int], skip_start: int = 0,
+               share: float = RISE_SHARE) -> Optional[int]:
+    """The first point after the minimum whose smoothed loss undid more than `share` of the fall from the start
+    (`skip_start`) to the minimum: training that the rising LR broke without the 4x jump `divergence_index`
+    needs (on a 10-class problem a broken model's loss sits near log 10, under 4x a minimum of 0.8)."""
+    if minimum is None or minimum <= skip_start:
+        return None
+    start, low = losses[skip_start], losses[minimum]
+    fall = start - low
+    if not fall > 0:
+        return None
+    for i in range(minimum + 1, len(losses)):
+        if not math.isfinite(losses[i]) or losses[i] > low + share * fall:
+            return i
+    return None
+
+
 def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
     """Where the smoothed loss falls fastest against log(LR) on the way down to its minimum (fastai's `steep`
     suggestion): only points before the minimum count, so a brief dip after the loss has blown up (a spike
@@ -182,11 +203,12 @@ def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: in
 
 
 def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[int], diverged: Optional[int],
-                  skip_start: int) -> tuple[str, list[str]]:
+                  skip_start: int, rose: Optional[int] = None) -> tuple[str, list[str]]:
     """How sure the suggestion is: `high`, `medium` or `low`, and the reasons for anything less than high.
     Low: the loss hardly fell before its minimum (under LR_MIN_DROP of its start), the minimum sits at the end of
     a range that never diverged (a better LR may lie beyond it), or too few points lead down to it. Medium:
-    the loss never diverged (how far above the suggestion a run still survives is unknown)."""
+    the loss never diverged nor rose back (`rise_index`): how far above the suggestion a run still survives is
+    unknown."""
     if steep is None or minimum is None:
         return "low", ["too few points before the loss reached its minimum"]
     start = losses[skip_start]
@@ -195,39 +217,59 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
     if drop < LR_MIN_DROP:
         reasons.append(f"the smoothed loss fell only {100 * drop:.0f}% before its minimum (under "
                        f"{100 * LR_MIN_DROP:.0f}%)")
-    if diverged is None and minimum >= len(losses) - 2:
+    if diverged is None and rose is None and minimum >= len(losses) - 2:
         reasons.append("the loss was still falling at the top of the range: raise the high end of --lr-range")
     if minimum - skip_start < LR_MIN_POINTS:
         reasons.append(f"only {minimum - skip_start} points lead down to the minimum: give more --steps or lower "
                        f"the low end of --lr-range")
     if reasons:
         return "low", reasons
-    if diverged is None:
+    if diverged is None and rose is None:
         reasons.append("the loss never diverged within the range, so how far above the suggestion training "
                        "still survives is not known")
     return ("medium", reasons) if reasons else ("high", [])
 
 
-def lr_suggestion(lrs: list[float], losses: list[float]) -> dict:
+def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tuple[float, float, int]] = None) -> dict:
     """The LR range test's result. `suggested_lr`, the one to use: the smaller of the steepest descent before
-    the minimum and a tenth of the minimum's LR (fastai's `minimum` rule). The minimum sits where the loss
+    the minimum and the minimum's LR over MINIMUM_DIVISOR (4; fastai's `minimum` rule takes a tenth). The minimum sits where the loss
     stops falling within a run that only lasts as long as the test and whose LR keeps rising; a whole run at
     one peak LR survives only well below it, and the steepest point on a short, flat-then-falling curve can
-    sit close to it. Also the steepest descent, the minimum, the divergence, and `confidence` (with
-    `confidence_reasons`, see `lr_confidence`)."""
+    sit close to it. Also the steepest descent, the minimum, the divergence, where the loss rose back without
+    diverging (`rise_lr`, the highest loss after it `rise_loss`), `confidence` (with `confidence_reasons`, see
+    `lr_confidence`) and `rerun`: for a low confidence, the --lr-range and --steps to try instead of
+    `requested` (low, high, steps asked; default: the LRs tested, which end early at a divergence)."""
     skip = min(len(lrs) // 10, 10)
     steep = steepest_descent_index(lrs, losses, skip_start=skip)
     minimum = minimum_index(losses)
     diverged = divergence_index(losses)
+    rose = rise_index(losses, minimum, skip) if diverged is None else None
     suggested = None
     if steep is not None:
         suggested = min(lrs[steep], lrs[minimum] / MINIMUM_DIVISOR)
-    confidence, reasons = lr_confidence(losses, steep, minimum, diverged, skip)
+    confidence, reasons = lr_confidence(losses, steep, minimum, diverged, skip, rose)
     return {"suggested_lr": suggested, "steepest_lr": lrs[steep] if steep is not None else None,
             "minimum_lr": lrs[minimum] if minimum is not None else None,
             "divergence_lr": lrs[diverged] if diverged is not None else None,
-            "steepest_index": steep, "minimum_index": minimum, "divergence_index": diverged,
-            "confidence": confidence, "confidence_reasons": reasons}
+            "rise_lr": lrs[rose] if rose is not None else None,
+            "rise_loss": max(losses[rose:]) if rose is not None else None,
+            "steepest_index": steep, "minimum_index": minimum, "divergence_index": diverged, "rise_index": rose,
+            "confidence": confidence, "confidence_reasons": reasons,
+            "rerun": rerun_settings(requested or (lrs[0], lrs[-1], len(lrs)), reasons) if confidence == "low" else None}
+
+
+def rerun_settings(requested: tuple[float, float, int], reasons: list[str]) -> dict:
+    """What a low-confidence test's reasons ask for: `low`, `high`, `steps` of the next test (the high end
+    100x higher when the loss still fell at the top; twice the steps when the loss hardly fell (each LR is
+    then held twice as long); a 10x lower start too when too few points led down to its minimum)."""
+    low, high, steps = requested
+    if any("raise the high end" in r for r in reasons):
+        high *= 100
+    if any("points lead down" in r or "too few points" in r for r in reasons):
+        low = low / 10
+    if any("fell only" in r or "points lead down" in r or "too few points" in r for r in reasons):
+        steps = steps * 2
+    return {"low": low, "high": high, "steps": steps}
 
 
 def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict], Optional[float], int]:

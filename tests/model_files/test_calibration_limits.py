@@ -1,6 +1,6 @@
-"""Calibration at its limits (issue 34): a fit that ends at a bound, a split with no errors or too few images
-is said in the record, the log and eval.py's output, and the temperature never sharpens the softmax without
-errors to calibrate against."""
+"""Calibration at its limits (issues 34, 51): a fit that ends at a bound, a split with no errors or too few
+images is said in the record, the log and eval.py's output; the fit has a prior on T, so a split with few
+errors is calibrated, and a temperature that would raise the held-out ECE is never applied."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,8 @@ import torch
 
 from commands.report import format_trust_line
 from evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
-                                           calibrated_temperature, fit_temperature)
+                                    apply_temperature, calibrated_temperature, expected_calibration_error,
+                                    fit_temperature, held_out_probs)
 from evaluation.split_outputs import SplitOutputs
 from evaluation.trust import build_record, export_record, trust_metrics
 
@@ -23,13 +24,84 @@ def all_right_split(n=300, classes=4, seed=0):
     return logits, labels
 
 
-def test_a_split_without_errors_keeps_the_plain_softmax():
+def test_a_split_without_errors_is_sharpened_only_as_far_as_the_prior_lets():
     logits, labels = all_right_split()
-    assert fit_temperature(logits, labels) == MIN_TEMPERATURE          # the raw fit runs to the bound
+    assert fit_temperature(logits, labels) == MIN_TEMPERATURE          # the raw NLL fit runs to the bound
     fit = calibrated_temperature(logits, labels)
-    assert fit.temperature == 1.0 and fit.fitted == MIN_TEMPERATURE and fit.errors == 0
-    assert any("lower bound" in n for n in fit.notes)
-    assert any("0 error(s)" in n and "kept at 1.0" in n for n in fit.notes)
+    assert 0.2 < fit.temperature < 1.0 and fit.fitted == fit.temperature and fit.errors == 0
+    assert any("0 error(s)" in n and "rests on few errors" in n for n in fit.notes)
+    assert fit.decision.startswith("applied")
+    plain = expected_calibration_error(apply_temperature(logits, None), labels)
+    assert expected_calibration_error(apply_temperature(logits, fit.temperature), labels) < plain
+
+
+def smoothed_model_split(n=360, classes=10, errors=3, seed=0):
+    """A 98%-99%-accurate label-smoothed model: every max probability near 0.91 (smoothing 0.1 over 10
+    classes), so under-confident, with `errors` of `n` wrong."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    logits = torch.randn(n, classes, generator=g) * 0.2
+    logits[torch.arange(n), labels] += 4.6
+    wrong = torch.arange(errors)
+    logits[wrong, (labels[wrong] + 1) % classes] += 6.0
+    return logits, labels
+
+
+def test_an_accurate_label_smoothed_model_is_calibrated_despite_few_errors():
+    """Issue 51: the under-5-errors rule kept T = 1 and ECE ~9%; the MAP fit with held-out check brings it
+    under 3% on a second draw of the same model (a test split)."""
+    logits, labels = smoothed_model_split()
+    fit = calibrated_temperature(logits, labels)
+    assert fit.errors == 3 and fit.temperature < 0.9 and fit.decision.startswith("applied")
+    test_logits, test_labels = smoothed_model_split(seed=1)
+    plain = expected_calibration_error(apply_temperature(test_logits, None), test_labels)
+    assert plain > 5.0
+    assert expected_calibration_error(apply_temperature(test_logits, fit.temperature), test_labels) <= 3.0
+
+
+def test_a_temperature_that_raises_the_held_out_ece_is_declined(monkeypatch):
+    """Issue 51: a 3-epoch photos fit took T to 2.21 and the log said 'ECE 16.88% -> 27.01%', applied. Here
+    a calibrated model (labels drawn from its own softmax) and fits that both soften it 3x: the folds they
+    were not fitted on get worse, so the plain softmax stays and the note says why."""
+    from evaluation import calibration
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(400, 3, generator=g) * 3.0
+    labels = torch.multinomial(logits.softmax(1), 1, generator=g).squeeze(1)
+    monkeypatch.setattr(calibration, "TEMPERATURE_FITS", {"too soft": lambda z, y: 3.0, "softer": lambda z, y: 4.0})
+    fit = calibrated_temperature(logits, labels)
+    plain = expected_calibration_error(apply_temperature(logits, None), labels)
+    assert expected_calibration_error(held_out_probs(logits, labels, fit=lambda z, y: 3.0), labels) > plain
+    assert fit.temperature == 1.0 and fit.fitted == 3.0
+    assert fit.decision.startswith("declined T = 3 (too soft), kept 1.0") and fit.decision in fit.notes
+
+
+def test_a_held_out_gain_within_the_noise_is_declined():
+    """A fit that lowers the held-out ECE by under 10% of it (the 70-image photos split: 11.11% -> 10.67%, whose
+    T then raised the test ECE from 10.20% to 15.05%) is declined."""
+    from evaluation import calibration
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(300, 4, generator=g) * 2.0
+    labels = torch.multinomial((logits / 1.05).softmax(1), 1, generator=g).squeeze(1)
+    fit_t = calibration.map_temperature(logits, labels)
+    plain = expected_calibration_error(apply_temperature(logits, None), labels)
+    held = {name: expected_calibration_error(held_out_probs(logits, labels, fit=f), labels)
+            for name, f in calibration.TEMPERATURE_FITS.items()}
+    fit = calibrated_temperature(logits, labels)
+    assert 0.9 * plain < min(held.values()) < plain and fit_t != 1.0     # a gain, but within the noise
+    assert fit.temperature == 1.0 and fit.decision.startswith("declined")
+
+
+def test_the_applied_temperature_never_raises_the_validation_ece():
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randn(200, 4, generator=g) * (0.5 + seed)
+        labels = torch.multinomial(base.softmax(1), 1, generator=g).squeeze(1)
+        fit = calibrated_temperature(base * (0.3 + 0.5 * seed), labels)
+        plain = expected_calibration_error(apply_temperature(base * (0.3 + 0.5 * seed), None), labels)
+        assert expected_calibration_error(apply_temperature(base * (0.3 + 0.5 * seed), fit.temperature),
+                                          labels) <= plain
 
 
 def test_a_split_with_enough_errors_may_sharpen():
@@ -39,19 +111,19 @@ def test_a_split_with_enough_errors_may_sharpen():
     labels = torch.multinomial(base.softmax(1), 1, generator=g).squeeze(1)
     fit = calibrated_temperature(base / 4.0, labels)
     assert fit.errors >= MIN_CALIBRATION_ERRORS and 0.15 < fit.temperature < 0.4
-    assert fit.temperature == fit.fitted and fit.notes == []
+    assert fit.temperature == fit.fitted and fit.notes == [] and fit.decision.startswith("applied")
 
 
-def test_few_errors_do_not_sharpen_and_the_upper_bound_is_said():
+def test_a_small_split_and_the_upper_bound_are_said():
     logits, labels = all_right_split(n=40)
     labels[:2] = (logits[:2].argmax(1) + 1) % 4                          # two errors, 40 images
     fit = calibrated_temperature(logits, labels)
-    assert fit.errors == 2 and fit.temperature >= 1.0
+    assert fit.errors == 2
     assert any("only 40 validation images" in n for n in fit.notes)
     noise = torch.randn(500, 4, generator=torch.Generator().manual_seed(2)) * 50   # confident, random labels
     random_labels = torch.randint(0, 4, (500,), generator=torch.Generator().manual_seed(3))
     fit = calibrated_temperature(noise, random_labels)
-    assert fit.temperature == MAX_TEMPERATURE and any("upper bound" in n for n in fit.notes)
+    assert fit.fitted == MAX_TEMPERATURE and any("upper bound" in n for n in fit.notes)
 
 
 def test_the_notes_reach_the_record_the_export_and_eval_output(caplog):
@@ -60,13 +132,15 @@ def test_the_notes_reach_the_record_the_export_and_eval_output(caplog):
     logits, labels = all_right_split()
     val = SplitOutputs(logits, labels, torch.arange(len(labels)), None)
     record = build_record(val, None, "auto", 0.95, seed=0)
-    assert record["temperature"] == 1.0 and len(record["temperature_notes"]) == 2
+    assert record["temperature"] < 1.0 and len(record["temperature_notes"]) == 1
+    assert record["temperature_decision"].startswith("applied")
     assert export_record(record)["temperature_notes"] == record["temperature_notes"]
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         log_record(record, val)
     assert "calibration: the validation split has 0 error(s)" in caplog.text
+    assert "calibration: temperature applied T = " in caplog.text and "held-out ECE" in caplog.text
     trust = trust_metrics(val, record)
     assert trust["calibration_notes"] == record["temperature_notes"]
     line = format_trust_line(trust)
-    assert line.count("calibration warning:") == 2 and "lower bound" in line
+    assert line.count("calibration warning:") == 1 and "0 error(s)" in line
     assert build_record(val, None, 2.5, 0.95, seed=0)["temperature_notes"] == []

@@ -102,6 +102,11 @@ def test_best_pt_carries_the_calibration_record(trained):
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     assert 0.05 <= record["temperature"] <= 20 and record["temperature_setting"] == "auto"
     assert record["method"] == "mahalanobis_layers" and record["coverage"] == 0.95 and record["num_samples"] == 36
+    # how much of generated far-off images the fit rejects (issue 51), and a note when that is weak
+    assert list(record["reject_probe"]) == ["noise", "flat colours", "strokes", "grey blocks"]
+    assert all(0.0 <= rate <= 100.0 for rate in record["reject_probe"].values())
+    assert bool(record["reject_notes"]) == (sum(record["reject_probe"].values()) / 4 < 75.0)
+    assert record["temperature_decision"].startswith(("applied", "declined"))
     assert record["class_means_l2"].shape[0] == 3 and record["precision_l2"].shape[0] == record["precision_l2"].shape[1]
     # resnet10t's five stages, each pooled to (mean, std) of at most 128 channel groups: a bounded fit per stage
     assert record["layer_names"] == ["act1", "layer1", "layer2", "layer3", "layer4"]
@@ -197,6 +202,7 @@ def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
         (explained,) = results[path]["explain"]
         x, y = explained["peak"]
         assert 0 <= x < 2 * SIZE and 0 <= y < 2 * SIZE and explained["label"] == results[path]["label"]
+        assert explained["layer"] == "layer2"                  # 8x8 cells at 64 px; layer4 would be 2x2
         assert Image.open(explained["overlay"]).size == (2 * SIZE, 2 * SIZE)
         hits += ("t" if y < SIZE else "b") + ("l" if x < SIZE else "r") == corner
     assert hits >= 0.75 * len(rows), hits

@@ -196,7 +196,7 @@ def test_reject_option_on_constant_colour_data_keeps_every_copy_in_every_pass_an
     foreign = SplitOutputs(val.logits, val.labels, val.indices, val.features + 0.5, [x + 0.5 for x in val.layers])
     rejector = rejector_from_record(record)
     assert rejector.rejected(rejector.scores(foreign.logits, foreign.features, foreign.layers)).all()
-    assert any("constant up to float rounding" in n for n in trust_metrics(val, record)["calibration_notes"])
+    assert any("constant up to float rounding" in n for n in trust_metrics(val, record)["reject_notes"])
 
 
 def test_a_threshold_never_falls_between_copies_and_one_on_few_images_is_warned():
@@ -212,3 +212,64 @@ def test_a_threshold_never_falls_between_copies_and_one_on_few_images_is_warned(
     many = SplitOutputs(torch.randn(40, 3, generator=g), torch.arange(40) % 3, torch.arange(40),
                         torch.randn(40, 8, generator=g))
     assert build_record(many, bank, "none", 0.95, seed=0)["reject_notes"] == []
+
+
+def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
+    """Issue 51: at 48 px ResNet's last stage is a 2x2 map, coarser than the objects; Grad-CAM reads the
+    deepest stage with at least 6 cells a side, and says which."""
+    import timm
+
+    from evaluation.explain import Explainer, MIN_CAM_CELLS, target_layer
+
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=3)
+    assert target_layer(model, 224)[0] == "layer4"                  # 7x7
+    assert target_layer(model, 48)[0] == "layer2"                   # 6x6 (layer3: 3x3, layer4: 2x2 or less)
+    assert target_layer(model, 8)[0] == "act1"                      # nothing fine enough: the finest stage
+    assert target_layer(model)[0] == "layer4"                       # no input size: the last stage
+    explainer = Explainer(model, 48)
+    try:
+        assert explainer.describe() == "'layer2' (6x6 cells)" and MIN_CAM_CELLS == 6
+        cams = explainer.heatmaps(torch.randn(2, 3, 48, 48), [0, 1])
+        assert cams.shape == (2, 48, 48)
+    finally:
+        explainer.close()
+
+
+def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_weak():
+    """Issue 51: a 3-epoch photos model rejected 51.6% of digit images while 10-epoch ones rejected 93-94%;
+    the fit measures its rejection of generated far-off images and says when it is weak."""
+    from commands.report import format_trust_line
+    from evaluation.reject_probe import PROBE_KINDS, far_off_image, probe_batches, rejection_rates, weak_note
+
+    rng = np.random.default_rng(0)
+    for kind in PROBE_KINDS:
+        image = far_off_image(kind, rng, 40, 3)
+        assert image.shape == (3, 40, 40) and image.dtype == np.uint8
+    assert float(far_off_image("flat colours", rng, 16, 3).std(axis=(1, 2)).max()) == 0.0
+    batches = probe_batches(32, 1, seed=0, per_kind=5)
+    assert [b[0].shape for b in batches] == [(5, 1, 32, 32)] * len(PROBE_KINDS)
+    assert torch.equal(probe_batches(32, 1, seed=0, per_kind=5)[2][0], batches[2][0])   # seeded
+    scores = {"noise": torch.tensor([-5.0, 1.0, 2.0, 1.0]), "strokes": torch.tensor([-9.0, -8.0, 7.0, 6.0])}
+    rates = rejection_rates(scores, threshold=0.0)
+    assert rates == {"noise": 25.0, "strokes": 50.0}
+    note = weak_note(rates, "mahalanobis_layers")
+    assert note is not None and "only 38% of generated far-off images" in note and "noise 25%, strokes 50%" in note
+    assert weak_note({"noise": 100.0, "strokes": 92.0, "grey blocks": 71.0}, "energy") is None   # mean 88%
+    line = format_trust_line({"ece": 1.0, "ece_uncalibrated": 2.0, "nll": 0.5, "temperature": 1.0,
+                              "selective": {"threshold": None}, "reject_notes": [note]})
+    assert f"reject warning: {note}" in line
+
+
+def test_the_probe_scores_far_off_images_through_the_model():
+    import timm
+
+    from evaluation.reject_probe import PROBE_KINDS, probe_rejector
+    from evaluation.rejection import Rejector
+    from runtime.device import DeviceInput
+
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=3).eval()
+    device_input = DeviceInput(torch.device("cpu"), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), False, None)
+    everything = probe_rejector(model, device_input, Rejector("energy", float("inf")), 32, 3, seed=0)
+    nothing = probe_rejector(model, device_input, Rejector("energy", -float("inf")), 32, 3, seed=0)
+    assert list(everything) == list(PROBE_KINDS)
+    assert set(everything.values()) == {100.0} and set(nothing.values()) == {0.0}

@@ -51,6 +51,46 @@ def test_curves_draw_any_run_length_and_columns_with_gaps(tmp_path):
         assert Image.open(tmp_path / name).size == (960, 288)
 
 
+def colour_pixels(image, colour: str, left: int, right: int) -> int:
+    rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    pixels = image.convert("RGB").load()
+    return sum(pixels[x, y] == rgb for x in range(left, right) for y in range(image.size[1]))
+
+
+def test_mean_class_accuracy_over_top1_leaves_top1_visible(tmp_path):
+    """Issue 51: on a balanced split mean class accuracy equals top-1 and was drawn exactly over it."""
+    columns = {"epoch": [1.0, 2.0, 3.0, 4.0], "lr": [0.1] * 4, "train_loss": [2.0, 1.5, 1.2, 1.0],
+               "val_top1": [40.0, 55.0, 70.0, 80.0], "val_top5": [80.0, 90.0, 95.0, 97.0],
+               "val_mean_class_acc": [40.0, 55.0, 70.0, 80.0]}
+    image = Image.open(draw_curves(columns, tmp_path / "c.png"))
+    top1, mean_class = curves.COLOURS[0], curves.COLOURS[2]
+    assert colour_pixels(image, top1, 640, 960) > 150          # the line, not only its legend swatch (32 px)
+    assert colour_pixels(image, mean_class, 640, 960) > 150
+    labels = [line[0] for line in curves.mark_coinciding([("top1", columns["val_top1"], top1),
+                                                          ("mean_class_acc", columns["val_mean_class_acc"], mean_class)])]
+    assert labels == ["top1", "mean_class_acc (= top1, dashed)"]
+
+
+def red_pixels(image, left: int, right: int) -> int:
+    """The note's (anti-aliased) text: clearly red, which nothing else in the LR panel is."""
+    pixels = image.convert("RGB").load()
+    return sum(r - g > 80 and r - b > 60 for x in range(left, right) for y in range(image.size[1])
+               for r, g, b in [pixels[x, y]])
+
+
+def test_a_warmup_longer_than_the_run_is_said_in_the_lr_panel(tmp_path):
+    (tmp_path / "metrics.csv").write_text(HEADER + "1,10,0.02,2.0,40,80,1.5,41\n2,20,0.04,1.2,60,90,1.1,62\n")
+    (tmp_path / "config.yaml").write_text("train: {epochs: 2}\nschedule: {warmup_epochs: 5.0}\n")
+    write_curves(tmp_path, enabled=True)
+    note = curves.warmup_note(tmp_path, read_columns(tmp_path / "metrics.csv"))
+    assert note == "warmup 5 ep >= run's 2 ep: no peak LR"
+    assert red_pixels(Image.open(tmp_path / CURVES_FILE), 320, 640) > 50
+    (tmp_path / "config.yaml").write_text("train: {epochs: 2}\nschedule: {warmup_epochs: 1.0}\n")
+    write_curves(tmp_path, enabled=True)
+    assert curves.warmup_note(tmp_path, read_columns(tmp_path / "metrics.csv")) is None
+    assert red_pixels(Image.open(tmp_path / CURVES_FILE), 320, 640) == 0
+
+
 @pytest.mark.slow
 def test_a_run_leaves_its_curves(tmp_path, tiny_tree):
     run_dir = tmp_path / "run"
