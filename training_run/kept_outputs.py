@@ -1,10 +1,11 @@
 """The validation outputs the fits after training need (every sample's logits, penultimate features and the
-stages' pooled statistics), recorded during each validation pass and kept from the pass that made best.pt:
+stages' pooled statistics), recorded during the last validation passes and kept from the pass that made best.pt:
 the temperature and the reject fit then take them instead of passing over the validation split again.
 
 Kept in memory only, per rank (calibrate_best gathers them as it gathers its own pass): a resumed run whose
-best epoch came before the stop has none, and a split too large for KEEP_BYTES records none; the calibration
-then passes over the split as before.
+best epoch came before the stop has none, nor has a run whose best epoch came before the recorded
+validations, and a split too large for KEEP_BYTES records none; the calibration then passes over the split
+as before.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import torch
 from evaluation.rejection import layer_names
 from evaluation.split_outputs import OutputRecorder, SplitOutputs
 
+# Recording costs 4-9% of a validation pass's model time (resnet18 / resnet10t, 32-128 px, one CPU thread:
+# docs/performance.md) and saves one pass: only the last RECORDED_VALIDATIONS scheduled validations record,
+# where a scheduled run's best epoch mostly is; a best epoch before them is passed over again.
+RECORDED_VALIDATIONS = 5
 # What one rank keeps at most (the kept pass's outputs and the one being recorded, each): resnet18's 512
 # features, five stages of at most 256 statistics and the logits are ~8 KB a sample, so ~30000 samples.
 KEEP_BYTES = 256 * 2**20
@@ -50,11 +55,13 @@ class KeptOutputs:
         self.kept: Optional[SplitOutputs] = None
         self.kept_epoch: Optional[int] = None
 
-    def start(self, model: torch.nn.Module, on_outputs: Optional[Callable]) -> Optional[Callable]:
-        """Begin recording a pass of `model`; returns the `on_outputs` to give `evaluate` (the objective's
-        too). Call `finish()` after the pass, also when it failed."""
+    def start(self, model: torch.nn.Module, on_outputs: Optional[Callable],
+              validations_left: int = 1) -> Optional[Callable]:
+        """Begin recording a pass of `model` (when it is one of the last RECORDED_VALIDATIONS: `validations_left`
+        counts it and the run's later ones); returns the `on_outputs` to give `evaluate` (the objective's too).
+        Call `finish()` after the pass, also when it failed."""
         self.last = None
-        if not self.enabled:
+        if not self.enabled or validations_left > RECORDED_VALIDATIONS:
             return on_outputs
         self.recorder = BoundedRecorder(model, layer_names(model), self.limit)
         if on_outputs is None:

@@ -154,7 +154,7 @@ class Trainer:
         batches = self.val_batches if self.val_batches is not None else r.data.val_loader
         self.val_batches = None
         model, on_outputs = r.objective.validation_model(r.models.eval_model)
-        on_outputs = self.kept_outputs.start(r.models.eval_model, on_outputs)
+        on_outputs = self.kept_outputs.start(r.models.eval_model, on_outputs, self.validations_left())
         completed = False
         try:
             with stopping, r.reporter.validation(r.data.val_loader) as on_batch:
@@ -170,6 +170,12 @@ class Trainer:
         metrics["skipped_files"] = len(paths)
         self.val_skipped_files = paths
         return metrics
+
+    def validations_left(self) -> int:
+        """The scheduled validations from the current epoch's on (early stopping may end the run sooner)."""
+        t = self.run.cfg.train
+        return sum(validation_due(done, t.epochs, t.val_interval) for done in range(self.run.state.epoch + 1,
+                                                                                   t.epochs + 1))
 
     def end_epoch(self, epoch: int, metrics: Optional[dict], counters: EpochCounters, seconds: float,
                   resumed: EpochCounters) -> None:

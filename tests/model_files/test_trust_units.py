@@ -187,7 +187,7 @@ def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
     from evaluation.split_outputs import collect_outputs
     from runtime.device import DeviceInput
     from tasks import get_task
-    from training_run.kept_outputs import KeptOutputs
+    from training_run.kept_outputs import RECORDED_VALIDATIONS, KeptOutputs
 
     torch.manual_seed(0)
     model = timm.create_model("resnet10t", num_classes=3).eval()
@@ -211,6 +211,11 @@ def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
     small.finish(completed=True)
     small.keep(epoch=1)
     assert small.outputs() is None
+    early = KeptOutputs(enabled=True)  # more than RECORDED_VALIDATIONS to come: this pass records nothing
+    assert early.start(model, None, validations_left=RECORDED_VALIDATIONS + 1) is None
+    early.finish(completed=True)
+    early.keep(epoch=0)
+    assert early.outputs() is None and not any(m._forward_hooks for m in model.modules())
     stopped = KeptOutputs(enabled=True)
     stopped.start(model, None)
     stopped.finish(completed=False)  # a pass a stop signal ended keeps nothing
