@@ -39,7 +39,7 @@ from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
 from data.eval_preprocessing import EvalPreprocessing, centre_region, resize_size
-from data.images import decode_rgb, open_image, oriented_size, require_regular_file
+from data.images import decode_plain_jpeg, decode_rgb, open_image, oriented_size, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -100,9 +100,7 @@ class TrainTransform:
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
         # The decoded image only has to keep the crop at >= img_size pixels (a JPEG's draft scale).
         need = (math.ceil(width * self.img_size / w), math.ceil(height * self.img_size / h))
-        image = source.rgb(min_size=need)
-        # Only the crop's pixels become a tensor (the copy out of PIL costs as much as the resize).
-        crop = F.pil_to_tensor(image.crop(decoded_box(image.size, (width, height), (left, top, left + w, top + h))))
+        crop = source.crop_tensor((left, top, left + w, top + h), min_size=need)
         crop_size = (crop.shape[-1], crop.shape[-2])
         out = resized_crop(crop, crop_size, (0, 0, *crop_size), self.img_size, self.interpolation)
         if self.hflip > 0 and rng.random() < self.hflip:
@@ -125,6 +123,19 @@ class SourceImage:
         self.buf = buf
         self._pil = open_image(io.BytesIO(buf), name=name)
         self.size = oriented_size(self._pil)
+
+    def crop_tensor(self, box, min_size: tuple[int, int] | None = None) -> torch.Tensor:
+        """The pixels of `box` (left, top, right, bottom in displayed pixels) as a uint8 CHW tensor, from a
+        decode at least `min_size` large: a plain JPEG's by libjpeg-turbo into an array
+        (`data.images.decode_plain_jpeg`), the rest through PIL; the same pixels either way."""
+        array = decode_plain_jpeg(self._pil, self.buf, min_size) if self._pil is not None else None
+        if array is not None:
+            self._pil = None
+            left, top, right, bottom = decoded_box((array.shape[1], array.shape[0]), self.size, box)
+            return torch.from_numpy(array[top:bottom, left:right]).permute(2, 0, 1)
+        image = self.rgb(min_size=min_size)
+        # Only the crop's pixels become a tensor (the copy out of PIL costs as much as the resize).
+        return F.pil_to_tensor(image.crop(decoded_box(image.size, self.size, box)))
 
     def rgb(self, min_size: tuple[int, int] | None = None) -> Image.Image:
         """Decode through PIL with the pixel policy (`data.images.decode_rgb`)."""

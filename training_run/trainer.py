@@ -26,6 +26,7 @@ from training.loop import EpochParts, train_one_epoch
 from training.optim import base_lr
 from training.schedule import validation_due
 from training_run.calibrate import best_is_calibrated, calibrate_best
+from training_run.kept_outputs import KeptOutputs
 from training_run.run import Run, build_run
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class Trainer:
         self.val_batches = None  # the next validation's batches, when they were started ahead
         self.warned_undefined_metric = False  # said once: early_stop.metric is undefined on the validation split
         self.saves = RunSaves(run)
+        # the validation outputs the calibration after training fits on, kept from the pass that made best.pt
+        self.kept_outputs = KeptOutputs(task_of(run.cfg).supports("calibration"))
         self.parts = EpochParts(log=run.reporter, saves=self.saves, stop=AgreedStop(run),
                                 log_interval=run.cfg.output.log_interval)
 
@@ -151,9 +154,15 @@ class Trainer:
         batches = self.val_batches if self.val_batches is not None else r.data.val_loader
         self.val_batches = None
         model, on_outputs = r.objective.validation_model(r.models.eval_model)
-        with stopping, r.reporter.validation(r.data.val_loader) as on_batch:
-            sums, unreadable = evaluate(model, batches, r.step.input, task_of(r.cfg), r.classes,
-                                        on_batch=on_batch, should_stop=should_stop, on_outputs=on_outputs)
+        on_outputs = self.kept_outputs.start(r.models.eval_model, on_outputs, self.validations_left())
+        completed = False
+        try:
+            with stopping, r.reporter.validation(r.data.val_loader) as on_batch:
+                sums, unreadable = evaluate(model, batches, r.step.input, task_of(r.cfg), r.classes,
+                                            on_batch=on_batch, should_stop=should_stop, on_outputs=on_outputs)
+            completed = True
+        finally:
+            self.kept_outputs.finish(completed)
         sums.all_reduce()
         metrics = sums.compute() | r.objective.validation_metrics(model)
         paths = [r.data.val_index.paths[i] for i in dist_utils.union_of_lists(unreadable)]
@@ -161,6 +170,12 @@ class Trainer:
         metrics["skipped_files"] = len(paths)
         self.val_skipped_files = paths
         return metrics
+
+    def validations_left(self) -> int:
+        """The scheduled validations from the current epoch's on (early stopping may end the run sooner)."""
+        t = self.run.cfg.train
+        return sum(validation_due(done, t.epochs, t.val_interval) for done in range(self.run.state.epoch + 1,
+                                                                                   t.epochs + 1))
 
     def end_epoch(self, epoch: int, metrics: Optional[dict], counters: EpochCounters, seconds: float,
                   resumed: EpochCounters) -> None:
@@ -171,6 +186,7 @@ class Trainer:
                                                                       es.patience)
         if improved:
             r.checkpointer.save_best(r.state, metrics)
+            self.kept_outputs.keep(epoch)
         deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
         if deciding != es.metric and not self.warned_undefined_metric:
             self.warned_undefined_metric = True
@@ -193,7 +209,7 @@ class Trainer:
     def calibrate(self) -> None:
         r = self.run
         calibrate_best(r.cfg, r.run_dir, r.models.eval_model, r.data.val_loader, r.data.train_index, r.step.input,
-                       r.runtime.dist)
+                       r.runtime.dist, val_outputs=self.kept_outputs.outputs())
 
     def write_summary(self) -> None:
         r = self.run

@@ -79,6 +79,33 @@ def test_other_modes_fall_back_to_pil_with_the_same_policy(tmp_path):
     assert torch.equal(_whole_image_transform(64)(png), _reference(png, 64))
 
 
+@pytest.mark.parametrize("size", [(96, 72), (640, 480), (1000, 750)])
+def test_libjpeg_turbo_decodes_plain_jpegs_to_the_pil_path_s_pixels(tmp_path, monkeypatch, size):
+    """Training's random crops of a plain JPEG, from libjpeg-turbo's array (simplejpeg, at PIL draft's scale:
+    full, 1/2, 1/4, 1/8 by the crop) and from PIL: the same pixels. A rotated, grey, CMYK or non-JPEG file is
+    PIL's alone."""
+    import data.images as images
+
+    path = _jpeg(tmp_path / "a.jpg", size, seed=3)
+    transforms = [TrainTransform(s, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip=0.5, color_jitter=0.0,
+                                 interpolation="bilinear") for s in (16, 64, 224)]
+    with open_image(path) as pil:
+        array = images.decode_plain_jpeg(pil, path.read_bytes(), (size[0] // 8, size[1] // 8))
+    assert (array is not None) == (images.simplejpeg is not None)  # a requirement: absent, PIL decodes it
+    if array is not None:
+        assert array.shape == ((size[1] + 7) // 8, (size[0] + 7) // 8, 3)  # the 1/8 draft PIL would take
+    fast = [t(path, seed) for t in transforms for seed in range(8)]
+    monkeypatch.setattr(images, "simplejpeg", None)
+    assert all(torch.equal(a, t(path, seed)) for a, (t, seed) in
+               zip(fast, [(t, seed) for t in transforms for seed in range(8)]))
+    monkeypatch.undo()
+    for name, kwargs in (("rotated.jpg", {"orientation": 6}), ("grey.jpg", {"mode": "L"}),
+                         ("cmyk.jpg", {"mode": "CMYK"})):
+        other = _jpeg(tmp_path / name, size, **kwargs)
+        with open_image(other) as pil:
+            assert images.decode_plain_jpeg(pil, other.read_bytes(), (16, 16)) is None, name
+
+
 def test_truncated_jpeg_is_still_refused(tmp_path):
     path = _jpeg(tmp_path / "a.jpg", (96, 72))
     data = path.read_bytes()

@@ -406,7 +406,8 @@ def test_convert_sync_bn_replaces_every_batchnorm():
 @pytest.mark.slow
 def test_calibration_gathers_every_validation_sample_once_and_equals_one_process(ddp_run, data_root):
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
-    once (17 and 120, split unevenly over the ranks), as a single process computes them."""
+    once (17 and 120, split unevenly over the ranks), as a single process computes them. The validation
+    outputs are the ones each rank's validation pass kept (gathered, no second pass)."""
     from data.listing.folder import scan_split
     from evaluation.calibration import calibrated_temperature
     from evaluation.split_outputs import collect_outputs
@@ -414,6 +415,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
 
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "kept from the pass that chose best.pt (no second pass)" in (out / "train.log").read_text()
     best = torch.load(out / "best.pt", weights_only=True)
     record = best["calibration"]
     assert record["num_samples"] == VAL_SIZE and record["feature_bank"].shape[0] == 120

@@ -273,3 +273,49 @@ def test_the_probe_scores_far_off_images_through_the_model():
     nothing = probe_rejector(model, device_input, Rejector("energy", -float("inf")), 32, 3, seed=0)
     assert list(everything) == list(PROBE_KINDS)
     assert set(everything.values()) == {100.0} and set(nothing.values()) == {0.0}
+
+
+def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
+    """Training's validation records what the fits after training need; what it keeps equals a separate
+    collect_outputs pass bitwise (no second pass needed), the objective's own receiver still sees every
+    batch, and a split over the byte limit keeps nothing (the calibration then passes again)."""
+    import timm
+
+    from evaluation.evaluate import evaluate
+    from evaluation.split_outputs import collect_outputs
+    from runtime.device import DeviceInput
+    from tasks import get_task
+    from training_run.kept_outputs import RECORDED_VALIDATIONS, KeptOutputs
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", num_classes=3).eval()
+    batches = [(torch.randint(0, 256, (4, 3, 24, 24), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]),
+                torch.tensor([True, True, False, True]), torch.arange(4) + 4 * i) for i in range(3)]
+    device_input = DeviceInput(torch.device("cpu"), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), False, None)
+    seen = []
+    kept = KeptOutputs(enabled=True)
+    on_outputs = kept.start(model, lambda *args: seen.append(len(args[0])))
+    evaluate(model, batches, device_input, get_task("multiclass"), ["a", "b", "c"], on_outputs=on_outputs)
+    kept.finish(completed=True)
+    assert kept.outputs() is None  # nothing kept until the pass is the best one
+    kept.keep(epoch=0)
+    ours, theirs = kept.outputs(), collect_outputs(model, batches, device_input, with_features=True, with_layers=True)
+    assert seen == [4, 4, 4] and len(ours) == 9 and ours.indices.tolist() == theirs.indices.tolist()
+    for a, b in [(ours.logits, theirs.logits), (ours.features, theirs.features), *zip(ours.layers, theirs.layers)]:
+        assert torch.equal(a, b)
+    assert not any(m._forward_hooks for m in model.modules())  # the taps are removed
+    small = KeptOutputs(enabled=True, limit=1000)
+    evaluate(model, batches, device_input, get_task("multiclass"), ["a", "b", "c"], on_outputs=small.start(model, None))
+    small.finish(completed=True)
+    small.keep(epoch=1)
+    assert small.outputs() is None
+    early = KeptOutputs(enabled=True)  # more than RECORDED_VALIDATIONS to come: this pass records nothing
+    assert early.start(model, None, validations_left=RECORDED_VALIDATIONS + 1) is None
+    early.finish(completed=True)
+    early.keep(epoch=0)
+    assert early.outputs() is None and not any(m._forward_hooks for m in model.modules())
+    stopped = KeptOutputs(enabled=True)
+    stopped.start(model, None)
+    stopped.finish(completed=False)  # a pass a stop signal ended keeps nothing
+    stopped.keep(epoch=2)
+    assert stopped.outputs() is None
