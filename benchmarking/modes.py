@@ -87,7 +87,7 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
                                         cfg.data.num_workers, pin, cfg.data.prefetch_factor)
         warm_loader = build_inference_loader(FileListDataset(paths[:batch_size], transform, transform.img_size),
                                              batch_size, 0, pin)
-    model = build_model(cfg.model, num_classes)
+    model = build_model(cfg.model, num_classes, cfg.data.channels)
     model = model.to(device, memory_format=memory_format(cfg.train.channels_last)).eval()
     if cfg.train.compile:
         model = torch.compile(model, dynamic=False)

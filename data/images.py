@@ -17,7 +17,7 @@ from PIL import Image, ImageOps
 
 from core.errors import ImageDecodeError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm", ".npy")
 BACKGROUND = (255, 255, 255)
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 

@@ -42,6 +42,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from core.errors import BadDataError, ConfigError, DataTreeError, ImageDecodeError
 from data.listing.labels import FORMATS, ClassLabels, TagLabels
 from data.samplers import mix_seed
+from data.transforms import blank_for
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class ShardEvalStream(IterableDataset):
             return self.transform(image_bytes), label, True, sample_id
         except (ImageDecodeError, ValueError, OSError):
             label = self.index.labels.placeholder(len(self.position))
-            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), label, False, sample_id
+            return blank_for(self.transform, self.img_size), label, False, sample_id
 
 
 def local_path(url: str) -> Optional[str]:

@@ -307,7 +307,7 @@ class TrainingStepProbe:
 def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype, compile_model: bool = False):
     """A fresh model and `TrainStep` built like the trainer's (constant LR, one micro-batch per step), for
     measuring what a training step costs."""
-    model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
+    model = build_model(cfg.model, num_classes, cfg.data.channels).to(device, memory_format=memory_format(cfg.train.channels_last))
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     # distill.teacher: the teacher's forward and memory are part of what a step costs
     objective = build_objective(cfg, None, model, device)

@@ -75,7 +75,7 @@ def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
     torch.manual_seed(cfg.train.seed)
     data = build_run_data(cfg, cfg.train.batch_size, ctx.dist.rank, ctx.dist.world_size,
                           pin_memory_for(cfg.data.pin_memory, ctx.device))
-    model = build_model(cfg.model, len(data.classes))
+    model = build_model(cfg.model, len(data.classes), cfg.data.channels)
     model = model.to(ctx.device, memory_format=memory_format(cfg.train.channels_last))
     train_model = model
     if ctx.dist.enabled:

@@ -1,0 +1,267 @@
+"""data.channels: grayscale, 16-bit, multi-band TIFF and .npy files read as N bands with their depth, a stem of the
+right width, hostile headers refused before decoding, and 8-bit RGB training unchanged."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import eval as eval_script
+import infer
+from conftest import run_script, tiny_overrides
+from core.errors import ImageDecodeError
+from data.bands import read_bands
+from data.transforms import EvalTransform, TrainTransform
+
+
+def tiff_bytes(array: np.ndarray, **kwargs) -> bytes:
+    import tifffile
+
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, array, **kwargs)
+    return buf.getvalue()
+
+
+def tiff_header(width: int, height: int, samples: int) -> bytes:
+    """A classic little-endian TIFF whose first page declares width x height pixels of `samples` 8-bit samples
+    and holds one byte of data: what a hostile upload looks like."""
+    tags = [(256, 4, 1, width), (257, 4, 1, height), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
+            (273, 4, 1, 8), (277, 3, 1, samples), (278, 4, 1, height), (279, 4, 1, 1)]
+    out = b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", len(tags))
+    for tag, kind, count, value in tags:
+        out += struct.pack("<HHII", tag, kind, count, value)
+    return out + struct.pack("<I", 0)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def four_band_image(label: int, rng, size: int = 20) -> np.ndarray:
+    """uint16 (H, W, 4): the first three bands noise alike for every class, the class only in the fourth."""
+    array = rng.integers(20000, 40000, (size, size, 4)).astype(np.uint16)
+    array[..., 3] = np.clip(rng.normal(12000 + 20000 * label, 3000, (size, size)), 0, 65535).astype(np.uint16)
+    return array
+
+
+def write_band_tree(root, kind: str, counts=(16, 6), classes=("a", "b")):
+    """root/<split>/<class>/<i>.{tif,npy}: four-band images (the class in the fourth band)."""
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "val"), counts):
+        for label, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                array = four_band_image(label, rng)
+                if kind == "tif":
+                    (folder / f"{name}_{i}.tif").write_bytes(tiff_bytes(array, photometric="minisblack"))
+                else:
+                    np.save(folder / f"{name}_{i}.npy", array.transpose(2, 0, 1))  # (N, H, W)
+    return root
+
+
+def write_sixteen_bit_tree(root, counts=(24, 12)):
+    """16-bit grayscale PNGs whose classes differ by less than one 8-bit step (257 in 16 bits)."""
+    rng = np.random.default_rng(1)
+    for split, n in zip(("train", "val"), counts):
+        for label, name in enumerate(("a", "b")):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                array = np.clip(rng.normal(30000 + 150 * label, 12, (16, 16)), 0, 65535).astype(np.uint16)
+                Image.fromarray(array).save(folder / f"{name}_{i}.png")
+    return root
+
+
+def stem_in_channels(checkpoint) -> int:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    return next(v for v in state.values() if v.ndim == 4).shape[1]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def test_a_four_band_tiff_and_npy_read_as_four_channels_with_their_depth():
+    array = four_band_image(1, np.random.default_rng(0))
+    from_tiff = read_bands(tiff_bytes(array, photometric="minisblack"), "x.tif", 4)
+    from_planar_tiff = read_bands(tiff_bytes(array.transpose(2, 0, 1), photometric="minisblack"), "p.tif", 4)
+    from_npy = read_bands(npy_bytes(array.transpose(2, 0, 1)), "x.npy", 4)  # (N, H, W): only the first axis fits
+    expected = array.astype(np.float32) * np.float32(255 / 65535)
+    for got in (from_tiff, from_planar_tiff, from_npy):
+        assert got.shape == (20, 20, 4) and got.dtype == np.float32
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # values one 16-bit step apart stay apart: nothing quantised to 8 bits
+    assert len(np.unique(read_bands(npy_bytes(np.arange(300, dtype=np.uint16).reshape(15, 20)), "r.npy", 1))) == 300
+
+
+def test_the_eval_transform_gives_n_float_bands_and_a_blank_of_the_same_kind(tmp_path):
+    path = tmp_path / "x.tif"
+    path.write_bytes(tiff_bytes(four_band_image(0, np.random.default_rng(0)), photometric="minisblack"))
+    transform = EvalTransform(16, 0.875, "bilinear", channels=4)
+    out = transform(str(path))
+    assert out.shape == (4, 16, 16) and out.dtype == torch.float32
+    assert transform.blank().shape == (4, 16, 16) and transform.blank().dtype == torch.float32
+    train = TrainTransform(16, (0.5, 1.0), (0.75, 1.33), 0.5, 0.0, "bilinear", channels=4)
+    assert train(str(path), 3).shape == (4, 16, 16)
+
+
+def test_value_range_scales_the_samples_it_declares():
+    array = np.array([[100, 300], [200, 500]], dtype=np.uint16)
+    got = read_bands(npy_bytes(array), "x.npy", 1, value_range=[100, 500])
+    np.testing.assert_allclose(got[..., 0], [[0, 127.5], [63.75, 255]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("data,channels,has", [
+    ("rgb", 1, "has 3 channel(s)"), ("gray", 4, "has 1 channel(s)"), ("npy5", 4, "has 5 channel(s)")])
+def test_a_file_with_other_channels_is_unreadable_naming_what_it_has_and_what_is_asked(data, channels, has):
+    files = {"rgb": lambda: _png(np.zeros((8, 8, 3), np.uint8)), "gray": lambda: _png(np.zeros((8, 8), np.uint8)),
+             "npy5": lambda: npy_bytes(np.zeros((8, 9, 5), np.uint8))}
+    with pytest.raises(ImageDecodeError) as info:
+        read_bands(files[data](), f"bad.{data}", channels)
+    assert has in str(info.value) and f"data.channels asks {channels}" in str(info.value)
+    assert f"bad.{data}" in str(info.value)
+
+
+def _png(array) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("width,height,samples", [(65536, 32768, 1), (8, 8, 65535)])
+def test_a_hostile_tiff_header_is_refused_before_decoding(monkeypatch, width, height, samples):
+    import tifffile
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded a refused file")
+
+    monkeypatch.setattr(tifffile.TiffPageSeries, "asarray", no_decoding)
+    with pytest.raises(ImageDecodeError, match="refused before decoding"):
+        read_bands(tiff_header(width, height, samples), "hostile.tif", samples)
+
+
+def test_a_hostile_npy_header_is_refused_before_decoding():
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<u2", "fortran_order": False, "shape": (70000, 70000)})
+    with pytest.raises(ImageDecodeError, match="refused before decoding"):
+        read_bands(header.getvalue(), "hostile.npy", 1)
+    with pytest.raises(ImageDecodeError, match="not an image"):
+        read_bands(npy_bytes(np.array([["a"]])), "text.npy", 1)
+
+
+def test_rgb_keeps_the_uint8_path_bit_for_bit(tmp_path):
+    path = tmp_path / "x.png"
+    path.write_bytes(_png(np.random.default_rng(0).integers(0, 256, (24, 30, 3), dtype=np.uint8)))
+    before = TrainTransform(16, (0.08, 1.0), (0.75, 1.33), 0.5, 0.0, "bilinear")
+    after = TrainTransform(16, (0.08, 1.0), (0.75, 1.33), 0.5, 0.0, "bilinear", channels=3)
+    for seed in range(4):
+        a, b = before(str(path), seed), after(str(path), seed)
+        assert a.dtype == b.dtype == torch.uint8 and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- training
+
+
+def _train(data, run, *extra, **keys):
+    overrides = tiny_overrides(data, run, **{"data.hflip": 0.0, **keys})
+    return run_script("train.py", "--config", "base", *overrides, *extra)
+
+
+@pytest.mark.slow
+def test_one_channel_pngs_train_with_a_one_channel_stem(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 16), ("val", 6)):
+        for label, name in enumerate("ab"):
+            folder = tmp_path / "data" / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                gray = np.clip(rng.normal(70 + 110 * label, 20, (20, 20)), 0, 255).astype(np.uint8)
+                Image.fromarray(gray).save(folder / f"{name}_{i}.png")
+    result = _train(tmp_path / "data", tmp_path / "run", **{"data.channels": 1})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert stem_in_channels(tmp_path / "run" / "best.pt") == 1
+    assert "the ImageNet RGB values do not apply" in result.stderr
+
+
+@pytest.mark.slow
+def test_sixteen_bit_pngs_learn_what_the_eight_bit_reading_cannot_see(tmp_path):
+    data = write_sixteen_bit_tree(tmp_path / "data")
+    keys = {"train.epochs": 3, "data.scale": "[0.5,1.0]", "optim.lr": 0.2}
+    deep = _train(data, tmp_path / "deep", **keys, **{"data.channels": 1})
+    flat = _train(data, tmp_path / "flat", **keys)  # today's 8-bit RGB reading: every image the same flat grey
+    assert deep.returncode == 0 and flat.returncode == 0, (deep.stderr + flat.stderr)[-3000:]
+    top1 = {name: json.loads((tmp_path / name / "summary.json").read_text())["best"]["top1"]
+            for name in ("deep", "flat")}
+    assert top1["deep"] >= 90.0 and top1["flat"] <= 60.0, top1
+
+
+@pytest.mark.slow
+def test_a_channels_3_run_trains_bit_for_bit_as_a_run_without_the_key(tiny_tree, tmp_path):
+    keys = {"train.epochs": 1, "data.limit_train_batches": 3}
+    plain = _train(tiny_tree, tmp_path / "plain", **keys)
+    three = _train(tiny_tree, tmp_path / "three", **keys, **{"data.channels": 3})
+    assert plain.returncode == 0 and three.returncode == 0, (plain.stderr + three.stderr)[-3000:]
+    a = torch.load(tmp_path / "plain" / "last.pt", map_location="cpu", weights_only=True)["model"]
+    b = torch.load(tmp_path / "three" / "last.pt", map_location="cpu", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert stem_in_channels(tmp_path / "three" / "last.pt") == 3
+
+
+@pytest.fixture(scope="module")
+def four_band_run(tmp_path_factory):
+    """A 4-band TIFF model trained one epoch, then resumed to a second."""
+    base = tmp_path_factory.mktemp("bands")
+    data = write_band_tree(base / "data", "tif")
+    first = _train(data, base / "run", **{"data.channels": 4, "train.epochs": 1})
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _train(data, base / "run", "--resume", "auto", **{"data.channels": 4, "train.epochs": 2})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return data, base / "run"
+
+
+@pytest.mark.slow
+def test_a_four_band_run_resumes_with_a_four_channel_stem(four_band_run):
+    _, run = four_band_run
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs_completed"] == 2
+    assert stem_in_channels(run / "last.pt") == 4
+    saved = torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+    assert len(saved["preprocessing"]["mean"]) == 4
+
+
+@pytest.mark.slow
+def test_infer_and_eval_give_the_same_rows_for_a_four_band_model(four_band_run, tmp_path):
+    data, run = four_band_run
+    inferred_file, evaluated_file = tmp_path / "infer.json", tmp_path / "eval.json"
+    assert infer.main([str(data / "val"), "--checkpoint", str(run / "best.pt"), "--output", str(inferred_file),
+                       "--num-workers", "0", "--device", "cpu"]) == 0
+    assert eval_script.main(["--checkpoint", str(run / "best.pt"), "--predictions", str(evaluated_file)]) == 0
+    inferred = {os.path.basename(r["path"]): r for r in json.loads(inferred_file.read_text())}
+    evaluated = {os.path.basename(r["path"]): r for r in json.loads(evaluated_file.read_text())}
+    assert inferred.keys() == evaluated.keys() and len(inferred) == 12
+    for name, row in evaluated.items():
+        assert not inferred[name]["error"] and row["label"] == inferred[name]["label"], name
+        assert row["prob"] == pytest.approx(inferred[name]["prob"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_npy_bands_train_as_the_tiffs_do(tmp_path):
+    data = write_band_tree(tmp_path / "data", "npy", counts=(8, 4))
+    result = _train(data, tmp_path / "run", **{"data.channels": 4, "train.epochs": 1})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "16 training images" in result.stderr and stem_in_channels(tmp_path / "run" / "best.pt") == 4
+
+
+def test_colour_policies_are_refused_for_other_than_three_channels(tmp_path):
+    for key, value in (("data.auto_augment", "randaugment"), ("data.color_jitter", 0.4)):
+        result = run_script("train.py", "--config", "base", *tiny_overrides(tmp_path, tmp_path / "run", **{
+            "data.channels": 4, key: value}))
+        assert result.returncode == 2 and f"'{key}'" in result.stderr and "8-bit RGB" in result.stderr
