@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from core.errors import ConfigError
 from core.paths import not_a_regular_file
@@ -23,6 +23,7 @@ RANDAUGMENT_MAX_MAGNITUDE = 30
 MAX_CHANNELS = 1024  # data.bands.MAX_BANDS: a file with more bands is refused before decoding
 # data.mean / data.std when data.channels is not 3 and they are not set: the ImageNet values are RGB's
 BAND_MEAN, BAND_STD = 0.5, 0.25
+MIN_STD = 1e-6  # data.std's floor (auto measures bands whose spread is below one 8-bit step: 0.0039)
 
 
 @dataclass
@@ -60,10 +61,12 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
     value_range: Optional[list[float]] = setting(None, "[low, high] of the stored samples, mapped to [0, 1] (null: the "
                                                        "sample type's range; floats as [0, 1]); set, files are read as "
                                                        "float bands also for 3 channels")
-    mean: list[float] = setting([0.485, 0.456, 0.406], "normalisation mean, one per channel (R, G, B), in [0, 1]; "
-                                                        "other than 3 channels and unset: 0.5 each")
-    std: list[float] = setting([0.229, 0.224, 0.225], "normalisation std, one per channel (R, G, B); other than 3 "
-                                                       "channels and unset: 0.25 each")
+    mean: Union[Literal["auto"], list[float]] = setting(
+        [0.485, 0.456, 0.406], "normalisation mean, one per channel (R, G, B), in [0, 1]; auto: measured per channel "
+                               "on the training split; other than 3 channels and unset: 0.5 each")
+    std: Union[Literal["auto"], list[float]] = setting(
+        [0.229, 0.224, 0.225], "normalisation std, one per channel (R, G, B); auto: measured on the training split; "
+                               "other than 3 channels and unset: 0.25 each")
     sampler: Literal["random", "weighted", "sequential"] = setting(
         "random", "random (shuffled) | weighted (class-balanced WeightedRandomSampler) | sequential (fixed order; "
                   "warns)")
@@ -106,12 +109,12 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
         if not (0.01 <= self.ratio[0] and self.ratio[1] <= 100):
             raise ConfigError(f"'data.ratio' = {self.ratio}: aspect ratios must lie within [0.01, 100]")
         self.check_channels(cfg)
-        if not all(0 <= m <= 1 for m in self.mean):
+        if self.mean != "auto" and not all(0 <= m <= 1 for m in self.mean):
             raise ConfigError(f"'data.mean' = {self.mean}: every value must be within [0, 1] (pixels are scaled "
                               f"to [0, 1])")
-        if not all(0.001 <= s <= 1 for s in self.std):
-            raise ConfigError(f"'data.std' = {self.std}: every value must be within [0.001, 1] (pixels are scaled "
-                              f"to [0, 1])")
+        if self.std != "auto" and not all(MIN_STD <= s <= 1 for s in self.std):
+            raise ConfigError(f"'data.std' = {self.std}: every value must be within [{MIN_STD}, 1] (pixels are "
+                              f"scaled to [0, 1])")
         if self.repeated_augment > 1 and self.sampler != "random":
             raise ConfigError(f"'data.repeated_augment' = {self.repeated_augment} needs 'data.sampler' = random (it "
                               f"is {self.sampler}): repeats are drawn from a shuffled epoch; set "
@@ -128,12 +131,12 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
         value range low < high; no colour policy on bands that are not 8-bit RGB."""
         explicit = getattr(cfg, "explicit_keys", set())
         if self.channels != 3:
-            if "data.mean" not in explicit and len(self.mean) == 3:
+            if "data.mean" not in explicit and self.mean != "auto" and len(self.mean) == 3:
                 self.mean = [BAND_MEAN] * self.channels
-            if "data.std" not in explicit and len(self.std) == 3:
+            if "data.std" not in explicit and self.std != "auto" and len(self.std) == 3:
                 self.std = [BAND_STD] * self.channels
         for key, values in (("data.mean", self.mean), ("data.std", self.std)):
-            if len(values) != self.channels:
+            if values != "auto" and len(values) != self.channels:
                 raise ConfigError(f"'{key}' must hold {self.channels} numbers, one per channel (data.channels="
                                   f"{self.channels}), got {values}")
         if self.value_range is not None and (len(self.value_range) != 2

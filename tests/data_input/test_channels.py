@@ -6,6 +6,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from PIL import Image
 
 import eval as eval_script
 import infer
-from conftest import run_script, tiny_overrides
+from conftest import REPO, run_script, tiny_overrides, wait_for
 from core.errors import ImageDecodeError
 from data.bands import read_bands
 from data.transforms import EvalTransform, TrainTransform
@@ -195,12 +197,15 @@ def test_one_channel_pngs_train_with_a_one_channel_stem(tmp_path):
 def test_sixteen_bit_pngs_learn_what_the_eight_bit_reading_cannot_see(tmp_path):
     data = write_sixteen_bit_tree(tmp_path / "data")
     keys = {"train.epochs": 3, "data.scale": "[0.5,1.0]", "optim.lr": 0.2}
-    deep = _train(data, tmp_path / "deep", **keys, **{"data.channels": 1})
+    deep = _train(data, tmp_path / "deep", **keys, **{"data.channels": 1, "data.mean": "auto", "data.std": "auto"})
     flat = _train(data, tmp_path / "flat", **keys)  # today's 8-bit RGB reading: every image the same flat grey
     assert deep.returncode == 0 and flat.returncode == 0, (deep.stderr + flat.stderr)[-3000:]
     top1 = {name: json.loads((tmp_path / name / "summary.json").read_text())["best"]["top1"]
             for name in ("deep", "flat")}
     assert top1["deep"] >= 90.0 and top1["flat"] <= 60.0, top1
+    assert "data.mean / data.std = auto: measured per channel on 48 training images" in deep.stderr
+    stored = torch.load(tmp_path / "deep" / "best.pt", map_location="cpu", weights_only=False)["preprocessing"]
+    assert stored["mean"][0] == pytest.approx(30075 / 65535, abs=2e-4) and stored["std"][0] < 0.0039
 
 
 @pytest.mark.slow
@@ -217,13 +222,21 @@ def test_a_channels_3_run_trains_bit_for_bit_as_a_run_without_the_key(tiny_tree,
 
 @pytest.fixture(scope="module")
 def four_band_run(tmp_path_factory):
-    """A 4-band TIFF model trained one epoch, then resumed to a second."""
+    """A 4-band TIFF model (mean / std measured) killed after its first epoch's last.pt, then resumed."""
     base = tmp_path_factory.mktemp("bands")
     data = write_band_tree(base / "data", "tif")
-    first = _train(data, base / "run", **{"data.channels": 4, "train.epochs": 1})
-    assert first.returncode == 0, first.stderr[-2000:]
-    resumed = _train(data, base / "run", "--resume", "auto", **{"data.channels": 4, "train.epochs": 2})
+    keys = {"data.hflip": 0.0, "data.channels": 4, "data.mean": "auto", "data.std": "auto"}
+    marker = base / "marker"
+    cmd = [sys.executable, str(REPO / "tests" / "paused_train.py"), str(marker), "after_save:1", "--",
+           "--config", "base", *tiny_overrides(data, base / "run", **keys)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    wait_for(proc, marker.exists, "the first epoch's last.pt")
+    proc.kill()
+    proc.wait()
+    resumed = _train(data, base / "run", "--resume", "auto", **keys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "data.mean / data.std = auto: the resumed run's measured values" in resumed.stderr
     return data, base / "run"
 
 
