@@ -268,7 +268,9 @@ def test_infer_and_eval_give_the_same_rows_for_a_four_band_model(four_band_run, 
 @pytest.mark.slow
 def test_npy_bands_train_as_the_tiffs_do(tmp_path):
     data = write_band_tree(tmp_path / "data", "npy", counts=(8, 4))
-    result = _train(data, tmp_path / "run", **{"data.channels": 4, "train.epochs": 1})
+    # the channel-agnostic augmentations on 4 bands: random erasing, mixup and CutMix
+    result = _train(data, tmp_path / "run", **{"data.channels": 4, "train.epochs": 1, "data.random_erasing": 0.5,
+                                               "train.mixup_alpha": 0.2, "train.cutmix_alpha": 1.0})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "16 training images" in result.stderr and stem_in_channels(tmp_path / "run" / "best.pt") == 4
 
@@ -278,3 +280,44 @@ def test_colour_policies_are_refused_for_other_than_three_channels(tmp_path):
         result = run_script("train.py", "--config", "base", *tiny_overrides(tmp_path, tmp_path / "run", **{
             "data.channels": 4, key: value}))
         assert result.returncode == 2 and f"'{key}'" in result.stderr and "8-bit RGB" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_answers_tiff_and_npy_uploads_with_infer_s_rows(four_band_run, tmp_path):
+    from serving.model import ServedModel
+
+    data, run = four_band_run
+    files = sorted((data / "val").rglob("*.tif"))
+    out = tmp_path / "infer.json"
+    assert infer.main([str(data / "val"), "--checkpoint", str(run / "best.pt"), "--output", str(out),
+                       "--num-workers", "0", "--device", "cpu"]) == 0
+    inferred = {os.path.basename(r["path"]): r for r in json.loads(out.read_text())}
+    served = ServedModel.load(str(run / "best.pt"), topk=2, max_batch=4, device_setting="cpu")
+    served.warm_up()
+    import tifffile
+
+    for path in files[:4]:
+        as_npy = npy_bytes(tifffile.imread(path))  # the same bands as an (H, W, 4) array upload
+        for body in (path.read_bytes(), as_npy):
+            row = served.classify([served.decode(body)], [path.name])[0]
+            assert (row["label"], row["prob"]) == (inferred[path.name]["label"], inferred[path.name]["prob"])
+
+
+@pytest.mark.slow
+def test_an_onnx_export_takes_four_channels_and_agrees_with_the_checkpoint(four_band_run, tmp_path):
+    import onnx
+
+    data, run = four_band_run
+    result = run_script("export.py", "--checkpoint", str(run / "best.pt"), "--format", "onnx", "--output",
+                        str(tmp_path / "m.onnx"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "4 channel(s)" in result.stdout + result.stderr and "top-1 agrees on 8/8" in result.stdout + result.stderr
+    dims = onnx.load(str(tmp_path / "m.onnx")).graph.input[0].type.tensor_type.shape.dim
+    assert dims[1].dim_value == 4
+    rows = {}
+    for name, model in (("onnx", tmp_path / "m.onnx"), ("pt", run / "best.pt")):
+        out = tmp_path / f"{name}.json"
+        assert infer.main([str(data / "val"), "--checkpoint", str(model), "--output", str(out), "--num-workers",
+                           "0", "--device", "cpu"]) == 0
+        rows[name] = {r["path"]: r["label"] for r in json.loads(out.read_text())}
+    assert rows["onnx"] == rows["pt"] and len(rows["pt"]) == 12
