@@ -321,3 +321,36 @@ def test_an_onnx_export_takes_four_channels_and_agrees_with_the_checkpoint(four_
                            "0", "--device", "cpu"]) == 0
         rows[name] = {r["path"]: r["label"] for r in json.loads(out.read_text())}
     assert rows["onnx"] == rows["pt"] and len(rows["pt"]) == 12
+
+
+# ---------------------------------------------------------------- stems
+
+
+def test_torchvision_and_timm_models_take_n_channels():
+    from models.factory import create_model, stem_conv
+
+    for name in ("tv:resnet18", "resnet10t"):
+        for channels in (1, 5):
+            model = create_model(name, 3, in_chans=channels).eval()
+            assert stem_conv(model)[1].in_channels == channels
+            assert model(torch.zeros(1, channels, 32, 32)).shape == (1, 3)
+
+
+def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does():
+    from timm.models import adapt_input_conv
+
+    from models.factory import create_model, load_matching_weights, stem_conv
+    from rundir.resume import apply_finetune
+
+    rgb = create_model("resnet10t", 3).state_dict()
+    for channels in (1, 4):
+        model = create_model("resnet10t", 3, in_chans=channels)
+        loaded, _ = load_matching_weights(model, rgb)
+        key = f"{stem_conv(model)[0]}.weight"
+        assert key in loaded and torch.equal(model.state_dict()[key], adapt_input_conv(channels, rgb[key]))
+        # --finetune from a 3-channel checkpoint: every tensor loads, the stem adapted
+        assert apply_finetune(create_model("resnet10t", 3, in_chans=channels), {"model": rgb}, "rgb.pt") == 1.0
+    one = create_model("resnet10t", 3, in_chans=1)
+    load_matching_weights(one, rgb)
+    key = f"{stem_conv(one)[0]}.weight"
+    assert torch.allclose(one.state_dict()[key][:, 0], rgb[key].sum(dim=1))  # one channel: the RGB sum
