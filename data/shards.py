@@ -46,7 +46,7 @@ from data.transforms import blank_for
 
 log = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "tif", "tiff", "npy")  # tif, npy: data.channels bands
 POSITION_BITS = 32  # a sample's id: shard number << 32 | position in the shard
 MAX_REDRAWS = 20
 

@@ -354,3 +354,24 @@ def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does()
     load_matching_weights(one, rgb)
     key = f"{stem_conv(one)[0]}.weight"
     assert torch.allclose(one.state_dict()[key][:, 0], rgb[key].sum(dim=1))  # one channel: the RGB sum
+
+
+@pytest.mark.slow
+def test_shards_of_tiff_and_npy_members_train_as_four_bands(tmp_path):
+    from data.listing.folder import scan_split
+    from data.shards import write_shards
+
+    for kind in ("tif", "npy"):
+        write_band_tree(tmp_path / kind, kind, counts=(8, 4))
+    for split in ("train", "val"):
+        index = scan_split(tmp_path / "tif" / split)
+        npy = scan_split(tmp_path / "npy" / split)
+        write_shards(index.paths + npy.paths, index.labels + npy.labels, index.classes, tmp_path / "shards" / split, 8)
+    shards = tmp_path / "shards"
+    result = _train(tmp_path, tmp_path / "run", **{
+        "data.channels": 4, "train.epochs": 1, "data.format": "webdataset", "data.root": "null",
+        "data.classes": str(shards / "train" / "classes.txt"), "data.shuffle_buffer": 4,
+        "data.train_shards": str(shards / "train" / "shard-{000000..000003}.tar"),
+        "data.val_shards": str(shards / "val" / "shard-{000000..000001}.tar")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "32 training" in result.stderr and stem_in_channels(tmp_path / "run" / "best.pt") == 4
