@@ -65,5 +65,16 @@ def resolve_normalisation(cfg, index, resume_ckpt, batch_size: int, is_main_fn):
     return dataclasses.replace(cfg, data=data)
 
 
+def for_timing(cfg):
+    """`cfg` with `auto` mean / std replaced by 0.5 / 0.25 per channel: for runs that only measure what a step
+    costs (the batch-size finder, benchmark.py), where the values change nothing."""
+    d = cfg.data
+    if not wants_measuring(d):
+        return cfg
+    mean = [0.5] * d.channels if d.mean == AUTO else d.mean
+    std = [0.25] * d.channels if d.std == AUTO else d.std
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, mean=mean, std=std))
+
+
 def _short(values) -> str:
     return "[" + ", ".join(f"{v:.6g}" if math.isfinite(v) else str(v) for v in values) + "]"
