@@ -375,3 +375,19 @@ def test_shards_of_tiff_and_npy_members_train_as_four_bands(tmp_path):
         "data.val_shards": str(shards / "val" / "shard-{000000..000001}.tar")})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "32 training" in result.stderr and stem_in_channels(tmp_path / "run" / "best.pt") == 4
+
+
+@pytest.mark.slow
+def test_the_audit_hashes_the_first_band_and_finds_a_leak_across_formats(tmp_path):
+    import tifffile
+
+    data = write_band_tree(tmp_path / "data", "tif", counts=(8, 4))
+    # the same bands in another format: other bytes, the same first band
+    np.save(data / "val" / "a" / "copy.npy", tifffile.imread(data / "train" / "a" / "a_0.tif"))
+    result = run_script("audit.py", "--config", "base", f"data.root={data}", "data.channels=4", "data.img_size=16",
+                        "data.num_workers=0", "train.batch_size=4", "audit.folds=0", "--json", str(tmp_path / "a.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert "the first of 4 band(s)" in report["hash_view"] and "the first of 4 band(s)" in result.stderr
+    leaks = [(leak["train"], leak["val"], leak["exact"]) for leak in report["leaks"]]
+    assert leaks == [(["train/a/a_0.tif"], ["val/a/copy.npy"], False)] and not report["unreadable"]
