@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import imagehash
-import numpy as np
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from data.file_list import describe_failure
 from auditing.pixel_match import reencode_score, thumbnail
-from data.bands import is_npy, is_tiff, read_bands
+from data.bands import first_band_view, is_npy, is_tiff, read_bands
 from data.images import ImageDecodeError, decode_rgb, open_image, oriented_size
 from data.transforms import read_file_bytes, reads_bands
 
@@ -68,10 +66,7 @@ def band_facts(path: str, channels: int, value_range) -> ImageFacts:
         array = read_bands(buf, name, channels, value_range)
     except (ImageDecodeError, OSError) as err:
         return ImageFacts(error=describe_failure(path, err))
-    band = array[..., 0]
-    low, high = float(band.min()), float(band.max())
-    stretched = (band - low) * (255.0 / (high - low)) if high > low else np.zeros_like(band)
-    view = Image.fromarray(np.clip(stretched.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
+    view = first_band_view(array)
     fmt = "NPY" if is_npy(buf) else "TIFF" if is_tiff(buf) else ""
     return ImageFacts(digest, int(str(imagehash.phash(view)), 16), array.shape[1], array.shape[0],
                       f"{channels} band(s)", fmt, thumb=thumbnail(view), reencode=reencode_score(view))

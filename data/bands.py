@@ -156,3 +156,13 @@ def scale_to_255(array: np.ndarray, value_range=None) -> np.ndarray:
     if high - low != 255.0:
         out *= np.float32(255.0 / (high - low))
     return out
+
+
+def first_band_view(array: np.ndarray) -> Image.Image:
+    """An (H, W, N) band array's first band stretched from its own minimum to its maximum, as an 8-bit RGB image
+    (a 16-bit band whose values span a few 8-bit steps keeps its structure): what the audit hashes and Grad-CAM
+    overlays show for files that are not 8-bit RGB."""
+    band = array[..., 0].astype(np.float32)
+    low, high = float(band.min()), float(band.max())
+    stretched = (band - low) * (255.0 / (high - low)) if high > low else np.zeros_like(band)
+    return Image.fromarray(np.clip(stretched.round(), 0, 255).astype(np.uint8), "L").convert("RGB")

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import struct
+from pathlib import Path
 import subprocess
 import sys
 
@@ -391,3 +392,15 @@ def test_the_audit_hashes_the_first_band_and_finds_a_leak_across_formats(tmp_pat
     assert "the first of 4 band(s)" in report["hash_view"] and "the first of 4 band(s)" in result.stderr
     leaks = [(leak["train"], leak["val"], leak["exact"]) for leak in report["leaks"]]
     assert leaks == [(["train/a/a_0.tif"], ["val/a/copy.npy"], False)] and not report["unreadable"]
+
+
+@pytest.mark.slow
+def test_grad_cam_overlays_of_a_four_band_model_are_drawn_on_the_first_band(four_band_run, tmp_path):
+    data, run = four_band_run
+    out = tmp_path / "rows.json"
+    assert infer.main([str(data / "val" / "a"), "--checkpoint", str(run / "best.pt"), "--output", str(out),
+                       "--num-workers", "0", "--device", "cpu", "--explain", str(tmp_path / "cam")]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6 and all(Path(row["explain"][0]["overlay"]).is_file() for row in rows)
+    with Image.open(rows[0]["explain"][0]["overlay"]) as overlay:
+        assert overlay.mode == "RGB" and overlay.size[0] >= 20
