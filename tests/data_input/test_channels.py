@@ -305,24 +305,27 @@ def test_serve_answers_tiff_and_npy_uploads_with_infer_s_rows(four_band_run, tmp
 
 
 @pytest.mark.slow
-def test_an_onnx_export_takes_four_channels_and_agrees_with_the_checkpoint(four_band_run, tmp_path):
+def test_onnx_pt2_and_timm_exports_take_four_channels_and_agree_with_the_checkpoint(four_band_run, tmp_path):
     import onnx
 
     data, run = four_band_run
-    result = run_script("export.py", "--checkpoint", str(run / "best.pt"), "--format", "onnx", "--output",
-                        str(tmp_path / "m.onnx"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "4 channel(s)" in result.stdout + result.stderr and "top-1 agrees on 8/8" in result.stdout + result.stderr
-    dims = onnx.load(str(tmp_path / "m.onnx")).graph.input[0].type.tensor_type.shape.dim
+    exports = {"onnx": tmp_path / "m.onnx", "pt2": tmp_path / "m.pt2", "timm": tmp_path / "timm"}
+    for fmt, output in exports.items():
+        result = run_script("export.py", "--checkpoint", str(run / "best.pt"), "--format", fmt, "--output",
+                            str(output))
+        said = result.stdout + result.stderr
+        assert result.returncode == 0, said[-2000:]
+        assert "4 channel(s)" in said and "top-1 agrees on 8/8" in said, said[-2000:]
+    dims = onnx.load(str(exports["onnx"])).graph.input[0].type.tensor_type.shape.dim
     assert dims[1].dim_value == 4
+    assert json.loads((exports["timm"] / "config.json").read_text())["model_args"]["in_chans"] == 4
     rows = {}
-    for name, model in (("onnx", tmp_path / "m.onnx"), ("pt", run / "best.pt")):
+    for name, model in (*exports.items(), ("pt", run / "best.pt")):
         out = tmp_path / f"{name}.json"
         assert infer.main([str(data / "val"), "--checkpoint", str(model), "--output", str(out), "--num-workers",
                            "0", "--device", "cpu"]) == 0
         rows[name] = {r["path"]: r["label"] for r in json.loads(out.read_text())}
-    assert rows["onnx"] == rows["pt"] and len(rows["pt"]) == 12
-
+    assert len(rows["pt"]) == 12 and all(rows[name] == rows["pt"] for name in exports)
 
 # ---------------------------------------------------------------- stems
 
