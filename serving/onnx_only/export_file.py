@@ -83,6 +83,10 @@ class OnnxExport:
         if len(shape) != 4:
             raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes "
                                   f"[N, 3, H, W]")
+        if isinstance(shape[1], int) and shape[1] != 3:
+            raise CheckpointError(f"{path}: the model takes {shape[1]} input channel(s) (data.channels); the slim "
+                                  f"ONNX-only server reads 8-bit RGB only: serve it with serve.py, which reads "
+                                  f"N-band TIFF and .npy uploads")
         metadata = read_metadata(session.get_modelmeta().custom_metadata_map, path)
         classes = metadata.get("classes")
         if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes) \

@@ -305,7 +305,7 @@ def test_serve_answers_tiff_and_npy_uploads_with_infer_s_rows(four_band_run, tmp
 
 
 @pytest.mark.slow
-def test_onnx_pt2_and_timm_exports_take_four_channels_and_agree_with_the_checkpoint(four_band_run, tmp_path):
+def test_onnx_int8_pt2_and_timm_exports_take_four_channels_and_agree_with_the_checkpoint(four_band_run, tmp_path):
     import onnx
 
     data, run = four_band_run
@@ -321,6 +321,11 @@ def test_onnx_pt2_and_timm_exports_take_four_channels_and_agree_with_the_checkpo
     dims = onnx.load(str(exports["onnx"])).graph.input[0].type.tensor_type.shape.dim
     assert dims[1].dim_value == 4
     assert json.loads((exports["timm"] / "config.json").read_text())["model_args"]["in_chans"] == 4
+    from core.errors import CheckpointError
+    from serving.onnx_only.export_file import OnnxExport
+
+    with pytest.raises(CheckpointError, match="4 input channel"):  # the slim server reads 8-bit RGB only
+        OnnxExport.open(exports["onnx"])
     rows = {}
     for name, model in (*exports.items(), ("pt", run / "best.pt")):
         out = tmp_path / f"{name}.json"
