@@ -386,8 +386,10 @@ def prepare_pretrained(cfg, resume_config: Optional[dict]) -> tuple[Optional[tor
         return None, (["model.pretrained: resuming, so nothing is loaded (last.pt restores the weights)"]
                       + fill_unset(cfg, values, "the resumed run's config"))
     source = load_pretrained(cfg.model)
-    return source, fill_unset(cfg, pretrained_preprocessing(cfg.model.name, source),
-                              f"{cfg.model.name}'s pretrained config")
+    values = pretrained_preprocessing(cfg.model.name, source)
+    if cfg.data.channels != 3:  # the pretrained RGB mean / std say nothing about N bands (docs/channels.md)
+        values = {k: v for k, v in values.items() if k not in ("data.mean", "data.std")}
+    return source, fill_unset(cfg, values, f"{cfg.model.name}'s pretrained config")
 
 
 def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, name: str, classes: list[str]) -> None:

@@ -347,6 +347,32 @@ def test_torchvision_and_timm_models_take_n_channels():
             assert model(torch.zeros(1, channels, 32, 32)).shape == (1, 3)
 
 
+@pytest.mark.slow
+def test_a_pretrained_rgb_model_fine_tunes_into_one_channel(tmp_path):
+    from conftest import write_pretrained_folder
+    from timm.models import adapt_input_conv
+
+    rgb = write_pretrained_folder(tmp_path / "pretrained", num_classes=3)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("val", 4)):
+        for label, name in enumerate("ab"):
+            folder = tmp_path / "data" / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (20, 20), dtype=np.uint8)).save(folder / f"{name}_{i}.png")
+    result = _train(tmp_path / "data", tmp_path / "run", **{
+        "data.channels": 1, "model.name": f"local-dir:{tmp_path / 'pretrained'}", "model.pretrained": "true",
+        "train.epochs": 1, "optim.lr": 1e-9, "train.batch_size": 4})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "3-channel weights adapted to 1 input channels" in result.stderr
+    saved = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=True)
+    assert saved["preprocessing"]["mean"] == [0.5]  # not the pretrained RGB mean
+    stem = next(k for k, v in rgb.items() if v.ndim == 4)
+    trained = saved["model"][stem]
+    assert trained.shape[1] == 1  # the summed RGB kernels, barely moved at lr 1e-9
+    assert torch.allclose(trained, adapt_input_conv(1, rgb[stem]), atol=1e-4)
+
+
 def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does():
     from timm.models import adapt_input_conv
 
