@@ -440,3 +440,17 @@ def test_grad_cam_overlays_of_a_four_band_model_are_drawn_on_the_first_band(four
     assert len(rows) == 6 and all(Path(row["explain"][0]["overlay"]).is_file() for row in rows)
     with Image.open(rows[0]["explain"][0]["overlay"]) as overlay:
         assert overlay.mode == "RGB" and overlay.size[0] >= 20
+
+
+@pytest.mark.slow
+def test_a_file_of_other_channels_is_an_error_row_naming_what_it_has(four_band_run, tmp_path):
+    data, run = four_band_run
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "rgb.png").write_bytes(_png(np.zeros((20, 20, 3), np.uint8)))
+    (tmp_path / "in" / "ok.tif").write_bytes((data / "val" / "a" / "a_0.tif").read_bytes())
+    out = tmp_path / "rows.json"
+    assert infer.main([str(tmp_path / "in"), "--checkpoint", str(run / "best.pt"), "--output", str(out),
+                       "--num-workers", "0", "--device", "cpu"]) == 0
+    rows = {os.path.basename(r["path"]): r for r in json.loads(out.read_text())}
+    assert rows["ok.tif"]["label"] == "a" and not rows["ok.tif"]["error"]
+    assert "has 3 channel(s)" in rows["rgb.png"]["error"] and "data.channels asks 4" in rows["rgb.png"]["error"]
