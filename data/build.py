@@ -72,7 +72,8 @@ def describe_augmentation(data_cfg) -> list[str]:
         lines.append(f"data.channels={d.channels}: files read as {d.channels} float band(s), scaled by "
                      + (f"data.value_range={d.value_range}" if d.value_range is not None else "their sample type's "
                         "range") + f"; normalised per channel with mean {d.mean}, std {d.std}"
-                     + (" (the ImageNet RGB values do not apply: 0.5 / 0.25 unless data.mean / data.std are set)"
+                     + (" (the ImageNet RGB values do not apply: auto, measured on the training split, unless "
+                        "data.mean / data.std are set)"
                         if d.channels != 3 else ""))
     if d.auto_augment == "randaugment":
         lines.append(f"auto-augment: randaugment, {d.auto_augment_ops} ops at magnitude {d.auto_augment_magnitude}")

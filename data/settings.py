@@ -21,8 +21,6 @@ MAX_IMG_SIZE = 4096
 # torchvision's RandAugment magnitudes are bins 0..30 (num_magnitude_bins=31, as timm's scale)
 RANDAUGMENT_MAX_MAGNITUDE = 30
 MAX_CHANNELS = 1024  # data.bands.MAX_BANDS: a file with more bands is refused before decoding
-# data.mean / data.std when data.channels is not 3 and they are not set: the ImageNet values are RGB's
-BAND_MEAN, BAND_STD = 0.5, 0.25
 MIN_STD = 1e-6  # data.std's floor (auto measures bands whose spread is below one 8-bit step: 0.0039)
 
 
@@ -63,10 +61,10 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
                                                        "float bands also for 3 channels")
     mean: Union[Literal["auto"], list[float]] = setting(
         [0.485, 0.456, 0.406], "normalisation mean, one per channel (R, G, B), in [0, 1]; auto: measured per channel "
-                               "on the training split; other than 3 channels and unset: 0.5 each")
+                               "on the training split (the default for other than 3 channels)")
     std: Union[Literal["auto"], list[float]] = setting(
         [0.229, 0.224, 0.225], "normalisation std, one per channel (R, G, B); auto: measured on the training split; "
-                               "other than 3 channels and unset: 0.25 each")
+                               "the default for other than 3 channels")
     sampler: Literal["random", "weighted", "sequential"] = setting(
         "random", "random (shuffled) | weighted (class-balanced WeightedRandomSampler) | sequential (fixed order; "
                   "warns)")
@@ -127,14 +125,14 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
 
 
     def check_channels(self, cfg) -> None:
-        """One mean and std per channel (0.5 / 0.25 for a channel count other than 3 whose values are unset); a
-        value range low < high; no colour policy on bands that are not 8-bit RGB."""
+        """One mean and std per channel (`auto` for a channel count other than 3 whose values are unset: the
+        ImageNet values are RGB's); a value range low < high; no colour policy on bands that are not 8-bit RGB."""
         explicit = getattr(cfg, "explicit_keys", set())
         if self.channels != 3:
             if "data.mean" not in explicit and self.mean != "auto" and len(self.mean) == 3:
-                self.mean = [BAND_MEAN] * self.channels
+                self.mean = "auto"
             if "data.std" not in explicit and self.std != "auto" and len(self.std) == 3:
-                self.std = [BAND_STD] * self.channels
+                self.std = "auto"
         for key, values in (("data.mean", self.mean), ("data.std", self.std)):
             if values != "auto" and len(values) != self.channels:
                 raise ConfigError(f"'{key}' must hold {self.channels} numbers, one per channel (data.channels="

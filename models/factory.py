@@ -387,7 +387,7 @@ def prepare_pretrained(cfg, resume_config: Optional[dict]) -> tuple[Optional[tor
                       + fill_unset(cfg, values, "the resumed run's config"))
     source = load_pretrained(cfg.model)
     values = pretrained_preprocessing(cfg.model.name, source)
-    if cfg.data.channels != 3:  # the pretrained RGB mean / std say nothing about N bands (docs/channels.md)
+    if cfg.data.channels != 3:  # the pretrained RGB mean / std say nothing about N bands: auto (docs/channels.md)
         values = {k: v for k, v in values.items() if k not in ("data.mean", "data.std")}
     return source, fill_unset(cfg, values, f"{cfg.model.name}'s pretrained config")
 
