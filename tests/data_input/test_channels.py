@@ -455,3 +455,23 @@ def test_a_file_of_other_channels_is_an_error_row_naming_what_it_has(four_band_r
     rows = {os.path.basename(r["path"]): r for r in json.loads(out.read_text())}
     assert rows["ok.tif"]["label"] == "a" and not rows["ok.tif"]["error"]
     assert "has 3 channel(s)" in rows["rgb.png"]["error"] and "data.channels asks 4" in rows["rgb.png"]["error"]
+
+
+def test_an_rgb_npy_reads_as_its_png_does_on_the_eight_bit_path(tmp_path):
+    array = np.random.default_rng(2).integers(0, 256, (24, 30, 3), dtype=np.uint8)
+    (tmp_path / "x.png").write_bytes(_png(array))
+    np.save(tmp_path / "x.npy", array)
+    transform = EvalTransform(16, 0.875, "bilinear")
+    a, b = transform(str(tmp_path / "x.png")), transform(str(tmp_path / "x.npy"))
+    assert a.dtype == b.dtype == torch.uint8 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("overrides,key", [(["data.value_range=[5,1]"], "data.value_range"),
+                                           (["data.channels=2", "data.mean=[0.5,0.5,0.5]"], "data.mean"),
+                                           (["data.channels=0"], "data.channels")])
+def test_channel_keys_are_checked_before_any_work(tmp_path, overrides, key):
+    from core.config import load_config
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("base", [f"data.root={tmp_path}", *overrides])
