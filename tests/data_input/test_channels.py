@@ -475,3 +475,23 @@ def test_channel_keys_are_checked_before_any_work(tmp_path, overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("base", [f"data.root={tmp_path}", *overrides])
+
+
+@pytest.mark.slow
+def test_a_four_band_run_under_ddp_measures_the_same_normalisation_once(four_band_run, tmp_path):
+    """torchrun with 2 CPU processes: rank 0 measures mean / std on the whole training split and shares them."""
+    _, single = four_band_run
+    data = write_band_tree(tmp_path / "data", "tif")  # the same files as the fixture's (one seed)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "train.py"), "--config", "base",
+               *tiny_overrides(data, tmp_path / "run", **{"data.channels": 4, "train.epochs": 1, "data.hflip": 0.0,
+                                                          "train.batch_size": 4})]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    ddp = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=True)
+    first = torch.load(single / "best.pt", map_location="cpu", weights_only=True)
+    assert stem_in_channels(tmp_path / "run" / "best.pt") == 4
+    # the whole split, once (other batch sizes: float64 sums in another order)
+    assert ddp["preprocessing"]["mean"] == pytest.approx(first["preprocessing"]["mean"], rel=1e-12)
+    assert ddp["preprocessing"]["std"] == pytest.approx(first["preprocessing"]["std"], rel=1e-9)
