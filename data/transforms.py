@@ -22,6 +22,10 @@ looks at (only their sub-pixel placement may differ); without it a 400000x1 PNG 
 
 Every transform takes a file path or the file's bytes (a WebDataset sample's image): the same decode path
 and pixel policy either way.
+
+`data.channels` other than 3 (or a declared `data.value_range`): files are read as N float bands on the 0..255
+scale (`data.bands`), cropped, resized and flipped in torch with the same draws, and returned as float32 CHW
+tensors; `normalize_batch` treats both sample types alike. With 3 channels nothing here changes.
 """
 from __future__ import annotations
 
