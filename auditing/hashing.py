@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 from data.file_list import describe_failure
 from auditing.colour import chroma
 from auditing.pixel_match import reencode_score, thumbnail
+from data.bands import first_band_view, is_npy, is_tiff, read_bands
 from data.images import ImageDecodeError, decode_rgb, open_image, oriented_size
+from data.transforms import read_file_bytes, reads_bands
 
 
 @dataclass
@@ -34,7 +36,9 @@ class ImageFacts:
     chroma: float = 0.0     # auditing.colour.chroma: 0 for a grayscale image, however stored
 
 
-def image_facts(path: str) -> ImageFacts:
+def image_facts(path: str, channels: int = 3, value_range=None) -> ImageFacts:
+    if reads_bands(channels, value_range):
+        return band_facts(path, channels, value_range)
     try:
         with open(path, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
@@ -47,26 +51,52 @@ def image_facts(path: str) -> ImageFacts:
                       reencode=reencode_score(rgb), chroma=chroma(rgb))
 
 
+def hash_view_words(channels: int, value_range) -> str:
+    """What the perceptual hashes and thumbnails are computed on, for the report."""
+    if not reads_bands(channels, value_range):
+        return "the image as training decodes it (8-bit RGB)"
+    return (f"the first of {channels} band(s), stretched from its own minimum to its maximum (data.channels="
+            f"{channels}): near copies are judged on that band alone")
+
+
+def band_facts(path: str, channels: int, value_range) -> ImageFacts:
+    """`image_facts` of a file read as N bands: its first band, stretched to 8 bits between its own extremes
+    (so a 16-bit band whose values span a few 8-bit steps still has structure to hash), as a grayscale image."""
+    try:
+        name, buf = read_file_bytes(path)
+        digest = hashlib.sha256(buf).hexdigest()
+        array = read_bands(buf, name, channels, value_range)
+    except (ImageDecodeError, OSError) as err:
+        return ImageFacts(error=describe_failure(path, err))
+    view = first_band_view(array)
+    fmt = "NPY" if is_npy(buf) else "TIFF" if is_tiff(buf) else ""
+    return ImageFacts(digest, int(str(imagehash.phash(view)), 16), array.shape[1], array.shape[0],
+                      f"{channels} band(s)", fmt, thumb=thumbnail(view), reencode=reencode_score(view))
+
+
 class FactsDataset(Dataset):
-    def __init__(self, files: list[str]):
+    def __init__(self, files: list[str], channels: int = 3, value_range=None):
         self.files = files
+        self.channels, self.value_range = channels, value_range
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> ImageFacts:
-        return image_facts(self.files[i])
+        return image_facts(self.files[i], self.channels, self.value_range)
 
 
 def _as_list(batch):
     return batch
 
 
-def compute_facts(files: list[str], num_workers: int, progress=None) -> list[ImageFacts]:
+def compute_facts(files: list[str], num_workers: int, progress=None, channels: int = 3,
+                  value_range=None) -> list[ImageFacts]:
     """`image_facts` of every file, in order, `num_workers` loader processes decoding in parallel;
     `progress(n)` is called with the number of files done in each batch."""
     batch = 32
-    loader = DataLoader(FactsDataset(files), batch_size=batch, shuffle=False, collate_fn=_as_list,
+    loader = DataLoader(FactsDataset(files, channels, value_range), batch_size=batch, shuffle=False,
+                        collate_fn=_as_list,
                         num_workers=num_workers if len(files) > batch else 0,
                         prefetch_factor=4 if num_workers and len(files) > batch else None)
     out: list[ImageFacts] = []

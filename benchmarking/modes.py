@@ -11,6 +11,7 @@ import torch
 from core.config import eval_size
 from runtime.cpu_tuning import omp_wait_description
 from tuning.batch_finder import build_training_probe
+from data.normalisation import for_timing
 from runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
 from evaluation.evaluate import predict
 from runtime.memory import mib, peak_memory_bytes, reset_peak_memory
@@ -44,7 +45,8 @@ def bench_train(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
     """Real training steps: on the real loader, or (`synthetic`) on one random batch already on the device."""
     if synthetic:
         num_classes = 1000
-        batches = repeat(synthetic_batch(batch_size, cfg.data.img_size, num_classes, device))
+        batches = repeat(synthetic_batch(batch_size, cfg.data.img_size, num_classes, device,
+                                         channels=cfg.data.channels))
     else:
         from data.build import build_run_data
 
@@ -71,7 +73,8 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
     at least `steps` batches."""
     if synthetic:
         num_classes = 1000
-        images = synthetic_batch(batch_size, eval_size(cfg.data), num_classes, device, train=False)[0]
+        images = synthetic_batch(batch_size, eval_size(cfg.data), num_classes, device, train=False,
+                                 channels=cfg.data.channels)[0]
         batch = (images, torch.ones(batch_size, dtype=torch.bool), torch.arange(batch_size), [""] * batch_size)
         loader, warm_loader = [batch] * steps, [batch] * max(1, warmup)
     else:
@@ -87,12 +90,12 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
                                         cfg.data.num_workers, pin, cfg.data.prefetch_factor)
         warm_loader = build_inference_loader(FileListDataset(paths[:batch_size], transform, transform.img_size),
                                              batch_size, 0, pin)
-    model = build_model(cfg.model, num_classes)
+    model = build_model(cfg.model, num_classes, cfg.data.channels)
     model = model.to(device, memory_format=memory_format(cfg.train.channels_last)).eval()
     if cfg.train.compile:
         model = torch.compile(model, dynamic=False)
     k = min(5, num_classes)
-    device_input = DeviceInput.from_config(cfg, device, amp_dtype)
+    device_input = DeviceInput.from_config(for_timing(cfg), device, amp_dtype)
     predict(model, warm_loader, device_input, k)
     reset_peak_memory(device)
     sync(device)

@@ -18,7 +18,8 @@ from auditing.findings import by_split, clean_training_names, find_copies
 from auditing.colour import grayscale_outliers
 from auditing.folds import (align_classes, check_same_classes, copy_keys, cross_validated_probs, open_model,
                             predict_probs, unseen_by_checkpoint)
-from auditing.hashing import compute_facts
+from auditing.hashing import compute_facts, hash_view_words
+from data.transforms import reads_bands
 from auditing.html_report import render
 from auditing.label_issues import find_label_issues
 from auditing.outliers import find_outliers, merge_outliers, outliers_summary
@@ -150,9 +151,11 @@ def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timin
               "duplicates": duplicates, "leaks": leaks, "label_conflicts": conflicts, "label_issues": issues, "label_issues_source": source,
               "label_issues_note": note, "class_counts": counts, "balance": balance, "image_stats": image_stats,
               "near_threshold": threshold, "pixel_threshold": cfg.audit.pixel_threshold, "classes": data.classes,
-              "timings": timings}
+              "timings": timings, "hash_view": hash_view_words(cfg.data.channels, cfg.data.value_range)}
     report["advice"] = stats_mod.advice(balance, image_stats, cfg.data.img_size)
     report["summary"] = summary_lines(report)
+    if reads_bands(cfg.data.channels, cfg.data.value_range):
+        report["summary"].append(f"hashes and thumbnails: {report['hash_view']}")
     return report
 
 
@@ -219,7 +222,8 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
             check_same_classes(opened[0].classes, data.classes)
         bar = Progress(cfg, len(data.items), "hashing")
         started = time.perf_counter()
-        facts = compute_facts([item.file for item in data.items], cfg.data.num_workers, bar)
+        facts = compute_facts([item.file for item in data.items], cfg.data.num_workers, bar, cfg.data.channels,
+                              cfg.data.value_range)
         bar.close()
         hashing_s = time.perf_counter() - started
         failed = [{"path": item.name, "split": item.split, "reason": f.error.replace(item.file, item.name)}

@@ -39,7 +39,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     report = export_checkpoint(loaded, fmt, path, batch, embedding)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"
     print(f"wrote {report.path} ({fmt}, {batch_text}, {len(loaded.classes)} classes, "
-          f"input {loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch})")
+          f"input {loaded.cfg.data.img_size}px, {loaded.cfg.data.channels} channel(s)) from {loaded.path} "
+          f"(epoch {loaded.epoch})")
     print(f"check: max |probability difference| {report.max_prob_diff:.2e} vs the checkpoint's PyTorch model "
           f"(limit 1e-04), top-1 agrees on {report.top1_agree}/{report.num_images} images from "
           f"{report.images_from}")
@@ -115,7 +116,8 @@ def print_int8_report(loaded: ModelFile, report, fp32, batch: Optional[int], wha
     batch_text = "any batch" if batch is None else f"batch {batch}"
     n = report.num_images
     print(f"wrote {report.path} ({what}, {batch_text}, {len(loaded.classes)} classes, input "
-          f"{loaded.cfg.data.img_size}px) from {loaded.path} (epoch {loaded.epoch}); calibrated on "
+          f"{loaded.cfg.data.img_size}px, {loaded.cfg.data.channels} channel(s)) from {loaded.path} (epoch "
+          f"{loaded.epoch}); calibrated on "
           f"{report.calibration_images} images")
     print(f"size: {report.int8_bytes / 1e6:.2f} MB int8 vs {report.fp32_bytes / 1e6:.2f} MB fp32 "
           f"({report.int8_bytes / report.fp32_bytes:.2f}x)")

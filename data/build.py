@@ -54,19 +54,28 @@ def scan_splits(cfg) -> tuple[ImageIndex, ImageIndex]:
 def eval_transform(data_cfg) -> EvalTransform:
     """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation), at
     `data.eval_img_size` when set (FixRes: evaluate at another size than training)."""
-    return EvalTransform.of(EvalPreprocessing.of(data_cfg))
+    return EvalTransform(eval_size(data_cfg), data_cfg.crop_pct, data_cfg.interpolation, data_cfg.channels,
+                         data_cfg.value_range)
 
 
 def train_transform(data_cfg) -> TrainTransform:
     d = data_cfg
     policy = auto_augment_policy(d.auto_augment, d.auto_augment_magnitude, d.auto_augment_ops, d.interpolation)
-    return TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation, policy)
+    return TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation, policy, d.channels,
+                          d.value_range)
 
 
 def describe_augmentation(data_cfg) -> list[str]:
     """Start-up lines for the data-side recipe knobs that are on (nothing when all are off)."""
     d = data_cfg
     lines = []
+    if d.channels != 3 or d.value_range is not None:
+        lines.append(f"data.channels={d.channels}: files read as {d.channels} float band(s), scaled by "
+                     + (f"data.value_range={d.value_range}" if d.value_range is not None else "their sample type's "
+                        "range") + f"; normalised per channel with mean {d.mean}, std {d.std}"
+                     + (" (the ImageNet RGB values do not apply: auto, measured on the training split, unless "
+                        "data.mean / data.std are set)"
+                        if d.channels != 3 else ""))
     if d.auto_augment == "randaugment":
         lines.append(f"auto-augment: randaugment, {d.auto_augment_ops} ops at magnitude {d.auto_augment_magnitude}")
     elif d.auto_augment is not None:

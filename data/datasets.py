@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from data.file_list import describe_failure
 from data.listing.folder import ImageIndex
 from data.images import ImageDecodeError
+from data.transforms import blank_for
 
 MAX_REDRAWS = 20
 
@@ -77,7 +78,7 @@ class EvalDataset(Dataset):
         try:
             return self.transform(self.index.paths[i]), self.index.target(self.index.labels[i]), True, i
         except ImageDecodeError:
-            return (torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8),
+            return (blank_for(self.transform, self.img_size),
                     self.index.target(self.index.labels[i]), False, i)
 
 

@@ -17,6 +17,7 @@ from data.listing.csv_list import csv_paths
 from data.listing.folder import DataTreeError, list_images, report_skipped
 from data.images import IMAGE_EXTENSIONS, ImageDecodeError
 from data.loaders import seed_worker
+from data.transforms import blank_for
 
 _GLOB_CHARS = set("*?[")
 
@@ -70,7 +71,7 @@ class FileListDataset(Dataset):
         try:
             return self.transform(path), True, i, ""
         except (ImageDecodeError, OSError) as err:  # OSError: permission denied, file gone since listing, ...
-            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), False, i, describe_failure(path, err)
+            return blank_for(self.transform, self.img_size), False, i, describe_failure(path, err)
 
 
 def describe_failure(path: str, err: Exception) -> str:

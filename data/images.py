@@ -22,7 +22,7 @@ try:  # libjpeg-turbo straight into an array (requirements.txt); without it ever
 except ImportError:  # pragma: no cover - the PIL path is the same pixels
     simplejpeg = None
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm", ".npy")
 BACKGROUND = (255, 255, 255)
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 

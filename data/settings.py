@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from core.errors import ConfigError
 from core.paths import not_a_regular_file
@@ -20,6 +20,8 @@ SOURCE_FORMATS = tuple(keys.FORMAT for keys in SOURCE_KEYS)
 MAX_IMG_SIZE = 4096
 # torchvision's RandAugment magnitudes are bins 0..30 (num_magnitude_bins=31, as timm's scale)
 RANDAUGMENT_MAX_MAGNITUDE = 30
+MAX_CHANNELS = 1024  # data.bands.MAX_BANDS: a file with more bands is refused before decoding
+MIN_STD = 1e-6  # data.std's floor (auto measures bands whose spread is below one 8-bit step: 0.0039)
 
 
 @dataclass
@@ -51,8 +53,18 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
     hflip: float = setting(0.5, "horizontal-flip probability (0 for digits, text, ...)", lo=0.0, hi=1.0)
     color_jitter: float = setting(0.0, "brightness / contrast / saturation jitter strength (0: off)", lo=0.0,
                                   hi=1.0)
-    mean: list[float] = setting([0.485, 0.456, 0.406], "normalisation mean (R, G, B), in [0, 1]")
-    std: list[float] = setting([0.229, 0.224, 0.225], "normalisation std (R, G, B)")
+    channels: int = setting(3, "bands per image: 3 reads 8-bit RGB as ever; 1 keeps grayscale one band; any N reads "
+                               "multi-band TIFFs and .npy arrays; other than 3, samples keep their depth "
+                               "(docs/channels.md)", lo=1, hi=MAX_CHANNELS)
+    value_range: Optional[list[float]] = setting(None, "[low, high] of the stored samples, mapped to [0, 1] (null: the "
+                                                       "sample type's range; floats as [0, 1]); set, files are read as "
+                                                       "float bands also for 3 channels")
+    mean: Union[Literal["auto"], list[float]] = setting(
+        [0.485, 0.456, 0.406], "normalisation mean, one per channel (R, G, B), in [0, 1]; auto: measured per channel "
+                               "on the training split (the default for other than 3 channels)")
+    std: Union[Literal["auto"], list[float]] = setting(
+        [0.229, 0.224, 0.225], "normalisation std, one per channel (R, G, B); auto: measured on the training split; "
+                               "the default for other than 3 channels")
     sampler: Literal["random", "weighted", "sequential"] = setting(
         "random", "random (shuffled) | weighted (class-balanced WeightedRandomSampler) | sequential (fixed order; "
                   "warns)")
@@ -94,15 +106,13 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
                               f"area)")
         if not (0.01 <= self.ratio[0] and self.ratio[1] <= 100):
             raise ConfigError(f"'data.ratio' = {self.ratio}: aspect ratios must lie within [0.01, 100]")
-        for key, triple in (("data.mean", self.mean), ("data.std", self.std)):
-            if len(triple) != 3:
-                raise ConfigError(f"'{key}' must hold 3 numbers (R, G, B), got {triple}")
-        if not all(0 <= m <= 1 for m in self.mean):
+        self.check_channels(cfg)
+        if self.mean != "auto" and not all(0 <= m <= 1 for m in self.mean):
             raise ConfigError(f"'data.mean' = {self.mean}: every value must be within [0, 1] (pixels are scaled "
                               f"to [0, 1])")
-        if not all(0.001 <= s <= 1 for s in self.std):
-            raise ConfigError(f"'data.std' = {self.std}: every value must be within [0.001, 1] (pixels are scaled "
-                              f"to [0, 1])")
+        if self.std != "auto" and not all(MIN_STD <= s <= 1 for s in self.std):
+            raise ConfigError(f"'data.std' = {self.std}: every value must be within [{MIN_STD}, 1] (pixels are "
+                              f"scaled to [0, 1])")
         if self.repeated_augment > 1 and self.sampler != "random":
             raise ConfigError(f"'data.repeated_augment' = {self.repeated_augment} needs 'data.sampler' = random (it "
                               f"is {self.sampler}): repeats are drawn from a shuffled epoch; set "
@@ -112,6 +122,35 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
                 keys.check_source(self)
             else:
                 keys.check_unselected(self)
+
+
+    def check_channels(self, cfg) -> None:
+        """One mean and std per channel (`auto` for a channel count other than 3 whose values are unset: the
+        ImageNet values are RGB's); a value range low < high; no colour policy on bands that are not 8-bit RGB."""
+        explicit = getattr(cfg, "explicit_keys", set())
+        if self.channels != 3:
+            if "data.mean" not in explicit and self.mean != "auto" and len(self.mean) == 3:
+                self.mean = "auto"
+            if "data.std" not in explicit and self.std != "auto" and len(self.std) == 3:
+                self.std = "auto"
+        for key, values in (("data.mean", self.mean), ("data.std", self.std)):
+            if values != "auto" and len(values) != self.channels:
+                raise ConfigError(f"'{key}' must hold {self.channels} numbers, one per channel (data.channels="
+                                  f"{self.channels}), got {values}")
+        if self.value_range is not None and (len(self.value_range) != 2
+                                             or not self.value_range[0] < self.value_range[1]):
+            raise ConfigError(f"'data.value_range' = {self.value_range} must be two numbers [low, high] with low < "
+                              f"high (the stored sample values that map to 0 and 1)")
+        if self.channels != 3 or self.value_range is not None:
+            refused = [(key, value) for key, value in (("data.auto_augment", self.auto_augment),
+                                                       ("data.color_jitter", self.color_jitter)) if value]
+            if refused:
+                key, value = refused[0]
+                raise ConfigError(f"'{key}' = {value}: colour augmentation assumes 8-bit RGB, and data.channels="
+                                  f"{self.channels}" + (f", data.value_range={self.value_range}"
+                                                        if self.value_range is not None else "")
+                                  + f" reads float bands; set {key}=" + ("null" if key == "data.auto_augment"
+                                                                         else "0") + " (docs/channels.md)")
 
 
 def eval_size(data_cfg: DataConfig) -> int:

@@ -42,10 +42,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from core.errors import BadDataError, ConfigError, DataTreeError, ImageDecodeError
 from data.listing.labels import FORMATS, ClassLabels, TagLabels
 from data.samplers import mix_seed
+from data.transforms import blank_for
 
 log = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "tif", "tiff", "npy")  # tif, npy: data.channels bands
 POSITION_BITS = 32  # a sample's id: shard number << 32 | position in the shard
 MAX_REDRAWS = 20
 
@@ -243,7 +244,7 @@ class ShardEvalStream(IterableDataset):
             return self.transform(image_bytes), label, True, sample_id
         except (ImageDecodeError, ValueError, OSError):
             label = self.index.labels.placeholder(len(self.position))
-            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), label, False, sample_id
+            return blank_for(self.transform, self.img_size), label, False, sample_id
 
 
 def local_path(url: str) -> Optional[str]:

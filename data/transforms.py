@@ -22,6 +22,10 @@ looks at (only their sub-pixel placement may differ); without it a 400000x1 PNG 
 
 Every transform takes a file path or the file's bytes (a WebDataset sample's image): the same decode path
 and pixel policy either way.
+
+`data.channels` other than 3 (or a declared `data.value_range`): files are read as N float bands on the 0..255
+scale (`data.bands`), cropped, resized and flipped in torch with the same draws, and returned as float32 CHW
+tensors; `normalize_batch` treats both sample types alike. With 3 channels nothing here changes.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import math
 import os
 import random
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import InterpolationMode
@@ -38,8 +43,9 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from core.errors import ImageDecodeError
+from data.bands import is_npy, read_bands
 from data.eval_preprocessing import EvalPreprocessing, centre_region, resize_size
-from data.images import decode_plain_jpeg, decode_rgb, open_image, oriented_size, require_regular_file
+from data.images import centre_box, decode_plain_jpeg, decode_rgb, open_image, oriented_size, require_regular_file
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -83,8 +89,9 @@ class TrainTransform:
     (`data.datasets.TrainDataset`), so the output is a function of (file, seed)."""
 
     def __init__(self, img_size: int, scale, ratio, hflip: float, color_jitter: float, interpolation: str,
-                 auto_augment=None):
+                 auto_augment=None, channels: int = 3, value_range=None):
         self.img_size = img_size
+        self.channels, self.value_range = channels, value_range
         self.scale = tuple(scale)
         self.ratio = tuple(ratio)
         self.hflip = hflip
@@ -95,6 +102,8 @@ class TrainTransform:
 
     def __call__(self, path, seed: int | None = None) -> torch.Tensor:
         rng = random.Random(seed)
+        if reads_bands(self.channels, self.value_range):
+            return self.bands(path, rng)
         source = read_source(path)
         width, height = source.size
         top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
@@ -112,6 +121,44 @@ class TrainTransform:
         if self.jitter is not None:
             out = self.jitter(out)
         return out
+
+    def bands(self, path, rng: random.Random) -> torch.Tensor:
+        """The N-band path: the same crop and flip draws on the float array (colour policies are refused for it
+        by data.settings)."""
+        array = read_band_array(path, self.channels, self.value_range)
+        height, width = array.shape[:2]
+        top, left, h, w = sample_crop(width, height, self.scale, self.ratio, rng)
+        crop = torch.from_numpy(np.ascontiguousarray(array[top:top + h, left:left + w])).permute(2, 0, 1)
+        out = resized_crop(crop, (w, h), (0, 0, w, h), self.img_size, self.interpolation)
+        if self.hflip > 0 and rng.random() < self.hflip:
+            out = F.horizontal_flip(out)
+        return out.contiguous()
+
+    def blank(self, size: int) -> torch.Tensor:
+        return blank_image(self.channels, self.value_range, size)
+
+
+def reads_bands(channels: int, value_range) -> bool:
+    """Whether files are read as float bands (`data.bands`) rather than as today's 8-bit RGB."""
+    return channels != 3 or value_range is not None
+
+
+def blank_image(channels: int, value_range, size: int) -> torch.Tensor:
+    """The zero image that stands in for an unreadable file: the pipeline's channels and sample type."""
+    dtype = torch.float32 if reads_bands(channels, value_range) else torch.uint8
+    return torch.zeros(channels, size, size, dtype=dtype)
+
+
+def blank_for(transform, size: int) -> torch.Tensor:
+    """`transform`'s zero image (an 8-bit RGB one for a transform that does not say)."""
+    if hasattr(transform, "blank"):
+        return transform.blank(size)
+    return torch.zeros(3, size, size, dtype=torch.uint8)
+
+
+def read_band_array(path, channels: int, value_range) -> np.ndarray:
+    name, buf = read_file_bytes(path)
+    return read_bands(buf, name, channels, value_range)
 
 
 class SourceImage:
@@ -144,9 +191,29 @@ class SourceImage:
         return decode_rgb(pil, self.name, min_size)  # from memory: no file left open to close
 
 
-def read_source(path) -> SourceImage:
+class ArraySource:
+    """A `.npy` array read by the 8-bit RGB path: its (H, W, 3) bands as an RGB image, a wider type scaled to
+    8 bits as 16-bit images are there."""
+
+    def __init__(self, name, buf):
+        self.array = read_bands(buf, name, 3)
+        self.size = (self.array.shape[1], self.array.shape[0])
+
+    def rgb(self, min_size: tuple[int, int] | None = None) -> Image.Image:
+        return Image.fromarray(np.clip(self.array, 0, 255).round().astype(np.uint8), "RGB")
+
+
+def read_source(path) -> SourceImage | ArraySource:
     """`path` (or an image's bytes) as a SourceImage. ImageDecodeError when the file cannot be read or not
     even PIL can open it."""
+    name, buf = read_file_bytes(path)
+    if is_npy(buf):
+        return ArraySource(name, buf)
+    return SourceImage(name, buf)
+
+
+def read_file_bytes(path) -> tuple:
+    """(a name for messages, the bytes) of a file path or of an image's bytes."""
     if isinstance(path, (bytes, bytearray, memoryview)):
         buf = path
     else:
@@ -157,7 +224,7 @@ def read_source(path) -> SourceImage:
                 buf = memoryview(buf)[:f.readinto(buf) or 0]
         except OSError as err:
             raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
-    return SourceImage(path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf)
+    return path if isinstance(path, (str, os.PathLike)) else "<image bytes>", buf
 
 
 def decoded_box(decoded_size: tuple[int, int], full_size: tuple[int, int], box) -> tuple[int, int, int, int]:
@@ -190,18 +257,32 @@ class EvalTransform:
     An image longer than `MAX_EVAL_ASPECT` to 1 is first cut to that ratio around its centre, so the work is
     bounded by the output size whatever the shape."""
 
-    def __init__(self, img_size: int, crop_pct: float, interpolation: str):
+    def __init__(self, img_size: int, crop_pct: float, interpolation: str, channels: int = 3, value_range=None):
         self.img_size = img_size
         self.resize_to = resize_size(img_size, crop_pct)
         self.interpolation = TV_INTERPOLATION[interpolation]
+        self.channels, self.value_range = channels, value_range
+
+    def blank(self, size: int | None = None) -> torch.Tensor:
+        return blank_image(self.channels, self.value_range, size or self.img_size)
 
     @classmethod
     def of(cls, preprocessing: EvalPreprocessing) -> "EvalTransform":
         return cls(preprocessing.img_size, preprocessing.crop_pct, preprocessing.interpolation)
 
     def __call__(self, path) -> torch.Tensor:
+        if reads_bands(self.channels, self.value_range):
+            return self.from_array(read_band_array(path, self.channels, self.value_range))
         source = read_source(path)
         return self.from_image(centre_region(*source.size, self.resize_to, source.rgb))
+
+    def from_array(self, array: np.ndarray) -> torch.Tensor:
+        """The N-band path: an (H, W, N) float array cut as `__call__` cuts an image, resized and cropped in
+        torch (antialiased, float)."""
+        left, top, right, bottom = centre_box(array.shape[1], array.shape[0])
+        crop = torch.from_numpy(np.ascontiguousarray(array[top:bottom, left:right])).permute(2, 0, 1)
+        out = F.resize(crop, self.resize_to, interpolation=self.interpolation, antialias=True)
+        return F.center_crop(out, self.img_size).contiguous()
 
     def from_image(self, img: Image.Image) -> torch.Tensor:
         img = F.resize(img, self.resize_to, interpolation=self.interpolation, antialias=True)

@@ -52,7 +52,7 @@ def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:
 
 def build_eval_model(loaded: ModelFile, device: torch.device, channels_last: bool) -> torch.nn.Module:
     """The bare model with the checkpoint's weights (strict), in eval mode, on `device`."""
-    model = build_model(loaded.cfg.model, len(loaded.classes))
+    model = build_model(loaded.cfg.model, len(loaded.classes), loaded.cfg.data.channels)
     try:
         model.load_state_dict(loaded.state_dict, strict=True)
     except RuntimeError as err:

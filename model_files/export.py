@@ -158,7 +158,8 @@ def check_images(loaded: ModelFile) -> tuple[torch.Tensor, str]:
     if images:
         return torch.stack(images), f"{split}"
     generator = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (CHECK_IMAGES, 3, d.img_size, d.img_size), generator=generator, dtype=torch.uint8)
+    pixels = torch.randint(0, 256, (CHECK_IMAGES, d.channels, d.img_size, d.img_size), generator=generator,
+                           dtype=torch.uint8)
     return pixels, "generated random images"
 
 

@@ -152,7 +152,8 @@ def check_grad_checkpointing(model_cfg) -> None:
 
 
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
-                 norm: str = "batch", group_norm_groups: int = 32, grad_checkpointing: bool = False) -> torch.nn.Module:
+                 norm: str = "batch", group_norm_groups: int = 32, grad_checkpointing: bool = False,
+                 in_chans: int = 3) -> torch.nn.Module:
     check_model_name(name)
     if name.startswith(TORCHVISION_PREFIX):
         tv_name = name[len(TORCHVISION_PREFIX):]
@@ -160,8 +161,12 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_
         if grad_checkpointing:
             kwargs.update(_torchvision_checkpointing_kwargs(tv_name))
         model = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes, **kwargs)
+        if in_chans != 3:
+            replace_stem(model, in_chans, name)
     else:
         kwargs = {"pretrained": False, "num_classes": num_classes, "drop_rate": drop_rate}
+        if in_chans != 3:
+            kwargs["in_chans"] = in_chans
         if drop_path_rate:
             kwargs["drop_path_rate"] = drop_path_rate
         try:
@@ -178,11 +183,56 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0, drop_path_
     return model
 
 
-def build_model(model_cfg, num_classes: int) -> torch.nn.Module:
-    """The classifier that `model_cfg` (the config's `model` section) describes, with fresh weights."""
+def build_model(model_cfg, num_classes: int, in_chans: int = 3) -> torch.nn.Module:
+    """The classifier that `model_cfg` (the config's `model` section) describes, with fresh weights, for
+    `in_chans` input channels (`data.channels`)."""
     m = model_cfg
     return create_model(m.name, num_classes, m.drop_rate, m.drop_path_rate, m.norm, m.group_norm_groups,
-                        m.grad_checkpointing)
+                        m.grad_checkpointing, in_chans)
+
+
+def stem_conv(model: torch.nn.Module) -> tuple[str, torch.nn.Conv2d]:
+    """(name, module) of the model's first convolution: the stem that reads the input channels."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv2d):
+            return name, module
+    raise ModelError(f"{type(model).__name__} has no Conv2d to read the input channels")
+
+
+def replace_stem(model: torch.nn.Module, in_chans: int, name: str) -> None:
+    """A torchvision model's first convolution rebuilt for `in_chans` channels (torchvision has no channel
+    argument), its weights adapted from the 3-channel ones as timm adapts a pretrained stem."""
+    from timm.models import adapt_input_conv
+
+    path, conv = stem_conv(model)
+    if conv.groups != 1:
+        raise ModelError(f"'model.name' = {name}: its first convolution is grouped; data.channels={in_chans} "
+                         f"needs a plain stem")
+    new = torch.nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                          bias=conv.bias is not None, padding_mode=conv.padding_mode)
+    with torch.no_grad():
+        new.weight.copy_(adapt_input_conv(in_chans, conv.weight))
+        if conv.bias is not None:
+            new.bias.copy_(conv.bias)
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
+
+
+def adapt_stem_weights(model: torch.nn.Module, state: dict) -> dict:
+    """`state` with its stem weight adapted to the model's input channels when they differ (a 3-channel
+    pretrained model or checkpoint into N channels: timm's adapt_input_conv, summed for one channel, repeated
+    and scaled for more). Says so in the log."""
+    from timm.models import adapt_input_conv
+
+    path, conv = stem_conv(model)
+    key = f"{path}.weight"
+    weight = state.get(key)
+    if (weight is None or weight.ndim != 4 or weight.shape[1] == conv.in_channels
+            or weight.shape[0] != conv.out_channels or weight.shape[2:] != conv.weight.shape[2:]):
+        return state
+    log.info("%s: %d-channel weights adapted to %d input channels (timm's adapt_input_conv)", key,
+             weight.shape[1], conv.in_channels)
+    return {**state, key: adapt_input_conv(conv.in_channels, weight.float()).to(weight.dtype)}
 
 
 def _groups_for(channels: int, wanted: int) -> int:
@@ -261,6 +311,7 @@ def read_weights_file(path: str | Path) -> dict:
 def load_matching_weights(model: torch.nn.Module, state: dict) -> tuple[list[str], list[str]]:
     """Load every tensor whose name and shape match; return (loaded names, skipped names)."""
     own = model.state_dict()
+    state = adapt_stem_weights(model, state)
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     skipped = sorted(set(state) - set(usable)) + sorted(set(own) - set(state))
     model.load_state_dict(usable, strict=False)
@@ -349,8 +400,10 @@ def prepare_pretrained(cfg, resume_config: Optional[dict]) -> tuple[Optional[tor
         return None, (["model.pretrained: resuming, so nothing is loaded (last.pt restores the weights)"]
                       + fill_unset(cfg, values, "the resumed run's config"))
     source = load_pretrained(cfg.model)
-    return source, fill_unset(cfg, pretrained_preprocessing(cfg.model.name, source),
-                              f"{cfg.model.name}'s pretrained config")
+    values = pretrained_preprocessing(cfg.model.name, source)
+    if cfg.data.channels != 3:  # the pretrained RGB mean / std say nothing about N bands: auto (docs/channels.md)
+        values = {k: v for k, v in values.items() if k not in ("data.mean", "data.std")}
+    return source, fill_unset(cfg, values, f"{cfg.model.name}'s pretrained config")
 
 
 def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, name: str, classes: list[str]) -> None:

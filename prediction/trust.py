@@ -139,6 +139,28 @@ def display_size(width: int, height: int, max_side: int = OVERLAY_MAX_SIDE) -> t
     return max(1, round(width * factor)), max(1, round(height * factor)), factor
 
 
+def overlay_base(path: str, d) -> tuple:
+    """(width, height, display width, display height, factor, shown pixels) of the image an overlay is drawn
+    on: the file as 8-bit RGB, or for data.channels other than 3 its first band stretched between its extremes."""
+    from PIL import Image
+
+    from data.bands import first_band_view
+    from data.images import load_rgb, open_image, oriented_size
+    from data.transforms import read_band_array, reads_bands
+
+    if reads_bands(d.channels, d.value_range):
+        image = first_band_view(read_band_array(path, d.channels, d.value_range))
+        width, height = image.size
+        dw, dh, factor = display_size(width, height)
+    else:
+        with open_image(path) as header:  # the size from the header; a JPEG decodes at the
+            width, height = oriented_size(header)  # overlay's size (draft), not at 9000 px
+        dw, dh, factor = display_size(width, height)
+        image = load_rgb(path, min_size=(dw, dh))
+    shown = np.asarray(image if image.size == (dw, dh) else image.resize((dw, dh), Image.Resampling.BOX))
+    return width, height, dw, dh, factor, shown
+
+
 def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str], out_dir: str) -> None:
     """Grad-CAM for each class the model's task explains in a classified row (the predicted class; each of a
     multi-label row's called tags, the overlay named by the tag): an overlay PNG in `out_dir` (longer side at most OVERLAY_MAX_SIDE) and
@@ -146,9 +168,6 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
     pixels, `layer` the one Grad-CAM read (`evaluation.explain.target_layer`: fine enough for the input size).
     A flat heatmap (a feature map of one cell, as at 32 px) has no peak: `peak_informative` is false and
     the peak is the crop's first pixel, which means nothing."""
-    from PIL import Image
-
-    from data.images import load_rgb, open_image, oriented_size
     from data.transforms import normalize_batch
     from evaluation.explain import (Explainer, crop_geometry, heatmap_on_original, heatmap_peak, to_original,
                                            write_overlay)
@@ -167,11 +186,7 @@ def explain_rows(loaded, paths: list[str], rows: list[dict], classes: list[str],
             batch = normalize_batch(torch.stack([transform(paths[i]) for i, _ in chunk]), d.mean, d.std)
             cams = explainer.heatmaps(batch, [c for _, c in chunk])
             for (i, c), cam in zip(chunk, cams):
-                with open_image(paths[i]) as header:  # the size from the header; a JPEG decodes at the
-                    width, height = oriented_size(header)  # overlay's size (draft), not at 9000 px
-                dw, dh, factor = display_size(width, height)
-                image = load_rgb(paths[i], min_size=(dw, dh))
-                shown = np.asarray(image if image.size == (dw, dh) else image.resize((dw, dh), Image.Resampling.BOX))
+                width, height, dw, dh, factor, shown = overlay_base(paths[i], d)
                 geometry = crop_geometry(width, height, transform.resize_to, transform.img_size)
                 informative = bool(cam.max() - cam.min() > 1e-6)
                 flat += not informative

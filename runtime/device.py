@@ -197,6 +197,10 @@ class DeviceInput:
     def from_config(cls, cfg, device: torch.device, amp_dtype: Optional[torch.dtype],
                     channels_last: Optional[bool] = None) -> "DeviceInput":
         cl = cfg.train.channels_last if channels_last is None else channels_last
+        if isinstance(cfg.data.mean, str) or isinstance(cfg.data.std, str):
+            raise ConfigError(f"data.mean = {cfg.data.mean!r}, data.std = {cfg.data.std!r}: auto is measured by "
+                              f"train.py on the training split; this command needs the numbers (a checkpoint "
+                              f"carries them)")
         return cls(device, tuple(cfg.data.mean), tuple(cfg.data.std), cl, amp_dtype)
 
     def prepare(self, images: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from PIL import Image
 
 from core.errors import ConfigError, ImageDecodeError
 from embedding.embedder import Embedder
-from data.transforms import EvalTransform, read_source
+from data.transforms import EvalTransform, blank_for, read_source
 from model_files.checkpoint_files import preprocessing_record
 from prediction.predictor import Predictor
 from prediction.trust import TrustOptions
@@ -26,11 +26,14 @@ log = logging.getLogger("serve")
 
 
 def decode_image(body: bytes, transform: EvalTransform, max_pixels: Optional[int]) -> torch.Tensor:
-    """infer.py's decode and eval preprocessing of one image's bytes: uint8 [3, S, S]. BadImage when the
+    """infer.py's decode and eval preprocessing of one image's bytes: uint8 [3, S, S] (float [N, S, S] for
+    data.channels other than 3: TIFF, .npy and PNG uploads alike). BadImage when the
     bytes are empty, not an image, truncated, or above `max_pixels` (PIL's decompression-bomb limit)."""
     if not body:
         raise BadImage("empty_body", "the request carried no image bytes")
     try:
+        if getattr(transform, "channels", 3) != 3 or getattr(transform, "value_range", None) is not None:
+            return transform(body)  # N bands (TIFF, .npy, PNG): data.bands refuses a hostile shape before decoding
         width, height = read_source(body).size
         if max_pixels is not None and width * height > max_pixels:
             raise BadImage("decompression_bomb", f"{width}x{height} = {width * height} pixels, above the limit of "
@@ -104,9 +107,9 @@ class ServedModel:
         """One pass per batch shape before the first request (allocator, oneDNN/cudnn choices)."""
         size = self.predictor.transform.img_size
         for shape in self.shapes:
-            self.classify([torch.zeros(3, size, size, dtype=torch.uint8)] * shape, [None] * shape)
+            self.classify([blank_for(self.predictor.transform, size)] * shape, [None] * shape)
             if self.embeds:
-                self.embed([torch.zeros(3, size, size, dtype=torch.uint8)] * shape)
+                self.embed([blank_for(self.predictor.transform, size)] * shape)
 
     def health(self) -> dict:
         cfg = self.model_file.cfg

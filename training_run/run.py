@@ -20,6 +20,7 @@ import torch
 from core.config import Config, check_data_root
 from core.errors import ConfigError
 from data.build import RunData, build_run_data
+from data.normalisation import resolve_normalisation
 from data.listing.fingerprint import data_fingerprint
 from data.loaders import shutdown_workers
 from model_files.checkpoint_files import recorded_threads
@@ -109,6 +110,8 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     data = build_run_data(cfg, cfg.train.batch_size, rt.dist.rank, rt.dist.world_size,
                           pin_memory_for(cfg.data.pin_memory, rt.device))
     closing.callback(shutdown_workers, data.train_loader, data.val_loader)
+    cfg = resolve_normalisation(cfg, data.train_index, start.resume_ckpt, cfg.train.batch_size,
+                                lambda fn: dist_utils.run_on_main(rt.dist.is_main, fn, share_result=True))
     # rank 0 reads the file sizes, the others take its answer (one stat per file on a shared file system)
     fingerprint = dist_utils.run_on_main(
         rt.dist.is_main, lambda: data_fingerprint(data.train_index, data.val_index), share_result=True)

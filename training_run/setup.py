@@ -37,7 +37,7 @@ def build_starting_model(cfg, classes: list[str], device: torch.device, dist, re
                          finetune_source: Optional[str], finetune_partial: bool) -> torch.nn.Module:
     """The bare model on `device` with its starting weights: `model.weights`, the pretrained source or a
     --finetune checkpoint (a resume restores last.pt's instead), SyncBatchNorm under DDP when asked."""
-    model = build_model(cfg.model, len(classes))
+    model = build_model(cfg.model, len(classes), cfg.data.channels)
     if cfg.model.weights and not resuming:
         load_local_weights(model, cfg.model.weights)
     if pretrained is not None:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from data.normalisation import for_timing
 from runtime.device import DeviceInput, is_out_of_memory, memory_format, precision_name
 from runtime.distributed import min_over_ranks
 from runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_rss_bytes,
@@ -285,7 +286,8 @@ class TrainingStepProbe:
 
     def __call__(self, batch: int) -> StepResult:
         try:
-            data = synthetic_batch(batch, self.cfg.data.img_size, self.num_classes, self.device)
+            data = synthetic_batch(batch, self.cfg.data.img_size, self.num_classes, self.device,
+                                   channels=self.cfg.data.channels)
             timing = time_train_steps(self.step, repeat(data), self.steps, self.warmup)
             return StepResult(timing.step_s, timing.peak_memory_bytes, timing.held_before_bytes)
         finally:
@@ -308,11 +310,11 @@ class TrainingStepProbe:
 def build_training_probe(cfg, num_classes: int, device: torch.device, amp_dtype, compile_model: bool = False):
     """A fresh model and `TrainStep` built like the trainer's (constant LR, one micro-batch per step), for
     measuring what a training step costs."""
-    model = build_model(cfg.model, num_classes).to(device, memory_format=memory_format(cfg.train.channels_last))
+    model = build_model(cfg.model, num_classes, cfg.data.channels).to(device, memory_format=memory_format(cfg.train.channels_last))
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     # distill.teacher: the teacher's forward and memory are part of what a step costs
     objective = build_objective(cfg, None, model, device)
-    return build_train_step(cfg, model, DeviceInput.from_config(cfg, device, amp_dtype), cfg.optim.lr,
+    return build_train_step(cfg, model, DeviceInput.from_config(for_timing(cfg), device, amp_dtype), cfg.optim.lr,
                             train_model=train_model, accum_steps=1, num_classes=num_classes, objective=objective)
 
 

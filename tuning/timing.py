@@ -44,10 +44,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def synthetic_batch(batch_size: int, img_size: int, num_classes: int, device: torch.device, train: bool = True):
-    """Random uint8 images and labels already on the device, shaped like a loader batch."""
+def synthetic_batch(batch_size: int, img_size: int, num_classes: int, device: torch.device, train: bool = True,
+                    channels: int = 3):
+    """Random uint8 images and labels already on the device, shaped like a loader batch (`channels` bands)."""
     generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (batch_size, 3, img_size, img_size), dtype=torch.uint8, generator=generator)
+    images = torch.randint(0, 256, (batch_size, channels, img_size, img_size), dtype=torch.uint8, generator=generator)
     targets = torch.randint(0, num_classes, (batch_size,), generator=generator)
     images, targets = images.to(device), targets.to(device)
     if train:

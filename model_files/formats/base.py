@@ -47,7 +47,7 @@ def traced_model(loaded: ModelFile, batch: Optional[int],
     folded, count = fold_batchnorm(model)
     logging.getLogger(__name__).info("folded %d BatchNorm layers into the preceding convolutions", count)
     size = loaded.cfg.data.img_size
-    return folded, torch.zeros(batch or 2, 3, size, size)
+    return folded, torch.zeros(batch or 2, loaded.cfg.data.channels, size, size)
 
 
 # ---------------------------------------------------------------- exporter errors, shortened

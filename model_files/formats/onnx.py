@@ -119,15 +119,16 @@ def warn_if_int8_is_slow_here(path: Path) -> None:
 
 def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
     session = onnx_session(path)
-    shape = session.get_inputs()[0].shape  # [batch, 3, H, W]; symbolic dims are strings
+    shape = session.get_inputs()[0].shape  # [batch, channels, H, W]; symbolic dims are strings
     if len(shape) != 4:
-        raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes [N, 3, H, W]")
+        raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes [N, C, H, W]")
     fixed_batch = shape[0] if isinstance(shape[0], int) else None
     metadata = metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
     stored = read_metadata(metadata, path, overrides) if metadata is not None else None
     if stored is not None:
         cfg, classes, saved_val_limit = stored.cfg, stored.classes, stored.saved_val_limit
-        check_output_count(classes, _onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), str(path))
+        check_output_count(classes, _onnx_class_count(session, fixed_batch or 1, cfg.data.img_size, cfg.data.channels),
+                           str(path))
     else:
         cfg, saved_val_limit = eval_config({}, _foreign_onnx_preprocessing(shape, path), overrides, str(path))
         classes = numbered_classes(_onnx_class_count(session, fixed_batch or 1, cfg.data.img_size), path)
@@ -165,11 +166,11 @@ def _foreign_onnx_preprocessing(shape: list, path: Path) -> dict:
     return {"img_size": size}
 
 
-def _onnx_class_count(session, batch: int, img_size: int) -> int:
+def _onnx_class_count(session, batch: int, img_size: int, channels: int = 3) -> int:
     classes = session.get_outputs()[0].shape[-1]
     if isinstance(classes, int):
         return classes
-    probe = torch.zeros(batch, 3, img_size, img_size)
+    probe = torch.zeros(batch, channels, img_size, img_size)
     return int(_onnx_function(session)(probe).shape[-1])
 
 

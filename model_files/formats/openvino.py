@@ -97,7 +97,7 @@ def open_openvino(path: Path, overrides: list[str]) -> ModelFile:
     outputs = model.outputs[0].get_partial_shape()
     if len(model.inputs) != 1 or shape.rank.is_dynamic or shape.rank.get_length() != 4:
         raise CheckpointError(f"{path}: the IR takes {len(model.inputs)} input(s) of shape {shape}; an image "
-                              f"classifier takes one [N, 3, H, W]")
+                              f"classifier takes one [N, C, H, W]")
     if outputs[-1].is_static:
         check_output_count(classes, outputs[-1].get_length(), str(path))
     fixed_batch = shape[0].get_length() if shape[0].is_static else None
@@ -146,7 +146,7 @@ def write_openvino(loaded: ModelFile, folder: Path, batch: Optional[int], metada
         converted = ov.convert_model(program)
         # the input size fixed, every layer's shape is checked: OpenVINO's pooling refuses a window larger than
         # its input (ResNet-D's 2x2 average pool on a 1x1 map, at 16 px), which PyTorch's ceil_mode allows
-        converted.reshape({converted.inputs[0]: ov.PartialShape([batch or -1, 3, size, size])})
+        converted.reshape({converted.inputs[0]: ov.PartialShape([batch or -1, loaded.cfg.data.channels, size, size])})
     except Exception as err:  # OpConversionFailure, GeneralFailure, RuntimeError: the message names the operators
         version = ov.get_version().split("-")[0]
         raise ConfigError(f"--format openvino: OpenVINO {version} cannot carry this model at {size} px: "

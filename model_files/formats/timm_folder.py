@@ -89,12 +89,14 @@ def write_timm_folder(loaded: ModelFile, folder: Path, batch: Optional[int], met
     model = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
     model.pretrained_cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in PROVENANCE_KEYS}
     p = preprocessing_record(loaded.cfg)
-    data_config = {"input_size": (3, p["img_size"], p["img_size"]), "interpolation": p["interpolation"],
+    channels = loaded.cfg.data.channels
+    data_config = {"input_size": (channels, p["img_size"], p["img_size"]), "interpolation": p["interpolation"],
                    "mean": tuple(p["mean"]), "std": tuple(p["std"]), "crop_pct": p["crop_pct"], "crop_mode": "center"}
     ours = {key: metadata[key] for key in ("format_version", "config", "epoch", "calibration", "thresholds")}
     try:
         save_for_hf(model, str(folder), model_config={"label_names": list(loaded.classes), TIMM_METADATA_KEY: ours},
-                    safe_serialization=True, data_config=data_config)
+                    model_args={"in_chans": channels} if channels != 3 else None, safe_serialization=True,
+                    data_config=data_config)
     except Exception as err:  # safetensors raises its own SafetensorError for a full disk; OSError for the JSON
         reason = " ".join(str(err).split())[:300]
         raise ExportError(f"timm export to {folder} failed ({type(err).__name__}: {reason}); a full disk or a "

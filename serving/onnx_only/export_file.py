@@ -71,6 +71,10 @@ class OnnxExport:
         if len(shape) != 4:
             raise CheckpointError(f"{path}: the model's input has shape {shape}; an image classifier takes "
                                   f"[N, 3, H, W]")
+        if isinstance(shape[1], int) and shape[1] != 3:
+            raise CheckpointError(f"{path}: the model takes {shape[1]} input channel(s) (data.channels); the slim "
+                                  f"ONNX-only server reads 8-bit RGB only: serve it with serve.py, which reads "
+                                  f"N-band TIFF and .npy uploads")
         metadata = metadata_from_onnx_props(session.get_modelmeta().custom_metadata_map, path)
         if metadata is None:
             raise CheckpointError(f"{path}: no imgcls metadata (not written by export.py); without torch only "
