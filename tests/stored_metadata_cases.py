@@ -22,7 +22,7 @@ BAD_METADATA = [
     ("img_size 0", {"preprocessing.img_size": 0}, "'data.img_size' = 0 is out of range"),
     ("unknown interpolation", {"preprocessing.interpolation": "lanczos"},
      "'data.interpolation' = 'lanczos' is not allowed; expected 'bilinear' | 'bicubic' | 'nearest'"),
-    ("string mean", {"preprocessing.mean": "0.5"}, "'data.mean' = '0.5' is not allowed; expected a list of float"),
+    ("string mean", {"preprocessing.mean": "0.5"}, "'data.mean' = '0.5' is not allowed; expected 'auto' or a list of float"),
     ("NaN reject threshold", {"calibration.thresholds": {"energy": float("nan")}},
      "reject threshold (energy) nan is not a finite number"),
 ]

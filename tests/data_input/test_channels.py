@@ -205,7 +205,7 @@ def test_sixteen_bit_pngs_learn_what_the_eight_bit_reading_cannot_see(tmp_path):
             for name in ("deep", "flat")}
     assert top1["deep"] >= 90.0 and top1["flat"] <= 60.0, top1
     assert "data.mean / data.std = auto: measured per channel on 48 training images" in deep.stderr
-    stored = torch.load(tmp_path / "deep" / "best.pt", map_location="cpu", weights_only=False)["preprocessing"]
+    stored = torch.load(tmp_path / "deep" / "best.pt", map_location="cpu", weights_only=True)["preprocessing"]
     assert stored["mean"][0] == pytest.approx(30075 / 65535, abs=2e-4) and stored["std"][0] < 0.0039
 
 

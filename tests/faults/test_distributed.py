@@ -382,7 +382,7 @@ def test_shard_sampler_is_unpadded_and_limits_the_same_samples(n, limit):
 def test_sync_bn_on_cpu_processes_is_refused_before_any_work(data_root, tmp_path):
     # PyTorch's SyncBatchNorm runs only on GPUs: under DDP on CPU the run stops with exit 2 before the
     # process group starts (so no torchrun is needed to see it).
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     result = run_script("train.py", "--config", "resnet18",
                         *ddp_overrides(data_root, tmp_path / "run", **{"model.sync_bn": "true"}), env=env)
     assert result.returncode == 2

@@ -272,15 +272,17 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
 
         resumed = load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1, "train.threads": "idle_cores"}))
         start_load(1.0)
-        trainer_of(resumed, resume=str(out / "last.pt"))
+        with open_trainer(resumed, resume=str(out / "last.pt")):
+            pass
         assert torch.get_num_threads() == 2
         assert "2 CPU thread(s) (idle_cores: the checkpoint's run used 2" in (out / "train.log").read_text()
         assert apply_cpu_policy("idle_cores", saved_threads=2)[0] == 2 == torch.get_num_threads()
         assert apply_cpu_policy("idle_cores", saved_threads=None)[0] == 1
         assert "not bitwise" not in (out / "train.log").read_text()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the environment wins: the resume says what it costs
-        trainer_of(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
-                   resume=str(out / "last.pt"))
+        with open_trainer(load_config("base", tiny_overrides(tiny_tree, out, **{"train.epochs": 1})),
+                          resume=str(out / "last.pt")):
+            pass
         assert torch.get_num_threads() == 1
         assert ("resuming with 1 CPU thread(s) where the checkpoint's run used 2 (OMP_NUM_THREADS): the run goes "
                 "on, but not bitwise equal") in (out / "train.log").read_text()
