@@ -22,6 +22,12 @@ import export as export_script
 from conftest import REPO, train_tiny, wait_for
 
 SERVE_REQUIREMENTS = REPO / "docker" / "requirements-serve.txt"
+# the third-party modules this project's code imports, and the package that installs each (simplejpeg is left
+# out: data/images.py takes it where installed and decodes with Pillow otherwise)
+PACKAGE_OF = {"yaml": "pyyaml", "PIL": "pillow", "numpy": "numpy", "onnxruntime": "onnxruntime", "fastapi": "fastapi",
+              "uvicorn": "uvicorn", "multipart": "python-multipart", "python_multipart": "python-multipart",
+              "faiss": "faiss-cpu", "tifffile": "tifffile", "sklearn": "scikit-learn",
+              "timm": "timm", "safetensors": "safetensors", "tqdm": "tqdm", "webdataset": "webdataset"}
 NO_TORCH = ("import runpy, sys; sys.modules.update(torch=None, torchvision=None); "
             "sys.argv = ['serve.py', *sys.argv[1:]]; runpy.run_path('serve.py', run_name='__main__')")
 
@@ -38,7 +44,8 @@ def requirement_lines(path: Path) -> dict[str, str]:
 
 def test_serve_requirements_have_the_bounds_of_requirements_txt():
     slim, full = requirement_lines(SERVE_REQUIREMENTS), requirement_lines(REPO / "requirements.txt")
-    assert set(slim) == {"onnxruntime", "pillow", "numpy", "fastapi", "uvicorn", "python-multipart", "faiss-cpu"}
+    assert set(slim) == {"onnxruntime", "pillow", "numpy", "pyyaml", "fastapi", "uvicorn", "python-multipart",
+                         "faiss-cpu"}
     assert {name: full[name] for name in slim} == slim
     assert not {"torch", "torchvision"} & set(slim)
 
@@ -81,10 +88,14 @@ def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_the
     assert not (tmp_path / "data" / "transforms.py").exists()
     assert not {"rows.py", "preprocess.py"} & {p.name for p in (tmp_path / "serving" / "onnx_only").iterdir()}
     code = ("import importlib, sys; sys.modules.update(torch=None, torchvision=None)\n"
-            f"for name in {['serving.onnx_only.server', *shared]!r}: importlib.import_module(name)")
+            f"for name in {['serving.onnx_only.server', *shared]!r}: importlib.import_module(name)\n"
+            f"print(sorted(n for n in {sorted(PACKAGE_OF)!r} if sys.modules.get(n) is not None))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=""))
     assert result.returncode == 0, result.stderr[-2000:]
+    # what the copied code imports is installed in the image (PyYAML was missing once the config was read)
+    imported = eval(result.stdout.strip().splitlines()[-1])
+    assert {PACKAGE_OF[name] for name in imported} <= set(requirement_lines(SERVE_REQUIREMENTS)), imported
 
 
 @pytest.mark.slow
