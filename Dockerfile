@@ -47,8 +47,9 @@ COPY --chown=app:app commands/__init__.py commands/cli.py commands/
 COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
 COPY --chown=app:app data/__init__.py data/images.py data/eval_preprocessing.py data/settings.py data/
 # the config's sections, each declared beside its owner (torch-free: core/config.py composes them)
-COPY --chown=app:app data/listing/__init__.py data/listing/source_csv_settings.py \
-     data/listing/source_folder_settings.py data/listing/source_webdataset_settings.py data/listing/
+COPY --chown=app:app data/listing/__init__.py data/listing/
+COPY --chown=app:app data/listing/sources/__init__.py data/listing/sources/source_csv_settings.py \
+     data/listing/sources/source_folder_settings.py data/listing/sources/source_webdataset_settings.py data/listing/sources/
 COPY --chown=app:app auditing/__init__.py auditing/settings.py auditing/
 COPY --chown=app:app evaluation/__init__.py evaluation/settings.py evaluation/
 COPY --chown=app:app models/__init__.py models/settings.py models/

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)  # config mistakes exit 2 before torch is imported
     if not cfg.data.builtin:
         check_data_root(cfg)
-    from commands.audit_args import check_arguments
+    from commands.auditing.audit_args import check_arguments
 
     check_arguments(cfg, args.checkpoint, args.write_clean_csv)
     from commands.output_roles import check_audit_outputs
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from commands.cli import announce
 
     announce(f"audit.py: auditing {cfg.data.root or cfg.data.train_csv or 'the configured data'}")
-    from commands.audit import run_audit
+    from commands.auditing.audit import run_audit
 
     return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)
 

@@ -62,10 +62,10 @@ def main(argv=None) -> int:
     check_eval_tracking(args.overrides, args.checkpoint, args.data)  # only the tracking asked for here, checked now
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
-    from commands.evaluate import evaluate_checkpoint, report_evaluation
-    from commands.report import confusion_png_path
+    from commands.evaluation.evaluate import evaluate_checkpoint, report_evaluation
+    from commands.evaluation.report import confusion_png_path
 
-    from commands.eval_representation import pretrained_features_only, report_features_only
+    from commands.evaluation.eval_representation import pretrained_features_only, report_features_only
 
     features_only = pretrained_features_only(args.checkpoint, args.data, args.overrides, args.knn, args.linear_probe)
     if features_only is not None:

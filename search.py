@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     announce(f"search.py: searching {args.index} for {' '.join(args.queries[:3])}"
              f"{' ...' if len(args.queries) > 3 else ''}")
 
-    from commands.search import run_search
+    from commands.embedding.search import run_search
 
     return run_search(args.queries, args.index, args.top_k, args.output, args.checkpoint, args.batch_size,
                       args.num_workers, args.device)

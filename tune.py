@@ -57,10 +57,10 @@ def main() -> int:
     if args.search is None and (args.trials is not None or args.study is not None):
         parser.error("--trials and --study belong to --search SPACE.yaml (the hyper-parameter search)")
     if args.search is not None:
-        from commands.tune_search import main as search
+        from commands.tuning.tune_search import main as search
 
         return search(args)
-    from commands.tune import main as tune
+    from commands.tuning.tune import main as tune
 
     return tune(args)
 

@@ -1,6 +1,6 @@
 """The labelled images an audit reads, named as training names them.
 
-The splits come from `data.listing.sources.scan_sources` (the training and validation indexes of every
+The splits come from `data.listing.sources.registry.scan_sources` (the training and validation indexes of every
 `data.format`, with the same hidden-file rules, file checks and class list), plus `<data.root>/test/` when a
 class-folder tree has one. Files are named by their path relative to the data root (or, for CSV lists without
 one, to the list's folder); shard samples as training names them, "SHARD (sample N)". Shard samples are
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import DataTreeError
-from data.listing.labels import label_format
+from data.listing.labelling.labels import label_format
 from data.listing.folder import ImageIndex, scan_split
 from data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
-from data.listing.source_csv import csv_base, read_list
-from data.listing.sources import scan_sources
+from data.listing.sources.source_csv import csv_base, read_list
+from data.listing.sources.registry import scan_sources
 from data.listing.split import relative_key
 
 log = logging.getLogger("audit")

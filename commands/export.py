@@ -53,7 +53,7 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
 def validation_files(loaded: ModelFile) -> tuple[list[str], list[int], str]:
     """The checkpoint's recorded validation split as (paths, labels, description), as eval.py finds it.
     ConfigError (exit 2) when it is not on disk as image files."""
-    from data.listing.sources import eval_source
+    from data.listing.sources.registry import eval_source
 
     try:
         source = eval_source(loaded.cfg.data, loaded.classes, loaded.data_source)

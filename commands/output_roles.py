@@ -34,8 +34,8 @@ def eval_output_files(outputs: dict) -> dict:
     for flag, path in outputs.items():
         files[flag] = path
         if flag == "--json" and path:
-            from commands.eval_errors import errors_paths  # eval.py's modules (torch), not at infer.py --help
-            from commands.report import confusion_png_path
+            from commands.evaluation.eval_errors import errors_paths  # eval.py's modules (torch), not at infer.py --help
+            from commands.evaluation.report import confusion_png_path
 
             errors_csv, errors_html = errors_paths(path)
             files.update({"--json's confusion matrix": str(confusion_png_path(path)),

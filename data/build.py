@@ -14,9 +14,9 @@ from data.listing.folder import ImageIndex
 from data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
 from data.samplers import TrainSampler
 from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
-from data.listing.tags import TagIndex, describe_tags
-from data.listing.source import DataSources
-from data.listing.sources import scan_sources
+from data.listing.labelling.tags import TagIndex, describe_tags
+from data.listing.sources.source import DataSources
+from data.listing.sources.registry import scan_sources
 from data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from typing import Literal, Optional, Union
 from core.errors import ConfigError
 from core.paths import not_a_regular_file
 from core.settings import setting
-from data.listing.source_csv_settings import CsvSourceKeys
-from data.listing.source_folder_settings import FolderSourceKeys
-from data.listing.source_webdataset_settings import WebDatasetSourceKeys
+from data.listing.sources.source_csv_settings import CsvSourceKeys
+from data.listing.sources.source_folder_settings import FolderSourceKeys
+from data.listing.sources.source_webdataset_settings import WebDatasetSourceKeys
 
-# the data sources' keys, in the order data.format lists them (data/listing/sources.py registers the sources)
+# the data sources' keys, in the order data.format lists them (data/listing/sources/registry.py registers the sources)
 SOURCE_KEYS = (FolderSourceKeys, CsvSourceKeys, WebDatasetSourceKeys)
 SOURCE_FORMATS = tuple(keys.FORMAT for keys in SOURCE_KEYS)
 MAX_IMG_SIZE = 4096

@@ -40,7 +40,7 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from core.errors import BadDataError, ConfigError, DataTreeError, ImageDecodeError
-from data.listing.labels import FORMATS, ClassLabels, TagLabels
+from data.listing.labelling.labels import FORMATS, ClassLabels, TagLabels
 from data.samplers import mix_seed
 from data.transforms import blank_for
 

@@ -187,6 +187,6 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def data_source_fields(data_source: Optional[dict]) -> dict:
-    """The checkpoint's record of where its samples came from (data.listing.sources.DataSources.identity)."""
+    """The checkpoint's record of where its samples came from (data.listing.sources.registry.DataSources.identity)."""
     return {"data_source": dict(data_source)} if data_source else {}
 

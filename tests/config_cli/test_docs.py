@@ -119,7 +119,7 @@ def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
     assert "| `train.epochs` | `90` | int &gt;= 1 | training epochs |" in page
     assert "| `data.label_delimiter` | `' '` | text |" in page
     # a data source declares its own keys, beside its module
-    assert "`data/listing/source_csv_settings.py`" in page and "`data/listing/source_webdataset_settings.py`" in page
+    assert "`data/listing/sources/source_csv_settings.py`" in page and "`data/listing/sources/source_webdataset_settings.py`" in page
     assert "## `distill`\n\nDeclared in `objectives/distillation/settings.py`.\n\nknowledge distillation" in page
 
 

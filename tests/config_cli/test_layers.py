@@ -123,7 +123,7 @@ def test_settings_modules_import_only_the_standard_library_core_and_settings():
     modules = project_modules()
     settings = {name: path for name, path in modules.items() if is_settings(name)}
     assert {"data.settings", "models.settings", "training.settings", "tracking.settings", "rundir.settings",
-            "objectives.distillation.settings", "data.listing.source_csv_settings"} <= set(settings)
+            "objectives.distillation.settings", "data.listing.sources.source_csv_settings"} <= set(settings)
     wrong = [f"{name} imports {target}" for name, path in settings.items() for target in all_imports_of(path)
              if not (target.split(".")[0] in sys.stdlib_module_names or target == "__future__"
                      or (target.startswith("core.") and target != "core.config") or is_settings(target))]

@@ -127,7 +127,7 @@ def test_audit_never_changes_the_data(folder_audit):
 @pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
     from core.config import load_config
-    from data.listing.sources import scan_sources
+    from data.listing.sources.registry import scan_sources
 
     f, out = folder_audit["faults"], folder_audit["out"]
     with open(out / "clean.csv", newline="") as fh:
@@ -565,7 +565,7 @@ def test_an_output_over_an_input_exits_2_naming_both_roles(tmp_path, flag, targe
 
 def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
     """A multi-label (sigmoid) model gave 18 'label errors' on single-label data."""
-    from commands.audit_args import check_checkpoint_task
+    from commands.auditing.audit_args import check_checkpoint_task
     from core.errors import ConfigError
     from tasks import get_task
 

@@ -19,7 +19,7 @@ from core.config import ConfigError, check_data_root, load_config, resume_free_k
 from core.errors import BadDataError, DataTreeError
 from data.file_list import expand_inputs
 from data.listing.folder import ImageIndex
-from data.listing.sources import scan_sources
+from data.listing.sources.registry import scan_sources
 from data.listing.split import held_out_count, split_index
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -194,11 +194,11 @@ def test_csv_config_mistakes_exit_2(csv_data):
 
 
 def test_each_registered_source_declares_its_keys_and_no_key_twice():
-    """data.format's values are the sources data/listing/sources.py registers; each source's keys come from its own
+    """data.format's values are the sources data/listing/sources/registry.py registers; each source's keys come from its own
     settings class, and a key of another source set away from its default is refused."""
     import dataclasses
 
-    from data.listing.sources import SOURCES
+    from data.listing.sources.registry import SOURCES
     from data.settings import SOURCE_FORMATS, SOURCE_KEYS, DataConfig
 
     assert list(SOURCES) == list(SOURCE_FORMATS)

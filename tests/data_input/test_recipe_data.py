@@ -10,7 +10,7 @@ import pytest
 import torch
 from torchvision.transforms import InterpolationMode
 
-from commands.evaluate import evaluate_checkpoint
+from commands.evaluation.evaluate import evaluate_checkpoint
 from conftest import make_tree, tiny_overrides
 from core.config import Config, ConfigError, config_differences, load_config
 from data.build import build_run_data, describe_augmentation, eval_transform, train_transform

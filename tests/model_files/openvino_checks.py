@@ -191,7 +191,7 @@ def test_help_and_other_formats_never_import_openvino(exported):
             "    export.main(['--help'])\n"
             "from model_files.loading import load_model_file\n"
             "from model_files.export import check_export\n"
-            "import commands.export, commands.infer, commands.evaluate, serving.model\n"
+            "import commands.export, commands.infer, commands.evaluation.evaluate, serving.model\n"
             f"load_model_file({str(checkpoint)!r})\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'openvino', 'nncf'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

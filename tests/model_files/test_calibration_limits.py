@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from commands.report import format_trust_line
+from commands.evaluation.report import format_trust_line
 from evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
                                     apply_temperature, calibrated_temperature, expected_calibration_error,
                                     fit_temperature, held_out_probs)

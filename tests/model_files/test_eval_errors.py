@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from commands.eval_errors import misclassified, write_errors
+from commands.evaluation.eval_errors import misclassified, write_errors
 from conftest import make_tree, run_script, train_tiny
 from evaluation.split_outputs import SplitOutputs
 

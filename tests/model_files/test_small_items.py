@@ -53,7 +53,7 @@ def test_confusion_column_labels_stay_clear_of_the_grid(tmp_path):
     import torch
     from PIL import Image
 
-    from commands.report import LABEL_GAP, draw_confusion
+    from commands.evaluation.report import LABEL_GAP, draw_confusion
 
     classes = ["a", "bb", "a_long_class_name"]
     path = draw_confusion(torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 5]]), classes, tmp_path / "c.png")

@@ -238,7 +238,7 @@ def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
 def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_weak():
     """Issue 51: a 3-epoch photos model rejected 51.6% of digit images while 10-epoch ones rejected 93-94%;
     the fit measures its rejection of generated far-off images and says when it is weak."""
-    from commands.report import format_trust_line
+    from commands.evaluation.report import format_trust_line
     from evaluation.reject_probe import PROBE_KINDS, far_off_image, probe_batches, rejection_rates, weak_note
 
     rng = np.random.default_rng(0)

@@ -21,9 +21,9 @@ from sklearn.metrics import average_precision_score, f1_score
 from conftest import REPO, TEST_MODEL, run_script, wait_for
 from core.config import load_config
 from core.errors import USAGE_ERRORS, ConfigError, DataTreeError
-from data.listing.sources import scan_sources
-from data.listing.tag_split import tag_split_positions
-from data.listing.tags import parse_tags
+from data.listing.sources.registry import scan_sources
+from data.listing.labelling.tag_split import tag_split_positions
+from data.listing.labelling.tags import parse_tags
 from tasks import get_task
 from tasks.multi_label_metrics import (average_precision, multilabel_metrics, predicted, tune_thresholds)
 from tasks.losses import AsymmetricLoss, BinaryCrossEntropy
@@ -103,7 +103,7 @@ def test_unknown_tag_stops_with_the_row_and_the_close_match(images):
 def test_shards_carry_the_tags(images, tmp_path):
     """python -m data.shards --from LIST.csv --multilabel writes .tags members; the eval stream reads them back
     as the CSV's multi-hot targets (an untagged image all zeros)."""
-    from data.listing.labels import TagLabels
+    from data.listing.labelling.labels import TagLabels
     from data.shards import ShardEvalStream, main as write_shards_main, shard_index
     from data.transforms import EvalTransform
 
@@ -407,7 +407,7 @@ def test_tags_that_break_infer_columns_or_split_class_lists_exit_2(images, label
 
 
 def test_shard_writer_refuses_a_tag_with_a_newline(images, tmp_path):
-    from data.listing.labels import TagLabels
+    from data.listing.labelling.labels import TagLabels
     from data.shards import source_index
 
     listing = write_list(images / "newline.csv", [("images/list_0000.png", "cloud\nroad"),

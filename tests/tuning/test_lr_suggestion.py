@@ -56,7 +56,7 @@ def test_confidence_says_when_the_curve_cannot_be_trusted():
 
 
 def test_the_printed_result_names_the_suggestion_and_its_confidence():
-    from commands.tune_run import format_lr_result
+    from commands.tuning.tune_run import format_lr_result
 
     lrs = exponential_lrs(1e-4, 1, 50)
     found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])
@@ -69,7 +69,7 @@ def test_the_printed_result_names_the_suggestion_and_its_confidence():
 def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
     """Issue 51: 'confidence: low' followed by `use: optim.lr=0.0004632` trained to 17.6% against the
     recipe's 47.1%. A low confidence names the recipe's LR and the test to run for a confident one."""
-    from commands.tune_run import format_lr_result
+    from commands.tuning.tune_run import format_lr_result
 
     lrs = exponential_lrs(1e-4, 1, 50)
     found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])   # hardly falls, never diverges
@@ -87,7 +87,7 @@ def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
 def test_a_loss_that_rose_back_is_not_called_no_divergence():
     """The loss falls from 2.3 to 1.0, then climbs back to 2.6 as the LR grows (under 4x its minimum, so no
     divergence by the 4x rule): the result says it rose, and the confidence is not 'never diverged'."""
-    from commands.tune_run import format_lr_result
+    from commands.tuning.tune_run import format_lr_result
 
     lrs = exponential_lrs(1e-4, 10, 60)
     raw = [2.3 - 1.3 / (1 + math.exp(-(math.log10(lr) + 2.5) * 4)) + (0.8 * (math.log10(lr) + 1) if lr > 0.1 else 0)
@@ -107,7 +107,7 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
     """Every optimizer step of the range test runs at the planned LR (no warmup, schedule or scaling in
     between): the parameter groups' LR at each `optimizer.step` is the exponential ramp."""
     from core.config import load_config
-    from commands.tune_run import prepare
+    from commands.tuning.tune_run import prepare
     from tuning import sweep
 
     root = make_tree(tmp_path / "data", {"a": (16, 4), "b": (16, 4)}, size=(16, 16))
@@ -134,7 +134,7 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
 def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
     """The range test on generated data, then train.py at its `use: optim.lr=...`: the training loss falls and
     validation accuracy is well above chance (4 classes: 25%)."""
-    from commands.tune_run import run_lr_test
+    from commands.tuning.tune_run import run_lr_test
     from core.config import load_config
 
     root = make_tree(tmp_path / "data", {"a": (48, 12), "b": (48, 12), "c": (48, 12), "d": (48, 12)}, size=(16, 16))
@@ -164,7 +164,7 @@ def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
 def test_a_rise_short_of_divergence_is_said_not_denied():
     """The issue's case: the plot's loss climbs from 1.18 to 4.2 (3.5x, under the 4x that stops the test), and
     the result said 'no divergence within the range'. It names the rise and the LR it reached instead."""
-    from commands.tune_run import format_lr_result
+    from commands.tuning.tune_run import format_lr_result
 
     lrs = exponential_lrs(1e-4, 10, 60)
     falls_then_rises = [1.16 + 2.0 / (1 + (lr / 1e-2) ** 2) + (3.04 * min(lr, 10) / 10 if lr > 0.1 else 0)

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 from data.listing.csv_list import read_class_list
-from data.listing.labels import label_format
-from data.listing.source import DataSources, EvalSource, Source
+from data.listing.labelling.labels import label_format
+from data.listing.sources.source import DataSources, EvalSource, Source
 from data.shards import shard_index
 
 log = logging.getLogger(__name__)

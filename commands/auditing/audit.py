@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from commands.audit_args import check_arguments, check_checkpoint_task
+from commands.auditing.audit_args import check_arguments, check_checkpoint_task
 from core.outputs import write_json
 from auditing import stats as stats_mod
 from auditing.findings import by_split, clean_training_names, find_copies

@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 from data.build import build_eval_loader_for
-from data.listing.sources import scan_sources, train_source
+from data.listing.sources.registry import scan_sources, train_source
 from core.errors import ConfigError
 from model_files.formats import format_of
 from model_files.loading import load_model_file

@@ -1,4 +1,4 @@
-"""The keys of data.format=webdataset (data/listing/source_webdataset.py): tar shards read as a stream."""
+"""The keys of data.format=webdataset (data/listing/sources/source_webdataset.py): tar shards read as a stream."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The keys of data.format=csv (data/listing/source_csv.py): CSV lists of image paths and labels."""
+"""The keys of data.format=csv (data/listing/sources/source_csv.py): CSV lists of image paths and labels."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from data.listing.split import SplitRecord, check_split_sides, relative_key
-from data.listing.tags import TagIndex
+from data.listing.labelling.tags import TagIndex
 
 
 def tag_split_positions(keys: list[str], labels: list[tuple], num_classes: int, fraction: float, seed: int

@@ -1,5 +1,5 @@
 """Where the labelled samples come from (`data.format`), registered in one place: each source is one module
-(data/listing/source_*.py) with a `SOURCE` (data/listing/source.py says what it answers), and its config keys beside
+(data/listing/source_*.py) with a `SOURCE` (data/listing/sources/source.py says what it answers), and its config keys beside
 it in a torch-free data/listing/source_*_settings.py that data/settings.py gathers into `data`. `scan_sources(cfg)`
 gives the training and validation indexes and the identity of the source (what the checkpoint records, so
 that a resumed run can refuse other data and eval.py can find the held-out files again); `eval_source` what
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Optional
 
 from core.errors import DataTreeError
-from data.listing import source_csv, source_folder, source_webdataset
-from data.listing.labels import label_format
-from data.listing.source import DataSources, EvalSource, Source
+from data.listing.sources import source_csv, source_folder, source_webdataset
+from data.listing.labelling.labels import label_format
+from data.listing.sources.source import DataSources, EvalSource, Source
 
 SOURCES: dict[str, Source] = {m.SOURCE.name: m.SOURCE for m in (source_folder, source_csv, source_webdataset)}
 

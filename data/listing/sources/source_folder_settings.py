@@ -1,4 +1,4 @@
-"""The keys of data.format=folder (data/listing/source_folder.py): class-folder trees under data.root."""
+"""The keys of data.format=folder (data/listing/sources/source_folder.py): class-folder trees under data.root."""
 from __future__ import annotations
 
 from dataclasses import dataclass

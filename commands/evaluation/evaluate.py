@@ -10,10 +10,10 @@ import torch
 
 from core.errors import ConfigError
 from data.build import build_eval_loader_for, prepare_root
-from data.listing.sources import eval_source
+from data.listing.sources.registry import eval_source
 from runtime.device import amp_setting, pin_memory_for
-from commands.eval_errors import misclassified
-from commands.eval_representation import features_line, representation_figures
+from commands.evaluation.eval_errors import misclassified
+from commands.evaluation.eval_representation import features_line, representation_figures
 from commands.output_roles import check_eval_outputs
 from evaluation.calibration import apply_temperature, reliability_bins
 from evaluation.evaluate import check_finite_outputs, evaluate
@@ -39,8 +39,8 @@ class EvalResult:
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
     rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
     delimiter: str = " "        # between tags in a multi-label row
-    errors: list = None         # the misclassified images, worst first (commands/eval_errors.py); None: not the task's
-    representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/eval_representation.py)
+    errors: list = None         # the misclassified images, worst first (commands/evaluation/eval_errors.py); None: not the task's
+    representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluation/eval_representation.py)
 
 
 def amp_override(overrides: list[str]) -> str | None:
@@ -175,8 +175,8 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
     """eval.py's output: the settings line, the unreadable files, the task's table and the calibration line on
     the terminal; the JSON with the confusion PNG and the misclassified images, the prediction rows and the
     reliability diagram where asked for."""
-    from commands.reliability_plot import draw_reliability
-    from commands.report import confusion_png_path, draw_confusion, format_trust_line
+    from commands.evaluation.reliability_plot import draw_reliability
+    from commands.evaluation.report import confusion_png_path, draw_confusion, format_trust_line
     from core.outputs import write_json
 
     task = result.task
@@ -205,7 +205,7 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
             written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(json_path)))
         print(f"wrote {' and '.join(map(str, written))}")
         if result.errors is not None:
-            from commands.eval_errors import write_errors
+            from commands.evaluation.eval_errors import write_errors
 
             errors_csv, errors_html = write_errors(result.errors, json_path)
             print(f"wrote {len(result.errors)} misclassified image(s) to {errors_csv} and {errors_html}")

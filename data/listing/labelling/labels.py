@@ -13,8 +13,8 @@ import torch
 
 from data.listing.csv_list import check_no_empty_classes, csv_index
 from data.listing.split import index_from_record, split_index
-from data.listing.tag_split import split_tag_index, tag_index_from_record
-from data.listing.tags import check_tag_names, tag_classes, tag_csv_index
+from data.listing.labelling.tag_split import split_tag_index, tag_index_from_record
+from data.listing.labelling.tags import check_tag_names, tag_classes, tag_csv_index
 from tasks import get_task
 
 TAGS_KEY = "tags"
@@ -90,7 +90,7 @@ class TagLabels(ClassLabels):
         return tag_classes(rows, self.delimiter, where)
 
     def check_class_names(self, names: list[str], where: str) -> list[str]:
-        """No control character, none of infer.py's own CSV columns (data.listing.tags.check_tag_names)."""
+        """No control character, none of infer.py's own CSV columns (data.listing.labelling.tags.check_tag_names)."""
         return check_tag_names(names, where)
 
     def csv_index(self, csv_path, base: Path, rows, classes: list[str], known_as: str):

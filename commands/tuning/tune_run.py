@@ -68,7 +68,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
     check_sizes(sizes, images, world, cfg.model.norm)
-    steps = args.steps  # commands/tune.py resolved the default
+    steps = args.steps  # commands/tuning/tune.py resolved the default
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
     memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
@@ -98,7 +98,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
                "curves": [curve_document(r) for r in results if r["curve"] is not None]}
         write_json(doc, args.json)
         if args.plot:
-            from commands.tune_plot import plot_sweep
+            from commands.tuning.tune_plot import plot_sweep
 
             plot_sweep(results, target, args.plot, rows[0]["common_seconds"] if rows else None)
         log_tune_run(cfg, "sweep", doc, [args.json, args.plot], world, str(ctx.device))
@@ -200,7 +200,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
                           "benchmark.py --mode find-batch pick one)")
     ctx, images, _ = prepare(cfg)
     check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
-    steps = args.steps  # commands/tune.py resolved the default
+    steps = args.steps  # commands/tuning/tune.py resolved the default
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
@@ -216,7 +216,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
         print(format_lr_result(doc))
         write_json(doc, args.json)
         if args.plot:
-            from commands.tune_plot import plot_lr_range
+            from commands.tuning.tune_plot import plot_lr_range
 
             plot_lr_range(doc, args.plot)
         log_tune_run(cfg, "lr_range", doc, [args.json, args.plot], ctx.dist.world_size, str(ctx.device))

@@ -9,8 +9,8 @@ from pathlib import Path
 from data.health import check_bad_fraction
 from data.listing.csv_list import CsvRow, read_class_list, read_csv_rows
 from data.listing.folder import ImageIndex
-from data.listing.labels import label_format
-from data.listing.source import DataSources, EvalSource, Source
+from data.listing.labelling.labels import label_format
+from data.listing.sources.source import DataSources, EvalSource, Source
 from data.listing.split import relative_key
 
 log = logging.getLogger(__name__)

@@ -79,7 +79,7 @@ def main(args) -> int:
     check_store_apart(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
-    from commands.tune_run import run_lr_test, run_sweep
+    from commands.tuning.tune_run import run_lr_test, run_sweep
 
     if lr_range is not None:
         return run_lr_test(cfg, args, lr_range)

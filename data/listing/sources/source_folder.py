@@ -6,7 +6,7 @@ from pathlib import Path
 
 from data.listing.csv_list import read_class_list
 from data.listing.folder import match_classes, scan_split
-from data.listing.source import DataSources, EvalSource, Source
+from data.listing.sources.source import DataSources, EvalSource, Source
 from data.listing.split import split_index
 
 

@@ -1,7 +1,7 @@
 """`Source`: one place samples come from (`data.format`), what the rest of the program asks of it: its
 training and validation indexes (`scan`), the validation data eval.py evaluates a checkpoint on, where its
 relative paths resolve, and which list files eval.py --data can name for it. Each source is one module
-(data/listing/source_*.py), registered in data/listing/sources.py."""
+(data/listing/source_*.py), registered in data/listing/sources/registry.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

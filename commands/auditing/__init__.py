@@ -1,0 +1,1 @@
+"""audit.py's work: the data audit and its argument checks."""
