@@ -9,7 +9,7 @@ from pathlib import Path
 from commands.cli import announce
 from core.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PRUNERS = ("median", "hyperband", "none")
 KEEP = ("best", "all")
 # tune.py's flags of the batch-size sweep and the LR range test, which a search does not take
