@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Optional
 
-from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from data.file_list import expand_inputs, inference_batches
 from model_files.checkpoint_files import find_newest_checkpoint
 from prediction.predictor import Predictor
 from prediction.trust import TrustOptions, explain_rows, extra_columns
@@ -43,9 +43,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
         source = (f"--threshold {threshold}" if threshold is not None else
                   "the per-class thresholds tuned in training")
         print(f"multi-label: a tag is called at {source}", file=sys.stderr)
-    dataset = FileListDataset(paths, predictor.transform, predictor.transform.img_size)
-    loader = build_inference_loader(dataset, batch_size, num_workers,
-                                    pin_memory=predictor.runtime.device.type == "cuda")
+    loader = inference_batches(paths, predictor.transform, batch_size, num_workers, predictor.runtime.device)
     try:
         rows = predictor.predict_rows(loader, paths)
     finally:

@@ -113,3 +113,10 @@ def build_inference_loader(dataset: FileListDataset, batch_size: int, num_worker
     options = {"prefetch_factor": prefetch_factor, "worker_init_fn": seed_worker} if workers else {}
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=pin_memory,
                       collate_fn=PaddedCollate(batch_size), drop_last=False, **options)
+
+
+def inference_batches(paths: list[str], transform, batch_size: int, num_workers: int, device) -> DataLoader:
+    """The padded batches of `paths` through a model's eval `transform`, as infer.py, embed.py, search.py and
+    the Python API read them (pinned for a CUDA device)."""
+    return build_inference_loader(FileListDataset(paths, transform, transform.img_size), batch_size, num_workers,
+                                  pin_memory=device.type == "cuda")

@@ -78,14 +78,13 @@ class Classifier:
                 num_workers: int = 0) -> list[dict]:
         """infer.py's rows for image files, folders or globs (unreadable files get `error`)."""
         from commands.infer import fixed_batch_size
-        from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+        from data.file_list import expand_inputs, inference_batches
 
         inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
         paths = expand_inputs(inputs)
         p = self.predictor
-        dataset = FileListDataset(paths, p.transform, p.transform.img_size)
-        loader = build_inference_loader(dataset, fixed_batch_size(p.model_file, batch_size), num_workers,
-                                        pin_memory=p.runtime.device.type == "cuda")
+        loader = inference_batches(paths, p.transform, fixed_batch_size(p.model_file, batch_size), num_workers,
+                                   p.runtime.device)
         return p.predict_rows(loader, paths)
 
     def embed(self, images: Union[str, Path, Iterable[Union[str, Path]]], batch_size: Optional[int] = None,
@@ -95,15 +94,14 @@ class Classifier:
         import numpy
 
         from commands.infer import fixed_batch_size
-        from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+        from data.file_list import expand_inputs, inference_batches
         from embedding.embedder import Embedder
 
         inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
         paths = expand_inputs(inputs)
         embedder = Embedder.from_model_file(self.predictor.model_file, str(self.predictor.runtime.device))
-        dataset = FileListDataset(paths, embedder.transform, embedder.transform.img_size)
-        loader = build_inference_loader(dataset, fixed_batch_size(embedder.model_file, batch_size), num_workers,
-                                        pin_memory=False)
+        loader = inference_batches(paths, embedder.transform, fixed_batch_size(embedder.model_file, batch_size),
+                                   num_workers, embedder.runtime.device)
         read, parts = [], []
 
         def keep(vectors, valid, indices, errors):

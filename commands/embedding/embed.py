@@ -12,7 +12,7 @@ from typing import Optional
 from commands.infer import fixed_batch_size
 from core.errors import ConfigError
 from core.outputs import check_outputs_apart
-from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from data.file_list import expand_inputs, inference_batches
 from embedding.embedder import Embedder
 from embedding.index import METRIC, IndexInfo, read_info, update_index
 from embedding.store import PathRow, VectorWriter, read_rows, read_vectors, write_rows
@@ -75,9 +75,7 @@ def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optio
         return 0 if previous.count else 1
     batch_size = fixed_batch_size(embedder.model_file, batch_size)
     log.info("embedding %d file(s) in batches of %d on %s", len(new), batch_size, embedder.runtime.device)
-    dataset = FileListDataset(new, embedder.transform, embedder.transform.img_size)
-    loader = build_inference_loader(dataset, batch_size, num_workers,
-                                    pin_memory=embedder.runtime.device.type == "cuda")
+    loader = inference_batches(new, embedder.transform, batch_size, num_workers, embedder.runtime.device)
     folder.mkdir(parents=True, exist_ok=True)
     writer = VectorWriter(folder, len(new))
     try:

@@ -12,7 +12,7 @@ from typing import Optional
 from commands.infer import fixed_batch_size
 from core.errors import ConfigError
 from core.outputs import write_json
-from data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from data.file_list import expand_inputs, inference_batches
 from embedding.embedder import Embedder
 from embedding.index import load_index
 from embedding.neighbours import check_index_model, neighbour_rows
@@ -39,9 +39,8 @@ def run_search(queries: list[str], index_dir: str, top_k: int, output: Optional[
     model_path = query_model(folder, index.info.checkpoint, checkpoint)
     embedder = Embedder.open(model_path, device_setting)
     check_index_model(index, folder, model_path, embedder.digest)
-    dataset = FileListDataset(paths, embedder.transform, embedder.transform.img_size)
-    loader = build_inference_loader(dataset, fixed_batch_size(embedder.model_file, batch_size), num_workers,
-                                    pin_memory=embedder.runtime.device.type == "cuda")
+    loader = inference_batches(paths, embedder.transform, fixed_batch_size(embedder.model_file, batch_size),
+                               num_workers, embedder.runtime.device)
     found: list[tuple[int, dict]] = []  # (query's input position, row)
 
     def search_batch(vectors, valid, indices, reasons) -> None:
