@@ -185,7 +185,13 @@ class SourceImage:
         return F.pil_to_tensor(image.crop(decoded_box(image.size, self.size, box)))
 
     def rgb(self, min_size: tuple[int, int] | None = None) -> Image.Image:
-        """Decode through PIL with the pixel policy (`data.images.decode_rgb`)."""
+        """The decode at least `min_size` large as a PIL image: a plain JPEG's by libjpeg-turbo (the same pixels
+        as PIL's decode for ~2/3 of its CPU time), the rest through PIL with the pixel policy
+        (`data.images.decode_rgb`)."""
+        array = decode_plain_jpeg(self._pil, self.buf, min_size) if self._pil is not None else None
+        if array is not None:
+            self._pil = None
+            return Image.fromarray(array, "RGB")
         pil = self._pil if self._pil is not None else open_image(io.BytesIO(self.buf), name=self.name)
         self._pil = None
         return decode_rgb(pil, self.name, min_size)  # from memory: no file left open to close

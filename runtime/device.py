@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -48,11 +49,25 @@ def select_device(setting: str, local_rank: int = 0, world_size: int = 1) -> tor
     return device
 
 
-def bf16_is_fast(cpuinfo: str) -> bool:
+def bf16_is_fast(cpuinfo: str, env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether /proc/cpuinfo's text names AMX tiles for bf16 (`amx_bf16`), where bf16 matmuls and convolutions
-    run in the tiles. AVX512-BF16 alone does not make them faster: resnet18 training steps there ran at
-    0.71-0.80x of fp32's (docs/performance.md), so `train.amp: auto` keeps fp32 on such a CPU."""
-    return "amx_bf16" in cpuinfo
+    run in the tiles, and oneDNN may use them (`onednn_isa_cap`). AVX512-BF16 alone does not make them faster:
+    resnet18 training steps there ran at 0.71-0.80x of fp32's (docs/performance.md), so `train.amp: auto`
+    keeps fp32 on such a CPU."""
+    cap = onednn_isa_cap(os.environ if env is None else env)
+    return "amx_bf16" in cpuinfo and (cap is None or "AMX" in cap)
+
+
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below the first with bf16 instructions (avx512_core_bf16): a process
+# capped to one of them emulates bf16 whatever the CPU has
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def onednn_isa_cap(env: Mapping[str, str]) -> Optional[str]:
+    """The instruction set oneDNN is capped to by the environment (ONEDNN_MAX_CPU_ISA, or its older name
+    DNNL_MAX_CPU_ISA), upper-case; None when it is not capped."""
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return cap if cap and cap != "ALL" else None
 
 
 # Instructions that compute in bf16 (x86: AVX512-BF16, AMX; Arm: the BF16 extension). Without any of them
@@ -69,9 +84,14 @@ def cpu_flags(cpuinfo: str) -> Optional[set[str]]:
     return None
 
 
-def bf16_emulated(cpuinfo: str) -> Optional[str]:
+def bf16_emulated(cpuinfo: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why bf16 is emulated on the CPU that /proc/cpuinfo's text describes (its flags name neither AVX512-BF16
-    nor AMX nor Arm's BF16), or None where it runs natively or the flags are unknown."""
+    nor AMX nor Arm's BF16, or the environment caps oneDNN below them), or None where it runs natively or the
+    flags are unknown."""
+    cap = onednn_isa_cap(os.environ if env is None else env)
+    if cap in ONEDNN_ISAS_WITHOUT_BF16:
+        return (f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below AVX512-BF16, so PyTorch emulates bf16, converting "
+                "around every operation: several times slower than fp32")
     flags = cpu_flags(cpuinfo)
     if flags is None or flags.intersection(NATIVE_BF16_FLAGS):
         return None

@@ -179,6 +179,24 @@ def test_eval_transform_is_the_pil_resize_and_centre_crop(tmp_path, size):
     assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("size", [(640, 480), (1000, 750), (97, 61)])
+def test_eval_transform_decodes_plain_jpegs_by_libjpeg_turbo_to_pil_s_pixels(tmp_path, monkeypatch, size):
+    """Evaluation's decode (validation, eval.py, infer.py, serve.py) of a plain JPEG goes through libjpeg-turbo's
+    array at PIL draft's scale: the same uint8 crop as PIL's decode, at full, 1/2 and 1/4 scale."""
+    import data.images as images
+    from data.transforms import EvalTransform
+
+    path = _jpeg(tmp_path / "a.jpg", size, seed=5)
+    calls = []
+    real = images.decode_plain_jpeg
+    monkeypatch.setattr("data.transforms.decode_plain_jpeg", lambda *a: calls.append(a[2]) or real(*a))
+    transforms = [EvalTransform(s, 0.875, "bilinear") for s in (32, 112, 224)]
+    fast = [t(path) for t in transforms]
+    assert len(calls) == len(transforms)  # every decode asked libjpeg-turbo first
+    monkeypatch.setattr(images, "simplejpeg", None)
+    assert all(torch.equal(a, t(path)) for a, t in zip(fast, transforms))
+
+
 def test_sample_crop_boxes_follow_scale_and_ratio():
     import math
     import random

@@ -72,6 +72,23 @@ def test_bf16_is_emulated_on_cpus_without_avx512_bf16_amx_or_arm_bf16():
     assert bf16_emulated("") is None  # unknown (no /proc/cpuinfo): no claim
 
 
+def test_a_onednn_isa_cap_below_bf16_counts_as_emulated():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (how an AVX2-only CPU is reproduced on a newer one) makes oneDNN emulate bf16
+    whatever the flags say: the warning and the inference commands' fp32 follow the cap, and amp=auto keeps
+    fp32 even on AMX."""
+    from runtime.device import bf16_emulated, bf16_is_fast
+
+    amx = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile"
+    assert bf16_emulated(amx, {}) is None and bf16_is_fast(amx, {})
+    for cap in ("AVX2", "avx512_core", "AVX512_CORE_VNNI"):
+        assert "ONEDNN_MAX_CPU_ISA" in bf16_emulated(amx, {"ONEDNN_MAX_CPU_ISA": cap})
+        assert not bf16_is_fast(amx, {"ONEDNN_MAX_CPU_ISA": cap})
+    assert "ONEDNN_MAX_CPU_ISA" in bf16_emulated(amx, {"DNNL_MAX_CPU_ISA": "avx2"})
+    assert bf16_emulated(amx, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) is None
+    assert not bf16_is_fast(amx, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})  # no tiles under that cap
+    assert bf16_is_fast(amx, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) and bf16_is_fast(amx, {"ONEDNN_MAX_CPU_ISA": "ALL"})
+
+
 @pytest.fixture
 def emulating_cpu(monkeypatch):
     import runtime.device as device
