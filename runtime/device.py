@@ -119,11 +119,29 @@ def cpu_bf16_emulated() -> Optional[str]:
     return bf16_emulated(read_cpuinfo())
 
 
-@functools.lru_cache(maxsize=None)
+_BF16_WARNINGS = {"said": set(), "pending": []}
+
+
 def warn_emulated_bf16(reason: str) -> None:
-    """Said once per process, whichever command chose bf16."""
+    """Said once per process, whichever command chose bf16. Before the process's logging is set up (train.py
+    chooses the precision before its run directory and train.log exist) it waits for `say_pending_warnings`,
+    so it reaches train.log as a WARNING rather than Python's bare last-resort line."""
+    if reason in _BF16_WARNINGS["said"]:
+        return
+    if not logging.getLogger().handlers:
+        if reason not in _BF16_WARNINGS["pending"]:
+            _BF16_WARNINGS["pending"].append(reason)
+        return
+    _BF16_WARNINGS["said"].add(reason)
     log.warning("bf16 (train.amp or --amp) on a CPU that emulates it: %s. train.amp=auto (or --amp none) "
                 "runs fp32 here", reason)
+
+
+def say_pending_warnings() -> None:
+    """Log the warnings given before logging was set up (call once it is)."""
+    pending, _BF16_WARNINGS["pending"] = _BF16_WARNINGS["pending"], []
+    for reason in pending:
+        warn_emulated_bf16(reason)
 
 
 def inference_amp(setting: str, device: torch.device) -> str:

@@ -36,7 +36,7 @@ from rundir.runlog import RunLog, setup_logging
 from rundir.shared_view import check_shared_checkpoint
 from rundir.state import TrainState
 from runtime import distributed as dist_utils
-from runtime.device import DeviceInput, pin_memory_for
+from runtime.device import DeviceInput, pin_memory_for, say_pending_warnings
 from runtime.launcher import launch_info
 from runtime.runtime import Runtime, start_runtime
 from runtime.signals import StopSignal
@@ -165,6 +165,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
                                   share_result=True)
     check_shared_checkpoint(plan.resume, run_dir, runtime.dist)
     claim_run_dir(run_dir, plan.resume, cfg.output.overwrite, runtime.dist.is_main, run_inputs(cfg, finetune))
+    say_pending_warnings()  # the precision's, chosen before train.log existed: into it now
     resume_ckpt = resolve_resume(plan.resume, run_dir) if plan.resume else None
     if plan.must_own:
         check_own_checkpoint(resume_ckpt, run_dir, launch)

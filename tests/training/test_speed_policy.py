@@ -95,9 +95,8 @@ def emulating_cpu(monkeypatch):
 
     reason = device.bf16_emulated(AVX2_ONLY)
     monkeypatch.setattr(device, "cpu_bf16_emulated", lambda: reason)
-    device.warn_emulated_bf16.cache_clear()
+    monkeypatch.setattr(device, "_BF16_WARNINGS", {"said": set(), "pending": []})
     yield reason
-    device.warn_emulated_bf16.cache_clear()
 
 
 def test_bf16_chosen_on_an_emulating_cpu_is_warned_once_with_the_reason(emulating_cpu, caplog):
@@ -499,3 +498,18 @@ def test_which_steps_check_their_gradients(optimizer, nonfinite, checked):
         weights.grad = torch.tensor([1.0, float("nan"), float("inf"), 1.0])
         lion.step()
         assert torch.isfinite(weights).all() and not torch.isfinite(lion.state[weights]["exp_avg"]).all()
+
+
+@pytest.mark.slow
+def test_train_py_warns_of_emulated_bf16_in_train_log(tmp_path):
+    """The precision is chosen before train.log exists: the WARNING still reaches it (and the console), once."""
+    from conftest import run_script
+
+    data = make_tree(tmp_path / "data", {"a": 6, "b": 6})
+    result = run_script("train.py", "--config", "base",
+                        *tiny_overrides(data, tmp_path / "run", **{"train.epochs": 1, "train.amp": "bf16"}),
+                        env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "emulates it" in line]
+    assert len(said) == 1 and " WARNING " in said[0] and "ONEDNN_MAX_CPU_ISA=AVX2" in said[0], said
+    assert result.stderr.count("emulates it") == 1
