@@ -72,11 +72,13 @@ def test_the_temperature_search_finds_the_dense_grids_optimum():
                 prior_term = 0 if prior is None else u * u / (2 * prior ** 2 * n)
                 return -scaled(u)[:, picked[0], picked[1]].mean(1) + prior_term
             assert fit_temperature(logits, labels, prior_sd=prior) == pytest.approx(grid_minimum(objective), rel=1e-4)
-        target = (float((logits.argmax(1) == labels).sum()) + 1) / (n + 2)
-
-        def mismatch(u):
-            return (scaled(u).exp().max(dim=2).values.mean(1) - target).abs()
-        assert match_temperature(logits, labels) == pytest.approx(grid_minimum(mismatch), rel=1e-4)
+        right = int((logits.argmax(1) == labels).sum())
+        prior = 0.5 / (1 + n - right)                                    # Jeffreys's, weighted by the errors
+        jeffreys = (right + prior) / (n + 2 * prior)
+        for count, target in (("jeffreys", jeffreys), ("plain", right / n if n - right >= 5 else jeffreys)):
+            def mismatch(u):
+                return (scaled(u).exp().max(dim=2).values.mean(1) - target).abs()
+            assert match_temperature(logits, labels, count) == pytest.approx(grid_minimum(mismatch), rel=1e-4)
 
 
 def test_ece_against_a_hand_computation():
