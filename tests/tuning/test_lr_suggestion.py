@@ -112,7 +112,8 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
 
     root = make_tree(tmp_path / "data", {"a": (16, 4), "b": (16, 4)}, size=(16, 16))
     cfg = load_config("base", tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 8,
-                                                                           "schedule.warmup_epochs": 3}))
+                                                                           "schedule.warmup_epochs": 3,
+                                                                           "train.label_smoothing": 0.2}))
     seen = []
     real_build = sweep.build_run
 
@@ -128,6 +129,9 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
     planned = exponential_lrs(1e-3, 1.0, 12)[:len(seen)]
     assert len(seen) >= 6 and seen == pytest.approx(planned, rel=1e-6)
     assert result.lrs == pytest.approx(planned, rel=1e-6)
+    # the smoothed targets' entropy over the tree's 2 classes: 0.9 / 0.1
+    assert result.floor == pytest.approx(-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))
+    assert result.floor_reason == "label smoothing 0.2 over 2 classes"
 
 
 @pytest.mark.slow
