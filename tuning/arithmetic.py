@@ -230,7 +230,14 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
     return ("medium", reasons) if reasons else ("high", [])
 
 
-def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tuple[float, float, int]] = None) -> dict:
+def above_floor(losses: list[float], floor: float) -> list[float]:
+    """Each loss's height above `floor` (at least 0; a non-finite loss stays as it is): the scale on which
+    "4x the lowest" and "fell by 10%" mean what they say for an objective that cannot reach 0."""
+    return [max(loss - floor, 0.0) if math.isfinite(loss) else loss for loss in losses]
+
+
+def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tuple[float, float, int]] = None,
+                  floor: float = 0.0) -> dict:
     """The LR range test's result. `suggested_lr`, the one to use: the smaller of the steepest descent before
     the minimum and the minimum's LR over MINIMUM_DIVISOR (4; fastai's `minimum` rule takes a tenth). The minimum sits where the loss
     stops falling within a run that only lasts as long as the test and whose LR keeps rising; a whole run at
@@ -238,17 +245,20 @@ def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tup
     sit close to it. Also the steepest descent, the minimum, the divergence, where the loss rose back without
     diverging (`rise_lr`, the highest loss after it `rise_loss`), `confidence` (with `confidence_reasons`, see
     `lr_confidence`) and `rerun`: for a low confidence, the --lr-range and --steps to try instead of
-    `requested` (low, high, steps asked; default: the LRs tested, which end early at a divergence)."""
+    `requested` (low, high, steps asked; default: the LRs tested, which end early at a divergence).
+    `floor`: the lowest loss the objective can reach (tuning.loss_floor: label smoothing, mixing); the
+    divergence's 4x and the confidence's 10% fall are measured above it (`loss_floor` in the result)."""
     skip = min(len(lrs) // 10, 10)
-    steep = steepest_descent_index(lrs, losses, skip_start=skip)
-    minimum = minimum_index(losses)
-    diverged = divergence_index(losses)
-    rose = rise_index(losses, minimum, skip) if diverged is None else None
+    losses_above = above_floor(losses, floor)
+    steep = steepest_descent_index(lrs, losses_above, skip_start=skip)
+    minimum = minimum_index(losses_above)
+    diverged = divergence_index(losses_above)
+    rose = rise_index(losses_above, minimum, skip) if diverged is None else None
     suggested = None
     if steep is not None:
         suggested = min(lrs[steep], lrs[minimum] / MINIMUM_DIVISOR)
-    confidence, reasons = lr_confidence(losses, steep, minimum, diverged, skip, rose)
-    return {"suggested_lr": suggested, "steepest_lr": lrs[steep] if steep is not None else None,
+    confidence, reasons = lr_confidence(losses_above, steep, minimum, diverged, skip, rose)
+    return {"suggested_lr": suggested, "loss_floor": floor, "steepest_lr": lrs[steep] if steep is not None else None,
             "minimum_lr": lrs[minimum] if minimum is not None else None,
             "divergence_lr": lrs[diverged] if diverged is not None else None,
             "rise_lr": lrs[rose] if rose is not None else None,

@@ -25,6 +25,7 @@ from rundir.state import EpochCounters, TrainState
 from training.step import LRPlan, build_train_step
 from objectives.registry import build_objective
 from tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
+from tuning.loss_floor import loss_floor
 from models.factory import build_model
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class RangeTest:
     losses: list[float]           # raw, averaged over ranks
     smoothed: list[float]
     effective_batch: int
+    floor: float = 0.0            # the objective's lowest reachable loss (tuning.loss_floor)
+    floor_reason: str = ""
 
 
 def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
@@ -154,11 +157,13 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
     """The LR range test at `cfg`'s batch: LR from `low` to `high` exponentially over `steps` optimizer
     steps (the same on every rank), the loss averaged over ranks at every step; it stops early once the
     smoothed loss exceeds DIVERGENCE_FACTOR x its minimum (every rank sees the same averages, so all stop
-    together). `on_step(step, seconds since the start)` after every step."""
+    together; both measured above the objective's floor, tuning.loss_floor). `on_step(step, seconds since the
+    start)` after every step."""
     lrs = exponential_lrs(low, high, steps)
     step, data = build_run(cfg, ctx, low, 0, None)
     step.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: lrs[min(i, steps - 1)] / low)
-    result = RangeTest([], [], [], cfg.train.batch_size * cfg.train.accum_steps * ctx.dist.world_size)
+    result = RangeTest([], [], [], cfg.train.batch_size * cfg.train.accum_steps * ctx.dist.world_size,
+                       *loss_floor(cfg, len(data.classes)))
     start = time.perf_counter()
 
     def record(number: int, values: dict) -> None:
@@ -169,7 +174,9 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
             on_step(number, time.perf_counter() - start)
 
     def diverged(number: int) -> bool:
-        return len(result.smoothed) > 1 and result.smoothed[-1] > DIVERGENCE_FACTOR * min(result.smoothed)
+        floor = result.floor
+        return (len(result.smoothed) > 1
+                and result.smoothed[-1] - floor > DIVERGENCE_FACTOR * (min(result.smoothed) - floor))
 
     parts = measuring_parts(on_step=record, stop_when=diverged, log_interval=1)
     try:

@@ -3,6 +3,7 @@ the sweep or the LR range test from tuning/sweep.py, and the report."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import Optional
 
@@ -205,13 +206,13 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")
     result = run_lr_range(cfg, ctx, low, high, steps, on_step=LrEstimateOnce(ctx, steps))
-    found = lr_suggestion(result.lrs, result.smoothed, requested=(low, high, steps))
+    found = lr_suggestion(result.lrs, result.smoothed, requested=(low, high, steps), floor=result.floor)
     o = cfg.optim
     at_base = (found["suggested_lr"] / scaled_lr(1.0, result.effective_batch, o.base_batch_size, o.lr_scaling)
                if found["suggested_lr"] is not None else None)
     doc = {"effective_batch": result.effective_batch, "lrs": result.lrs, "loss": result.losses,
            "smoothed_loss": result.smoothed, **found, "optim_lr": at_base, "base_batch_size": o.base_batch_size,
-           "lr_scaling": o.lr_scaling, "recipe_lr": o.lr}
+           "lr_scaling": o.lr_scaling, "recipe_lr": o.lr, "loss_floor_from": result.floor_reason}
     if ctx.dist.is_main:
         print(format_lr_result(doc))
         write_json(doc, args.json)
@@ -236,10 +237,13 @@ def rise_after_minimum(doc: dict) -> str:
     if low is None or low >= len(losses) - 1:
         return "; no divergence within the range (the loss was lowest at its end)"
     top = max(range(low + 1, len(losses)), key=losses.__getitem__)
-    if losses[top] < RISE_NAMED * losses[low]:
+    floor = doc.get("loss_floor") or 0.0
+    ratio = (losses[top] - floor) / (losses[low] - floor) if losses[low] > floor else math.inf
+    if ratio < RISE_NAMED:
         return "; no divergence within the range"
+    above = f" above the floor {floor:.3g}" if floor > 0 else ""
     return (f"; past the lowest loss the smoothed loss rises from {losses[low]:.3g} to {losses[top]:.3g} at LR "
-            f"{lrs[top]:.3g} ({losses[top] / losses[low]:.1f}x; the test calls it divergence at "
+            f"{lrs[top]:.3g} ({ratio:.1f}x{above}; the test calls it divergence at "
             f"{DIVERGENCE_FACTOR:g}x): stay below that LR")
 
 
@@ -258,7 +262,10 @@ def format_lr_result(doc: dict) -> str:
     else:
         diverged = rise_after_minimum(doc)
     why = "".join(f"\n  - {reason}" for reason in doc["confidence_reasons"])
-    head = (f"LR range test at effective batch {doc['effective_batch']}: steepest descent before the minimum at "
+    floor = (f"the objective's loss cannot fall below {doc['loss_floor']:.3g} ({doc.get('loss_floor_from')}): "
+             f"its falls and rises are measured above that\n" if doc.get("loss_floor") else "")
+    head = (f"{floor}LR range test at effective batch {doc['effective_batch']}: steepest descent before the "
+            f"minimum at "
             f"LR {doc['steepest_lr']:.3g}; lowest loss at LR {doc['minimum_lr']:.3g}{diverged}\n"
             f"suggested LR {doc['suggested_lr']:.3g} (the smaller of the steepest descent and a quarter of the "
             f"lowest loss's LR); confidence: {doc['confidence']}{why}\n")

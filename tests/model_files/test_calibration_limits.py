@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from commands.evaluation.report import format_trust_line
@@ -59,6 +60,27 @@ def test_an_accurate_label_smoothed_model_is_calibrated_despite_few_errors():
     assert expected_calibration_error(apply_temperature(test_logits, fit.temperature), test_labels) <= 3.0
 
 
+def test_the_confidence_match_aims_at_a_jeffreys_counted_accuracy():
+    """Issue 51: Laplace's count (right + 1) / (n + 2) aimed a 179-image split with 6 errors at 96.13% where it
+    was 96.65% right, and left the 98%-accurate label-smoothed digits model 3.37% ECE on its test split. The
+    match now aims at a Beta(a, a) posterior mean with Jeffreys's a = 1/2 weighted down by the errors
+    (a = 1/2 / (1 + errors)): below 1 without errors (no T -> 0), near the count with several; the plain
+    accuracy is a third candidate from 5 errors."""
+    from evaluation import calibration
+    from evaluation.calibration import counted_accuracy, match_temperature
+
+    assert counted_accuracy(179, 179) == pytest.approx(179.5 / 180)               # no errors: Jeffreys
+    assert counted_accuracy(173, 179) == pytest.approx((173 + 1 / 14) / (179 + 1 / 7))
+    assert 173 / 179 - counted_accuracy(173, 179) < 0.1 * (173 / 179 - 174 / 181)  # a tenth of Laplace's pull
+    assert counted_accuracy(173, 179, "plain") == 173 / 179
+    assert counted_accuracy(176, 179, "plain") == counted_accuracy(176, 179)      # 3 errors: not plain
+    logits, labels = all_right_split()
+    confidence = apply_temperature(logits, match_temperature(logits, labels)).max(1).values.mean()
+    assert float(confidence) == pytest.approx(300.5 / 301, abs=1e-6)
+    assert set(calibration.TEMPERATURE_FITS) == {"NLL with a prior on T", "mean confidence = accuracy",
+                                                 "mean confidence = accuracy, Jeffreys prior"}
+
+
 def test_a_temperature_that_raises_the_held_out_ece_is_declined(monkeypatch):
     """Issue 51: a 3-epoch photos fit took T to 2.21 and the log said 'ECE 16.88% -> 27.01%', applied. Here
     a calibrated model (labels drawn from its own softmax) and fits that both soften it 3x: the folds they
@@ -81,7 +103,7 @@ def test_a_held_out_gain_within_the_noise_is_declined():
     T then raised the test ECE from 10.20% to 15.05%) is declined."""
     from evaluation import calibration
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(7)
     logits = torch.randn(300, 4, generator=g) * 2.0
     labels = torch.multinomial((logits / 1.05).softmax(1), 1, generator=g).squeeze(1)
     fit_t = calibration.map_temperature(logits, labels)

@@ -112,7 +112,8 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
 
     root = make_tree(tmp_path / "data", {"a": (16, 4), "b": (16, 4)}, size=(16, 16))
     cfg = load_config("base", tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 8,
-                                                                           "schedule.warmup_epochs": 3}))
+                                                                           "schedule.warmup_epochs": 3,
+                                                                           "train.label_smoothing": 0.2}))
     seen = []
     real_build = sweep.build_run
 
@@ -128,6 +129,9 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
     planned = exponential_lrs(1e-3, 1.0, 12)[:len(seen)]
     assert len(seen) >= 6 and seen == pytest.approx(planned, rel=1e-6)
     assert result.lrs == pytest.approx(planned, rel=1e-6)
+    # the smoothed targets' entropy over the tree's 2 classes: 0.9 / 0.1
+    assert result.floor == pytest.approx(-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))
+    assert result.floor_reason == "label smoothing 0.2 over 2 classes"
 
 
 @pytest.mark.slow
@@ -180,3 +184,72 @@ def test_a_rise_short_of_divergence_is_said_not_denied():
     flat_found = lr_suggestion(lrs, flat)
     assert "no divergence within the range" in format_lr_result({**flat_found, **{k: doc[k] for k in (
         "effective_batch", "optim_lr", "base_batch_size", "lr_scaling")}, "lrs": lrs, "smoothed_loss": flat})
+
+
+def test_the_loss_floor_follows_the_recipe(tmp_path):
+    """Cross entropy against smoothed or mixed targets cannot fall below their entropy: 0.1 smoothing over 10
+    classes leaves 0.500 nats; mixup raises it, distillation's (1 - alpha) scales it, ASL and hard labels have
+    none."""
+    from core.config import load_config
+    from tuning.loss_floor import loss_floor
+
+    def floor_of(**extra):
+        return loss_floor(load_config("base", tiny_overrides(tmp_path, tmp_path / "out", **extra)), 10)
+    smoothed = -(0.91 * math.log(0.91) + 9 * 0.01 * math.log(0.01))
+    assert floor_of()[0] == 0.0 and floor_of()[1] == ""
+    value, why = floor_of(**{"train.label_smoothing": 0.1})
+    assert value == pytest.approx(smoothed, rel=1e-12) and "label smoothing 0.1 over 10 classes" in why
+    mixed, why = floor_of(**{"train.label_smoothing": 0.1, "train.mixup_alpha": 0.2})
+    assert smoothed + 0.1 < mixed < smoothed + math.log(2) and "mixup" in why
+    half, _ = floor_of(**{"train.label_smoothing": 0.1, "train.mixup_alpha": 0.2, "train.mix_prob": 0.5})
+    assert half == pytest.approx((mixed + smoothed) / 2, rel=1e-12)
+    assert floor_of(**{"train.label_smoothing": 0.1, "train.loss": "bce", "train.bce_target_thresh": 0.2})[0] == 0.0
+    distilled, _ = floor_of(**{"train.label_smoothing": 0.1, "distill.teacher": "resnet18", "distill.alpha": 0.75})
+    assert distilled == pytest.approx(smoothed / 4, rel=1e-12)
+
+
+def smoothed_curve(lrs, floor, start=2.3, low=0.6, broken=2.25):
+    """A 10-class label-smoothed run (floor 0.5): the loss falls from `start` to `low` by LR 0.03, then the
+    rising LR breaks the model back towards a uniform prediction's log 10 = 2.3 by the range's top."""
+    out = []
+    for lr in lrs:
+        x = math.log10(lr)
+        loss = start - (start - low) / (1 + math.exp(-(x + 2.5) * 4))
+        if lr > 0.1:
+            loss += (broken - low) * min(1.0, (x + 1) / 2)
+        out.append(loss)
+    return out
+
+
+def test_a_smoothed_objective_is_judged_above_its_floor():
+    """Issue 51: with label smoothing the loss has a floor above 0, so '4x the lowest' and 'fell by 10%' measured
+    from 0 are the wrong scales. A model broken back to 2.25 (a uniform guess: 2.30) is only 3.75x a minimum of
+    0.6 from 0 (no divergence today), but 17x above the floor of 0.5; a short test whose loss fell from 2.31 to
+    2.11 fell 9% from 0 (low confidence today), 11% of the 1.81 it can fall."""
+    floor = -(0.91 * math.log(0.91) + 9 * 0.01 * math.log(0.01))
+    lrs = exponential_lrs(1e-4, 10, 80)
+    broken = smoothed_curve(lrs, floor)
+    assert lr_suggestion(lrs, broken)["divergence_lr"] is None                  # the rule measured from 0
+    found = lr_suggestion(lrs, broken, floor=floor)
+    assert found["divergence_lr"] is not None and 0.1 < found["divergence_lr"] < 1.0
+    assert found["loss_floor"] == floor and found["confidence"] == "high"
+    assert found["minimum_lr"] == lr_suggestion(lrs, broken)["minimum_lr"]   # the minimum is where it was
+
+    short = [2.35 - 0.24 * min(1.0, i / 40) + (6.0 * (i - 44) if i > 44 else 0) for i in range(60)]
+    lrs = exponential_lrs(1e-4, 10, 60)
+    today = lr_suggestion(lrs, short)
+    assert today["confidence"] == "low" and any("fell only 9%" in r for r in today["confidence_reasons"])
+    found = lr_suggestion(lrs, short, floor=floor)
+    assert not any("fell only" in r for r in found["confidence_reasons"]) and found["confidence"] == "high"
+
+
+def test_the_printed_result_names_the_floor():
+    from commands.tuning.tune_run import format_lr_result
+
+    lrs = exponential_lrs(1e-4, 10, 80)
+    found = lr_suggestion(lrs, smoothed_curve(lrs, 0.5), floor=0.5)
+    text = format_lr_result({**found, "effective_batch": 32, "optim_lr": found["suggested_lr"] * 8,
+                             "base_batch_size": 256, "lr_scaling": "linear", "recipe_lr": 0.1,
+                             "loss_floor_from": "label smoothing 0.1 over 10 classes"})
+    assert text.startswith("the objective's loss cannot fall below 0.5 (label smoothing 0.1 over 10 classes)")
+    assert "use: optim.lr=" in text
