@@ -89,6 +89,6 @@ def probe_rejector(model: torch.nn.Module, device_input, rejector, size: int, ch
     scores = {}
     for kind, batch in zip(PROBE_KINDS, probe_batches(size, channels, seed)):
         out = collect_outputs(model, [batch], device_input, with_features=rejector.needs_features,
-                              with_layers=rejector.needs_layers)
+                              with_layers=rejector.needs_layers, layers=rejector.layer_names or None)
         scores[kind] = rejector.scores(out.logits, out.features, out.layers)
     return rejection_rates(scores, rejector.threshold)

@@ -8,8 +8,10 @@ score used), `thresholds` (method -> the score that keeps `coverage` of the vali
 score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
 raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `combined` also stores
 `combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split);
-`mahalanobis_layers` stores `layer_names` (the stages), `layer_means` and `layer_precisions` (one fit per
-stage) and `layer_scales` (per stage [centre, spread] on the validation split), and the `mahalanobis_l2`
+`mahalanobis_layers` stores `layer_names` (the stages; `input` first: the network input's statistics),
+`layer_means` and `layer_precisions` (one fit per stage), `layer_scales` (per stage [centre, spread] on the
+validation split) and `layer_weights` (each stage's weight in the score; absent in records without the
+input view, whose stages weigh equally), and the `mahalanobis_l2`
 fit (audit.py's outlier score, and the score where the stages cannot be tapped). `reject_notes`: warnings
 about the fit (a threshold resting on few validation images, features constant up to rounding).
 """
@@ -26,6 +28,7 @@ from evaluation.calibration import (apply_temperature, calibrated_temperature, e
 from evaluation.split_outputs import SplitOutputs
 from evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
                                          DEGENERATE_VARIANCE, MIN_SPREAD, Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
+                                         layer_view, layer_weights,
                                          mahalanobis_fit, mahalanobis_score, msp_score, multilayer_score, normalise,
                                          rejector_from_record, score_scale, seeded_subset, threshold_for_coverage,
                                          variance_share)
@@ -81,12 +84,15 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                                             [scales[name] for name in COMBINED_OF])
         layers = bool(layer_names) and val.layers is not None and bank.layers is not None
         if method == LAYERS_METHOD and layers:
-            fitted = layer_fits(bank.layers, bank.labels, classes)
-            per_layer = layer_scores(val.layers, fitted)
+            fitted = layer_fits(bank.layers, bank.labels, classes, layer_names)
+            per_layer = layer_scores(val.layers, fitted, layer_names)
             layer_scales = [score_scale(x, MIN_SPREAD["mahalanobis"]) for x in per_layer]
-            scores[LAYERS_METHOD] = multilayer_score(per_layer, layer_scales)
+            weights = layer_weights(layer_names)
+            scores[LAYERS_METHOD] = multilayer_score(per_layer, layer_scales, weights)
             record.update(layer_names=list(layer_names), layer_means=[m for m, _ in fitted],
                           layer_precisions=[p for _, p in fitted], layer_scales=[list(x) for x in layer_scales])
+            if weights is not None:
+                record["layer_weights"] = weights
         elif method == LAYERS_METHOD:
             method = "combined"
         record["feature_bank"] = stored
@@ -121,7 +127,8 @@ def few_images_notes(count: int, coverage: float) -> list[str]:
 def degenerate_notes(bank: SplitOutputs, classes: int, layer_names: list[str]) -> list[str]:
     """What the reject fits say when the training features are constant up to rounding (all images alike)."""
     views = [("penultimate features", bank.features), *zip(layer_names, bank.layers or [])]
-    flat = [name for name, x in views if variance_share(normalise(x), bank.labels, classes) < DEGENERATE_VARIANCE]
+    flat = [name for name, x in views
+            if variance_share(layer_view(x, name), bank.labels, classes) < DEGENERATE_VARIANCE]
     if not flat:
         return []
     return [f"the training images' features ({', '.join(flat)}) are constant up to float rounding (images all "
