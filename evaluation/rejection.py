@@ -107,6 +107,14 @@ def pooled_statistics(activation: torch.Tensor, channels: int = LAYER_CHANNELS) 
     return torch.cat([mean, std], dim=1)
 
 
+def position_mean(x: torch.Tensor) -> torch.Tensor:
+    """[N, C] mean over the positions of [N, C, H, W]; 0 where there are none (an input too small for the
+    difference taken)."""
+    if x.shape[2] * x.shape[3] == 0:
+        return x.new_zeros(x.shape[:2])
+    return x.mean(dim=(2, 3))
+
+
 def input_statistics(images: torch.Tensor) -> torch.Tensor:
     """[N, 5C + 2] (C > 1) or [N, 5] statistics of the network input [N, C, H, W] (normalised, any memory
     layout): each channel's mean and standard deviation, the mean and standard deviation over the positions of
@@ -117,15 +125,16 @@ def input_statistics(images: torch.Tensor) -> torch.Tensor:
     if x.dim() != 4:
         return x.flatten(1)[:, :0]
     mean = x.mean(dim=(2, 3))
-    std = ((x * x).mean(dim=(2, 3)) - mean * mean).clamp_min(0).sqrt()
-    parts = [mean, std]
+    parts = [mean, ((x * x).mean(dim=(2, 3)) - mean * mean).clamp_min(0).sqrt()]
     if x.shape[1] > 1:
         spread = x.std(dim=1)
-        parts.append(torch.stack([spread.mean(dim=(1, 2)), spread.std(dim=(1, 2))], dim=1))
-    dx = (x[:, :, :, 1:] - x[:, :, :, :-1]).abs().mean(dim=(2, 3))
-    dy = (x[:, :, 1:, :] - x[:, :, :-1, :]).abs().mean(dim=(2, 3))
-    laplacian = (4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1] - x[:, :, 1:-1, :-2]
-                 - x[:, :, 1:-1, 2:]).abs().mean(dim=(2, 3))
+        centre = spread.mean(dim=(1, 2))
+        parts.append(torch.stack([centre, ((spread * spread).mean(dim=(1, 2)) - centre * centre).clamp_min(0).sqrt()],
+                                 dim=1))
+    dx = position_mean((x[:, :, :, 1:] - x[:, :, :, :-1]).abs())
+    dy = position_mean((x[:, :, 1:, :] - x[:, :, :-1, :]).abs())
+    laplacian = position_mean((4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1] - x[:, :, 1:-1, :-2]
+                               - x[:, :, 1:-1, 2:]).abs())
     return torch.cat([*parts, dx, dy, laplacian], dim=1)
 
 
