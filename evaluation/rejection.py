@@ -248,12 +248,14 @@ def variance_share(features: torch.Tensor, labels: torch.Tensor, num_classes: in
     return variance / mean_square if mean_square > 0 else 0.0
 
 
-def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
-                    num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                    shrinkage: str = "ridge") -> tuple[torch.Tensor, torch.Tensor]:
     """Class means [C, D] and the precision matrix [D, D] of the shared (tied) covariance, in float64, shrunk
-    towards a scaled identity: by a small ridge (it inverts when features outnumber samples), and wholly when
-    the fit is degenerate (`variance_share` under DEGENERATE_VARIANCE): then the distance is the Euclidean one
-    in units of the features' mean square per dimension, which rounding cannot blow up."""
+    towards a scaled identity: by a small ridge (it inverts when features outnumber samples; the fit on up to
+    2,048 training images), or by Ledoit-Wolf's estimate (`shrinkage="ledoit_wolf"`: the fit on a few hundred
+    validation images, where a ridge overfits); wholly when the fit is degenerate (`variance_share` under
+    DEGENERATE_VARIANCE): then the distance is the Euclidean one in units of the features' mean square per
+    dimension, which rounding cannot blow up."""
     x = features.double()
     means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64)
     means.index_add_(0, labels, x)
@@ -265,9 +267,29 @@ def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
     if variance_share(features, labels, num_classes) < DEGENERATE_VARIANCE:
         scale = (x * x).sum(dim=1).mean().clamp(min=1e-12) / x.shape[1] if len(x) else torch.tensor(1.0)
         return means.float(), (eye / scale).float()
+    if shrinkage == "ledoit_wolf":
+        weight, target = ledoit_wolf_shrinkage(centred)
+        covariance = (1 - weight) * covariance + weight * target * eye
     ridge = 1e-3 * covariance.diagonal().mean().clamp(min=1e-12)
-    precision = torch.linalg.inv(covariance + ridge * eye)
+    precision = torch.linalg.inv(covariance + ridge * eye if shrinkage == "ridge" else covariance)
     return means.float(), precision.float()
+
+
+def ledoit_wolf_shrinkage(centred: torch.Tensor) -> tuple[float, float]:
+    """(weight, mu): Ledoit and Wolf's (2004) closed-form shrinkage of the covariance of the centred samples
+    [N, D] towards mu x identity, mu the mean variance (scikit-learn's `ledoit_wolf` with
+    assume_centered=True: the same numbers)."""
+    x = centred.double()
+    n, d = x.shape
+    if n == 0 or d == 0:
+        return 1.0, 1.0
+    covariance = x.T @ x / n
+    mu = float(covariance.diagonal().mean())
+    delta = float(((covariance - mu * torch.eye(d, dtype=torch.float64)) ** 2).sum()) / d
+    squares = x * x
+    beta = float((squares.T @ squares).sum() / n - (covariance ** 2).sum()) / (d * n)
+    beta = min(beta, delta)
+    return (0.0 if beta == 0 else beta / delta), max(mu, 1e-12)
 
 
 def mahalanobis_score(features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
@@ -304,10 +326,10 @@ def layer_view(x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
 
 
 def layer_fits(layers: list[torch.Tensor], labels: torch.Tensor, num_classes: int,
-               names: Optional[list[str]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               names: Optional[list[str]] = None, shrinkage: str = "ridge") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One `mahalanobis_fit` per stage (`layer_view`: `names` says which is the input)."""
     names = names or [None] * len(layers)
-    return [mahalanobis_fit(layer_view(x, name), labels, num_classes) for x, name in zip(layers, names)]
+    return [mahalanobis_fit(layer_view(x, name), labels, num_classes, shrinkage) for x, name in zip(layers, names)]
 
 
 def layer_scores(layers: list[torch.Tensor], fits: list, names: Optional[list[str]] = None) -> list[torch.Tensor]:

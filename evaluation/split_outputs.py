@@ -26,6 +26,12 @@ class SplitOutputs:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def select(self, rows: torch.Tensor) -> "SplitOutputs":
+        """The samples at positions `rows`."""
+        return SplitOutputs(self.logits[rows], self.labels[rows], self.indices[rows],
+                            self.features[rows] if self.features is not None else None,
+                            [x[rows] for x in self.layers] if self.layers is not None else None)
+
 
 def joined_layers(parts: list) -> Optional[list]:
     """Batches' per-stage statistics joined stage by stage; None when any batch has none."""

@@ -4,6 +4,7 @@
 default since), which averages the stages' standardised scores."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from evaluation.split_outputs import SplitOutputs
@@ -179,3 +180,43 @@ def test_layers_record_rejects_what_one_stage_sees_and_old_records_keep_their_me
     plain = build_record(split(200, 1, centres), split(1000, 2, centres), "none", 0.95, seed=0)
     assert plain["method"] == "combined" and "layer_names" not in plain
     assert usable_rejector(plain, True).method == "combined"
+
+
+def test_a_large_validation_split_is_the_reject_fit_and_its_threshold_is_not_set_in_sample():
+    """issue 47: with MIN_VALIDATION_FIT validation images the fit needs no pass over training images: it is made
+    on the validation outputs (Ledoit-Wolf shrinkage), and its thresholds on cross-fitted scores, so new images
+    of the same kind are kept at about the coverage (an in-sample threshold would reject more of them)."""
+    from evaluation.rejection import LAYERS_METHOD
+    from evaluation.trust import MIN_VALIDATION_FIT
+
+    centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
+    val = layered(MIN_VALIDATION_FIT, 1, centres)
+    record = build_record(val, None, "none", 0.95, seed=0, layer_names=["s0", "s1"])
+    assert record["reject_fit"] == "validation" and record["method"] == LAYERS_METHOD
+    assert record["feature_bank"].shape[0] == MIN_VALIDATION_FIT
+    rejector = usable_rejector(record, True)
+
+    def rejected(out):
+        return float(rejector.rejected(rejector.scores(out.logits, out.features, out.layers)).double().mean())
+    assert 0.01 <= rejected(layered(2000, 4, centres)) <= 0.10       # new images of its kind: ~5% rejected
+    assert rejected(val) < 0.05                                      # its own: fewer (the threshold is not in-sample)
+    assert rejected(layered(200, 3, centres, odd_stage=1)) > 0.9
+    # a bank given (a split too small, calibrate_best passed over training images): fitted on it, as before
+    small = layered(MIN_VALIDATION_FIT - 1, 1, centres)
+    assert build_record(small, layered(1000, 2, centres), "none", 0.95, 0, layer_names=["s0", "s1"])[
+        "reject_fit"] == "training"
+    assert build_record(small, None, "none", 0.95, 0, layer_names=["s0", "s1"])["method"] == "energy"
+
+
+def test_ledoit_wolf_shrinkage_matches_scikit_learn():
+    import numpy as np
+    from sklearn.covariance import ledoit_wolf
+
+    from evaluation.rejection import ledoit_wolf_shrinkage
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 40, generator=g, dtype=torch.float64) @ torch.randn(40, 40, generator=g, dtype=torch.float64)
+    weight, mu = ledoit_wolf_shrinkage(x)
+    ours = (1 - weight) * (x.T @ x / 60) + weight * mu * torch.eye(40, dtype=torch.float64)
+    reference, reference_weight = ledoit_wolf(x.numpy(), assume_centered=True)
+    assert weight == pytest.approx(reference_weight) and np.allclose(ours.numpy(), reference, atol=1e-10)
