@@ -2,11 +2,13 @@
 here on generated data, each shown the other's images and two more kinds of foreign image (line sketches and
 noise), with every reject score at the threshold that keeps `--coverage` of its own validation images:
 the penultimate-feature scores, the input's statistics alone (`input`), each stage's pooled-statistics
-score alone (`layer0`...) and the multi-layer ones. Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON
-object; docs/advice.md holds the tables it measured (--seed 0 and 1).
+score alone (`layer0`...) and the multi-layer ones. Nothing is downloaded (the digits are scikit-learn's
+bundled ones). Prints one JSON object; docs/advice.md holds the tables it measured (--seed 0 and 1).
+`--photos DIR` trains the photos model on a tree of real photos instead (python benchmark.py --make-photos DIR
+--photo-source samples), at `--img-size`.
 
 python -m benchmarking.reject_matrix --out /tmp/reject [--epochs 6] [--images 150] [--coverage 0.95]
-    [--models photos_model,digits_model]
+    [--models photos_model,digits_model] [--photos DIR] [--img-size 64]
 """
 from __future__ import annotations
 
