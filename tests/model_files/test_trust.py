@@ -424,3 +424,19 @@ def test_a_briefly_trained_model_rejects_grey_digits(tmp_path, capsys):
     kept = sum(r["label"] != "unknown" for r in own) / len(own)
     rejected = sum(r["label"] == "unknown" for r in foreign) / len(foreign)
     assert kept >= 0.9 and rejected >= 0.9, (kept, rejected)
+
+
+def test_a_validation_split_of_200_is_the_reject_fit_with_no_pass_over_training_images(tmp_path):
+    """issue 47: after the last epoch nothing passes over training images when the kept validation outputs
+    suffice (MIN_VALIDATION_FIT images): the record says so, the log says so, and the kNN bank holds the
+    validation features."""
+    from conftest import train_tiny
+    from evaluation.trust import MIN_VALIDATION_FIT
+
+    data, best = train_tiny(tmp_path, {"a": (8, MIN_VALIDATION_FIT // 2), "b": (8, MIN_VALIDATION_FIT // 2)},
+                            **{"model.name": "resnet10t"})
+    log = (best.parent / "train.log").read_text()
+    assert f"reject fit on the {MIN_VALIDATION_FIT} validation outputs" in log and "passes over" not in log
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    assert record["reject_fit"] == "validation" and record["method"] == "mahalanobis_layers"
+    assert record["feature_bank"].shape[0] == MIN_VALIDATION_FIT          # the validation features, not 16
