@@ -1,11 +1,14 @@
 """The reject option measured in every direction: a photos-like model and a digit-like model, each trained
 here on generated data, each shown the other's images and two more kinds of foreign image (line sketches and
 noise), with every reject score at the threshold that keeps `--coverage` of its own validation images:
-the penultimate-feature scores, each stage's pooled-statistics score alone (`layer0`...) and the
-multi-layer ones. Nothing is downloaded (the digits are scikit-learn's bundled ones). Prints one JSON
-object; docs/advice.md holds the tables it measured (--seed 0 and 1).
+the penultimate-feature scores, the input's statistics alone (`input`), each stage's pooled-statistics
+score alone (`layer0`...) and the multi-layer ones. Nothing is downloaded (the digits are scikit-learn's
+bundled ones). Prints one JSON object; docs/advice.md holds the tables it measured (--seed 0 and 1).
+`--photos DIR` trains the photos model on a tree of real photos instead (python benchmark.py --make-photos DIR
+--photo-source samples), at `--img-size`.
 
 python -m benchmarking.reject_matrix --out /tmp/reject [--epochs 6] [--images 150] [--coverage 0.95]
+    [--models photos_model,digits_model] [--photos DIR] [--img-size 64]
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ from data.build import build_eval_loader_for, scan_splits
 from data.listing.builtin import ensure_builtin
 from data.listing.folder import ImageIndex
 from evaluation.split_outputs import collect_outputs
-from evaluation.rejection import (combined_score, energy_score, knn_score, layer_fits, layer_names,
-                                         layer_scores, mahalanobis_fit, mahalanobis_score, msp_score,
-                                         multilayer_score, normalise, score_scale, threshold_for_coverage)
+from evaluation.rejection import (INPUT_STAGE, combined_score, energy_score, knn_score, layer_fits,
+                                         layer_names, layer_scores, layer_weights, mahalanobis_fit,
+                                         mahalanobis_score, msp_score, multilayer_score, normalise, score_scale,
+                                         threshold_for_coverage)
 from evaluation.trust import feature_bank
 from model_files.loading import load_model_file
 from training_run.calibrate import bank_index
@@ -102,8 +106,8 @@ def write_foreign(folder: Path, make, count: int, seed: int) -> list[str]:
     return paths
 
 
-def train(data: Path, out: Path, epochs: int, seed: int) -> Path:
-    overrides = {"data.root": data, "output.dir": out, "model.name": "resnet10t", "data.img_size": 32,
+def train(data: Path, out: Path, epochs: int, seed: int, img_size: int = 32) -> Path:
+    overrides = {"data.root": data, "output.dir": out, "model.name": "resnet10t", "data.img_size": img_size,
                  "data.num_workers": 0, "train.batch_size": 32, "train.epochs": epochs, "train.amp": "none",
                  "train.device": "cpu", "optim.lr": 0.4, "schedule.warmup_epochs": 1, "train.seed": seed,
                  "output.progress_bar": "off", "output.tensorboard": "false"}
@@ -122,21 +126,33 @@ COMBINATIONS = (("mahalanobis", "energy"), ("mahalanobis_l2", "energy"), ("mahal
 def all_scores(out, bank, val_ref=None) -> dict:
     """Every candidate score of `out`; the fits come from the training bank, the scales of the combinations
     and of the stages from `val_ref` (the validation scores; None: `out` is the validation split itself).
-    `mahalanobis_layers_min` takes the lowest standardised stage score where mahalanobis_layers averages them;
-    `mahalanobis_layers_early` averages the first half of the stages only."""
+    `mahalanobis_layers` weighs the input's score INPUT_WEIGHT and the stages' the rest;
+    `mahalanobis_layers_stages` averages the stages alone (the default before the input view);
+    `mahalanobis_layers_min` takes the lowest standardised stage score; `mahalanobis_layers_early` averages
+    the first half of the stages only; `mahalanobis_layers_input_min` the lower of the input's score and the
+    stages' mean."""
     raw_means, raw_precision = mahalanobis_fit(bank.features, bank.labels, bank.num_classes)
     l2_means, l2_precision = mahalanobis_fit(normalise(bank.features), bank.labels, bank.num_classes)
     scores = {"msp": msp_score(out.logits), "energy": energy_score(out.logits),
               "knn": knn_score(out.features, bank.stored.float()),
               "mahalanobis": mahalanobis_score(out.features, raw_means, raw_precision),
               "mahalanobis_l2": mahalanobis_score(normalise(out.features), l2_means, l2_precision)}
-    per_layer = layer_scores(out.layers, bank.layer_fits)
-    for i, part in enumerate(per_layer):
-        scores[f"layer{i}"] = part
+    names = bank.layer_names
+    views = layer_scores(out.layers, bank.layer_fits, names)
+    view_names = [INPUT_STAGE if name == INPUT_STAGE else f"layer{i - (INPUT_STAGE in names)}"
+                  for i, name in enumerate(names)]
+    scores.update(zip(view_names, views))
     ref = val_ref or scores
-    layer_scales = [score_scale(ref[f"layer{i}"]) for i in range(len(per_layer))]
-    scores["mahalanobis_layers"] = multilayer_score(per_layer, layer_scales)
+    view_scales = [score_scale(ref[name]) for name in view_names]
+    scores["mahalanobis_layers"] = multilayer_score(views, view_scales, layer_weights(names))
+    stages = [i for i, name in enumerate(names) if name != INPUT_STAGE]
+    per_layer, layer_scales = [views[i] for i in stages], [view_scales[i] for i in stages]
+    scores["mahalanobis_layers_stages"] = multilayer_score(per_layer, layer_scales)
     scores["mahalanobis_layers_min"] = combined_score(per_layer, layer_scales)
+    if INPUT_STAGE in names:
+        at = names.index(INPUT_STAGE)
+        scores["mahalanobis_layers_input_min"] = combined_score(
+            [views[at], scores["mahalanobis_layers_stages"]], [view_scales[at], (0.0, 1.0)])
     early = max(1, (len(per_layer) + 1) // 2)        # the first half of the stages (resnet: stem, layer1, layer2)
     scores["mahalanobis_layers_early"] = multilayer_score(per_layer[:early], layer_scales[:early])
     for parts in COMBINATIONS:
@@ -157,7 +173,8 @@ def measure_model(checkpoint: Path, foreign: dict[str, list[str]], coverage: flo
     val = outputs(val_index)
     bank = outputs(bank_index(train_index, cfg.train.seed))
     bank.num_classes, bank.stored = len(loaded.classes), feature_bank(bank, cfg.train.seed)
-    bank.layer_fits = layer_fits(bank.layers, bank.labels, bank.num_classes)
+    bank.layer_names = layer_names(model)
+    bank.layer_fits = layer_fits(bank.layers, bank.labels, bank.num_classes, bank.layer_names)
     val_scores = all_scores(val, bank)
     thresholds = {n: threshold_for_coverage(s, coverage) for n, s in val_scores.items()}
     halves = [torch.arange(0, len(val), 2), torch.arange(1, len(val), 2)]
@@ -180,18 +197,25 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, default=150, help="foreign images per kind")
     parser.add_argument("--coverage", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--photos", type=Path, help="a train/val tree of real photos for the photos model "
+                        "(python benchmark.py --make-photos DIR --photo-source samples) instead of generated ones")
+    parser.add_argument("--img-size", type=int, default=32, help="the photos model's input size")
+    parser.add_argument("--models", default="photos_model,digits_model", help="which of the two to train")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    photos = write_photos_tree(out / "photos", 100, 20, args.seed)
+    photos = args.photos or write_photos_tree(out / "photos", 100, 20, args.seed)
     digits = ensure_builtin("digits", out / "digits")
     n = args.images
     foreign = {"digits": sorted(str(p) for p in (digits / "val").rglob("*.png"))[:n],
-               "photos": sorted(str(p) for p in (photos / "val").rglob("*.png"))[:n],
+               "photos": sorted(str(p) for p in (photos / "val").rglob("*.*") if p.is_file())[:n],
                "sketches": write_foreign(out / "foreign" / "sketches", sketch, n, args.seed + 1),
                "noise": write_foreign(out / "foreign" / "noise", noise, n, args.seed + 2)}
     result = {"coverage": args.coverage, "epochs": args.epochs, "models": {}}
-    for name, data, own in (("photos_model", photos, "photos"), ("digits_model", digits, "digits")):
-        checkpoint = train(data, out / f"run_{name}", args.epochs, args.seed)
+    for name, data, own, size in (("photos_model", photos, "photos", args.img_size),
+                                  ("digits_model", digits, "digits", 32)):
+        if name not in args.models.split(","):
+            continue
+        checkpoint = train(data, out / f"run_{name}", args.epochs, args.seed, size)
         shown = {k: v for k, v in foreign.items() if k != own}
         result["models"][name] = measure_model(checkpoint, shown, args.coverage)
         print(json.dumps({name: result["models"][name]}), file=sys.stderr, flush=True)

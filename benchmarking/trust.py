@@ -23,7 +23,7 @@ from data.build import build_eval_loader_for, scan_splits
 from data.listing.folder import ImageIndex
 from evaluation.calibration import apply_temperature, expected_calibration_error, nll
 from evaluation.split_outputs import collect_outputs
-from evaluation.rejection import (knn_score, layer_fits, layer_names, layer_scores, mahalanobis_fit,
+from evaluation.rejection import (knn_score, layer_fits, layer_names, layer_weights, layer_scores, mahalanobis_fit,
                                   mahalanobis_score, msp_score, multilayer_score, energy_score, score_scale,
                                   threshold_for_coverage)
 from evaluation.trust import build_record
@@ -67,15 +67,17 @@ def measure(checkpoint: str, count: int, coverage: float) -> dict:
     t = record["temperature"]
     means, precision = mahalanobis_fit(bank.features, bank.labels, len(loaded.classes))
     stored_bank = record["feature_bank"].float()
-    fits = layer_fits(bank.layers, bank.labels, len(loaded.classes)) if layer_names(model) else None
-    scales = [score_scale(x) for x in layer_scores(val.layers, fits)] if fits else None
+    names = layer_names(model)
+    fits = layer_fits(bank.layers, bank.labels, len(loaded.classes), names) if names else None
+    scales = [score_scale(x) for x in layer_scores(val.layers, fits, names)] if fits else None
 
     def scores(out):
         found = {"msp": msp_score(out.logits, t), "energy": energy_score(out.logits),
                  "knn": knn_score(out.features, stored_bank, record["knn_k"]),
                  "mahalanobis": mahalanobis_score(out.features, means, precision)}
         if fits:  # the shipped default (calibration.reject_method): stages' scores standardised on validation
-            found["mahalanobis_layers"] = multilayer_score(layer_scores(out.layers, fits), scales)
+            found["mahalanobis_layers"] = multilayer_score(layer_scores(out.layers, fits, names), scales,
+                                                           layer_weights(names))
         return found
     val_scores = scores(val)
     thresholds = {name: threshold_for_coverage(s, coverage) for name, s in val_scores.items()}

@@ -18,7 +18,10 @@ Scores (higher: more in-distribution):
   per-channel mean and standard deviation (`pooled_statistics`), L2-normalised, scored like mahalanobis_l2
   against that stage's own fit, standardised on the validation split, and averaged over the stages: the
   early stages see colour, texture and smoothness, which tell an upscaled 8x8 grey digit from a photo when
-  the penultimate features do not.
+  the penultimate features do not. A stage-0 view, `input` (`input_statistics`: the network input's
+  per-channel mean and spread, its colour spread and high-frequency energy), is scored the same way (not
+  normalised) and weighs INPUT_WEIGHT of the mean: the head cannot spoil it, so a briefly trained model
+  rejects grey digits too (docs/advice.md).
 The threshold is the score that keeps `coverage` of the validation split. Checkpoints reject by
 mahalanobis_layers (docs/advice.md: the measurements that chose it, python -m benchmarking.reject_matrix);
 exports by energy, computed from the logits that are their only output.
@@ -44,11 +47,30 @@ KNN_K = 1
 BANK_SIZE = 2048   # training features used (and kept in the checkpoint, fp16: 2048 x 512 is 2 MB)
 MAX_LAYERS = 5         # stages the multi-layer score pools (a ViT's 12 blocks: 5 of them, evenly spread)
 LAYER_CHANNELS = 128   # channels per stage after group averaging: a stage's fit is at most 256 x 256 (256 KB)
+INPUT_STAGE = "input"  # the stage-0 view: statistics of the network input itself (a forward pre-hook)
+# the input view's share of mahalanobis_layers (the stages share the rest equally): chosen by measurement with
+# python -m benchmarking.reject_matrix, 3 and 10 epochs (docs/advice.md); records without `layer_weights` (no
+# input view) weigh their stages equally
+INPUT_WEIGHT = 0.5
 
 
 def layer_names(model: torch.nn.Module, most: int = MAX_LAYERS) -> list[str]:
-    """The modules whose outputs the multi-layer score pools: a timm model's stages (`feature_info`), at most
-    `most` of them spread evenly from the first to the last; [] for a model without them."""
+    """What the multi-layer score pools: the input (INPUT_STAGE) and a timm model's stages (`feature_info`),
+    at most `most` of them spread evenly from the first to the last; [] for a model without them."""
+    stages = stage_names(model, most)
+    return [INPUT_STAGE, *stages] if stages else []
+
+
+def layer_weights(names: list[str]) -> Optional[list[float]]:
+    """Each view's weight in mahalanobis_layers: INPUT_WEIGHT for the input, the rest shared by the stages;
+    None (equal weights) without an input view."""
+    if INPUT_STAGE not in names or len(names) < 2:
+        return None
+    return [INPUT_WEIGHT if name == INPUT_STAGE else (1 - INPUT_WEIGHT) / (len(names) - 1) for name in names]
+
+
+def stage_names(model: torch.nn.Module, most: int = MAX_LAYERS) -> list[str]:
+    """A timm model's stages (`feature_info`), at most `most` of them spread evenly; [] without them."""
     info = getattr(model, "feature_info", None)
     try:
         stages = [(entry["module"], int(entry["num_chs"])) for entry in info] if info else []
@@ -63,7 +85,7 @@ def has_modules(model: torch.nn.Module, names: list[str]) -> bool:
     """Whether `model` (or the model a compiled one wraps) has a submodule of every one of `names` (at least one)."""
     model = getattr(model, "_orig_mod", model)
     try:
-        return bool(names) and all(model.get_submodule(name) is not None for name in names)
+        return bool(names) and all(name == INPUT_STAGE or model.get_submodule(name) is not None for name in names)
     except AttributeError:
         return False
 
@@ -85,10 +107,42 @@ def pooled_statistics(activation: torch.Tensor, channels: int = LAYER_CHANNELS) 
     return torch.cat([mean, std], dim=1)
 
 
+def position_mean(x: torch.Tensor) -> torch.Tensor:
+    """[N, C] mean over the positions of [N, C, H, W]; 0 where there are none (an input too small for the
+    difference taken)."""
+    if x.shape[2] * x.shape[3] == 0:
+        return x.new_zeros(x.shape[:2])
+    return x.mean(dim=(2, 3))
+
+
+def input_statistics(images: torch.Tensor) -> torch.Tensor:
+    """[N, 5C + 2] (C > 1) or [N, 5] statistics of the network input [N, C, H, W] (normalised, any memory
+    layout): each channel's mean and standard deviation, the mean and standard deviation over the positions of
+    the spread across channels (colour: 0 for a grey image), and each channel's mean absolute horizontal,
+    vertical and Laplacian difference (high frequencies: an upscaled 8x8 image has few). What the first stage
+    of any model sees, whatever its head has learnt."""
+    x = images.detach().float()
+    if x.dim() != 4:
+        return x.flatten(1)[:, :0]
+    mean = x.mean(dim=(2, 3))
+    parts = [mean, ((x * x).mean(dim=(2, 3)) - mean * mean).clamp_min(0).sqrt()]
+    if x.shape[1] > 1:
+        spread = x.std(dim=1)
+        centre = spread.mean(dim=(1, 2))
+        parts.append(torch.stack([centre, ((spread * spread).mean(dim=(1, 2)) - centre * centre).clamp_min(0).sqrt()],
+                                 dim=1))
+    dx = position_mean((x[:, :, :, 1:] - x[:, :, :, :-1]).abs())
+    dy = position_mean((x[:, :, 1:, :] - x[:, :, :-1, :]).abs())
+    laplacian = position_mean((4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1] - x[:, :, 1:-1, :-2]
+                               - x[:, :, 1:-1, 2:]).abs())
+    return torch.cat([*parts, dx, dy, laplacian], dim=1)
+
+
 class LayerTap:
     """Records `pooled_statistics` of the named modules' outputs on every forward (the first forward since the
-    last take, like FeatureTap). `available` is False when a name is missing from the model. A channels-last
-    output (timm's NHWC stages, a ViT's tokens) is put channels-first by the stage's `num_chs`."""
+    last take, like FeatureTap), and `input_statistics` of the model's input for INPUT_STAGE. `available` is
+    False when a name is missing from the model. A channels-last output (timm's NHWC stages, a ViT's tokens)
+    is put channels-first by the stage's `num_chs`."""
 
     def __init__(self, model: torch.nn.Module, names: list[str]):
         self.names = list(names)
@@ -100,6 +154,9 @@ class LayerTap:
         self.available = has_modules(model, self.names)
         if self.available:
             for name in self.names:
+                if name == INPUT_STAGE:
+                    self._handles.append(model.register_forward_pre_hook(self._input_recorder()))
+                    continue
                 module = model.get_submodule(name)
                 self._handles.append(module.register_forward_hook(self._recorder(name, channels.get(name))))
 
@@ -111,6 +168,12 @@ class LayerTap:
             if num_chs is not None and x.dim() > 2 and x.shape[1] != num_chs and x.shape[-1] == num_chs:
                 x = x.movedim(-1, 1)
             self.layers[name] = pooled_statistics(x)
+        return record
+
+    def _input_recorder(self):
+        def record(module, inputs) -> None:
+            if INPUT_STAGE not in self.layers and inputs and torch.is_tensor(inputs[0]):
+                self.layers[INPUT_STAGE] = input_statistics(inputs[0])
         return record
 
     def take(self) -> Optional[list[torch.Tensor]]:
@@ -185,12 +248,14 @@ def variance_share(features: torch.Tensor, labels: torch.Tensor, num_classes: in
     return variance / mean_square if mean_square > 0 else 0.0
 
 
-def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
-                    num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                    shrinkage: str = "ridge") -> tuple[torch.Tensor, torch.Tensor]:
     """Class means [C, D] and the precision matrix [D, D] of the shared (tied) covariance, in float64, shrunk
-    towards a scaled identity: by a small ridge (it inverts when features outnumber samples), and wholly when
-    the fit is degenerate (`variance_share` under DEGENERATE_VARIANCE): then the distance is the Euclidean one
-    in units of the features' mean square per dimension, which rounding cannot blow up."""
+    towards a scaled identity: by a small ridge (it inverts when features outnumber samples; the fit on up to
+    2,048 training images), or by Ledoit-Wolf's estimate (`shrinkage="ledoit_wolf"`: the fit on a few hundred
+    validation images, where a ridge overfits); wholly when the fit is degenerate (`variance_share` under
+    DEGENERATE_VARIANCE): then the distance is the Euclidean one in units of the features' mean square per
+    dimension, which rounding cannot blow up."""
     x = features.double()
     means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64)
     means.index_add_(0, labels, x)
@@ -202,9 +267,29 @@ def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor,
     if variance_share(features, labels, num_classes) < DEGENERATE_VARIANCE:
         scale = (x * x).sum(dim=1).mean().clamp(min=1e-12) / x.shape[1] if len(x) else torch.tensor(1.0)
         return means.float(), (eye / scale).float()
+    if shrinkage == "ledoit_wolf":
+        weight, target = ledoit_wolf_shrinkage(centred)
+        covariance = (1 - weight) * covariance + weight * target * eye
     ridge = 1e-3 * covariance.diagonal().mean().clamp(min=1e-12)
-    precision = torch.linalg.inv(covariance + ridge * eye)
+    precision = torch.linalg.inv(covariance + ridge * eye if shrinkage == "ridge" else covariance)
     return means.float(), precision.float()
+
+
+def ledoit_wolf_shrinkage(centred: torch.Tensor) -> tuple[float, float]:
+    """(weight, mu): Ledoit and Wolf's (2004) closed-form shrinkage of the covariance of the centred samples
+    [N, D] towards mu x identity, mu the mean variance (scikit-learn's `ledoit_wolf` with
+    assume_centered=True: the same numbers)."""
+    x = centred.double()
+    n, d = x.shape
+    if n == 0 or d == 0:
+        return 1.0, 1.0
+    covariance = x.T @ x / n
+    mu = float(covariance.diagonal().mean())
+    delta = float(((covariance - mu * torch.eye(d, dtype=torch.float64)) ** 2).sum()) / d
+    squares = x * x
+    beta = float((squares.T @ squares).sum() / n - (covariance ** 2).sum()) / (d * n)
+    beta = min(beta, delta)
+    return (0.0 if beta == 0 else beta / delta), max(mu, 1e-12)
 
 
 def mahalanobis_score(features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
@@ -234,16 +319,24 @@ def combined_score(parts: list[torch.Tensor], scales: list[tuple[float, float]])
     return torch.stack([standardised(p, s) for p, s in zip(parts, scales)]).min(dim=0).values.float()
 
 
-def layer_fits(layers: list[torch.Tensor], labels: torch.Tensor,
-               num_classes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One `mahalanobis_fit` per stage, on the L2-normalised pooled statistics."""
-    return [mahalanobis_fit(normalise(x), labels, num_classes) for x in layers]
+def layer_view(x: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+    """What a stage's fit sees: its pooled statistics L2-normalised; the input's statistics as they are (their
+    scale is what tells a flat grey image from a photo)."""
+    return x.float() if name == INPUT_STAGE else normalise(x)
 
 
-def layer_scores(layers: list[torch.Tensor], fits: list) -> list[torch.Tensor]:
+def layer_fits(layers: list[torch.Tensor], labels: torch.Tensor, num_classes: int,
+               names: Optional[list[str]] = None, shrinkage: str = "ridge") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One `mahalanobis_fit` per stage (`layer_view`: `names` says which is the input)."""
+    names = names or [None] * len(layers)
+    return [mahalanobis_fit(layer_view(x, name), labels, num_classes, shrinkage) for x, name in zip(layers, names)]
+
+
+def layer_scores(layers: list[torch.Tensor], fits: list, names: Optional[list[str]] = None) -> list[torch.Tensor]:
     """Each stage's Mahalanobis score (minus the distance to the nearest class mean) under its own fit."""
-    return [mahalanobis_score(normalise(x), means.to(x.device), precision.to(x.device))
-            for x, (means, precision) in zip(layers, fits)]
+    names = names or [None] * len(layers)
+    return [mahalanobis_score(layer_view(x, name), means.to(x.device), precision.to(x.device))
+            for x, name, (means, precision) in zip(layers, names, fits)]
 
 
 def standardised(score: torch.Tensor, scale: tuple[float, float]) -> torch.Tensor:
@@ -251,10 +344,15 @@ def standardised(score: torch.Tensor, scale: tuple[float, float]) -> torch.Tenso
     return (score.double() - centre) / spread
 
 
-def multilayer_score(per_layer: list[torch.Tensor], scales: list[tuple[float, float]]) -> torch.Tensor:
-    """mahalanobis_layers: the mean of the stages' scores, each standardised by its validation spread (the
-    mean had the better worst case than the lowest over two trainings: docs/advice.md)."""
-    return torch.stack([standardised(p, s) for p, s in zip(per_layer, scales)]).mean(dim=0).float()
+def multilayer_score(per_layer: list[torch.Tensor], scales: list[tuple[float, float]],
+                     weights: Optional[list[float]] = None) -> torch.Tensor:
+    """mahalanobis_layers: the weighted mean (`layer_weights`; None: the plain mean) of the stages' scores, each
+    standardised by its validation spread (the mean had the better worst case than the lowest over two
+    trainings: docs/advice.md)."""
+    stacked = torch.stack([standardised(p, s) for p, s in zip(per_layer, scales)])
+    if weights is None:
+        return stacked.mean(dim=0).float()
+    return (stacked * torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)[:, None]).sum(dim=0).float()
 
 
 def seeded_subset(n: int, size: int, seed: int) -> list[int]:
@@ -283,6 +381,7 @@ class Rejector:
         layers = layers or {}
         self.layer_names = list(layers.get("names", []))
         self.layer_fits, self.layer_scales = list(layers.get("fits", [])), list(layers.get("scales", []))
+        self.layer_weights = layers.get("weights")
 
     @property
     def needs_features(self) -> bool:
@@ -305,7 +404,8 @@ class Rejector:
         if name == LAYERS_METHOD:
             if layers is None:
                 raise ValueError(f"the {name} score needs the pooled outputs of the stages {self.layer_names}")
-            return multilayer_score(layer_scores(layers, self.layer_fits), [tuple(s) for s in self.layer_scales])
+            return multilayer_score(layer_scores(layers, self.layer_fits, self.layer_names),
+                                    [tuple(s) for s in self.layer_scales], self.layer_weights)
         if features is None:
             raise ValueError(f"the {name} score needs penultimate features")
         if name == "knn":
@@ -328,7 +428,7 @@ def rejector_from_record(record: dict, method: Optional[str] = None) -> Rejector
             if record.get(means) is not None}
     layers = {"names": record.get("layer_names", []),
               "fits": list(zip(record.get("layer_means", []), record.get("layer_precisions", []))),
-              "scales": record.get("layer_scales", [])}
+              "scales": record.get("layer_scales", []), "weights": record.get("layer_weights")}
     return Rejector(method, record["thresholds"][method], record.get("temperature"),
                     bank=record.get("feature_bank"), k=int(record.get("knn_k", KNN_K)), fits=fits,
                     scales=record.get("score_scales"), combined_of=tuple(record.get("combined_of", COMBINED_OF)),

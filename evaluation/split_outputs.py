@@ -26,6 +26,12 @@ class SplitOutputs:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def select(self, rows: torch.Tensor) -> "SplitOutputs":
+        """The samples at positions `rows`."""
+        return SplitOutputs(self.logits[rows], self.labels[rows], self.indices[rows],
+                            self.features[rows] if self.features is not None else None,
+                            [x[rows] for x in self.layers] if self.layers is not None else None)
+
 
 def joined_layers(parts: list) -> Optional[list]:
     """Batches' per-stage statistics joined stage by stage; None when any batch has none."""
@@ -36,14 +42,15 @@ def joined_layers(parts: list) -> Optional[list]:
 
 @torch.no_grad()
 def collect_outputs(model: torch.nn.Module, loader, device_input: DeviceInput, with_features: bool,
-                    with_layers: bool = False) -> SplitOutputs:
+                    with_layers: bool = False, layers: Optional[list[str]] = None) -> SplitOutputs:
     """This rank's readable samples of `loader` (batches of images, targets, valid, indices), in fp32 on the CPU;
-    `with_layers`: also the pooled statistics of the model's stages (rejection.layer_names)."""
+    `with_layers`: also the pooled statistics of the stages `layers` names (default rejection.layer_names: a
+    record's own names where it was fitted on others)."""
     was_training = model.training
     model.eval()
     logits_out, labels_out, indices_out, features_out, layers_out = [], [], [], [], []
     tap = FeatureTap(model) if with_features else None
-    layer_tap = LayerTap(model, layer_names(model)) if with_layers else None
+    layer_tap = LayerTap(model, layer_names(model) if layers is None else layers) if with_layers else None
     try:
         for images, targets, valid, indices in loader:
             images = device_input.prepare(images)

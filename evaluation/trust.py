@@ -8,10 +8,14 @@ score used), `thresholds` (method -> the score that keeps `coverage` of the vali
 score) and, for the Mahalanobis scores the method uses, `class_means` [C, D] and `precision` [D, D] (fp32,
 raw features) and `class_means_l2`, `precision_l2` (L2-normalised features); `combined` also stores
 `combined_of` (its parts) and `score_scales` (part -> [centre, spread] on the validation split);
-`mahalanobis_layers` stores `layer_names` (the stages), `layer_means` and `layer_precisions` (one fit per
-stage) and `layer_scales` (per stage [centre, spread] on the validation split), and the `mahalanobis_l2`
+`mahalanobis_layers` stores `layer_names` (the stages; `input` first: the network input's statistics),
+`layer_means` and `layer_precisions` (one fit per stage), `layer_scales` (per stage [centre, spread] on the
+validation split) and `layer_weights` (each stage's weight in the score; absent in records without the
+input view, whose stages weigh equally), and the `mahalanobis_l2`
 fit (audit.py's outlier score, and the score where the stages cannot be tapped). `reject_notes`: warnings
 about the fit (a threshold resting on few validation images, features constant up to rounding).
+`reject_fit`: what the feature scores were fitted on, `training` (a pass over up to 2,048 training images) or
+`validation` (the validation outputs, MIN_VALIDATION_FIT or more; thresholds on cross-fitted scores).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from evaluation.calibration import (apply_temperature, calibrated_temperature, e
 from evaluation.split_outputs import SplitOutputs
 from evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
                                          DEGENERATE_VARIANCE, MIN_SPREAD, Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
+                                         layer_view, layer_weights,
                                          mahalanobis_fit, mahalanobis_score, msp_score, multilayer_score, normalise,
                                          rejector_from_record, score_scale, seeded_subset, threshold_for_coverage,
                                          variance_share)
@@ -57,52 +62,115 @@ def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.
     return normalise(bank.features[keep]).half()
 
 
+# The fewest validation images the reject fit is made on instead of a pass over training images (the
+# validation outputs are kept from the pass that chose best.pt: no pass at all after training). Its
+# Mahalanobis fits are shrunk by Ledoit-Wolf and its thresholds and scales set on cross-fitted scores (each
+# image scored by a fit on the other folds), so nothing is fitted in-sample. Measured (docs/advice.md): fits on
+# 200 and 350 images of resnet10t's photos-like models rejected digits, sketches and noise as well as the fit
+# on 700 training images, or better; on 140 validation images one of four trainings fell to 80.7% of digits.
+MIN_VALIDATION_FIT = 200
+CROSS_FIT_FOLDS = 5   # fixed folds: position in the (index-ordered) split modulo 5
+
+
+def fits_on_validation(val: SplitOutputs) -> bool:
+    """Whether the reject fit is made on the validation outputs (enough of them, with features)."""
+    return val.features is not None and len(val) >= MIN_VALIDATION_FIT
+
+
+def reject_fits(source: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]],
+                shrinkage: str) -> dict:
+    """What the feature scores are measured against, fitted on `source`: `bank` (the kNN bank), the
+    `mahalanobis` and `mahalanobis_l2` fits and, with `layer_names`, one fit per stage (`layers`)."""
+    fits = {"bank": feature_bank(source, seed),
+            "mahalanobis": mahalanobis_fit(source.features, source.labels, classes, shrinkage),
+            "mahalanobis_l2": mahalanobis_fit(normalise(source.features), source.labels, classes, shrinkage)}
+    if layer_names:
+        fits["layers"] = layer_fits(source.layers, source.labels, classes, layer_names, shrinkage)
+    return fits
+
+
+def raw_scores(out: SplitOutputs, fits: dict, layer_names: Optional[list[str]]) -> dict:
+    """knn, mahalanobis, mahalanobis_l2 and (`layers`) each stage's score of `out` under `fits`."""
+    scores = {"knn": knn_score(out.features, fits["bank"].float(), KNN_K),
+              "mahalanobis": mahalanobis_score(out.features, *fits["mahalanobis"]),
+              "mahalanobis_l2": mahalanobis_score(normalise(out.features), *fits["mahalanobis_l2"])}
+    if layer_names:
+        scores["layers"] = layer_scores(out.layers, fits["layers"], layer_names)
+    return scores
+
+
+def cross_fitted_scores(val: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]]) -> dict:
+    """`raw_scores` of every validation image under a fit (Ledoit-Wolf) on the other CROSS_FIT_FOLDS - 1 folds."""
+    folds = torch.arange(len(val)) % CROSS_FIT_FOLDS
+    joined: dict = {}
+    for k in range(CROSS_FIT_FOLDS):
+        held, rest = (folds == k).nonzero()[:, 0], (folds != k).nonzero()[:, 0]
+        if not len(held):
+            continue
+        part = raw_scores(val.select(held), reject_fits(val.select(rest), classes, seed, layer_names,
+                                                        "ledoit_wolf"), layer_names)
+        for name, value in part.items():
+            values = value if name == "layers" else [value]
+            slots = joined.setdefault(name, [torch.zeros(len(val)) for _ in values])
+            for slot, v in zip(slots, values):
+                slot[held] = v.float()
+    return {name: (slots if name == "layers" else slots[0]) for name, slots in joined.items()}
+
+
 def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union[str, float], coverage: float,
                  seed: int, method: str = DEFAULT_METHOD, layer_names: Optional[list[str]] = None) -> dict:
-    """The checkpoint's `calibration` record. Without the stages' statistics (`layer_names` and the outputs'
-    `layers`: a timm model without `feature_info`) mahalanobis_layers falls back to combined; without features
-    (a model without a timm classifier, or no training features) the reject option falls back to energy."""
+    """The checkpoint's `calibration` record. The reject fit is made on `bank` (training images' outputs),
+    or, without one, on the validation outputs themselves when there are MIN_VALIDATION_FIT of them
+    (`reject_fit` says which). Without the stages' statistics (`layer_names` and the outputs' `layers`: a timm
+    model without `feature_info`) mahalanobis_layers falls back to combined; without features (a model
+    without a timm classifier, or neither training features nor enough validation ones) to energy."""
     temperature, notes, decision = resolve_temperature(setting, val)
     scores = {"msp": msp_score(val.logits, temperature), "energy": energy_score(val.logits)}
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
               "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes,
               "temperature_decision": decision}
-    features = val.features is not None and bank is not None and bank.features is not None and len(bank) > 0
-    if features:
-        stored = feature_bank(bank, seed)
-        scores["knn"] = knn_score(val.features, stored.float(), KNN_K)
+    on_val = bank is None and fits_on_validation(val)
+    source = val if on_val else bank
+    if val.features is not None and source is not None and source.features is not None and len(source) > 0:
         classes = val.logits.shape[1]
-        fits = {"mahalanobis": mahalanobis_fit(bank.features, bank.labels, classes),
-                "mahalanobis_l2": mahalanobis_fit(normalise(bank.features), bank.labels, classes)}
-        scores["mahalanobis"] = mahalanobis_score(val.features, *fits["mahalanobis"])
-        scores["mahalanobis_l2"] = mahalanobis_score(normalise(val.features), *fits["mahalanobis_l2"])
+        use_layers = (method == LAYERS_METHOD and bool(layer_names) and val.layers is not None
+                      and source.layers is not None)
+        names = list(layer_names) if use_layers else None
+        fits = reject_fits(source, classes, seed, names, "ledoit_wolf" if on_val else "ridge")
+        raw = cross_fitted_scores(val, classes, seed, names) if on_val else raw_scores(val, fits, names)
+        scores.update({name: raw[name] for name in ("knn", "mahalanobis", "mahalanobis_l2")})
         scales = {name: score_scale(scores[name], least_spread(name)) for name in COMBINED_OF}
         scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
                                             [scales[name] for name in COMBINED_OF])
-        layers = bool(layer_names) and val.layers is not None and bank.layers is not None
-        if method == LAYERS_METHOD and layers:
-            fitted = layer_fits(bank.layers, bank.labels, classes)
-            per_layer = layer_scores(val.layers, fitted)
-            layer_scales = [score_scale(x, MIN_SPREAD["mahalanobis"]) for x in per_layer]
-            scores[LAYERS_METHOD] = multilayer_score(per_layer, layer_scales)
-            record.update(layer_names=list(layer_names), layer_means=[m for m, _ in fitted],
-                          layer_precisions=[p for _, p in fitted], layer_scales=[list(x) for x in layer_scales])
+        if use_layers:
+            layer_scales = [score_scale(x, MIN_SPREAD["mahalanobis"]) for x in raw["layers"]]
+            weights = layer_weights(names)
+            scores[LAYERS_METHOD] = multilayer_score(raw["layers"], layer_scales, weights)
+            record.update(layer_names=names, layer_means=[m for m, _ in fits["layers"]],
+                          layer_precisions=[p for _, p in fits["layers"]], layer_scales=[list(x) for x in layer_scales])
+            if weights is not None:
+                record["layer_weights"] = weights
         elif method == LAYERS_METHOD:
             method = "combined"
-        record["feature_bank"] = stored
-        record["reject_notes"] = degenerate_notes(bank, classes, layer_names if LAYERS_METHOD in scores else [])
-        needed = {"combined": COMBINED_OF, LAYERS_METHOD: ("mahalanobis_l2",)}.get(method, (method,))
-        if "mahalanobis" in needed:
-            record["class_means"], record["precision"] = fits["mahalanobis"]
-        if "mahalanobis_l2" in needed:
-            record["class_means_l2"], record["precision_l2"] = fits["mahalanobis_l2"]
-        if method == "combined":
-            record["combined_of"] = list(COMBINED_OF)
-            record["score_scales"] = {name: list(scales[name]) for name in COMBINED_OF}
+        record["feature_bank"], record["reject_fit"] = fits["bank"], "validation" if on_val else "training"
+        record["reject_notes"] = degenerate_notes(source, classes, names or [])
+        store_fits(record, fits, method, scales)
     record["reject_notes"] = [*few_images_notes(len(val), coverage), *record.get("reject_notes", [])]
     record["thresholds"] = {name: threshold_for_coverage(s, coverage) for name, s in scores.items()}
     record["method"] = method if method in scores else LOGITS_METHOD
     return record
+
+
+def store_fits(record: dict, fits: dict, method: str, scales: dict) -> None:
+    """The Mahalanobis fits (and `combined`'s parts and scales) that `method` scores by."""
+    needed = {"combined": COMBINED_OF, LAYERS_METHOD: ("mahalanobis_l2",)}.get(method, (method,))
+    if "mahalanobis" in needed:
+        record["class_means"], record["precision"] = fits["mahalanobis"]
+    if "mahalanobis_l2" in needed:
+        record["class_means_l2"], record["precision_l2"] = fits["mahalanobis_l2"]
+    if method == "combined":
+        record["combined_of"] = list(COMBINED_OF)
+        record["score_scales"] = {name: list(scales[name]) for name in COMBINED_OF}
 
 
 # Below this many validation images a threshold is said to rest on too few: 95% coverage is not even
@@ -121,7 +189,8 @@ def few_images_notes(count: int, coverage: float) -> list[str]:
 def degenerate_notes(bank: SplitOutputs, classes: int, layer_names: list[str]) -> list[str]:
     """What the reject fits say when the training features are constant up to rounding (all images alike)."""
     views = [("penultimate features", bank.features), *zip(layer_names, bank.layers or [])]
-    flat = [name for name, x in views if variance_share(normalise(x), bank.labels, classes) < DEGENERATE_VARIANCE]
+    flat = [name for name, x in views
+            if variance_share(layer_view(x, name), bank.labels, classes) < DEGENERATE_VARIANCE]
     if not flat:
         return []
     return [f"the training images' features ({', '.join(flat)}) are constant up to float rounding (images all "

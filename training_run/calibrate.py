@@ -1,6 +1,7 @@
 """After training: the best model's outputs on the validation split (the temperature, the reject
-thresholds) and on a seeded subset of the training split (the feature bank), written into best.pt as its
-`calibration` record. Every rank passes over its own shard; rank 0 fits and writes.
+thresholds, and the reject fit when the split holds MIN_VALIDATION_FIT images) or else also on a seeded subset
+of the training split (the feature bank and the reject fit), written into best.pt as its `calibration` record.
+Every rank passes over its own shard; rank 0 fits and writes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from evaluation.calibration import apply_temperature, expected_calibration_error
 from evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
 from evaluation.rejection import BANK_SIZE, layer_names, seeded_subset
 from evaluation.reject_probe import probe_rejector, weak_note
-from evaluation.trust import build_record, usable_rejector
+from evaluation.trust import (CROSS_FIT_FOLDS, MIN_VALIDATION_FIT, build_record, fits_on_validation,
+                              usable_rejector)
 from rundir.atomic_files import save_atomic
 from runtime import distributed as dist_utils
 from runtime.device import DeviceInput
@@ -79,13 +81,18 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     else:
         log.info("calibration: on the validation outputs kept from the pass that chose best.pt (no second pass)")
     val = gather_outputs(val_outputs)
-    # The bank's pass as infer.py's and serve.py's: channels_last whatever the training's layout (training
-    # is over). resnet10t at 32 px on the CPU: 1.32x the images per second of NCHW, the calibration 0.4 s less.
-    eval_model.to(memory_format=torch.channels_last)
-    device_input = dataclasses.replace(device_input, channels_last=True)
     bank = None
     subset = bank_index(train_index, cfg.train.seed)
-    if subset is not None and val.features is not None:
+    if fits_on_validation(val):
+        log.info("calibration: reject fit on the %d validation outputs (>= %d: no pass over the training split; "
+                 "thresholds on %d-fold cross-fitted scores)", len(val), MIN_VALIDATION_FIT, CROSS_FIT_FOLDS)
+    elif subset is not None and val.features is not None:
+        log.info("calibration: %d validation images (< %d): the reject fit passes over %d training images",
+                 len(val), MIN_VALIDATION_FIT, len(subset))
+        # The bank's pass as infer.py's and serve.py's: channels_last whatever the training's layout (training
+        # is over). resnet10t at 32 px on the CPU: 1.32x the images per second of NCHW, the calibration 0.4 s less.
+        eval_model.to(memory_format=torch.channels_last)
+        device_input = dataclasses.replace(device_input, channels_last=True)
         d = cfg.data
         loader = build_eval_loader_for(subset, eval_transform(d), eval_size(d), cfg.train.batch_size, d.num_workers,
                                        False, dist.rank, dist.world_size)

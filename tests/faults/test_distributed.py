@@ -436,6 +436,8 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     # the stages' statistics are gathered too: the per-stage class means of the multi-layer reject score
     from evaluation.rejection import layer_fits
 
-    fits = layer_fits(train.layers, train.labels, len(best["classes"]))
-    assert len(record["layer_means"]) == len(fits) == 5
+    names = record["layer_names"]
+    fits = layer_fits(train.layers, train.labels, len(best["classes"]), names)
+    assert names[0] == "input" and len(record["layer_means"]) == len(fits) == 6   # the input, then 5 stages
+    assert record["reject_fit"] == "training"            # 17 validation images: the training subset's pass
     assert all(torch.allclose(stored, means, atol=2e-3) for stored, (means, _) in zip(record["layer_means"], fits))

@@ -4,6 +4,7 @@
 default since), which averages the stages' standardised scores."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from evaluation.split_outputs import SplitOutputs
@@ -82,11 +83,13 @@ def test_layer_tap_pools_each_stage_channels_first():
             return self.b(self.a(x).permute(0, 2, 3, 1)).mean(dim=(1, 2))
 
     model = Stages()
-    assert layer_names(model) == ["a", "b"] and layer_names(model, most=1) == ["a"]
+    # the input's statistics first (a forward pre-hook on the model), then the stages
+    assert layer_names(model) == ["input", "a", "b"] and layer_names(model, most=1) == ["input", "a"]
     tap = LayerTap(model, layer_names(model))
     x = torch.arange(12, dtype=torch.float32).reshape(1, 3, 2, 2)
     model(x)
-    a, b = tap.take()
+    image, a, b = tap.take()
+    assert image.shape == (1, 17) and image[0, :3].tolist() == [1.5, 5.5, 9.5]
     expected = torch.tensor([[1.5, 5.5, 9.5] + [1.25 ** 0.5] * 3])   # channel c holds 4c..4c+3
     assert torch.allclose(a, expected) and torch.allclose(b, expected)
     model(x)
@@ -112,6 +115,28 @@ def test_multilayer_score_by_hand():
                           atol=1e-4)
     assert torch.allclose(multilayer_score(scores, [(-1.0, 2.0), (0.0, 1.0)]), torch.tensor([-0.0429, 0.1036]),
                           atol=1e-4)
+    # weighted (a record with the input view: `layer_weights`): 0.75 x 0 + 0.25 x -1.1716, 0.75 x -0.5858 + 0
+    assert torch.allclose(multilayer_score(scores, [(0.0, 1.0), (0.0, 0.5)], [0.75, 0.25]),
+                          torch.tensor([-0.2929, -0.4393]), atol=1e-4)
+
+
+def test_input_statistics_by_hand():
+    """The stage-0 view: what tells an upscaled grey digit from a photo whatever the head learnt."""
+    from evaluation.rejection import input_statistics, layer_weights
+
+    grey = torch.tensor([[0.0, 2.0], [0.0, 2.0]]).expand(1, 3, 2, 2)        # three equal channels: no colour
+    stats = input_statistics(grey)[0]
+    assert stats[:3].tolist() == [1.0] * 3 and stats[3:6].tolist() == [1.0] * 3    # means, standard deviations
+    assert stats[6:8].tolist() == [0.0, 0.0]                                      # colour spread: none
+    assert stats[8:11].tolist() == [2.0] * 3 and stats[11:14].tolist() == [0.0] * 3  # horizontal, vertical steps
+    assert stats[14:].tolist() == [0.0] * 3       # Laplacian: a 2 x 2 image has no inner pixel (0, not nan)
+    # the layout does not change it, nor does a single-channel model lack it (no colour spread then)
+    assert torch.equal(input_statistics(grey.contiguous(memory_format=torch.channels_last)), input_statistics(grey))
+    assert input_statistics(grey[:, :1]).shape == (1, 5)
+    assert not input_statistics(torch.ones(2, 3, 1, 1)).isnan().any()
+    steps = torch.tensor([[0.0, 0.0, 0.0], [0.0, 4.0, 0.0], [0.0, 0.0, 0.0]]).expand(1, 1, 3, 3)
+    assert input_statistics(steps)[0, -1] == 16.0                                  # 4 x 4 at the one inner pixel
+    assert layer_weights(["input", "a", "b"]) == [0.5, 0.25, 0.25] and layer_weights(["a", "b"]) is None
 
 
 def layered(n, seed, centres, odd_stage=None):
@@ -155,3 +180,43 @@ def test_layers_record_rejects_what_one_stage_sees_and_old_records_keep_their_me
     plain = build_record(split(200, 1, centres), split(1000, 2, centres), "none", 0.95, seed=0)
     assert plain["method"] == "combined" and "layer_names" not in plain
     assert usable_rejector(plain, True).method == "combined"
+
+
+def test_a_large_validation_split_is_the_reject_fit_and_its_threshold_is_not_set_in_sample():
+    """issue 47: with MIN_VALIDATION_FIT validation images the fit needs no pass over training images: it is made
+    on the validation outputs (Ledoit-Wolf shrinkage), and its thresholds on cross-fitted scores, so new images
+    of the same kind are kept at about the coverage (an in-sample threshold would reject more of them)."""
+    from evaluation.rejection import LAYERS_METHOD
+    from evaluation.trust import MIN_VALIDATION_FIT
+
+    centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
+    val = layered(MIN_VALIDATION_FIT, 1, centres)
+    record = build_record(val, None, "none", 0.95, seed=0, layer_names=["s0", "s1"])
+    assert record["reject_fit"] == "validation" and record["method"] == LAYERS_METHOD
+    assert record["feature_bank"].shape[0] == MIN_VALIDATION_FIT
+    rejector = usable_rejector(record, True)
+
+    def rejected(out):
+        return float(rejector.rejected(rejector.scores(out.logits, out.features, out.layers)).double().mean())
+    assert 0.01 <= rejected(layered(2000, 4, centres)) <= 0.10       # new images of its kind: ~5% rejected
+    assert rejected(val) < 0.05                                      # its own: fewer (the threshold is not in-sample)
+    assert rejected(layered(200, 3, centres, odd_stage=1)) > 0.9
+    # a bank given (a split too small, calibrate_best passed over training images): fitted on it, as before
+    small = layered(MIN_VALIDATION_FIT - 1, 1, centres)
+    assert build_record(small, layered(1000, 2, centres), "none", 0.95, 0, layer_names=["s0", "s1"])[
+        "reject_fit"] == "training"
+    assert build_record(small, None, "none", 0.95, 0, layer_names=["s0", "s1"])["method"] == "energy"
+
+
+def test_ledoit_wolf_shrinkage_matches_scikit_learn():
+    import numpy as np
+    from sklearn.covariance import ledoit_wolf
+
+    from evaluation.rejection import ledoit_wolf_shrinkage
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 40, generator=g, dtype=torch.float64) @ torch.randn(40, 40, generator=g, dtype=torch.float64)
+    weight, mu = ledoit_wolf_shrinkage(x)
+    ours = (1 - weight) * (x.T @ x / 60) + weight * mu * torch.eye(40, dtype=torch.float64)
+    reference, reference_weight = ledoit_wolf(x.numpy(), assume_centered=True)
+    assert weight == pytest.approx(reference_weight) and np.allclose(ours.numpy(), reference, atol=1e-10)
