@@ -33,6 +33,15 @@ class SplitOutputs:
                             [x[rows] for x in self.layers] if self.layers is not None else None)
 
 
+def joined_outputs(first: SplitOutputs, second: SplitOutputs) -> SplitOutputs:
+    """`first`'s samples, then `second`'s (the features and stages only where both have them)."""
+    both = first.features is not None and second.features is not None
+    return SplitOutputs(torch.cat([first.logits, second.logits]), torch.cat([first.labels, second.labels]),
+                        torch.cat([first.indices, second.indices]),
+                        torch.cat([first.features, second.features]) if both else None,
+                        joined_layers([first.layers, second.layers]))
+
+
 def joined_layers(parts: list) -> Optional[list]:
     """Batches' per-stage statistics joined stage by stage; None when any batch has none."""
     if not parts or any(p is None for p in parts):

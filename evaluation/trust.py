@@ -14,8 +14,9 @@ validation split) and `layer_weights` (each stage's weight in the score; absent 
 input view, whose stages weigh equally), and the `mahalanobis_l2`
 fit (audit.py's outlier score, and the score where the stages cannot be tapped). `reject_notes`: warnings
 about the fit (a threshold resting on few validation images, features constant up to rounding).
-`reject_fit`: what the feature scores were fitted on, `training` (a pass over up to 2,048 training images) or
-`validation` (the validation outputs, MIN_VALIDATION_FIT or more; thresholds on cross-fitted scores).
+`reject_fit`: what the feature scores were fitted on: `validation` (the validation outputs, MIN_VALIDATION_FIT
+or more), `validation+training` (fewer, topped up to MIN_VALIDATION_FIT with training images' outputs), both with
+thresholds on cross-fitted validation scores; or `training` (records before that: up to 2,048 training images).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from core.errors import ConfigError
 from core.temperature import temperature_problem
 from evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
-from evaluation.split_outputs import SplitOutputs
+from evaluation.split_outputs import SplitOutputs, joined_outputs
 from evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
                                          DEGENERATE_VARIANCE, MIN_SPREAD, Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
                                          layer_view, layer_weights,
@@ -62,19 +63,27 @@ def feature_bank(bank: SplitOutputs, seed: int, size: int = BANK_SIZE) -> torch.
     return normalise(bank.features[keep]).half()
 
 
-# The fewest validation images the reject fit is made on instead of a pass over training images (the
-# validation outputs are kept from the pass that chose best.pt: no pass at all after training). Its
-# Mahalanobis fits are shrunk by Ledoit-Wolf and its thresholds and scales set on cross-fitted scores (each
-# image scored by a fit on the other folds), so nothing is fitted in-sample. Measured (docs/advice.md): fits on
-# 200 and 350 images of resnet10t's photos-like models rejected digits, sketches and noise as well as the fit
-# on 700 training images, or better; on 140 validation images one of four trainings fell to 80.7% of digits.
+# The fewest images the reject fit is made on: the validation outputs (kept from the pass that chose best.pt:
+# no pass at all after training), topped up with training images' outputs when the split holds fewer
+# (`top_up_count`: a pass over that many only). Its Mahalanobis fits are shrunk by Ledoit-Wolf and its
+# thresholds and scales set on cross-fitted validation scores (each validation image scored by a fit on the
+# other folds and the top-up), so nothing is fitted in-sample. Measured (docs/advice.md): fits on 200 and 350
+# images of resnet10t's photos-like models rejected digits, sketches and noise as well as the fit on 700
+# training images, or better; on 140 validation images alone one of four trainings fell to 80.7% of digits.
 MIN_VALIDATION_FIT = 200
 CROSS_FIT_FOLDS = 5   # fixed folds: position in the (index-ordered) split modulo 5
 
 
-def fits_on_validation(val: SplitOutputs) -> bool:
-    """Whether the reject fit is made on the validation outputs (enough of them, with features)."""
-    return val.features is not None and len(val) >= MIN_VALIDATION_FIT
+def top_up_count(validation_images: int) -> int:
+    """How many training images' outputs the reject fit adds to `validation_images` validation ones."""
+    return max(0, MIN_VALIDATION_FIT - validation_images)
+
+
+def fits_on_validation(val: SplitOutputs, top_up: Optional[SplitOutputs] = None) -> bool:
+    """Whether the reject fit is made on the validation outputs (with features): MIN_VALIDATION_FIT of them, or
+    fewer with training images' outputs to top them up (all there are, when the training split is small too)."""
+    topped = top_up is not None and top_up.features is not None and len(top_up) > 0
+    return val.features is not None and (len(val) >= MIN_VALIDATION_FIT or topped)
 
 
 def reject_fits(source: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]],
@@ -99,16 +108,19 @@ def raw_scores(out: SplitOutputs, fits: dict, layer_names: Optional[list[str]]) 
     return scores
 
 
-def cross_fitted_scores(val: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]]) -> dict:
-    """`raw_scores` of every validation image under a fit (Ledoit-Wolf) on the other CROSS_FIT_FOLDS - 1 folds."""
+def cross_fitted_scores(val: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]],
+                        top_up: Optional[SplitOutputs] = None) -> dict:
+    """`raw_scores` of every validation image under a fit (Ledoit-Wolf) on the other CROSS_FIT_FOLDS - 1 folds
+    and the `top_up` training images."""
     folds = torch.arange(len(val)) % CROSS_FIT_FOLDS
     joined: dict = {}
     for k in range(CROSS_FIT_FOLDS):
         held, rest = (folds == k).nonzero()[:, 0], (folds != k).nonzero()[:, 0]
         if not len(held):
             continue
-        part = raw_scores(val.select(held), reject_fits(val.select(rest), classes, seed, layer_names,
-                                                        "ledoit_wolf"), layer_names)
+        fitted_on = val.select(rest) if top_up is None else joined_outputs(val.select(rest), top_up)
+        part = raw_scores(val.select(held), reject_fits(fitted_on, classes, seed, layer_names, "ledoit_wolf"),
+                          layer_names)
         for name, value in part.items():
             values = value if name == "layers" else [value]
             slots = joined.setdefault(name, [torch.zeros(len(val)) for _ in values])
@@ -118,10 +130,11 @@ def cross_fitted_scores(val: SplitOutputs, classes: int, seed: int, layer_names:
 
 
 def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union[str, float], coverage: float,
-                 seed: int, method: str = DEFAULT_METHOD, layer_names: Optional[list[str]] = None) -> dict:
+                 seed: int, method: str = DEFAULT_METHOD, layer_names: Optional[list[str]] = None,
+                 top_up: Optional[SplitOutputs] = None) -> dict:
     """The checkpoint's `calibration` record. The reject fit is made on `bank` (training images' outputs),
-    or, without one, on the validation outputs themselves when there are MIN_VALIDATION_FIT of them
-    (`reject_fit` says which). Without the stages' statistics (`layer_names` and the outputs' `layers`: a timm
+    or, without one, on the validation outputs themselves with the `top_up` training images' when together
+    they hold MIN_VALIDATION_FIT (`reject_fit` says which: training, validation, or validation+training). Without the stages' statistics (`layer_names` and the outputs' `layers`: a timm
     model without `feature_info`) mahalanobis_layers falls back to combined; without features (a model
     without a timm classifier, or neither training features nor enough validation ones) to energy."""
     temperature, notes, decision = resolve_temperature(setting, val)
@@ -129,15 +142,16 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
               "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes,
               "temperature_decision": decision}
-    on_val = bank is None and fits_on_validation(val)
-    source = val if on_val else bank
+    on_val = bank is None and fits_on_validation(val, top_up)
+    top_up = top_up if on_val and top_up is not None and len(top_up) and top_up.features is not None else None
+    source = (val if top_up is None else joined_outputs(val, top_up)) if on_val else bank
     if val.features is not None and source is not None and source.features is not None and len(source) > 0:
         classes = val.logits.shape[1]
         use_layers = (method == LAYERS_METHOD and bool(layer_names) and val.layers is not None
                       and source.layers is not None)
         names = list(layer_names) if use_layers else None
         fits = reject_fits(source, classes, seed, names, "ledoit_wolf" if on_val else "ridge")
-        raw = cross_fitted_scores(val, classes, seed, names) if on_val else raw_scores(val, fits, names)
+        raw = cross_fitted_scores(val, classes, seed, names, top_up) if on_val else raw_scores(val, fits, names)
         scores.update({name: raw[name] for name in ("knn", "mahalanobis", "mahalanobis_l2")})
         scales = {name: score_scale(scores[name], least_spread(name)) for name in COMBINED_OF}
         scores["combined"] = combined_score([scores[name] for name in COMBINED_OF],
@@ -152,7 +166,8 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                 record["layer_weights"] = weights
         elif method == LAYERS_METHOD:
             method = "combined"
-        record["feature_bank"], record["reject_fit"] = fits["bank"], "validation" if on_val else "training"
+        record["feature_bank"] = fits["bank"]
+        record["reject_fit"] = ("validation" if top_up is None else "validation+training") if on_val else "training"
         record["reject_notes"] = degenerate_notes(source, classes, names or [])
         store_fits(record, fits, method, scales)
     record["reject_notes"] = [*few_images_notes(len(val), coverage), *record.get("reject_notes", [])]

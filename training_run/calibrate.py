@@ -1,6 +1,6 @@
-"""After training: the best model's outputs on the validation split (the temperature, the reject
-thresholds, and the reject fit when the split holds MIN_VALIDATION_FIT images) or else also on a seeded subset
-of the training split (the feature bank and the reject fit), written into best.pt as its `calibration` record.
+"""After training: the best model's outputs on the validation split (the temperature, the reject thresholds
+and fit), topped up for the reject fit with a seeded subset of the training split when the split holds fewer
+than MIN_VALIDATION_FIT images, written into best.pt as its `calibration` record.
 Every rank passes over its own shard; rank 0 fits and writes.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from evaluation.calibration import apply_temperature, expected_calibration_error
 from evaluation.split_outputs import SplitOutputs, collect_outputs, gather_outputs
 from evaluation.rejection import BANK_SIZE, layer_names, seeded_subset
 from evaluation.reject_probe import probe_rejector, weak_note
-from evaluation.trust import (CROSS_FIT_FOLDS, MIN_VALIDATION_FIT, build_record, fits_on_validation,
+from evaluation.trust import (CROSS_FIT_FOLDS, MIN_VALIDATION_FIT, build_record, top_up_count,
                               usable_rejector)
 from rundir.atomic_files import save_atomic
 from runtime import distributed as dist_utils
@@ -31,12 +31,13 @@ from tasks import task_of
 log = logging.getLogger(__name__)
 
 
-def bank_index(train_index, seed: int) -> Optional[ImageIndex]:
-    """The training files whose features form the bank: a seeded subset of at most BANK_SIZE (None for
-    WebDataset shards, which cannot be addressed by index; the reject option then uses the energy score)."""
+def bank_index(train_index, seed: int, size: int = BANK_SIZE) -> Optional[ImageIndex]:
+    """The training files whose outputs top up the reject fit: a seeded subset of at most `size` (None for
+    WebDataset shards, which cannot be addressed by index; a validation split under MIN_VALIDATION_FIT then
+    rejects by the energy score)."""
     if not isinstance(train_index, ImageIndex):
         return None
-    keep = seeded_subset(len(train_index), BANK_SIZE, seed)
+    keep = seeded_subset(len(train_index), size, seed)
     return dataclasses.replace(train_index, paths=[train_index.paths[i] for i in keep],
                                labels=[train_index.labels[i] for i in keep])
 
@@ -81,26 +82,29 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     else:
         log.info("calibration: on the validation outputs kept from the pass that chose best.pt (no second pass)")
     val = gather_outputs(val_outputs)
-    bank = None
-    subset = bank_index(train_index, cfg.train.seed)
-    if fits_on_validation(val):
+    need = top_up_count(len(val)) if val.features is not None else 0
+    subset = bank_index(train_index, cfg.train.seed, need) if need else None
+    top_up = None
+    if val.features is not None and not need:
         log.info("calibration: reject fit on the %d validation outputs (>= %d: no pass over the training split; "
                  "thresholds on %d-fold cross-fitted scores)", len(val), MIN_VALIDATION_FIT, CROSS_FIT_FOLDS)
-    elif subset is not None and val.features is not None:
-        log.info("calibration: %d validation images (< %d): the reject fit passes over %d training images",
-                 len(val), MIN_VALIDATION_FIT, len(subset))
-        # The bank's pass as infer.py's and serve.py's: channels_last whatever the training's layout (training
-        # is over). resnet10t at 32 px on the CPU: 1.32x the images per second of NCHW, the calibration 0.4 s less.
+    elif subset is not None:
+        log.info("calibration: %d validation images (< %d): the reject fit adds %d training images' outputs (a pass "
+                 "over those only; thresholds on %d-fold cross-fitted validation scores)", len(val),
+                 MIN_VALIDATION_FIT, len(subset), CROSS_FIT_FOLDS)
+        # The pass as infer.py's and serve.py's: channels_last whatever the training's layout (training is
+        # over). resnet10t at 32 px on the CPU: 1.32x the images per second of NCHW.
         eval_model.to(memory_format=torch.channels_last)
         device_input = dataclasses.replace(device_input, channels_last=True)
         d = cfg.data
         loader = build_eval_loader_for(subset, eval_transform(d), eval_size(d), cfg.train.batch_size, d.num_workers,
                                        False, dist.rank, dist.world_size)
-        bank = gather_outputs(collect_outputs(eval_model, loader, device_input, with_features=True, with_layers=True))
+        top_up = gather_outputs(collect_outputs(eval_model, loader, device_input, with_features=True,
+                                                with_layers=True))
     record = None
     if dist.is_main and len(val):
-        record = build_record(val, bank, cfg.calibration.temperature, cfg.calibration.coverage, cfg.train.seed,
-                              layer_names=layer_names(eval_model))
+        record = build_record(val, None, cfg.calibration.temperature, cfg.calibration.coverage, cfg.train.seed,
+                              layer_names=layer_names(eval_model), top_up=top_up)
         probe_record(record, eval_model, device_input, eval_size(cfg.data), cfg.train.seed)
         best["calibration"] = record
         save_atomic(best, best_path)

@@ -418,7 +418,8 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     assert "kept from the pass that chose best.pt (no second pass)" in (out / "train.log").read_text()
     best = torch.load(out / "best.pt", weights_only=True)
     record = best["calibration"]
-    assert record["num_samples"] == VAL_SIZE and record["feature_bank"].shape[0] == 120
+    # the reject fit: the 17 validation outputs topped up with the training split's (120 < MIN_VALIDATION_FIT)
+    assert record["num_samples"] == VAL_SIZE and record["feature_bank"].shape[0] == VAL_SIZE + 120
     cfg, pre = best["config"], best["preprocessing"]
     model = create_model(cfg["model"]["name"], len(best["classes"]))
     model.load_state_dict(best["model"], strict=True)
@@ -432,12 +433,14 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     val, train = outputs("val"), outputs("train")
     fit = calibrated_temperature(val.logits, val.labels)
     assert record["temperature"] == pytest.approx(fit.temperature, rel=1e-3)
-    assert torch.allclose(record["feature_bank"].float(), normalise(train.features), atol=2e-3)
+    assert torch.allclose(record["feature_bank"].float(), normalise(torch.cat([val.features, train.features])),
+                          atol=2e-3)
     # the stages' statistics are gathered too: the per-stage class means of the multi-layer reject score
     from evaluation.rejection import layer_fits
 
     names = record["layer_names"]
-    fits = layer_fits(train.layers, train.labels, len(best["classes"]), names)
+    fits = layer_fits([torch.cat([v, t]) for v, t in zip(val.layers, train.layers)],
+                      torch.cat([val.labels, train.labels]), len(best["classes"]), names)
     assert names[0] == "input" and len(record["layer_means"]) == len(fits) == 6   # the input, then 5 stages
-    assert record["reject_fit"] == "training"            # 17 validation images: the training subset's pass
+    assert record["reject_fit"] == "validation+training"  # 17 validation images, topped up by a training pass
     assert all(torch.allclose(stored, means, atol=2e-3) for stored, (means, _) in zip(record["layer_means"], fits))

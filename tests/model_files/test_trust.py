@@ -120,8 +120,10 @@ def test_best_pt_carries_the_calibration_record(trained):
     assert len(record["layer_scales"]) == 6 and all(spread > 0 for _, spread in record["layer_scales"])
     assert record["layer_weights"] == pytest.approx([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
     bank = record["feature_bank"]
-    assert bank.dtype == torch.float16 and bank.shape[0] == 48  # every training image (under the cap)
-    assert torch.allclose(bank.float().norm(dim=1), torch.ones(48), atol=1e-2)
+    # the 36 validation images, topped up with every training image (48, fewer than the 164 they lack)
+    assert record["reject_fit"] == "validation+training"
+    assert bank.dtype == torch.float16 and bank.shape[0] == 36 + 48
+    assert torch.allclose(bank.float().norm(dim=1), torch.ones(36 + 48), atol=1e-2)
 
 
 def test_eval_reports_calibration_and_selective_figures(trained, tmp_path, capsys):
@@ -424,6 +426,25 @@ def test_a_briefly_trained_model_rejects_grey_digits(tmp_path, capsys):
     kept = sum(r["label"] != "unknown" for r in own) / len(own)
     rejected = sum(r["label"] == "unknown" for r in foreign) / len(foreign)
     assert kept >= 0.9 and rejected >= 0.9, (kept, rejected)
+
+
+def test_a_small_validation_split_is_topped_up_with_only_the_training_images_it_lacks(tmp_path):
+    """issue 47: a validation split under MIN_VALIDATION_FIT images is topped up for the reject fit with the
+    outputs of just as many training images as it lacks (one short pass, not over 2,048): the log and the
+    record say so, and the kNN bank holds the validation features, then the training ones."""
+    from conftest import train_tiny
+    from evaluation.trust import MIN_VALIDATION_FIT
+
+    val_images = 2 * 70
+    data, best = train_tiny(tmp_path, {"a": (40, 70), "b": (40, 70)},
+                            **{"model.name": "resnet10t"})
+    log = (best.parent / "train.log").read_text()
+    lacking = MIN_VALIDATION_FIT - val_images
+    assert (f"{val_images} validation images (< {MIN_VALIDATION_FIT}): the reject fit adds {lacking} training "
+            f"images' outputs") in log
+    record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
+    assert record["reject_fit"] == "validation+training" and record["method"] == "mahalanobis_layers"
+    assert record["feature_bank"].shape[0] == MIN_VALIDATION_FIT
 
 
 def test_a_validation_split_of_200_is_the_reject_fit_with_no_pass_over_training_images(tmp_path):
