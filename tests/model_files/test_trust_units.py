@@ -363,3 +363,12 @@ def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
     stopped.finish(completed=False)  # a pass a stop signal ended keeps nothing
     stopped.keep(epoch=2)
     assert stopped.outputs() is None
+
+
+def test_a_short_top_up_pass_decodes_in_process():
+    """The reject fit's top-up pass (the training images a small validation split lacks) forks no loader
+    workers for two batches or fewer: forking them took longer than decoding the images."""
+    from training_run.calibrate import top_up_workers
+
+    assert top_up_workers(32, 32, 2) == 0 and top_up_workers(64, 32, 4) == 0
+    assert top_up_workers(65, 32, 2) == 2 and top_up_workers(160, 32, 0) == 0
