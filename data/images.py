@@ -86,8 +86,52 @@ def decode_plain_jpeg(img: Image.Image, buf, min_size: tuple[int, int] | None = 
     reports, even a recoverable error): `decode_rgb` then decodes, or refuses, the file as before."""
     if simplejpeg is None or img.format != "JPEG" or img.mode != "RGB" or orientation(img) != 1:
         return None
-    scale = draft_scale(img.size, min_size) if min_size is not None else 1
-    width, height = (img.size[0] + scale - 1) // scale, (img.size[1] + scale - 1) // scale
+    return decode_jpeg_array(buf, img.size, min_size)
+
+
+# APP segments after which PIL may show a JPEG otherwise than its pixels are stored: an EXIF or XMP block (an
+# orientation), a multi-picture index (PIL opens it as MPO)
+_NOT_PLAIN_SEGMENTS = ((0xE1, b"Exif"), (0xE1, b"http://ns.adobe.com/xap/1.0/\x00"), (0xE2, b"MPF\x00"))
+_STANDALONE_MARKERS = frozenset([0x01, 0xD8, *range(0xD0, 0xD8)])
+
+
+def plain_jpeg_size(buf) -> tuple[int, int] | None:
+    """(width, height) of a JPEG that PIL would open as a plain upright colour image (format JPEG, mode RGB,
+    orientation 1), read from its header segments and libjpeg-turbo's header alone: no EXIF or XMP block, no
+    multi-picture index, three colour components, within PIL's pixel limit. None for anything else, and
+    wherever simplejpeg is absent: PIL then opens the file (its checks, its refusals). Opening with PIL to learn
+    this cost ~6% of a training image's CPU (real-photo crops at 224 px)."""
+    if simplejpeg is None or len(buf) < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
+        return None
+    i, n = 2, len(buf)
+    while i + 4 <= n:
+        if buf[i] != 0xFF:
+            return None
+        marker = buf[i + 1]
+        if marker == 0xFF or marker in _STANDALONE_MARKERS:
+            i += 1 if marker == 0xFF else 2
+            continue
+        if marker == 0xDA:  # the scan: the header is over
+            break
+        end = i + 2 + ((buf[i + 2] << 8) | buf[i + 3])
+        if any(marker == m and bytes(buf[i + 4:min(end, i + 4 + len(tag))]) == tag for m, tag in _NOT_PLAIN_SEGMENTS):
+            return None
+        i = end
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(buf)
+    except (ValueError, OSError):
+        return None
+    limit = Image.MAX_IMAGE_PIXELS
+    if colorspace not in ("YCbCr", "RGB") or width < 1 or height < 1 or (limit and width * height > limit):
+        return None
+    return width, height
+
+
+def decode_jpeg_array(buf, size: tuple[int, int], min_size: tuple[int, int] | None = None) -> np.ndarray | None:
+    """[H, W, 3] uint8 of the plain colour JPEG `buf` of `size` (width, height), decoded by libjpeg-turbo at the
+    scale PIL's draft would take for `min_size`; None for anything libjpeg-turbo reports (even recoverable)."""
+    scale = draft_scale(size, min_size) if min_size is not None else 1
+    width, height = (size[0] + scale - 1) // scale, (size[1] + scale - 1) // scale
     try:
         array = simplejpeg.decode_jpeg(buf, colorspace="RGB", min_factor=scale, min_width=width,
                                        min_height=height, strict=True)

@@ -45,7 +45,8 @@ from torchvision.transforms.v2 import functional as F
 from core.errors import ImageDecodeError
 from data.bands import is_npy, read_bands
 from data.eval_preprocessing import EvalPreprocessing, centre_region, resize_size
-from data.images import centre_box, decode_plain_jpeg, decode_rgb, open_image, oriented_size, require_regular_file
+from data.images import (centre_box, decode_jpeg_array, decode_plain_jpeg, decode_rgb, open_image, oriented_size,
+                         plain_jpeg_size, require_regular_file)
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}
@@ -162,20 +163,33 @@ def read_band_array(path, channels: int, value_range) -> np.ndarray:
 
 
 class SourceImage:
-    """An image file read once (one open, one read): the whole file's bytes, and the file opened by PIL from
-    those bytes (header read, pixels not yet decoded), with its displayed size."""
+    """An image file read once (one open, one read): the whole file's bytes and its displayed size, from the
+    header alone: libjpeg-turbo's for a plain JPEG (`data.images.plain_jpeg_size`), else PIL's open (pixels
+    not yet decoded)."""
 
     def __init__(self, name, buf):
         self.name = name
         self.buf = buf
-        self._pil = open_image(io.BytesIO(buf), name=name)
-        self.size = oriented_size(self._pil)
+        self._plain = plain_jpeg_size(buf)
+        self._pil = None if self._plain is not None else open_image(io.BytesIO(buf), name=name)
+        self.size = self._plain or oriented_size(self._pil)
+
+    def _plain_array(self, min_size: tuple[int, int] | None) -> np.ndarray | None:
+        """A plain JPEG's decode by libjpeg-turbo (None for other files, or when it reports an error: PIL then
+        opens the file, and decodes or refuses it)."""
+        if self._plain is not None:
+            array = decode_jpeg_array(self.buf, self._plain, min_size)
+            self._plain = None
+            if array is None:
+                self._pil = open_image(io.BytesIO(self.buf), name=self.name)
+            return array
+        return decode_plain_jpeg(self._pil, self.buf, min_size) if self._pil is not None else None
 
     def crop_tensor(self, box, min_size: tuple[int, int] | None = None) -> torch.Tensor:
         """The pixels of `box` (left, top, right, bottom in displayed pixels) as a uint8 CHW tensor, from a
         decode at least `min_size` large: a plain JPEG's by libjpeg-turbo into an array
         (`data.images.decode_plain_jpeg`), the rest through PIL; the same pixels either way."""
-        array = decode_plain_jpeg(self._pil, self.buf, min_size) if self._pil is not None else None
+        array = self._plain_array(min_size)
         if array is not None:
             self._pil = None
             left, top, right, bottom = decoded_box((array.shape[1], array.shape[0]), self.size, box)
@@ -188,7 +202,7 @@ class SourceImage:
         """The decode at least `min_size` large as a PIL image: a plain JPEG's by libjpeg-turbo (the same pixels
         as PIL's decode for ~2/3 of its CPU time), the rest through PIL with the pixel policy
         (`data.images.decode_rgb`)."""
-        array = decode_plain_jpeg(self._pil, self.buf, min_size) if self._pil is not None else None
+        array = self._plain_array(min_size)
         if array is not None:
             self._pil = None
             return Image.fromarray(array, "RGB")

@@ -106,6 +106,32 @@ def test_libjpeg_turbo_decodes_plain_jpegs_to_the_pil_path_s_pixels(tmp_path, mo
             assert images.decode_plain_jpeg(pil, other.read_bytes(), (16, 16)) is None, name
 
 
+def test_only_a_plain_upright_colour_jpeg_skips_pil_s_open(tmp_path, monkeypatch):
+    """The header read that lets a plain JPEG skip PIL's open names its size only where PIL would open it as an
+    upright colour JPEG: any EXIF or XMP block (even orientation 1), a grey or CMYK file, another format, or
+    more pixels than PIL's limit go through PIL as before (its orientation, its mode, its refusal)."""
+    import data.images as images
+    from data.images import plain_jpeg_size
+
+    plain = _jpeg(tmp_path / "plain.jpg", (97, 61))
+    assert plain_jpeg_size(plain.read_bytes()) == (97, 61)
+    assert read_source(plain).size == (97, 61)
+    for name, kwargs in (("upright_exif.jpg", {"orientation": 1}), ("rotated.jpg", {"orientation": 6}),
+                         ("grey.jpg", {"mode": "L"}), ("cmyk.jpg", {"mode": "CMYK"})):
+        assert plain_jpeg_size(_jpeg(tmp_path / name, (40, 30), **kwargs).read_bytes()) is None, name
+    xmp = b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta/>"
+    data = plain.read_bytes()
+    assert plain_jpeg_size(data[:2] + b"\xff\xe1" + (len(xmp) + 2).to_bytes(2, "big") + xmp + data[2:]) is None
+    png = tmp_path / "a.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(png)
+    assert plain_jpeg_size(png.read_bytes()) is None and plain_jpeg_size(b"\xff\xd8") is None
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 97 * 61 - 1)
+    assert plain_jpeg_size(data) is None
+    monkeypatch.setattr(images, "simplejpeg", None)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert plain_jpeg_size(data) is None
+
+
 def test_truncated_jpeg_is_still_refused(tmp_path):
     path = _jpeg(tmp_path / "a.jpg", (96, 72))
     data = path.read_bytes()
@@ -188,8 +214,8 @@ def test_eval_transform_decodes_plain_jpegs_by_libjpeg_turbo_to_pil_s_pixels(tmp
 
     path = _jpeg(tmp_path / "a.jpg", size, seed=5)
     calls = []
-    real = images.decode_plain_jpeg
-    monkeypatch.setattr("data.transforms.decode_plain_jpeg", lambda *a: calls.append(a[2]) or real(*a))
+    real = images.decode_jpeg_array
+    monkeypatch.setattr("data.transforms.decode_jpeg_array", lambda *a: calls.append(a[2]) or real(*a))
     transforms = [EvalTransform(s, 0.875, "bilinear") for s in (32, 112, 224)]
     fast = [t(path) for t in transforms]
     assert len(calls) == len(transforms)  # every decode asked libjpeg-turbo first
