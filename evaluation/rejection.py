@@ -124,13 +124,9 @@ def input_statistics(images: torch.Tensor) -> torch.Tensor:
     x = images.detach().float()
     if x.dim() != 4:
         return x.flatten(1)[:, :0]
-    mean = x.mean(dim=(2, 3))
-    parts = [mean, ((x * x).mean(dim=(2, 3)) - mean * mean).clamp_min(0).sqrt()]
+    parts = [pooled_statistics(x, channels=x.shape[1])]     # [N, 2C]: each channel's mean, then deviation
     if x.shape[1] > 1:
-        spread = x.std(dim=1)
-        centre = spread.mean(dim=(1, 2))
-        parts.append(torch.stack([centre, ((spread * spread).mean(dim=(1, 2)) - centre * centre).clamp_min(0).sqrt()],
-                                 dim=1))
+        parts.append(pooled_statistics(x.std(dim=1, keepdim=True)))   # the colour spread's mean and deviation
     dx = position_mean((x[:, :, :, 1:] - x[:, :, :, :-1]).abs())
     dy = position_mean((x[:, :, 1:, :] - x[:, :, :-1, :]).abs())
     laplacian = position_mean((4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1] - x[:, :, 1:-1, :-2]
@@ -268,22 +264,22 @@ def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: i
         scale = (x * x).sum(dim=1).mean().clamp(min=1e-12) / x.shape[1] if len(x) else torch.tensor(1.0)
         return means.float(), (eye / scale).float()
     if shrinkage == "ledoit_wolf":
-        weight, target = ledoit_wolf_shrinkage(centred)
+        weight, target = ledoit_wolf_shrinkage(centred, covariance)
         covariance = (1 - weight) * covariance + weight * target * eye
-    ridge = 1e-3 * covariance.diagonal().mean().clamp(min=1e-12)
-    precision = torch.linalg.inv(covariance + ridge * eye if shrinkage == "ridge" else covariance)
-    return means.float(), precision.float()
+    else:
+        covariance = covariance + 1e-3 * covariance.diagonal().mean().clamp(min=1e-12) * eye
+    return means.float(), torch.linalg.inv(covariance).float()
 
 
-def ledoit_wolf_shrinkage(centred: torch.Tensor) -> tuple[float, float]:
+def ledoit_wolf_shrinkage(centred: torch.Tensor, covariance: Optional[torch.Tensor] = None) -> tuple[float, float]:
     """(weight, mu): Ledoit and Wolf's (2004) closed-form shrinkage of the covariance of the centred samples
-    [N, D] towards mu x identity, mu the mean variance (scikit-learn's `ledoit_wolf` with
-    assume_centered=True: the same numbers)."""
+    [N, D] (`covariance`, their x.T @ x / N, when the caller has it) towards mu x identity, mu the mean variance
+    (scikit-learn's `ledoit_wolf` with assume_centered=True: the same numbers)."""
     x = centred.double()
     n, d = x.shape
     if n == 0 or d == 0:
         return 1.0, 1.0
-    covariance = x.T @ x / n
+    covariance = x.T @ x / n if covariance is None else covariance.double()
     mu = float(covariance.diagonal().mean())
     delta = float(((covariance - mu * torch.eye(d, dtype=torch.float64)) ** 2).sum()) / d
     squares = x * x

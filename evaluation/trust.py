@@ -79,11 +79,10 @@ def top_up_count(validation_images: int) -> int:
     return max(0, MIN_VALIDATION_FIT - validation_images)
 
 
-def fits_on_validation(val: SplitOutputs, top_up: Optional[SplitOutputs] = None) -> bool:
+def fits_on_validation(val: SplitOutputs, top_up: Optional[SplitOutputs]) -> bool:
     """Whether the reject fit is made on the validation outputs (with features): MIN_VALIDATION_FIT of them, or
-    fewer with training images' outputs to top them up (all there are, when the training split is small too)."""
-    topped = top_up is not None and top_up.features is not None and len(top_up) > 0
-    return val.features is not None and (len(val) >= MIN_VALIDATION_FIT or topped)
+    fewer with a usable `top_up` (all the training images there are, when the training split is small too)."""
+    return val.features is not None and (len(val) >= MIN_VALIDATION_FIT or top_up is not None)
 
 
 def reject_fits(source: SplitOutputs, classes: int, seed: int, layer_names: Optional[list[str]],
@@ -133,8 +132,9 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
                  seed: int, method: str = DEFAULT_METHOD, layer_names: Optional[list[str]] = None,
                  top_up: Optional[SplitOutputs] = None) -> dict:
     """The checkpoint's `calibration` record. The reject fit is made on `bank` (training images' outputs),
-    or, without one, on the validation outputs themselves with the `top_up` training images' when together
-    they hold MIN_VALIDATION_FIT (`reject_fit` says which: training, validation, or validation+training). Without the stages' statistics (`layer_names` and the outputs' `layers`: a timm
+    or, without one, on the validation outputs themselves, with the `top_up` training images' where the split
+    holds fewer than MIN_VALIDATION_FIT (`reject_fit` says which: training, validation, or
+    validation+training). Without the stages' statistics (`layer_names` and the outputs' `layers`: a timm
     model without `feature_info`) mahalanobis_layers falls back to combined; without features (a model
     without a timm classifier, or neither training features nor enough validation ones) to energy."""
     temperature, notes, decision = resolve_temperature(setting, val)
@@ -142,8 +142,8 @@ def build_record(val: SplitOutputs, bank: Optional[SplitOutputs], setting: Union
     record = {"temperature": temperature, "temperature_setting": str(setting), "coverage": float(coverage),
               "knn_k": KNN_K, "num_samples": len(val), "temperature_notes": notes,
               "temperature_decision": decision}
+    top_up = top_up if top_up is not None and top_up.features is not None and len(top_up) else None
     on_val = bank is None and fits_on_validation(val, top_up)
-    top_up = top_up if on_val and top_up is not None and len(top_up) and top_up.features is not None else None
     source = (val if top_up is None else joined_outputs(val, top_up)) if on_val else bank
     if val.features is not None and source is not None and source.features is not None and len(source) > 0:
         classes = val.logits.shape[1]

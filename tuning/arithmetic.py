@@ -42,32 +42,30 @@ class Curve:
     losses: list[float] = field(default_factory=list)
 
 
+def interpolated(xs: list[float], ys: list[float], at: float) -> Optional[float]:
+    """ys at `at`, linearly between the points (xs ascending); the first y before the first x, None past the
+    last x (the curve did not get that far)."""
+    points = list(zip(xs, ys))
+    if not points or at > points[-1][0]:
+        return None
+    if at <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= at <= x1:
+            return y0 + (y1 - y0) * (at - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]
+
+
 def loss_after_samples(curve: Curve, samples: int) -> Optional[float]:
     """The smoothed loss after `samples` samples, interpolated linearly between logged points; None when the
     curve did not get that far."""
-    points = list(zip(curve.samples, curve.losses))
-    if not points or samples > points[-1][0]:
-        return None
-    if samples <= points[0][0]:
-        return points[0][1]
-    for (s0, l0), (s1, l1) in zip(points, points[1:]):
-        if s0 <= samples <= s1:
-            return l0 + (l1 - l0) * (samples - s0) / (s1 - s0) if s1 > s0 else l1
-    return points[-1][1]
+    return interpolated(curve.samples, curve.losses, samples)
 
 
 def loss_at_seconds(curve: Curve, seconds: float) -> Optional[float]:
     """The smoothed loss at `seconds` of wall time since the run's start (what the sweep's plot shows),
     interpolated linearly between logged points; None when the run ended before."""
-    points = list(zip(curve.seconds, curve.losses))
-    if not points or seconds > points[-1][0]:
-        return None
-    if seconds <= points[0][0]:
-        return points[0][1]
-    for (t0, l0), (t1, l1) in zip(points, points[1:]):
-        if t0 <= seconds <= t1:
-            return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0) if t1 > t0 else l1
-    return points[-1][1]
+    return interpolated(curve.seconds, curve.losses, seconds)
 
 
 def common_seconds(curves: list[Curve]) -> float:

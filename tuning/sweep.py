@@ -24,7 +24,7 @@ from training.schedule import scaled_lr
 from rundir.state import EpochCounters, TrainState
 from training.step import LRPlan, build_train_step
 from objectives.registry import build_objective
-from tuning.arithmetic import Curve, DIVERGENCE_FACTOR, exponential_lrs, smooth
+from tuning.arithmetic import Curve, above_floor, divergence_index, exponential_lrs, smooth
 from tuning.loss_floor import loss_floor
 from models.factory import build_model
 
@@ -156,7 +156,7 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
                  on_step: Optional[Callable[[int, float], None]] = None) -> RangeTest:
     """The LR range test at `cfg`'s batch: LR from `low` to `high` exponentially over `steps` optimizer
     steps (the same on every rank), the loss averaged over ranks at every step; it stops early once the
-    smoothed loss exceeds DIVERGENCE_FACTOR x its minimum (every rank sees the same averages, so all stop
+    smoothed loss diverges (tuning.arithmetic.divergence_index) (every rank sees the same averages, so all stop
     together; both measured above the objective's floor, tuning.loss_floor). `on_step(step, seconds since the
     start)` after every step."""
     lrs = exponential_lrs(low, high, steps)
@@ -174,9 +174,7 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
             on_step(number, time.perf_counter() - start)
 
     def diverged(number: int) -> bool:
-        floor = result.floor
-        return (len(result.smoothed) > 1
-                and result.smoothed[-1] - floor > DIVERGENCE_FACTOR * (min(result.smoothed) - floor))
+        return divergence_index(above_floor(result.smoothed, result.floor)) is not None
 
     parts = measuring_parts(on_step=record, stop_when=diverged, log_interval=1)
     try:

@@ -173,6 +173,17 @@ def test_rgb_keeps_the_uint8_path_bit_for_bit(tmp_path):
 # ---------------------------------------------------------------- training
 
 
+def _grey_pngs(root, counts: tuple[int, int], pixels) -> None:
+    """root/{train,val}/{a,b}/*.png: counts[0] and counts[1] one-channel PNGs a class, `pixels(rng, label)` each."""
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "val"), counts):
+        for label, name in enumerate("ab"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(pixels(rng, label)).save(folder / f"{name}_{i}.png")
+
+
 def _train(data, run, *extra, **keys):
     overrides = tiny_overrides(data, run, **{"data.hflip": 0.0, **keys})
     return run_script("train.py", "--config", "base", *overrides, *extra)
@@ -180,14 +191,8 @@ def _train(data, run, *extra, **keys):
 
 @pytest.mark.slow
 def test_one_channel_pngs_train_with_a_one_channel_stem(tmp_path):
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 16), ("val", 6)):
-        for label, name in enumerate("ab"):
-            folder = tmp_path / "data" / split / name
-            folder.mkdir(parents=True)
-            for i in range(n):
-                gray = np.clip(rng.normal(70 + 110 * label, 20, (20, 20)), 0, 255).astype(np.uint8)
-                Image.fromarray(gray).save(folder / f"{name}_{i}.png")
+    _grey_pngs(tmp_path / "data", (16, 6),
+               lambda rng, label: np.clip(rng.normal(70 + 110 * label, 20, (20, 20)), 0, 255).astype(np.uint8))
     result = _train(tmp_path / "data", tmp_path / "run", **{"data.channels": 1})
     assert result.returncode == 0, result.stderr[-2000:]
     assert stem_in_channels(tmp_path / "run" / "best.pt") == 1
@@ -353,13 +358,7 @@ def test_a_pretrained_rgb_model_fine_tunes_into_one_channel(tmp_path):
     from timm.models import adapt_input_conv
 
     rgb = write_pretrained_folder(tmp_path / "pretrained", num_classes=3)
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 8), ("val", 4)):
-        for label, name in enumerate("ab"):
-            folder = tmp_path / "data" / split / name
-            folder.mkdir(parents=True)
-            for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (20, 20), dtype=np.uint8)).save(folder / f"{name}_{i}.png")
+    _grey_pngs(tmp_path / "data", (8, 4), lambda rng, label: rng.integers(0, 256, (20, 20), dtype=np.uint8))
     result = _train(tmp_path / "data", tmp_path / "run", **{
         "data.channels": 1, "model.name": f"local-dir:{tmp_path / 'pretrained'}", "model.pretrained": "true",
         "train.epochs": 1, "optim.lr": 1e-9, "train.batch_size": 4})
