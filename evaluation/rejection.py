@@ -115,6 +115,15 @@ def position_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=(2, 3))
 
 
+def channel_spread(x: torch.Tensor) -> torch.Tensor:
+    """[N, 1, ...] the standard deviation across the channels of [N, C, ...] (C > 1; Bessel's correction, as
+    torch.std's), from the deviations from the channel mean: torch's std over dimension 1 took 22x as long
+    (48 images of 3 x 128 x 128: 144 ms against 6.4 ms; equal to 2e-7 relative), a quarter of the photos
+    recipe's calibration and of every validation pass that records the reject fit's outputs."""
+    deviation = x - x.mean(dim=1, keepdim=True)
+    return ((deviation * deviation).sum(dim=1, keepdim=True) / (x.shape[1] - 1)).sqrt()
+
+
 def input_statistics(images: torch.Tensor) -> torch.Tensor:
     """[N, 5C + 2] (C > 1) or [N, 5] statistics of the network input [N, C, H, W] (normalised, any memory
     layout): each channel's mean and standard deviation, the mean and standard deviation over the positions of
@@ -126,7 +135,7 @@ def input_statistics(images: torch.Tensor) -> torch.Tensor:
         return x.flatten(1)[:, :0]
     parts = [pooled_statistics(x, channels=x.shape[1])]     # [N, 2C]: each channel's mean, then deviation
     if x.shape[1] > 1:
-        parts.append(pooled_statistics(x.std(dim=1, keepdim=True)))   # the colour spread's mean and deviation
+        parts.append(pooled_statistics(channel_spread(x)))   # the colour spread's mean and deviation
     dx = position_mean((x[:, :, :, 1:] - x[:, :, :, :-1]).abs())
     dy = position_mean((x[:, :, 1:, :] - x[:, :, :-1, :]).abs())
     laplacian = position_mean((4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1] - x[:, :, 1:-1, :-2]

@@ -139,6 +139,19 @@ def test_input_statistics_by_hand():
     assert layer_weights(["input", "a", "b"]) == [0.5, 0.25, 0.25] and layer_weights(["a", "b"]) is None
 
 
+def test_channel_spread_is_torch_std_across_channels():
+    """The colour spread is computed by hand for speed: the same numbers as torch.std over dimension 1."""
+    from evaluation.rejection import channel_spread
+
+    torch.manual_seed(0)
+    for shape in ((4, 3, 9, 7), (2, 4, 5, 5), (3, 2, 6)):
+        x = torch.randn(shape) * 3 + 1
+        assert torch.allclose(channel_spread(x), x.std(dim=1, keepdim=True), rtol=1e-5, atol=1e-6)
+    last = torch.randn(4, 3, 9, 7).contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(channel_spread(last), last.std(dim=1, keepdim=True), rtol=1e-5, atol=1e-6)
+    assert channel_spread(torch.ones(1, 3, 2, 2)).eq(0).all()
+
+
 def layered(n, seed, centres, odd_stage=None):
     """`split` with two stages' statistics: stage 0 near the class centres, stage 1 near fixed directions;
     `odd_stage` puts that stage's statistics somewhere else (what an upscaled grey digit does to a photo model's
