@@ -246,11 +246,21 @@ DEGENERATE_VARIANCE = 1e-8
 def variance_share(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> float:
     """The features' total variance around their class means over their mean square (0 when all are zero)."""
     x = features.double()
-    means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64).index_add_(0, labels, x)
-    means /= torch.bincount(labels, minlength=num_classes).clamp(min=1).double()[:, None]
-    mean_square = float((x * x).sum(dim=1).mean()) if len(x) else 0.0
-    variance = float(((x - means[labels]) ** 2).sum(dim=1).mean()) if len(x) else 0.0
-    return variance / mean_square if mean_square > 0 else 0.0
+    return centred_share(x, x - class_means(x, labels, num_classes)[labels])
+
+
+def class_means(x: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[C, D] the mean of each class's rows of `x` [N, D] (0 for a class without any)."""
+    means = torch.zeros(num_classes, x.shape[1], dtype=x.dtype).index_add_(0, labels, x)
+    return means / torch.bincount(labels, minlength=num_classes).clamp(min=1).to(x.dtype)[:, None]
+
+
+def centred_share(x: torch.Tensor, centred: torch.Tensor) -> float:
+    """variance_share from the rows `x` and the same rows less their class means."""
+    if not len(x):
+        return 0.0
+    mean_square = float((x * x).sum(dim=1).mean())
+    return float((centred * centred).sum(dim=1).mean()) / mean_square if mean_square > 0 else 0.0
 
 
 def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: int,
@@ -262,14 +272,11 @@ def mahalanobis_fit(features: torch.Tensor, labels: torch.Tensor, num_classes: i
     DEGENERATE_VARIANCE): then the distance is the Euclidean one in units of the features' mean square per
     dimension, which rounding cannot blow up."""
     x = features.double()
-    means = torch.zeros(num_classes, x.shape[1], dtype=torch.float64)
-    means.index_add_(0, labels, x)
-    counts = torch.bincount(labels, minlength=num_classes).clamp(min=1).double()
-    means /= counts[:, None]
+    means = class_means(x, labels, num_classes)
     centred = x - means[labels]
     covariance = centred.T @ centred / max(len(x), 1)
     eye = torch.eye(x.shape[1], dtype=torch.float64)
-    if variance_share(features, labels, num_classes) < DEGENERATE_VARIANCE:
+    if centred_share(x, centred) < DEGENERATE_VARIANCE:
         scale = (x * x).sum(dim=1).mean().clamp(min=1e-12) / x.shape[1] if len(x) else torch.tensor(1.0)
         return means.float(), (eye / scale).float()
     if shrinkage == "ledoit_wolf":

@@ -143,6 +143,21 @@ class Checkpointer:
                                                       keep_previous=True), shared=(DiskFullError,))
         self.saved_state = TrainState(**dataclasses.asdict(state))
 
+    def start_last(self, state: TrainState) -> "PendingSave":
+        """save_last on a thread of rank 0, from a copy of the contents, so the caller computes on (the
+        calibration after the final epoch: the 90 MB of the photos recipe's last.pt took 0.2-0.3 s of a ~1.5 s
+        tail) and may change the weights meanwhile. Call on every rank; the returned PendingSave's `wait()`,
+        on every rank, returns once the file is whole (a full disk raised on every rank, as by save_last)."""
+        self.refuse_nonfinite("last.pt", state.step)
+        path, saved = self.run_dir / "last.pt", TrainState(**dataclasses.asdict(state))
+        thread = run_on_main(self.is_main, lambda: BackgroundSave(tensor_copies(self.last_contents(state)), path,
+                                                                  keep_previous=True))
+
+        def finished() -> None:
+            run_on_main(self.is_main, thread.join, shared=(DiskFullError,))
+            self.saved_state = saved
+        return PendingSave(finished)
+
     def save_best(self, state: TrainState, metrics: dict) -> None:
         self.refuse_nonfinite("best.pt", state.step)
         run_on_main(self.is_main, lambda: save_atomic(self.best_contents(state, metrics), self.run_dir / "best.pt"),
@@ -174,6 +189,50 @@ class Checkpointer:
         self.saved_state = TrainState(**dataclasses.asdict(state))
         log.info("resumed at epoch %d, batch %d, optimizer step %d", state.epoch + 1, state.batch_in_epoch, state.step)
         return state
+
+
+class BackgroundSave:
+    """save_atomic(contents, path) on its own thread, started at once; `join()` waits for it and raises its error."""
+
+    def __init__(self, contents: dict, path: Path, keep_previous: bool = False):
+        import threading
+
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._write, args=(contents, path, keep_previous),
+                                       name=f"{path.name} writer")
+        self.thread.start()
+
+    def _write(self, contents: dict, path: Path, keep_previous: bool) -> None:
+        try:
+            save_atomic(contents, path, keep_previous=keep_previous)
+        except BaseException as err:  # raised in the caller's thread by join()
+            self.error = err
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written: `wait()` (once, on every rank) returns when it is whole."""
+    finish: Callable[[], None]
+
+    def wait(self) -> None:
+        self.finish()
+
+
+def tensor_copies(obj):
+    """`obj` (dicts, lists and tuples of tensors and plain values) with every tensor copied: what a
+    background write holds while the caller changes the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {key: tensor_copies(value) for key, value in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(tensor_copies(value) for value in obj)
+    return obj
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

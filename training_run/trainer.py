@@ -40,6 +40,7 @@ class Trainer:
         self.val_batches = None  # the next validation's batches, when they were started ahead
         self.warned_undefined_metric = False  # said once: early_stop.metric is undefined on the validation split
         self.saves = RunSaves(run)
+        self.pending_last = None  # the final epoch's last.pt, written while the calibration computes
         # the validation outputs the calibration after training fits on, kept from the pass that made best.pt
         self.kept_outputs = KeptOutputs(task_of(run.cfg).supports("calibration"))
         self.parts = EpochParts(log=run.reporter, saves=self.saves, stop=AgreedStop(run),
@@ -53,6 +54,7 @@ class Trainer:
         try:
             return self._fit()
         except StopRequested:
+            self.finish_last_save()
             r.runlog.finish(r.state.step, "KILLED")
             log.warning("stopped by %s; last.pt holds epoch %d batch %d (step %d); continue with: %s",
                         r.stop.name(), r.state.epoch + 1, r.state.batch_in_epoch, r.state.step,
@@ -72,6 +74,9 @@ class Trainer:
                                     self.val_skipped_files)
             return 1
         finally:
+            if self.pending_last is not None:  # another error is on its way out: the file is whole or not, no row
+                with contextlib.suppress(Exception):
+                    self.pending_last.wait()
             r.stop.restore()
             r.runlog.close()
 
@@ -102,6 +107,7 @@ class Trainer:
             if r.state.stopped_early:
                 break
         self.calibrate()
+        self.finish_last_save()
         self.write_summary()
         r.reporter.log_done(r.state, r.run_dir, time.perf_counter() - self.started)
         r.runlog.finish(r.state.step, "FINISHED")
@@ -202,9 +208,19 @@ class Trainer:
                                 base_lr(r.step.optimizer), (counters.data_time - resumed.data_time) / elapsed)
         # After the metrics row: a crash between the two re-runs the epoch's end on resume, which first
         # drops the row (RunLog.drop_epochs_from), so metrics.csv never misses or repeats an epoch.
-        self.saves.save_last()
-        r.runlog.checkpoint_saved()  # the row, now that last.pt holds its epoch
+        if epoch + 1 >= r.cfg.train.epochs or r.state.stopped_early:
+            self.pending_last = self.saves.start_last()  # the calibration computes meanwhile: finish_last_save
+        else:
+            self.saves.save_last()
+            r.runlog.checkpoint_saved()  # the row, now that last.pt holds its epoch
         self.write_summary()
+
+    def finish_last_save(self) -> None:
+        """Wait for the final epoch's last.pt (end_epoch started it), then send its row."""
+        pending, self.pending_last = self.pending_last, None
+        if pending is not None:
+            pending.wait()
+            self.run.runlog.checkpoint_saved()
 
     def calibrate(self) -> None:
         r = self.run
@@ -233,6 +249,11 @@ class RunSaves:
         self.record_unreadable(snapshot["unreadable"])
         state.save_mid_epoch(snapshot)
         self.save_last()
+
+    def start_last(self):
+        """save_last, written on a thread (Checkpointer.start_last); returns its PendingSave."""
+        self.sync_buffers()
+        return self.run.checkpointer.start_last(self.run.state)
 
     def save_last(self) -> None:
         # All ranks come here together (epoch ends, and steps the ranks agreed on): afterwards every rank

@@ -88,6 +88,42 @@ def test_a_second_signal_during_a_save_waits_until_the_file_is_whole(tmp_path, m
     assert load_checkpoint(path)["step"] == 3
 
 
+def test_the_final_last_pt_written_in_the_background_holds_the_weights_it_started_with(tmp_path, monkeypatch):
+    """After the final epoch last.pt is written on a thread while the calibration loads best.pt's weights into
+    the same model: the file holds the weights of the moment it was started, and a full disk reaches wait()."""
+    from core.errors import DiskFullError
+    from rundir import checkpoints
+    from rundir.checkpoints import Checkpointer, ModuleWeights, RandomState, RunRecord
+
+    cfg = make_cfg(tmp_path / "data", tmp_path / "run")
+    model = torch.nn.Linear(300, 200)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 300)).sum().backward()
+    optimizer.step()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = Checkpointer(tmp_path, True, RunRecord(cfg, ["a", "b"], 1),
+                         {"model": ModuleWeights(model), "optimizer": optimizer, "rng": RandomState()}, model)
+    state = TrainState(epoch=2, step=7)
+    pending = saver.start_last(state)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()                                           # what loading an earlier best.pt does
+    assert saver.saved_state is None or saver.saved_state.step != 7   # not whole before wait()
+    pending.wait()
+    saved = load_checkpoint(tmp_path / "last.pt")
+    assert all(torch.equal(saved["model"][k], trained[k]) for k in trained) and saved["step"] == 7
+    assert saver.saved_state.step == 7
+
+    def full(*args, **kwargs):
+        raise DiskFullError("no space left on device (injected)")
+
+    monkeypatch.setattr(checkpoints, "save_atomic", full)
+    pending = saver.start_last(TrainState(epoch=3, step=9))
+    with pytest.raises(DiskFullError, match="injected"):
+        pending.wait()
+    assert saver.saved_state.step == 7 and load_checkpoint(tmp_path / "last.pt")["step"] == 7
+
+
 @pytest.mark.slow
 def test_a_save_removes_temp_files_left_by_a_killed_save_and_only_those(tmp_path):
     dead = subprocess.Popen(["true"])
