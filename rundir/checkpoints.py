@@ -154,7 +154,7 @@ class Checkpointer:
                                                                   keep_previous=True))
 
         def finished() -> None:
-            run_on_main(self.is_main, thread.join, shared=(DiskFullError,))
+            run_on_main(self.is_main, lambda: thread.join(), shared=(DiskFullError,))
             self.saved_state = saved
         return PendingSave(finished)
 
