@@ -143,25 +143,27 @@ class Checkpointer:
                                                       keep_previous=True), shared=(DiskFullError,))
         self.saved_state = TrainState(**dataclasses.asdict(state))
 
-    def start_last(self, state: TrainState) -> "PendingSave":
-        """save_last on a thread of rank 0, from a copy of the contents, so the caller computes on (the
-        calibration after the final epoch: the 90 MB of the photos recipe's last.pt took 0.2-0.3 s of a ~1.5 s
-        tail) and may change the weights meanwhile. Call on every rank; the returned PendingSave's `wait()`,
-        on every rank, returns once the file is whole (a full disk raised on every rank, as by save_last)."""
+    def start_last(self, state: TrainState, after: Optional["PendingSave"] = None) -> "PendingSave":
+        """save_last on a thread of rank 0, from a host copy of the contents, so the caller computes on (the next
+        epoch; the calibration after the final one) and may change the weights meanwhile; written after
+        `after`'s file. Call on every rank; the returned PendingSave's `wait()`, on every rank, returns once the
+        file is whole (a full disk raised on every rank, as by save_last)."""
         self.refuse_nonfinite("last.pt", state.step)
-        path, saved = self.run_dir / "last.pt", TrainState(**dataclasses.asdict(state))
-        thread = run_on_main(self.is_main, lambda: BackgroundSave(tensor_copies(self.last_contents(state)), path,
-                                                                  keep_previous=True))
+        saved = TrainState(**dataclasses.asdict(state))
+        pending = self._start(lambda: self.last_contents(state), "last.pt", True, after)
+        pending.on_whole = lambda: setattr(self, "saved_state", saved)
+        return pending
 
-        def finished() -> None:
-            run_on_main(self.is_main, lambda: thread.join(), shared=(DiskFullError,))
-            self.saved_state = saved
-        return PendingSave(finished)
-
-    def save_best(self, state: TrainState, metrics: dict) -> None:
+    def start_best(self, state: TrainState, metrics: dict, after: Optional["PendingSave"] = None) -> "PendingSave":
+        """best.pt (`best_contents`), written as start_last writes last.pt."""
         self.refuse_nonfinite("best.pt", state.step)
-        run_on_main(self.is_main, lambda: save_atomic(self.best_contents(state, metrics), self.run_dir / "best.pt"),
-                    shared=(DiskFullError,))
+        return self._start(lambda: self.best_contents(state, metrics), "best.pt", False, after)
+
+    def _start(self, contents: Callable[[], dict], name: str, keep_previous: bool,
+               after: Optional["PendingSave"]) -> "PendingSave":
+        writer = run_on_main(self.is_main, lambda: BackgroundSave(
+            tensor_copies(contents()), self.run_dir / name, keep_previous, after.writer if after else None))
+        return PendingSave(name, writer, self.is_main)
 
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
@@ -192,17 +194,21 @@ class Checkpointer:
 
 
 class BackgroundSave:
-    """save_atomic(contents, path) on its own thread, started at once; `join()` waits for it and raises its error."""
+    """save_atomic(contents, path) on its own thread, started at once, after `after`'s write has ended (the
+    files land in the order they were started); `join()` waits for it and raises its error."""
 
-    def __init__(self, contents: dict, path: Path, keep_previous: bool = False):
+    def __init__(self, contents: dict, path: Path, keep_previous: bool = False,
+                 after: Optional["BackgroundSave"] = None):
         import threading
 
         self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._write, args=(contents, path, keep_previous),
+        self.thread = threading.Thread(target=self._write, args=(contents, path, keep_previous, after),
                                        name=f"{path.name} writer")
         self.thread.start()
 
-    def _write(self, contents: dict, path: Path, keep_previous: bool) -> None:
+    def _write(self, contents: dict, path: Path, keep_previous: bool, after: Optional["BackgroundSave"]) -> None:
+        if after is not None:
+            after.thread.join()  # its error is raised by its own join()
         try:
             save_atomic(contents, path, keep_previous=keep_previous)
         except BaseException as err:  # raised in the caller's thread by join()
@@ -214,20 +220,25 @@ class BackgroundSave:
             raise self.error
 
 
-@dataclass
 class PendingSave:
-    """A checkpoint being written: `wait()` (once, on every rank) returns when it is whole."""
-    finish: Callable[[], None]
+    """A checkpoint (`name`) being written by rank 0's BackgroundSave (`writer`; None on the other ranks):
+    `wait()`, once and on every rank, returns when the file is whole; a full disk is raised on every rank."""
+
+    def __init__(self, name: str, writer: Optional[BackgroundSave], is_main: bool):
+        self.name, self.writer, self.is_main = name, writer, is_main
+        self.on_whole: Callable[[], None] = lambda: None
 
     def wait(self) -> None:
-        self.finish()
+        run_on_main(self.is_main, lambda: self.writer.join(), shared=(DiskFullError,))
+        self.on_whole()
 
 
 def tensor_copies(obj):
-    """`obj` (dicts, lists and tuples of tensors and plain values) with every tensor copied: what a
-    background write holds while the caller changes the originals."""
+    """`obj` (dicts, lists and tuples of tensors and plain values) with every tensor copied to host memory (an
+    accelerator's memory is not doubled) and every container rebuilt: what a background write holds while the
+    caller changes the originals."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {key: tensor_copies(value) for key, value in obj.items()}
     if type(obj) in (list, tuple):

@@ -3,6 +3,8 @@
 python tests/paused_train.py MARKER validate:N -- TRAIN ARGS   halt inside the N-th validation pass
 python tests/paused_train.py MARKER save:N -- TRAIN ARGS       halt halfway through writing the N-th last.pt
 python tests/paused_train.py MARKER after_save:N -- TRAIN ARGS halt just after the N-th last.pt is in place
+                                                                  (in an epoch end's background write: the whole
+                                                                  process stops there, SIGSTOP)
 python tests/paused_train.py MARKER wait_signal:N -- TRAIN ARGS after the N-th last.pt, wait for a signal
                                                                   (SIGTERM / SIGINT), then carry on
 python tests/paused_train.py MARKER val_signal:N -- TRAIN ARGS  in the N-th validation pass, the first file read
@@ -19,7 +21,9 @@ group that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) or a job that Slu
 (SLURM_RESTART_COUNT > 0) does not halt: it is the continuation the test checks.
 """
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +34,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 def halt(marker: str) -> None:
     Path(marker).write_text(str(os.getpid()))
+    if threading.current_thread() is not threading.main_thread():
+        # in a background checkpoint write (an epoch end's): the whole run stops here, not just the writer
+        os.kill(os.getpid(), signal.SIGSTOP)
     while True:
         time.sleep(60)
 

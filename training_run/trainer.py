@@ -188,7 +188,7 @@ class Trainer:
         improved = metrics is not None and r.state.record_validation(epoch, metrics, es.metric, es.min_delta,
                                                                       es.patience)
         if improved:
-            r.checkpointer.save_best(r.state, metrics)
+            self.saves.start_best(metrics)
             self.kept_outputs.keep(epoch)
         deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
         if deciding != es.metric and not self.warned_undefined_metric:
@@ -211,6 +211,7 @@ class Trainer:
 
     def calibrate(self) -> None:
         r = self.run
+        self.saves.finish_pending(only="best.pt")  # read back by the calibration; last.pt is written meanwhile
         calibrate_best(r.cfg, r.run_dir, r.models.eval_model, r.data.val_loader, r.data.train_index, r.step.input,
                        r.runtime.dist, val_outputs=self.kept_outputs.outputs())
 
@@ -220,14 +221,15 @@ class Trainer:
 
 
 class RunSaves:
-    """last.pt at epoch ends (written on a thread while the run goes on: `start_last`) and, through the epoch's
-    parts, at checkpoint.every_steps and before a stop. At most one write is pending: every save, and the run's
-    end, first wait for it (`finish_pending`, on every rank) and send its epoch's row."""
+    """best.pt and last.pt at epoch ends, written on threads in that order while the run goes on (`start_best`,
+    `start_last`), and last.pt, through the epoch's parts, at checkpoint.every_steps and before a stop. Every
+    save, and the run's end, first waits for the pending ones (`finish_pending`, on every rank); the epoch's
+    row is sent once its last.pt is whole."""
 
     def __init__(self, run: Run):
         self.run = run
         self.every_steps = run.cfg.checkpoint.every_steps
-        self.pending = None  # the epoch-end last.pt being written (rundir.checkpoints.PendingSave)
+        self.pending: list = []  # rundir.checkpoints.PendingSave, in the order they were started
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
@@ -240,12 +242,18 @@ class RunSaves:
         state.save_mid_epoch(snapshot)
         self.save_last()
 
-    def start_last(self) -> None:
-        """The epoch end's last.pt, written on a thread from a copy (Checkpointer.start_last): the resnet18
-        recipes' 90 MB took 0.1-0.5 s of every epoch's end, and of the tail after the last one."""
+    def start_best(self, metrics: dict) -> None:
+        """The epoch end's best.pt, written on a thread from a copy (Checkpointer.start_best)."""
         self.finish_pending()
+        self.pending.append(self.run.checkpointer.start_best(self.run.state, metrics))
+
+    def start_last(self) -> None:
+        """The epoch end's last.pt, written on a thread from a copy after any best.pt (Checkpointer.start_last):
+        the resnet18 recipes' 90 MB took 0.1-0.5 s of every epoch's end, and of the tail after the last one."""
+        self.finish_pending(only="last.pt")  # left pending: this epoch's best.pt, which lands first
         self.sync_buffers()
-        self.pending = self.run.checkpointer.start_last(self.run.state)
+        after = self.pending[-1] if self.pending else None
+        self.pending.append(self.run.checkpointer.start_last(self.run.state, after=after))
 
     def save_last(self) -> None:
         # All ranks come here together (epoch ends, and steps the ranks agreed on): afterwards every rank
@@ -254,20 +262,24 @@ class RunSaves:
         self.sync_buffers()
         self.run.checkpointer.save_last(self.run.state)
 
-    def finish_pending(self) -> None:
-        """Wait for the pending epoch-end last.pt (a full disk raises here, on every rank), then send the
-        epoch's row, now that last.pt holds its epoch."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
+    def finish_pending(self, only: Optional[str] = None) -> None:
+        """Wait for the pending saves (`only`: those of that file, and the ones started before them; a full disk
+        raises here, on every rank); after a last.pt, send the epoch's row, now that last.pt holds its epoch."""
+        names = [p.name for p in self.pending]
+        upto = len(names) if only is None else (max(i for i, n in enumerate(names) if n == only) + 1
+                                                if only in names else 0)
+        done, self.pending = self.pending[:upto], self.pending[upto:]
+        for pending in done:
             pending.wait()
-            self.run.runlog.checkpoint_saved()
+            if pending.name == "last.pt":
+                self.run.runlog.checkpoint_saved()
 
     def abandon_pending(self) -> None:
-        """On the way out after another error: let the pending write end (whole or not), sending no row."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
+        """On the way out after another error: let the pending writes end (whole or not), sending no row."""
+        pending, self.pending = self.pending, []
+        for save in pending:
             with contextlib.suppress(Exception):
-                pending.wait()
+                save.wait()
 
     def sync_buffers(self) -> None:
         """Under DDP every rank takes rank 0's BN statistics (called on all ranks at the same point)."""

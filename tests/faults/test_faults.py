@@ -109,7 +109,10 @@ def test_the_final_last_pt_written_in_the_background_holds_the_weights_it_starte
         for p in model.parameters():
             p.zero_()                                           # what loading an earlier best.pt does
     assert saver.saved_state is None or saver.saved_state.step != 7   # not whole before wait()
+    best = saver.start_best(state, {"top1": 50.0}, after=pending)        # lands after last.pt
     pending.wait()
+    best.wait()
+    assert load_checkpoint(tmp_path / "best.pt")["metrics"] == {"top1": 50.0}
     saved = load_checkpoint(tmp_path / "last.pt")
     assert all(torch.equal(saved["model"][k], trained[k]) for k in trained) and saved["step"] == 7
     assert saver.saved_state.step == 7
