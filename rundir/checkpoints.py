@@ -150,20 +150,19 @@ class Checkpointer:
         file is whole (a full disk raised on every rank, as by save_last)."""
         self.refuse_nonfinite("last.pt", state.step)
         saved = TrainState(**dataclasses.asdict(state))
-        pending = self._start(lambda: self.last_contents(state), "last.pt", True, after)
-        pending.on_whole = lambda: setattr(self, "saved_state", saved)
-        return pending
+        return self._start(lambda: self.last_contents(state), "last.pt", True, after,
+                           on_whole=lambda: setattr(self, "saved_state", saved))
 
     def start_best(self, state: TrainState, metrics: dict, after: Optional["PendingSave"] = None) -> "PendingSave":
         """best.pt (`best_contents`), written as start_last writes last.pt."""
         self.refuse_nonfinite("best.pt", state.step)
         return self._start(lambda: self.best_contents(state, metrics), "best.pt", False, after)
 
-    def _start(self, contents: Callable[[], dict], name: str, keep_previous: bool,
-               after: Optional["PendingSave"]) -> "PendingSave":
+    def _start(self, contents: Callable[[], dict], name: str, keep_previous: bool, after: Optional["PendingSave"],
+               on_whole: Callable[[], None] = lambda: None) -> "PendingSave":
         writer = run_on_main(self.is_main, lambda: BackgroundSave(
             tensor_copies(contents()), self.run_dir / name, keep_previous, after.writer if after else None))
-        return PendingSave(name, writer, self.is_main)
+        return PendingSave(name, writer, self.is_main, on_whole)
 
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
@@ -222,11 +221,12 @@ class BackgroundSave:
 
 class PendingSave:
     """A checkpoint (`name`) being written by rank 0's BackgroundSave (`writer`; None on the other ranks):
-    `wait()`, once and on every rank, returns when the file is whole; a full disk is raised on every rank."""
+    `wait()`, once and on every rank, returns when the file is whole (then calls `on_whole`); a full disk is
+    raised on every rank."""
 
-    def __init__(self, name: str, writer: Optional[BackgroundSave], is_main: bool):
-        self.name, self.writer, self.is_main = name, writer, is_main
-        self.on_whole: Callable[[], None] = lambda: None
+    def __init__(self, name: str, writer: Optional[BackgroundSave], is_main: bool,
+                 on_whole: Callable[[], None] = lambda: None):
+        self.name, self.writer, self.is_main, self.on_whole = name, writer, is_main, on_whole
 
     def wait(self) -> None:
         run_on_main(self.is_main, lambda: self.writer.join(), shared=(DiskFullError,))

@@ -265,9 +265,8 @@ class RunSaves:
     def finish_pending(self, only: Optional[str] = None) -> None:
         """Wait for the pending saves (`only`: those of that file, and the ones started before them; a full disk
         raises here, on every rank); after a last.pt, send the epoch's row, now that last.pt holds its epoch."""
-        names = [p.name for p in self.pending]
-        upto = len(names) if only is None else (max(i for i, n in enumerate(names) if n == only) + 1
-                                                if only in names else 0)
+        upto = len(self.pending) if only is None else max(
+            (i + 1 for i, pending in enumerate(self.pending) if pending.name == only), default=0)
         done, self.pending = self.pending[:upto], self.pending[upto:]
         for pending in done:
             pending.wait()
