@@ -152,6 +152,25 @@ def test_channel_spread_is_torch_std_across_channels():
     assert channel_spread(torch.ones(1, 3, 2, 2)).eq(0).all()
 
 
+def test_statistics_are_the_same_in_pieces_and_in_any_layout():
+    """Large batches are reduced a few rows at a time: each row's statistics are the same bitwise as from the
+    whole batch in one piece and from a single row, so a validation's record does not depend on the batch it
+    came in (DDP shards, the top-up, a separate pass); the input view's not on the memory layout either."""
+    from evaluation.rejection import by_rows, input_statistics, pooled_statistics
+
+    torch.manual_seed(0)
+    images = torch.randn(6, 3, 48, 40)
+    stage = torch.randn(6, 160, 24, 20)     # 77k values a row: 3 rows a piece
+    last = stage.contiguous(memory_format=torch.channels_last)     # a timm model's stage under channels_last
+    for statistics, x in ((input_statistics, images), (pooled_statistics, stage), (pooled_statistics, last)):
+        whole = statistics(x)
+        assert torch.equal(by_rows(statistics, x, values=2 * x[0].numel()), whole)      # two rows a piece
+        assert torch.equal(torch.cat([statistics(x[i:i + 1]) for i in range(6)]), whole)
+    assert torch.equal(input_statistics(images.contiguous(memory_format=torch.channels_last)), input_statistics(images))
+    assert by_rows(lambda rows: rows.sum(dim=(1, 2, 3))[:, None], stage, values=1).shape == (6, 1)
+    assert pooled_statistics(stage).shape == (6, 256)
+
+
 def layered(n, seed, centres, odd_stage=None):
     """`split` with two stages' statistics: stage 0 near the class centres, stage 1 near fixed directions;
     `odd_stage` puts that stage's statistics somewhere else (what an upscaled grey digit does to a photo model's
