@@ -188,7 +188,9 @@ class Trainer:
         improved = metrics is not None and r.state.record_validation(epoch, metrics, es.metric, es.min_delta,
                                                                       es.patience)
         if improved:
-            self.saves.start_best(metrics)
+            # the final epoch's best.pt is held for the calibration, which rewrites it: the weights are the eval
+            # model's now (no read back, no load: 0.15 s of the photos recipe's tail)
+            self.saves.start_best(metrics, hold=epoch + 1 == r.cfg.train.epochs)
             self.kept_outputs.keep(epoch)
         deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
         if deciding != es.metric and not self.warned_undefined_metric:
@@ -211,9 +213,10 @@ class Trainer:
 
     def calibrate(self) -> None:
         r = self.run
-        self.saves.finish_pending(only="best.pt")  # read back by the calibration; last.pt is written meanwhile
+        self.saves.finish_pending(only="best.pt")  # rewritten by the calibration; last.pt is written meanwhile
+        held, self.saves.held_best = self.saves.held_best, None
         calibrate_best(r.cfg, r.run_dir, r.models.eval_model, r.data.val_loader, r.data.train_index, r.step.input,
-                       r.runtime.dist, val_outputs=self.kept_outputs.outputs())
+                       r.runtime.dist, val_outputs=self.kept_outputs.outputs(), held_best=held)
 
     def write_summary(self) -> None:
         r = self.run
@@ -230,6 +233,8 @@ class RunSaves:
         self.run = run
         self.every_steps = run.cfg.checkpoint.every_steps
         self.pending: list = []  # rundir.checkpoints.PendingSave, in the order they were started
+        # what the final epoch's best.pt holds, while the eval model still holds its weights (rank 0's)
+        self.held_best: Optional[dict] = None
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
@@ -242,10 +247,13 @@ class RunSaves:
         state.save_mid_epoch(snapshot)
         self.save_last()
 
-    def start_best(self, metrics: dict) -> None:
-        """The epoch end's best.pt, written on a thread from a copy (Checkpointer.start_best)."""
+    def start_best(self, metrics: dict, hold: bool = False) -> None:
+        """The epoch end's best.pt, written on a thread from a copy (Checkpointer.start_best); with `hold`, the
+        copy stays in `held_best`."""
         self.finish_pending()
-        self.pending.append(self.run.checkpointer.start_best(self.run.state, metrics))
+        pending = self.run.checkpointer.start_best(self.run.state, metrics, hold=hold)
+        self.pending.append(pending)
+        self.held_best = pending.contents
 
     def start_last(self) -> None:
         """The epoch end's last.pt, written on a thread from a copy after any best.pt (Checkpointer.start_last):
