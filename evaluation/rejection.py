@@ -141,12 +141,9 @@ def channel_spread(x: torch.Tensor) -> torch.Tensor:
     took 22x as long (48 images of 3 x 128 x 128: 144 ms against 6.4 ms; equal to 2e-7 relative), a mean over
     dimension 1 3x as long as this loop for 3 channels."""
     channels = x.unbind(1)
-    mean = channels[0]
-    for channel in channels[1:]:
-        mean = mean + channel
-    mean = mean / len(channels)
-    squares = sum((channel - mean) ** 2 for channel in channels)
-    return (squares / (len(channels) - 1)).sqrt().unsqueeze(1)
+    mean = sum(channels[1:], channels[0]) / len(channels)
+    squares = [(channel - mean) ** 2 for channel in channels]
+    return (sum(squares[1:], squares[0]) / (len(channels) - 1)).sqrt().unsqueeze(1)
 
 
 def input_statistics(images: torch.Tensor) -> torch.Tensor:

@@ -214,9 +214,8 @@ class Trainer:
     def calibrate(self) -> None:
         r = self.run
         self.saves.finish_pending(only="best.pt")  # rewritten by the calibration; last.pt is written meanwhile
-        held, self.saves.held_best = self.saves.held_best, None
         calibrate_best(r.cfg, r.run_dir, r.models.eval_model, r.data.val_loader, r.data.train_index, r.step.input,
-                       r.runtime.dist, val_outputs=self.kept_outputs.outputs(), held_best=held)
+                       r.runtime.dist, val_outputs=self.kept_outputs.outputs(), held_best=self.saves.take_held_best())
 
     def write_summary(self) -> None:
         r = self.run
@@ -254,6 +253,11 @@ class RunSaves:
         pending = self.run.checkpointer.start_best(self.run.state, metrics, hold=hold)
         self.pending.append(pending)
         self.held_best = pending.contents
+
+    def take_held_best(self) -> Optional[dict]:
+        """The held copy of best.pt (None when none is held), given up: the caller rewrites it."""
+        held, self.held_best = self.held_best, None
+        return held
 
     def start_last(self) -> None:
         """The epoch end's last.pt, written on a thread from a copy after any best.pt (Checkpointer.start_last):
