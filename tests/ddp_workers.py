@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.device import DeviceInput
-from objectives.base import Objective
-from training.loop import measuring_parts, train_one_epoch
-from rundir.state import EpochCounters, TrainState
-from training.step import TrainStep
+from imgcls.runtime.device import DeviceInput
+from imgcls.objectives.base import Objective
+from imgcls.training.loop import measuring_parts, train_one_epoch
+from imgcls.rundir.state import EpochCounters, TrainState
+from imgcls.training.step import TrainStep
 
 
 def nonfinite_on_one_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -47,8 +47,8 @@ def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) ->
     the count each settles on."""
     import os
 
-    from core.config import load_config
-    from runtime.runtime import Runtime
+    from imgcls.core.config import load_config
+    from imgcls.runtime.runtime import Runtime
 
     os.environ["OMP_NUM_THREADS"] = str(rank + 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -66,10 +66,10 @@ def calibrate_where_one_rank_cannot_see_best(rank: int, world: int, init_file: s
     from datetime import timedelta
     from pathlib import Path
 
-    from core.config import load_config
-    from models.factory import build_model
-    from runtime.distributed import DistInfo
-    from training_run.calibrate import best_is_calibrated, calibrate_best
+    from imgcls.core.config import load_config
+    from imgcls.models.factory import build_model
+    from imgcls.runtime.distributed import DistInfo
+    from imgcls.training_run.calibrate import best_is_calibrated, calibrate_best
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -30,7 +30,7 @@ BAD_METADATA = [
 
 def good_metadata() -> dict:
     """What export.py stores for a 3-class single-label model at 16 px (model_files.metadata.export_metadata)."""
-    from core.config import Config
+    from imgcls.core.config import Config
 
     cfg = Config()
     cfg.model.name, cfg.data.img_size = "resnet10t", IMG_SIZE
@@ -60,7 +60,7 @@ def write_onnx(path: Path, metadata: dict, outputs: int = len(CLASSES)) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from model_files.metadata import onnx_metadata_props
+    from imgcls.model_files.metadata import onnx_metadata_props
 
     weights = numpy_helper.from_array(np.arange(3 * outputs, dtype=np.float32).reshape(3, outputs) / 10, "weights")
     graph = helper.make_graph(

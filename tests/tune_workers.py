@@ -8,12 +8,12 @@ import torch.distributed as dist
 
 
 def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out_dir: str) -> None:
-    from core.config import load_config
-    from runtime.device import select_device
-    from runtime.distributed import DistInfo
-    from runtime.runtime import Runtime
-    from tuning.sweep import run_lr_range
-    from tuning.arithmetic import lr_suggestion
+    from imgcls.core.config import load_config
+    from imgcls.runtime.device import select_device
+    from imgcls.runtime.distributed import DistInfo
+    from imgcls.runtime.runtime import Runtime
+    from imgcls.tuning.sweep import run_lr_range
+    from imgcls.tuning.arithmetic import lr_suggestion
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -136,7 +136,7 @@ def test_each_command_says_what_it_does_before_importing_torch(case, tmp_path):
 ENDING = """
 import atexit, logging, os, sys
 sys.path.insert(0, {repo!r})
-from commands.cli import run_main
+from imgcls.cli import run_main
 log = logging.getLogger("ending")
 log.addHandler(logging.FileHandler(sys.argv[1]))
 log.setLevel(logging.INFO)
@@ -155,7 +155,7 @@ if __name__ == "__main__":
 
 
 def test_the_outermost_command_ends_fast_and_loses_nothing(tmp_path):
-    from commands.cli import _called_from_top_level
+    from imgcls.cli import _called_from_top_level
 
     script = tmp_path / "command.py"
     script.write_text(ENDING.format(repo=str(REPO)))

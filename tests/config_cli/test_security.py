@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from conftest import Payload, exit_code, REPO, make_tree, tiny_overrides
-from core.errors import CheckpointError
-from core.safe_load import load_checkpoint
-from core.config import ConfigError, load_config, parse_override
-from training_run.trainer import run
+from imgcls.core.errors import CheckpointError
+from imgcls.core.safe_load import load_checkpoint
+from imgcls.core.config import ConfigError, load_config, parse_override
+from imgcls.training_run.trainer import run
 
 
 def write_hostile(path: Path, marker: Path, form: str) -> Path:
@@ -141,10 +141,10 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
 
 def test_fifos_named_as_config_checkpoint_classes_or_weights_say_so_without_reading(tmp_path):
     """Each of these was opened and read: a FIFO blocked for ever (--classes) or was called missing."""
-    from core.config import resolve_config_path
-    from core.errors import ModelError
-    from model_files.loading import read_classes_file
-    from models.factory import read_weights_file
+    from imgcls.core.config import resolve_config_path
+    from imgcls.core.errors import ModelError
+    from imgcls.model_files.loading import read_classes_file
+    from imgcls.models.factory import read_weights_file
 
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
@@ -187,7 +187,7 @@ def test_a_pt2_that_would_unpickle_is_refused_before_anything_in_it_runs(plain_p
     """A weight marked use_pickle (or sample inputs a plain load refuses) ran its payload in infer.py."""
     import json
 
-    from model_files.loading import load_model_file
+    from imgcls.model_files.loading import load_model_file
 
     payload = pickle.dumps(Payload(marker))
 
@@ -273,7 +273,7 @@ SECRET_URIS = [f"http://user:{SECRET}@tracking.example.org:5000", f"http://track
 
 @pytest.mark.parametrize("uri", SECRET_URIS)
 def test_a_tracking_uri_with_credentials_is_refused_without_repeating_them(uri, tmp_path, capsys):
-    from tracking.replay import main as replay
+    from imgcls.tracking.replay import main as replay
 
     with pytest.raises(ConfigError, match="tracking.uri") as refused:
         load_config("base", ["tracking.backend=mlflow", f"tracking.uri={uri}"])
@@ -291,9 +291,9 @@ def test_log_lines_naming_the_store_mask_its_credentials(tmp_path, monkeypatch):
     import io
     import logging
 
-    from tracking.backlog import Backlog
-    from tracking.mlflow_store import MlflowStore
-    from tracking.sender import Sender
+    from imgcls.tracking.backlog import Backlog
+    from imgcls.tracking.mlflow_store import MlflowStore
+    from imgcls.tracking.sender import Sender
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SECRET}@127.0.0.1:{free_port()}/?token={SECRET}")
     log_file = io.StringIO()  # train.log's handler, on the root logger

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def test_an_in_process_run_holds_sigint():
-    from runtime.signals import StopSignal
+    from imgcls.runtime.signals import StopSignal
 
     StopSignal().install()  # what an in-process training run does: SIGINT means "save and stop", not end
     (Path(os.environ["SUITE_MARKS"]) / "held").write_text(str(os.getpid()))

@@ -24,7 +24,7 @@ import requests
 import torch
 
 from conftest import REPO
-from benchmarking.serve_load import run_load
+from imgcls.benchmarking.serve_load import run_load
 from served_rows import assert_same_rows
 
 # the first test also builds the bases and images (minutes; a cold stand-in base, ~15 min): pytest.ini's 600 s

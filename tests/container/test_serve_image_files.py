@@ -81,14 +81,14 @@ def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_the
     model_files/stored_metadata.py are copied, not the torch modules beside them, and they import with torch
     unimportable (the rows modules are imported when a row is made)."""
     copy_serve_image_files(tmp_path)
-    shared = ["tasks.single_label_rows", "tasks.multi_label_rows", "data.eval_preprocessing",
-              "model_files.stored_metadata"]
+    shared = ["imgcls.tasks.single_label_rows", "imgcls.tasks.multi_label_rows", "imgcls.data.eval_preprocessing",
+              "imgcls.model_files.stored_metadata"]
     assert all((tmp_path / (name.replace(".", "/") + ".py")).is_file() for name in shared)
     assert not (tmp_path / "model_files" / "checkpoint_files.py").exists()
     assert not (tmp_path / "data" / "transforms.py").exists()
     assert not {"rows.py", "preprocess.py"} & {p.name for p in (tmp_path / "serving" / "onnx_only").iterdir()}
     code = ("import importlib, sys; sys.modules.update(torch=None, torchvision=None)\n"
-            f"for name in {['serving.onnx_only.server', *shared]!r}: importlib.import_module(name)\n"
+            f"for name in {['imgcls.serving.onnx_only.server', *shared]!r}: importlib.import_module(name)\n"
             f"print(sorted(n for n in {sorted(PACKAGE_OF)!r} if sys.modules.get(n) is not None))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=""))
@@ -100,7 +100,7 @@ def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_the
 
 @pytest.mark.slow
 def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
-    from serving.model import ServedModel
+    from imgcls.serving.model import ServedModel
 
     _, checkpoint = train_tiny(tmp_path / "train", {name: (8, 4) for name in ("a", "b", "c")})
     model = tmp_path / "model.onnx"

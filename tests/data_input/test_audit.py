@@ -126,8 +126,8 @@ def test_audit_never_changes_the_data(folder_audit):
 
 @pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
-    from core.config import load_config
-    from data.listing.sources.registry import scan_sources
+    from imgcls.core.config import load_config
+    from imgcls.data.listing.sources.registry import scan_sources
 
     f, out = folder_audit["faults"], folder_audit["out"]
     with open(out / "clean.csv", newline="") as fh:
@@ -210,8 +210,8 @@ def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
     (data / "train" / "a" / "broken.png").unlink()  # shards hold what decodes; a broken sample is injected below
     import webdataset as wds
 
-    from data.listing.folder import scan_split
-    from data.shards import write_shards
+    from imgcls.data.listing.folder import scan_split
+    from imgcls.data.shards import write_shards
 
     for split in ("train", "val"):
         index = scan_split(data / split)
@@ -280,7 +280,7 @@ def test_bad_arguments_exit_2_before_any_work_naming_the_fix(tmp_path, args, wor
 
 
 def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
-    from auditing.duplicates import copy_groups, hash_array, near_pairs
+    from imgcls.auditing.duplicates import copy_groups, hash_array, near_pairs
 
     h = hash_array([0b0, 0b111, 0xFFFF_0000_0000_0000, 0b1])
     assert near_pairs(h, h, 3, same=True) == [(0, 1, 3), (0, 3, 1), (1, 3, 2)]
@@ -295,9 +295,9 @@ def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
 
 
 def test_images_too_small_for_phash_match_by_content_only():
-    from auditing.findings import find_copies
-    from auditing.hashing import ImageFacts
-    from auditing.audit_data import AuditItem
+    from imgcls.auditing.findings import find_copies
+    from imgcls.auditing.hashing import ImageFacts
+    from imgcls.auditing.audit_data import AuditItem
 
     def item(name, split):
         return AuditItem(name=name, file=name, label=0, split=split)
@@ -314,7 +314,7 @@ def test_images_too_small_for_phash_match_by_content_only():
 
 
 def test_folds_are_stratified_seeded_and_keep_copies_together():
-    from auditing.folds import assign_folds, unseen_by_checkpoint
+    from imgcls.auditing.folds import assign_folds, unseen_by_checkpoint
 
     digests = [f"d{i}" for i in range(40)] + ["d0", "d1"]
     labels = [i % 2 for i in range(40)] + [0, 1]
@@ -332,8 +332,8 @@ def test_folds_are_stratified_seeded_and_keep_copies_together():
 def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_error():
     import torch
 
-    from core.errors import ConfigError
-    from auditing.folds import align_classes, check_same_classes
+    from imgcls.core.errors import ConfigError
+    from imgcls.auditing.folds import align_classes, check_same_classes
 
     probs = torch.tensor([[0.7, 0.2, 0.1]])
     assert align_classes(probs, ["b", "c", "a"], ["a", "b", "c"])[0].tolist() == pytest.approx([0.1, 0.7, 0.2])
@@ -342,7 +342,7 @@ def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_erro
 
 
 def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
-    from auditing.label_issues import find_label_issues
+    from imgcls.auditing.label_issues import find_label_issues
 
     labels = [i % 3 for i in range(60)]
     probs = np.full((60, 3), 0.05)
@@ -360,7 +360,7 @@ def test_an_under_confident_fold_model_still_names_the_image_it_files_under_anot
     class a at 0.234) while c's own images averaged 0.63; cleanlab's confident learning alone found nothing."""
     from cleanlab.filter import find_label_issues as cleanlab_find
 
-    from auditing.label_issues import find_label_issues
+    from imgcls.auditing.label_issues import find_label_issues
 
     rng = np.random.default_rng(0)
     labels = [i % 3 for i in range(45)]
@@ -380,7 +380,7 @@ def test_an_under_confident_fold_model_still_names_the_image_it_files_under_anot
 
 
 def test_balance_advice_names_the_weighted_sampler_and_small_classes():
-    from auditing.stats import advice, balance, image_stats
+    from imgcls.auditing.stats import advice, balance, image_stats
 
     b = balance({"cat": 300, "dog": 10, "eel": 50}, min_images=20)
     assert b["imbalance_ratio"] == 30 and b["small_classes"] == ["dog"]
@@ -565,9 +565,9 @@ def test_an_output_over_an_input_exits_2_naming_both_roles(tmp_path, flag, targe
 
 def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
     """A multi-label (sigmoid) model gave 18 'label errors' on single-label data."""
-    from commands.auditing.audit_args import check_checkpoint_task
-    from core.errors import ConfigError
-    from tasks import get_task
+    from imgcls.commands.auditing.audit_args import check_checkpoint_task
+    from imgcls.core.errors import ConfigError
+    from imgcls.tasks import get_task
 
     check_checkpoint_task(get_task("multiclass"), get_task("multiclass"), "m.pt")
     with pytest.raises(ConfigError, match="--checkpoint m.pt: a multi-label model, but the data is single-label"):
@@ -575,7 +575,7 @@ def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
 
 
 def test_a_class_of_copies_of_one_image_trains_in_every_fold_and_is_not_held_out():
-    from auditing.folds import ALWAYS_TRAINED, assign_folds
+    from imgcls.auditing.folds import ALWAYS_TRAINED, assign_folds
 
     digests = ["x", "y", "z", "w"] + ["same"] * 6
     labels = [0, 0, 0, 0] + [1] * 6

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
-from auditing.colour import chroma, grayscale_outliers
-from auditing.folds import assign_folds, copy_keys
-from auditing.outliers import (OUTLIER_Z, find_outliers, lowest_z, merge_outliers, outliers_section, outliers_summary,
+from imgcls.auditing.colour import chroma, grayscale_outliers
+from imgcls.auditing.folds import assign_folds, copy_keys
+from imgcls.auditing.outliers import (OUTLIER_Z, find_outliers, lowest_z, merge_outliers, outliers_section, outliers_summary,
                                robust_z, robust_z_by_class)
 
 

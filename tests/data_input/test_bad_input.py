@@ -23,12 +23,12 @@ import torch
 from PIL import Image
 
 from conftest import IN_PROCESS, exit_code, class_image, make_cfg, make_tree, run_script, tiny_overrides
-from data.datasets import EvalDataset, TrainDataset
-from data.listing.folder import scan_split
-from data.images import ImageDecodeError, load_rgb
-from data.transforms import EvalTransform, TrainTransform
-from core.config import load_config
-from training_run.trainer import run
+from imgcls.data.datasets import EvalDataset, TrainDataset
+from imgcls.data.listing.folder import scan_split
+from imgcls.data.images import ImageDecodeError, load_rgb
+from imgcls.data.transforms import EvalTransform, TrainTransform
+from imgcls.core.config import load_config
+from imgcls.training_run.trainer import run
 
 # ---------------------------------------------------------------- broken files
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_script
-from data.listing.builtin import ensure_builtin
-from data.listing.folder import DataTreeError, scan_split
+from imgcls.data.listing.builtin import ensure_builtin
+from imgcls.data.listing.folder import DataTreeError, scan_split
 
 
 def test_digits_written_once_into_an_empty_folder(tmp_path):

@@ -18,9 +18,9 @@ from PIL import Image
 import eval as eval_script
 import infer
 from conftest import REPO, run_script, tiny_overrides, wait_for
-from core.errors import ImageDecodeError
-from data.bands import read_bands
-from data.transforms import EvalTransform, TrainTransform
+from imgcls.core.errors import ImageDecodeError
+from imgcls.data.bands import read_bands
+from imgcls.data.transforms import EvalTransform, TrainTransform
 
 
 def tiff_bytes(array: np.ndarray, **kwargs) -> bytes:
@@ -290,7 +290,7 @@ def test_colour_policies_are_refused_for_other_than_three_channels(tmp_path):
 
 @pytest.mark.slow
 def test_serve_answers_tiff_and_npy_uploads_with_infer_s_rows(four_band_run, tmp_path):
-    from serving.model import ServedModel
+    from imgcls.serving.model import ServedModel
 
     data, run = four_band_run
     files = sorted((data / "val").rglob("*.tif"))
@@ -326,8 +326,8 @@ def test_onnx_int8_pt2_and_timm_exports_take_four_channels_and_agree_with_the_ch
     dims = onnx.load(str(exports["onnx"])).graph.input[0].type.tensor_type.shape.dim
     assert dims[1].dim_value == 4
     assert json.loads((exports["timm"] / "config.json").read_text())["model_args"]["in_chans"] == 4
-    from core.errors import CheckpointError
-    from serving.onnx_only.export_file import OnnxExport
+    from imgcls.core.errors import CheckpointError
+    from imgcls.serving.onnx_only.export_file import OnnxExport
 
     with pytest.raises(CheckpointError, match="4 input channel"):  # the slim server reads 8-bit RGB only
         OnnxExport.open(exports["onnx"])
@@ -343,7 +343,7 @@ def test_onnx_int8_pt2_and_timm_exports_take_four_channels_and_agree_with_the_ch
 
 
 def test_torchvision_and_timm_models_take_n_channels():
-    from models.factory import create_model, stem_conv
+    from imgcls.models.factory import create_model, stem_conv
 
     for name in ("tv:resnet18", "resnet10t"):
         for channels in (1, 5):
@@ -376,8 +376,8 @@ def test_a_pretrained_rgb_model_fine_tunes_into_one_channel(tmp_path):
 def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does():
     from timm.models import adapt_input_conv
 
-    from models.factory import create_model, load_matching_weights, stem_conv
-    from rundir.resume import apply_finetune
+    from imgcls.models.factory import create_model, load_matching_weights, stem_conv
+    from imgcls.rundir.resume import apply_finetune
 
     rgb = create_model("resnet10t", 3).state_dict()
     for channels in (1, 4):
@@ -395,8 +395,8 @@ def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does()
 
 @pytest.mark.slow
 def test_shards_of_tiff_and_npy_members_train_as_four_bands(tmp_path):
-    from data.listing.folder import scan_split
-    from data.shards import write_shards
+    from imgcls.data.listing.folder import scan_split
+    from imgcls.data.shards import write_shards
 
     for kind in ("tif", "npy"):
         write_band_tree(tmp_path / kind, kind, counts=(8, 4))
@@ -469,8 +469,8 @@ def test_an_rgb_npy_reads_as_its_png_does_on_the_eight_bit_path(tmp_path):
                                            (["data.channels=2", "data.mean=[0.5,0.5,0.5]"], "data.mean"),
                                            (["data.channels=0"], "data.channels")])
 def test_channel_keys_are_checked_before_any_work(tmp_path, overrides, key):
-    from core.config import load_config
-    from core.errors import ConfigError
+    from imgcls.core.config import load_config
+    from imgcls.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("base", [f"data.root={tmp_path}", *overrides])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, class_image, make_tree
-from data.file_list import FileListDataset, expand_inputs
-from data.listing.folder import DataTreeError, scan_split
-from data.transforms import EvalTransform
+from imgcls.data.file_list import FileListDataset, expand_inputs
+from imgcls.data.listing.folder import DataTreeError, scan_split
+from imgcls.data.transforms import EvalTransform
 
 
 def test_hidden_entries_and_non_images_are_ignored_and_classes_sorted(tmp_path):
@@ -78,7 +78,7 @@ def test_split_without_class_folders_is_an_error(tmp_path):
 SCAN = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from data.listing.folder import scan_split
+from imgcls.data.listing.folder import scan_split
 index = scan_split(sys.argv[1])
 print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels": index.labels,
                   "skipped": getattr(index, "skipped", [])}))

@@ -11,12 +11,12 @@ import types
 
 import pytest
 
-import training.loop
-import training_run.trainer
-from data.transforms import TrainTransform
-from core.config import load_config
-from training.step import TrainStep
-from training_run.trainer import run
+import imgcls.training.loop as training_loop
+import imgcls.training_run.trainer as trainer_module
+from imgcls.data.transforms import TrainTransform
+from imgcls.core.config import load_config
+from imgcls.training.step import TrainStep
+from imgcls.training_run.trainer import run
 from conftest import tiny_overrides
 
 DECODE_S, STEP_S = 0.09, 0.08
@@ -42,8 +42,8 @@ class FakeClock:
 def test_slow_data_is_reported_once_with_advice(tmp_path, tiny_tree, monkeypatch):
     clock = FakeClock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    monkeypatch.setattr(training.loop, "time", fake_time)
-    monkeypatch.setattr(training_run.trainer, "time", fake_time)
+    monkeypatch.setattr(training_loop, "time", fake_time)
+    monkeypatch.setattr(trainer_module, "time", fake_time)
     decode, forward_backward = TrainTransform.__call__, TrainStep.forward_backward
 
     def slow_decode(self, path, seed=None):

@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from conftest import REPO, make_tree, run_script, tiny_overrides
-from data.images import MAX_EVAL_ASPECT, centre_box
-from data.transforms import EvalTransform
+from imgcls.data.images import MAX_EVAL_ASPECT, centre_box
+from imgcls.data.transforms import EvalTransform
 
 SHAPES = [(400_000, 1), (1, 400_000)]  # (width, height)
 # Far above what the bounded path adds (a few MB), far below what resizing the whole strip takes (GBs).
@@ -65,7 +65,7 @@ def _peak_rss_mb(code: str, *args: str) -> float:
 
 @pytest.mark.slow
 def test_the_eval_and_train_transforms_stay_flat_in_memory_whatever_the_shape(tmp_path):
-    code = ("import sys; from data.transforms import EvalTransform, TrainTransform; "
+    code = ("import sys; from imgcls.data.transforms import EvalTransform, TrainTransform; "
             "out = EvalTransform(32, 0.875, 'bilinear')(sys.argv[1]); "
             "crop = TrainTransform(32, (0.08, 1.0), (0.75, 1.33), 0.5, 0.0, 'bilinear')(sys.argv[1], seed=0); "
             "assert out.shape == crop.shape == (3, 32, 32)")

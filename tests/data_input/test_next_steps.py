@@ -12,8 +12,8 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
     import shlex
 
     from conftest import make_tree
-    from core.config import load_config, parse_override
-    from data import shards
+    from imgcls.core.config import load_config, parse_override
+    import imgcls.data.shards as shards
 
     tree = make_tree(tmp_path / "tree", {"a": (3, 2), "b": (3, 2)}, ext=".jpg")
     assert shards.main(["--from", str(tree / split), "--to", str(tmp_path / f"{split} shards"),
@@ -34,9 +34,9 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
 
 def test_a_batch_larger_than_a_small_folder_names_one_that_works(tmp_path):
     from conftest import make_tree, tiny_overrides
-    from core.config import load_config
-    from core.errors import ConfigError
-    from data.build import build_run_data, small_folder_batch
+    from imgcls.core.config import load_config
+    from imgcls.core.errors import ConfigError
+    from imgcls.data.build import build_run_data, small_folder_batch
 
     assert [small_folder_batch(n) for n in (0, 7, 8, 40, 100, 1000)] == [1, 1, 2, 8, 16, 128]
     data = make_tree(tmp_path / "data", {"a": (10, 2), "b": (10, 2)})

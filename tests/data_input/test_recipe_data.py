@@ -10,16 +10,16 @@ import pytest
 import torch
 from torchvision.transforms import InterpolationMode
 
-from commands.evaluation.evaluate import evaluate_checkpoint
+from imgcls.commands.evaluation.evaluate import evaluate_checkpoint
 from conftest import make_tree, tiny_overrides
-from core.config import Config, ConfigError, config_differences, load_config
-from data.build import build_run_data, describe_augmentation, eval_transform, train_transform
-from data.datasets import TrainDataset
-from data.listing.folder import scan_split
-from data.samplers import TrainSampler
-from data.transforms import EvalTransform, auto_augment_policy, normalize_batch
-from model_files.checkpoint_files import build_eval_model, read_checkpoint
-from training_run.trainer import run
+from imgcls.core.config import Config, ConfigError, config_differences, load_config
+from imgcls.data.build import build_run_data, describe_augmentation, eval_transform, train_transform
+from imgcls.data.datasets import TrainDataset
+from imgcls.data.listing.folder import scan_split
+from imgcls.data.samplers import TrainSampler
+from imgcls.data.transforms import EvalTransform, auto_augment_policy, normalize_batch
+from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
+from imgcls.training_run.trainer import run
 from conftest import run_train_in_process
 from kill_and_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
                              train_cmd)
@@ -83,7 +83,7 @@ def test_magnitude_ops_and_interpolation_reach_the_torchvision_policies():
 def test_the_torchvision_loader_baseline_applies_the_same_policy(photos):
     from torchvision.transforms import v2
 
-    from benchmarking.loader import torchvision_train_loader
+    from imgcls.benchmarking.loader import torchvision_train_loader
 
     cfg = load_config(None, tiny_overrides(photos, photos / "unused", **{"data.auto_augment": "trivialaugment"}))
     steps = torchvision_train_loader(cfg, 4, False).dataset.transform.transforms

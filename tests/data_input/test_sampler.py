@@ -3,9 +3,9 @@ from collections import Counter
 
 import pytest
 
-from data.build import build_run_data
-from data.samplers import TrainSampler
-from core.config import load_config
+from imgcls.data.build import build_run_data
+from imgcls.data.samplers import TrainSampler
+from imgcls.core.config import load_config
 from conftest import make_tree, tiny_overrides
 
 IMBALANCED = [0] * 200 + [1] * 20 + [2] * 5

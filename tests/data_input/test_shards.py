@@ -1,4 +1,4 @@
-"""WebDataset shards written by `webdataset.ShardWriter` (python -m data.shards): the training stream (disjoint
+"""WebDataset shards written by `webdataset.ShardWriter` (python -m imgcls.data.shards): the training stream (disjoint
 shards per rank, a pure function of (seed, epoch, batch), broken samples skipped and counted), validation
 counting each sample once at any world size, train + eval.py on shards, 2-process DDP, SIGKILL + resume; the
 writer never mixes old shards with new ones, and a cut shard is named and counted as broken."""
@@ -17,14 +17,14 @@ import pytest
 import torch
 import webdataset as wds
 
-import data.shards as shards
+import imgcls.data.shards as shards
 from conftest import REPO, class_image, make_tree, run_script, tiny_overrides
-from core.config import ConfigError, load_config
-from core.errors import BadDataError, DataTreeError
-from rundir.resume import check_resume_compatible
-from data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
-from data.listing.folder import scan_split
-from data.transforms import EvalTransform, TrainTransform
+from imgcls.core.config import ConfigError, load_config
+from imgcls.core.errors import BadDataError, DataTreeError
+from imgcls.rundir.resume import check_resume_compatible
+from imgcls.data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
+from imgcls.data.listing.folder import scan_split
+from imgcls.data.transforms import EvalTransform, TrainTransform
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -35,7 +35,7 @@ def shard_data(tmp_path_factory) -> Path:
     """train: 40 samples in 5 shards (one broken sample); val: 15 samples in 3 shards; written by the writer."""
     base = tmp_path_factory.mktemp("shards")
     tree = make_tree(base / "tree", {"a": (14, 5), "b": (13, 5), "c": (13, 5)}, ext=".jpg")
-    done = subprocess.run([sys.executable, "-m", "data.shards", "--from", str(tree / "train"), "--to",
+    done = subprocess.run([sys.executable, "-m", "imgcls.data.shards", "--from", str(tree / "train"), "--to",
                            str(base / "train"), "--shard-size", "8"], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr

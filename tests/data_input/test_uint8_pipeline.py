@@ -9,12 +9,12 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
-from data.datasets import TrainDataset
-from data.listing.folder import scan_split
-from data.images import ImageDecodeError, load_rgb
-from data.images import open_image, oriented_size
-from data.transforms import TrainTransform, normalize_batch, read_source
-from benchmarking.photos import photo
+from imgcls.data.datasets import TrainDataset
+from imgcls.data.listing.folder import scan_split
+from imgcls.data.images import ImageDecodeError, load_rgb
+from imgcls.data.images import open_image, oriented_size
+from imgcls.data.transforms import TrainTransform, normalize_batch, read_source
+from imgcls.benchmarking.photos import photo
 
 
 def _jpeg(path, size, mode="RGB", orientation=None, seed=0):
@@ -84,7 +84,7 @@ def test_libjpeg_turbo_decodes_plain_jpegs_to_the_pil_path_s_pixels(tmp_path, mo
     """Training's random crops of a plain JPEG, from libjpeg-turbo's array (simplejpeg, at PIL draft's scale:
     full, 1/2, 1/4, 1/8 by the crop) and from PIL: the same pixels. A rotated, grey, CMYK or non-JPEG file is
     PIL's alone."""
-    import data.images as images
+    import imgcls.data.images as images
 
     path = _jpeg(tmp_path / "a.jpg", size, seed=3)
     transforms = [TrainTransform(s, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip=0.5, color_jitter=0.0,
@@ -110,8 +110,8 @@ def test_only_a_plain_upright_colour_jpeg_skips_pil_s_open(tmp_path, monkeypatch
     """The header read that lets a plain JPEG skip PIL's open names its size only where PIL would open it as an
     upright colour JPEG: any EXIF or XMP block (even orientation 1), a grey or CMYK file, another format, or
     more pixels than PIL's limit go through PIL as before (its orientation, its mode, its refusal)."""
-    import data.images as images
-    from data.images import plain_jpeg_size
+    import imgcls.data.images as images
+    from imgcls.data.images import plain_jpeg_size
 
     plain = _jpeg(tmp_path / "plain.jpg", (97, 61))
     assert plain_jpeg_size(plain.read_bytes()) == (97, 61)
@@ -195,7 +195,7 @@ def test_an_orientation_only_xmp_carries_is_applied(tmp_path):
 
 @pytest.mark.parametrize("size", [(120, 90), (90, 120), (97, 61)])
 def test_eval_transform_is_the_pil_resize_and_centre_crop(tmp_path, size):
-    from data.transforms import EvalTransform
+    from imgcls.data.transforms import EvalTransform
 
     path = _jpeg(tmp_path / "a.jpg", size)
     transform = EvalTransform(48, 0.875, "bilinear")
@@ -209,13 +209,13 @@ def test_eval_transform_is_the_pil_resize_and_centre_crop(tmp_path, size):
 def test_eval_transform_decodes_plain_jpegs_by_libjpeg_turbo_to_pil_s_pixels(tmp_path, monkeypatch, size):
     """Evaluation's decode (validation, eval.py, infer.py, serve.py) of a plain JPEG goes through libjpeg-turbo's
     array at PIL draft's scale: the same uint8 crop as PIL's decode, at full, 1/2 and 1/4 scale."""
-    import data.images as images
-    from data.transforms import EvalTransform
+    import imgcls.data.images as images
+    from imgcls.data.transforms import EvalTransform
 
     path = _jpeg(tmp_path / "a.jpg", size, seed=5)
     calls = []
     real = images.decode_jpeg_array
-    monkeypatch.setattr("data.transforms.decode_jpeg_array", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr("imgcls.data.transforms.decode_jpeg_array", lambda *a: calls.append(a[2]) or real(*a))
     transforms = [EvalTransform(s, 0.875, "bilinear") for s in (32, 112, 224)]
     fast = [t(path) for t in transforms]
     assert len(calls) == len(transforms)  # every decode asked libjpeg-turbo first
@@ -227,7 +227,7 @@ def test_sample_crop_boxes_follow_scale_and_ratio():
     import math
     import random
 
-    from data.transforms import sample_crop
+    from imgcls.data.transforms import sample_crop
 
     rng = random.Random(0)
     for _ in range(2000):

@@ -130,9 +130,9 @@ def test_another_model_exits_2_naming_both_and_the_folder_grows_by_new_files_onl
 def test_embed_py_the_onnx_export_and_serve_py_give_the_same_vectors(trained, tmp_path):
     from fastapi.testclient import TestClient
 
-    from serving.app import ServeSettings, create_app
-    from serving.model import ServedModel
-    from serving.onnx_only.model import OnnxServedModel
+    from imgcls.serving.app import ServeSettings, create_app
+    from imgcls.serving.model import ServedModel
+    from imgcls.serving.onnx_only.model import OnnxServedModel
 
     data, checkpoint = trained
     onnx_file = tmp_path / "model.onnx"
@@ -157,9 +157,9 @@ def test_embed_py_the_onnx_export_and_serve_py_give_the_same_vectors(trained, tm
 def test_serve_similar_answers_the_index_neighbours(trained, tmp_path):
     from fastapi.testclient import TestClient
 
-    from embedding.index import load_index
-    from serving.app import ServeSettings, create_app
-    from serving.model import ServedModel
+    from imgcls.embedding.index import load_index
+    from imgcls.serving.app import ServeSettings, create_app
+    from imgcls.serving.model import ServedModel
 
     data, checkpoint = trained
     out = tmp_path / "vectors"
@@ -205,8 +205,8 @@ def test_eval_knn_and_linear_probe_add_their_top1_to_the_json(trained, tmp_path)
 
 
 def test_the_index_turns_approximate_above_the_exact_limit_and_grows_by_add(tmp_path, monkeypatch):
-    from embedding import index as index_module
-    from embedding.index import IndexInfo, load_index, update_index
+    import imgcls.embedding.index as index_module
+    from imgcls.embedding.index import IndexInfo, load_index, update_index
 
     monkeypatch.setattr(index_module, "EXACT_LIMIT", 50)
     rng = np.random.default_rng(0)

@@ -79,8 +79,8 @@ def test_ranks_that_load_different_teacher_files_are_refused_on_every_rank(monke
     listing the digests; the same teacher everywhere passes."""
     from types import SimpleNamespace
 
-    from core.errors import ConfigError
-    from objectives.distillation import teacher as teacher_module
+    from imgcls.core.errors import ConfigError
+    import imgcls.objectives.distillation.teacher as teacher_module
 
     ours = SimpleNamespace(identity={"source": "/nfs/teacher/best.pt", "sha256": "a" * 64})
     gathered = [["a" * 64, None], ["b" * 64, None]]  # what all_gather gives every rank: rank 1 saw another file

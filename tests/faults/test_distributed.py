@@ -19,19 +19,19 @@ import torch
 
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 from ddp_workers import calibrate_where_one_rank_cannot_see_best, nonfinite_on_one_rank, thread_counts_agreed
-from data.datasets import EvalDataset
-from data.listing.folder import scan_split
-from data.loaders import build_eval_loader
-from data.samplers import UnpaddedEvalSampler, TrainSampler
-from data.transforms import EvalTransform
-from core.config import ConfigError
-from core.errors import DistributedSetupError
-from runtime.distributed import check_sync_bn, convert_sync_bn, init_distributed
-from runtime.launcher import ProcessPlace, process_place
-from runtime.device import DeviceInput
-from evaluation.evaluate import evaluate
-from models.factory import create_model
-from tasks import get_task
+from imgcls.data.datasets import EvalDataset
+from imgcls.data.listing.folder import scan_split
+from imgcls.data.loaders import build_eval_loader
+from imgcls.data.samplers import UnpaddedEvalSampler, TrainSampler
+from imgcls.data.transforms import EvalTransform
+from imgcls.core.config import ConfigError
+from imgcls.core.errors import DistributedSetupError
+from imgcls.runtime.distributed import check_sync_bn, convert_sync_bn, init_distributed
+from imgcls.runtime.launcher import ProcessPlace, process_place
+from imgcls.runtime.device import DeviceInput
+from imgcls.evaluation.evaluate import evaluate
+from imgcls.models.factory import create_model
+from imgcls.tasks import get_task
 
 # 17 validation images: not a multiple of world size x batch (2 x 2), and the two ranks get different
 # numbers of batches (9 samples -> 5 batches, 8 samples -> 4 batches). 120 training images: 60 per rank,
@@ -408,10 +408,10 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them. The validation
     outputs are the ones each rank's validation pass kept (gathered, no second pass)."""
-    from data.listing.folder import scan_split
-    from evaluation.calibration import calibrated_temperature
-    from evaluation.split_outputs import collect_outputs
-    from evaluation.rejection import normalise
+    from imgcls.data.listing.folder import scan_split
+    from imgcls.evaluation.calibration import calibrated_temperature
+    from imgcls.evaluation.split_outputs import collect_outputs
+    from imgcls.evaluation.rejection import normalise
 
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -436,7 +436,7 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     assert torch.allclose(record["feature_bank"].float(), normalise(torch.cat([val.features, train.features])),
                           atol=2e-3)
     # the stages' statistics are gathered too: the per-stage class means of the multi-layer reject score
-    from evaluation.rejection import layer_fits
+    from imgcls.evaluation.rejection import layer_fits
 
     names = record["layer_names"]
     fits = layer_fits([torch.cat([v, t]) for v, t in zip(val.layers, train.layers)],

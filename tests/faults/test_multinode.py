@@ -278,7 +278,7 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
 # ---------------------------------------------------------------- the pieces, in-process
 
 def test_launch_info_reads_torchelastics_restart_count_and_run_id():
-    from runtime.launcher import launch_info
+    from imgcls.runtime.launcher import launch_info
 
     assert launch_info({}) == launch_info({"TORCHELASTIC_RESTART_COUNT": "0"})
     assert not launch_info({}).restarted and launch_info({}).run_id is None
@@ -287,8 +287,8 @@ def test_launch_info_reads_torchelastics_restart_count_and_run_id():
 
 
 def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
-    from rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
-    from runtime.launcher import LaunchInfo
+    from imgcls.rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
+    from imgcls.runtime.launcher import LaunchInfo
 
     first, again = LaunchInfo(0, "r1"), LaunchInfo(1, "r1")
     assert plan_resume(None, tmp_path, first).resume is None            # a first start: as typed
@@ -307,8 +307,8 @@ def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
 
 
 def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
-    from core.errors import ConfigError
-    from rundir.shared_view import check_same_view, describe_view, resume_files
+    from imgcls.core.errors import ConfigError
+    from imgcls.rundir.shared_view import check_same_view, describe_view, resume_files
 
     shared, local = tmp_path / "shared", tmp_path / "local"
     for folder, content in ((shared, b"state 8"), (local, b"state 4")):
@@ -330,7 +330,7 @@ def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
 
 
 def test_sigusr1_is_a_stop_signal_that_exits_138():
-    from runtime.signals import StopSignal
+    from imgcls.runtime.signals import StopSignal
 
     stop = StopSignal()
     stop.install()
@@ -344,10 +344,10 @@ def test_sigusr1_is_a_stop_signal_that_exits_138():
 
 def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
     """On node 1 of 2 with 4 GPUs each, global rank 5 is local rank 1: it takes cuda:1, not cuda:5."""
-    import runtime.runtime as runtime
-    from core.config import load_config
-    from runtime.device import select_device
-    from runtime.distributed import DistInfo
+    import imgcls.runtime.runtime as runtime
+    from imgcls.core.config import load_config
+    from imgcls.runtime.device import select_device
+    from imgcls.runtime.distributed import DistInfo
 
     chosen = []
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -384,8 +384,8 @@ def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torc
 
     import torch.distributed as dist
 
-    from runtime.distributed import restart_store
-    from runtime.launcher import LaunchInfo
+    from imgcls.runtime.distributed import restart_store
+    from imgcls.runtime.launcher import LaunchInfo
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -405,7 +405,7 @@ def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torc
 def test_loader_workers_leave_sigusr1_to_the_main_process():
     """Slurm signals every process of a job step, loader workers included: they ignore SIGUSR1 (as SIGINT),
     and the main process saves and shuts them down."""
-    from data.loaders import leave_stop_signals_to_the_main_process
+    from imgcls.data.loaders import leave_stop_signals_to_the_main_process
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM)}
     try:

@@ -216,7 +216,7 @@ def test_resume_right_after_sigkill_of_the_main_process_while_its_loader_workers
     """kill -9 of the run alone (its persistent loader workers orphaned, still alive): the directory is free
     at once, and a resume started right away runs to the end (the flock was shared with the workers: 'in use
     by another run' naming the dead pid)."""
-    from rundir.run_lock import open_run_dir
+    from imgcls.rundir.run_lock import open_run_dir
 
     run, marker = tmp_path / "run", tmp_path / "paused"
     proc = start(train_cmd(data_root, run, "data.persistent_workers=true",

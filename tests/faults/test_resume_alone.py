@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commands.resume import config_from_checkpoint
-from core.config import load_config
-from core.errors import ConfigError
-from rundir.resume_hint import continue_command
+from imgcls.commands.resume import config_from_checkpoint
+from imgcls.core.config import load_config
+from imgcls.core.errors import ConfigError
+from imgcls.rundir.resume_hint import continue_command
 
 
 def test_the_recorded_config_with_the_overrides_on_top(tmp_path):

@@ -12,7 +12,7 @@ from conftest import REPO, make_tree, run_script
 
 
 def test_load_config_takes_a_dict_and_names_a_wrong_key():
-    from core.errors import ConfigError
+    from imgcls.core.errors import ConfigError
     from imgcls import load_config
 
     cfg = load_config({"model": {"name": "resnet10t"}, "train": {"epochs": 3}}, {"data.img_size": 48})
@@ -44,7 +44,7 @@ def test_train_then_classifier_predicts_the_rows_infer_py_writes(tmp_path):
     expected = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["path"], r["label"]) for r in rows] == [(r["path"], r["label"]) for r in expected]
     assert [r["prob"] for r in rows] == pytest.approx([r["prob"] for r in expected], abs=1e-6)
-    from core.errors import ConfigError
+    from imgcls.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="holds checkpoints of another run"):  # usage errors raise, as exit 2
         train({"data": {"root": str(data)}, "output": {"dir": str(out)}}, {"train.epochs": 1})

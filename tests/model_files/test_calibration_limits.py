@@ -8,12 +8,12 @@ import logging
 import pytest
 import torch
 
-from commands.evaluation.report import format_trust_line
-from evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
+from imgcls.commands.evaluation.report import format_trust_line
+from imgcls.evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
                                     apply_temperature, calibrated_temperature, expected_calibration_error,
                                     fit_temperature, held_out_probs)
-from evaluation.split_outputs import SplitOutputs
-from evaluation.trust import build_record, export_record, trust_metrics
+from imgcls.evaluation.split_outputs import SplitOutputs
+from imgcls.evaluation.trust import build_record, export_record, trust_metrics
 
 
 def all_right_split(n=300, classes=4, seed=0):
@@ -66,8 +66,8 @@ def test_the_confidence_match_aims_at_a_jeffreys_counted_accuracy():
     match now aims at a Beta(a, a) posterior mean with Jeffreys's a = 1/2 weighted down by the errors
     (a = 1/2 / (1 + errors)): below 1 without errors (no T -> 0), near the count with several; the plain
     accuracy is a third candidate from 5 errors."""
-    from evaluation import calibration
-    from evaluation.calibration import counted_accuracy, match_temperature
+    import imgcls.evaluation.calibration as calibration
+    from imgcls.evaluation.calibration import counted_accuracy, match_temperature
 
     assert counted_accuracy(179, 179) == pytest.approx(179.5 / 180)               # no errors: Jeffreys
     assert counted_accuracy(173, 179) == pytest.approx((173 + 1 / 14) / (179 + 1 / 7))
@@ -85,7 +85,7 @@ def test_a_temperature_that_raises_the_held_out_ece_is_declined(monkeypatch):
     """Issue 51: a 3-epoch photos fit took T to 2.21 and the log said 'ECE 16.88% -> 27.01%', applied. Here
     a calibrated model (labels drawn from its own softmax) and fits that both soften it 3x: the folds they
     were not fitted on get worse, so the plain softmax stays and the note says why."""
-    from evaluation import calibration
+    import imgcls.evaluation.calibration as calibration
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(400, 3, generator=g) * 3.0
@@ -101,7 +101,7 @@ def test_a_temperature_that_raises_the_held_out_ece_is_declined(monkeypatch):
 def test_a_held_out_gain_within_the_noise_is_declined():
     """A fit that lowers the held-out ECE by under 10% of it (the 70-image photos split: 11.11% -> 10.67%, whose
     T then raised the test ECE from 10.20% to 15.05%) is declined."""
-    from evaluation import calibration
+    import imgcls.evaluation.calibration as calibration
 
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(300, 4, generator=g) * 2.0
@@ -149,7 +149,7 @@ def test_a_small_split_and_the_upper_bound_are_said():
 
 
 def test_the_notes_reach_the_record_the_export_and_eval_output(caplog):
-    from training_run.calibrate import log_record
+    from imgcls.training_run.calibrate import log_record
 
     logits, labels = all_right_split()
     val = SplitOutputs(logits, labels, torch.arange(len(labels)), None)

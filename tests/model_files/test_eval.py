@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from conftest import make_tree, run_script, tiny_overrides
-from data.listing.folder import DataTreeError
-from core.config import ConfigError
-from commands.evaluation.evaluate import evaluate_checkpoint
+from imgcls.data.listing.folder import DataTreeError
+from imgcls.core.config import ConfigError
+from imgcls.commands.evaluation.evaluate import evaluate_checkpoint
 
 COUNTS = {"a": (16, 6), "b": (16, 6), "c": (16, 7)}
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -84,7 +84,7 @@ def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     assert b["f1"] == pytest.approx(100 * 2 * (6 / 19) / (1 + 6 / 19))
     assert result.per_class["a"] == {"accuracy": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "count": 6}
 
-    from commands.evaluation.report import draw_confusion
+    from imgcls.commands.evaluation.report import draw_confusion
 
     with Image.open(draw_confusion(result.confusion, result.classes, tmp_path / "c.png")) as img:
         pixels = np.asarray(img.convert("RGB")).reshape(-1, 3)
@@ -231,7 +231,7 @@ def test_an_output_over_an_input_exits_2_naming_both_roles(trained, tmp_path, ca
     ({"--json": "sub/../r.json", "--predictions": "r.json"}, "--predictions r.json: is also --json sub/../r.json"),
 ])
 def test_evals_outputs_and_the_files_it_derives_are_apart_from_each_other(tmp_path, monkeypatch, outputs, words):
-    from commands.output_roles import check_eval_outputs
+    from imgcls.commands.output_roles import check_eval_outputs
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()
@@ -255,7 +255,7 @@ def test_eval_with_two_outputs_on_one_file_exits_2_before_writing(trained, tmp_p
 def test_an_explicit_train_amp_override_is_evals_amp():
     """eval.py has no --amp: `train.amp=bf16` on its command line keeps bf16 where the checkpoint's own bf16
     would run in fp32 (a CPU that emulates it)."""
-    from commands.evaluation.evaluate import amp_override
+    from imgcls.commands.evaluation.evaluate import amp_override
 
     assert amp_override(["data.num_workers=0", "train.amp=bf16"]) == "bf16"
     assert amp_override(["train.amp=none", "train.amp = auto"]) == "auto"

@@ -6,9 +6,9 @@ import csv
 import pytest
 import torch
 
-from commands.evaluation.eval_errors import misclassified, write_errors
+from imgcls.commands.evaluation.eval_errors import misclassified, write_errors
 from conftest import make_tree, run_script, train_tiny
-from evaluation.split_outputs import SplitOutputs
+from imgcls.evaluation.split_outputs import SplitOutputs
 
 
 def test_rows_are_the_wrong_predictions_most_confidently_wrong_first(tmp_path):
@@ -45,7 +45,7 @@ def test_eval_py_writes_the_errors_beside_its_json(tmp_path):
 
 def test_only_a_single_label_task_lists_misclassified_images():
     """eval.py asks the task: a multi-label model has no one top-1 label to be wrong about, so no _errors files."""
-    from tasks import get_task
+    from imgcls.tasks import get_task
 
     assert get_task("multiclass").supports("misclassified images")
     assert not get_task("multilabel").supports("misclassified images")

@@ -18,14 +18,14 @@ import eval as eval_script
 import export
 import infer
 from conftest import REPO, Payload, train_tiny, write_pretrained_folder
-from commands.cli import run_main
-from core.errors import CheckpointError, ConfigError, ExportError
-from data.listing.folder import list_images
-from data.transforms import normalize_batch
-from model_files import export as engine_export
-from model_files.checkpoint_files import build_eval_model, read_checkpoint
-from model_files.loading import load_model_file
-from model_files.formats import base as export_formats_base
+from imgcls.cli import run_main
+from imgcls.core.errors import CheckpointError, ConfigError, ExportError
+from imgcls.data.listing.folder import list_images
+from imgcls.data.transforms import normalize_batch
+import imgcls.model_files.export as engine_export
+from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
+from imgcls.model_files.loading import load_model_file
+import imgcls.model_files.formats.base as export_formats_base
 
 CLASSES = ["a", "b", "c"]
 # (format, output name, batch option): a fixed-batch ONNX, a dynamic-batch program, a timm folder
@@ -377,7 +377,7 @@ def test_a_timm_export_onto_a_full_disk_is_one_line(trained, tmp_path, capsys, m
 
 
 def test_an_export_never_lands_on_its_own_checkpoint(tmp_path):
-    from commands.output_roles import check_export_outputs
+    from imgcls.commands.output_roles import check_export_outputs
 
     run = tmp_path / "run"
     run.mkdir()
@@ -393,7 +393,7 @@ def test_export_offers_every_registered_export_format():
     """export.py lists its --format choices without importing torch (--help is instant); they are the formats
     registered with a writer."""
     import export
-    from model_files.formats import export_formats
+    from imgcls.model_files.formats import export_formats
 
     assert list(export.EXPORT_FORMATS) == export_formats()
 
@@ -443,9 +443,9 @@ def edit_config(folder: Path, **changes) -> None:
 
 def refusals(folder: Path) -> list[str]:
     """The messages of infer/eval's loader and of model.pretrained=true model.name=local-dir:FOLDER."""
-    from core.config import load_config
-    from core.errors import ModelError
-    from models.factory import load_pretrained
+    from imgcls.core.config import load_config
+    from imgcls.core.errors import ModelError
+    from imgcls.models.factory import load_pretrained
 
     said = []
     for load in (lambda: load_model_file(folder),

@@ -15,15 +15,15 @@ from PIL import Image
 
 import infer
 from conftest import class_image, exit_code, run_script, train_tiny
-from data.listing.folder import DataTreeError
-from data.file_list import FileListDataset, build_inference_loader, expand_inputs
-from core.errors import CheckpointError
-from core.config import ConfigError
-from model_files.checkpoint_files import build_eval_model, read_checkpoint
-from runtime.device import DeviceInput
-from evaluation.evaluate import predict
-from tasks.single_label_rows import format_predictions_table
-from data.transforms import EvalTransform
+from imgcls.data.listing.folder import DataTreeError
+from imgcls.data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from imgcls.core.errors import CheckpointError
+from imgcls.core.config import ConfigError
+from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
+from imgcls.runtime.device import DeviceInput
+from imgcls.evaluation.evaluate import predict
+from imgcls.tasks.single_label_rows import format_predictions_table
+from imgcls.data.transforms import EvalTransform
 
 CLASSES = ["a", "b", "c"]
 
@@ -87,7 +87,7 @@ def test_every_forward_pass_sees_the_full_batch_and_padding_is_dropped(checkpoin
     assert shapes == [(3, 3, d.img_size, d.img_size)] * 3  # 7 images: 3 + 3 + (1 real + 2 padding)
     assert preds.top_probs.shape == (7, 3) and bool(preds.valid.all())
     # the unpadded reference: each image alone through the model
-    from data.transforms import normalize_batch
+    from imgcls.data.transforms import normalize_batch
 
     with torch.inference_mode():
         for i, path in enumerate(paths):
@@ -287,7 +287,7 @@ def test_infer_folds_batchnorm_and_agrees_with_the_unfolded_model(checkpoint, im
     loaded = read_checkpoint(checkpoint)
     model = build_eval_model(loaded, torch.device("cpu"), channels_last=True)  # as eval.py runs it: unfolded
     dataset = FileListDataset([r["path"] for r in rows], loaded.eval_transform(), loaded.cfg.data.img_size)
-    from data.transforms import normalize_batch
+    from imgcls.data.transforms import normalize_batch
 
     d = loaded.cfg.data
     temperature = (loaded.calibration or {}).get("temperature") or 1.0  # prob is calibrated (stored temperature)
@@ -332,7 +332,7 @@ def test_outputs_over_inputs_exit_2_naming_both_roles_before_any_work(checkpoint
 
 
 def test_check_outputs_apart_compares_resolved_paths(tmp_path):
-    from core.outputs import check_outputs_apart
+    from imgcls.core.outputs import check_outputs_apart
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "a.png").write_bytes(b"x")

@@ -18,14 +18,14 @@ import onnx
 import pytest
 
 import export
-from commands.export import validation_files
-from model_files.checkpoint_files import read_checkpoint
+from imgcls.commands.export import validation_files
+from imgcls.model_files.checkpoint_files import read_checkpoint
 import infer
 from conftest import REPO, train_tiny, wait_for
-from core.errors import ConfigError, ExportError
-from model_files import quantize
-from model_files.loading import load_model_file
-from serving.model import ServedModel
+from imgcls.core.errors import ConfigError, ExportError
+import imgcls.model_files.quantize as quantize
+from imgcls.model_files.loading import load_model_file
+from imgcls.serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]
 
@@ -103,7 +103,7 @@ AVX2_ONLY = "flags : fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c"
 
 
 def test_int8_is_said_to_be_no_faster_only_without_vnni_amx_or_dot_product():
-    from runtime.device import int8_slow_reason
+    from imgcls.runtime.device import int8_slow_reason
 
     assert "no int8 dot-product instructions" in int8_slow_reason(AVX2_ONLY)
     for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp"):
@@ -112,7 +112,7 @@ def test_int8_is_said_to_be_no_faster_only_without_vnni_amx_or_dot_product():
 
 @pytest.mark.slow
 def test_infer_on_a_cpu_without_vnni_says_once_that_int8_may_be_no_faster(quantized, tmp_path, monkeypatch, caplog):
-    from model_files.formats import onnx as onnx_format
+    import imgcls.model_files.formats.onnx as onnx_format
 
     data, checkpoint, out, _ = quantized
     monkeypatch.setattr(onnx_format, "read_cpuinfo", lambda: AVX2_ONLY)

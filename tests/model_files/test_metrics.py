@@ -5,8 +5,8 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score
 
-from tasks import is_improvement
-from tasks.single_label_metrics import MetricSums, per_class_report, reduce_metrics
+from imgcls.tasks import is_improvement
+from imgcls.tasks.single_label_metrics import MetricSums, per_class_report, reduce_metrics
 
 
 def _logits_for(predictions: list[list[int]], num_classes: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 import eval as eval_script
 import infer
 from conftest import train_tiny
-from prediction.predictor import Predictor
-from serving.model import ServedModel
+from imgcls.prediction.predictor import Predictor
+from imgcls.serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]
 

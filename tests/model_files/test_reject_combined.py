@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evaluation.split_outputs import SplitOutputs
-from evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
-from evaluation.trust import build_record, export_record, usable_rejector
+from imgcls.evaluation.split_outputs import SplitOutputs
+from imgcls.evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
+from imgcls.evaluation.trust import build_record, export_record, usable_rejector
 
 D, C = 16, 4
 
@@ -60,7 +60,7 @@ def test_combined_rejects_what_either_kind_of_score_rejects():
 # ---------------------------------------------------------------- mahalanobis_layers (multi-layer Mahalanobis)
 
 def test_pooled_statistics_by_hand():
-    from evaluation.rejection import pooled_statistics
+    from imgcls.evaluation.rejection import pooled_statistics
 
     x = torch.tensor([[[[1.0, 3.0], [1.0, 3.0]], [[5.0, 5.0], [5.0, 5.0]]]])   # [1, 2, 2, 2]
     assert pooled_statistics(x).tolist() == [[2.0, 5.0, 1.0, 0.0]]              # means, then standard deviations
@@ -69,7 +69,7 @@ def test_pooled_statistics_by_hand():
 
 
 def test_layer_tap_pools_each_stage_channels_first():
-    from evaluation.rejection import LayerTap, layer_names
+    from imgcls.evaluation.rejection import LayerTap, layer_names
 
     class Stages(torch.nn.Module):
         """Two stages, the second channels-last (as timm's NHWC stages): [N, 2, 2, 3]."""
@@ -100,7 +100,7 @@ def test_layer_tap_pools_each_stage_channels_first():
 
 
 def test_multilayer_score_by_hand():
-    from evaluation.rejection import layer_scores, multilayer_score
+    from imgcls.evaluation.rejection import layer_scores, multilayer_score
 
     eye = torch.eye(2)
     fits = [(eye, eye), (eye, eye)]                 # class means e1, e2; identity precision
@@ -122,7 +122,7 @@ def test_multilayer_score_by_hand():
 
 def test_input_statistics_by_hand():
     """The stage-0 view: what tells an upscaled grey digit from a photo whatever the head learnt."""
-    from evaluation.rejection import input_statistics, layer_weights
+    from imgcls.evaluation.rejection import input_statistics, layer_weights
 
     grey = torch.tensor([[0.0, 2.0], [0.0, 2.0]]).expand(1, 3, 2, 2)        # three equal channels: no colour
     stats = input_statistics(grey)[0]
@@ -141,7 +141,7 @@ def test_input_statistics_by_hand():
 
 def test_channel_spread_is_torch_std_across_channels():
     """The colour spread is computed by hand for speed: the same numbers as torch.std over dimension 1."""
-    from evaluation.rejection import channel_spread
+    from imgcls.evaluation.rejection import channel_spread
 
     torch.manual_seed(0)
     for shape in ((4, 3, 9, 7), (2, 4, 5, 5), (3, 2, 6)):
@@ -156,7 +156,7 @@ def test_statistics_are_the_same_in_pieces_and_in_any_layout():
     """Large batches are reduced a few rows at a time: each row's statistics are the same bitwise as from the
     whole batch in one piece and from a single row, so a validation's record does not depend on the batch it
     came in (DDP shards, the top-up, a separate pass); the input view's not on the memory layout either."""
-    from evaluation.rejection import by_rows, input_statistics, pooled_statistics
+    from imgcls.evaluation.rejection import by_rows, input_statistics, pooled_statistics
 
     torch.manual_seed(0)
     images = torch.randn(6, 3, 48, 40)
@@ -186,7 +186,7 @@ def layered(n, seed, centres, odd_stage=None):
 
 
 def test_layers_record_rejects_what_one_stage_sees_and_old_records_keep_their_method():
-    from evaluation.rejection import LAYERS_METHOD
+    from imgcls.evaluation.rejection import LAYERS_METHOD
 
     centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
     val, bank = layered(200, 1, centres), layered(1000, 2, centres)
@@ -218,8 +218,8 @@ def test_a_large_validation_split_is_the_reject_fit_and_its_threshold_is_not_set
     """issue 47: with MIN_VALIDATION_FIT validation images the fit needs no pass over training images: it is made
     on the validation outputs (Ledoit-Wolf shrinkage), and its thresholds on cross-fitted scores, so new images
     of the same kind are kept at about the coverage (an in-sample threshold would reject more of them)."""
-    from evaluation.rejection import LAYERS_METHOD
-    from evaluation.trust import MIN_VALIDATION_FIT
+    from imgcls.evaluation.rejection import LAYERS_METHOD
+    from imgcls.evaluation.trust import MIN_VALIDATION_FIT
 
     centres = torch.randn(C, D, generator=torch.Generator().manual_seed(0)) * 2
     val = layered(MIN_VALIDATION_FIT, 1, centres)
@@ -244,7 +244,7 @@ def test_ledoit_wolf_shrinkage_matches_scikit_learn():
     import numpy as np
     from sklearn.covariance import ledoit_wolf
 
-    from evaluation.rejection import ledoit_wolf_shrinkage
+    from imgcls.evaluation.rejection import ledoit_wolf_shrinkage
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 40, generator=g, dtype=torch.float64) @ torch.randn(40, 40, generator=g, dtype=torch.float64)

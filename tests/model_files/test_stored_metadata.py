@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from core.errors import USAGE_ERRORS
-from model_files.loading import load_model_file
+from imgcls.core.errors import USAGE_ERRORS
+from imgcls.model_files.loading import load_model_file
 from stored_metadata_cases import BAD_METADATA, CLASSES, IMG_SIZE, good_metadata, spoilt, write_onnx
 
 IDS = [case for case, _, _ in BAD_METADATA]
@@ -55,7 +55,7 @@ def pt2_program():
 
 
 def write_pt2(path, program, metadata: dict):
-    from model_files.metadata import PT2_METADATA_FILE
+    from imgcls.model_files.metadata import PT2_METADATA_FILE
 
     torch.export.save(program, str(path), extra_files={PT2_METADATA_FILE: json.dumps(metadata)})
     return path

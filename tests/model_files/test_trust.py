@@ -53,7 +53,7 @@ def write_squares(root: Path, per_class: int, seed: int) -> list[tuple[str, str,
 
 def write_photos(root: Path, count: int) -> list[str]:
     """Out-of-distribution images: benchmarking/photos.py's generated photos at other sizes."""
-    from benchmarking.photos import photo
+    from imgcls.benchmarking.photos import photo
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(7)
@@ -77,7 +77,7 @@ def call(script: str, *argv: str, capsys) -> tuple[int, str]:
     """An entry script's main in this process (no interpreter start-up): (exit status, stderr)."""
     import importlib
 
-    from commands.cli import run_main
+    from imgcls.cli import run_main
 
     main = importlib.import_module(script).main
     capsys.readouterr()
@@ -170,8 +170,8 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
     """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
     infer.py --reject on the same files."""
-    from prediction.trust import TrustOptions
-    from serving.model import ServedModel
+    from imgcls.prediction.trust import TrustOptions
+    from imgcls.serving.model import ServedModel
 
     _, _, best = trained
     squares = write_squares(tmp_path / "squares", 4, seed=7)
@@ -220,7 +220,7 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     onnx = tmp_path / "model.onnx"
     code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(onnx), capsys=capsys)
     assert code == 0, err[-2000:]
-    from model_files.loading import load_model_file
+    from imgcls.model_files.loading import load_model_file
 
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     exported = load_model_file(onnx).calibration
@@ -239,11 +239,11 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
     call("infer", *photos, "--checkpoint", str(best), "--output", str(ckpt_out), "--num-workers", "0", capsys=capsys)
     probs = [r["prob"] for r in json.loads(ckpt_out.read_text())]
     assert [r["prob"] for r in json.loads(out.read_text())] == pytest.approx(probs, abs=1e-4)
-    from model_files.loading import load_model_file as load
+    from imgcls.model_files.loading import load_model_file as load
 
     loaded = load(best)
     model = loaded.build_model(torch.device("cpu"), channels_last=False)
-    from data.transforms import normalize_batch
+    from imgcls.data.transforms import normalize_batch
 
     x = normalize_batch(torch.stack([loaded.eval_transform()(p) for p in photos]), loaded.cfg.data.mean,
                         loaded.cfg.data.std)
@@ -375,7 +375,7 @@ def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
 def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pixels(trained, tmp_path, capsys):
     """A 9000x9000 JPEG took 5.6 GB and wrote a 142 MB overlay: the overlay's longer side is now at most
     OVERLAY_MAX_SIDE, the peak still in the original's pixels."""
-    from prediction.trust import OVERLAY_MAX_SIDE
+    from imgcls.prediction.trust import OVERLAY_MAX_SIDE
 
     _, _, best = trained
     rows = write_squares(tmp_path / "squares", 1, seed=3)
@@ -394,8 +394,8 @@ def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pi
 
 
 def test_overlay_geometry_and_names():
-    from prediction.trust import display_size, explain_items, overlay_name
-    from tasks import get_task
+    from imgcls.prediction.trust import display_size, explain_items, overlay_name
+    from imgcls.tasks import get_task
 
     assert display_size(9000, 9000) == (1024, 1024, 1024 / 9000) and display_size(300, 200) == (300, 200, 1.0)
     assert overlay_name(7, "/d/a.png", None) == "00007_a.png"
@@ -411,7 +411,7 @@ def test_overlay_geometry_and_names():
 def test_the_trust_benchmark_measures_the_shipped_default_score(tmp_path):
     """trust.md's reject table compared msp, energy, kNN and Mahalanobis but not the default the checkpoints
     use; benchmarking.trust measures `mahalanobis_layers` beside them."""
-    from benchmarking.trust import measure
+    from imgcls.benchmarking.trust import measure
     from conftest import train_tiny
 
     _, checkpoint = train_tiny(tmp_path, {"a": (8, 6), "b": (8, 6)})
@@ -426,8 +426,8 @@ def test_a_briefly_trained_model_rejects_grey_digits(tmp_path, capsys):
     """issue 51: a photos model trained 3 epochs rejected a third of upscaled grey digits (its stages had learnt
     too little to tell them apart); the input's statistics, which no training spoils, reject them while the
     model keeps its own kind of image."""
-    from benchmarking.reject_matrix import write_photos_tree
-    from data.listing.builtin import ensure_builtin
+    from imgcls.benchmarking.reject_matrix import write_photos_tree
+    from imgcls.data.listing.builtin import ensure_builtin
 
     data = write_photos_tree(tmp_path / "shapes", 30, 12, seed=0)              # 7 classes: 210 train, 84 val
     held = write_photos_tree(tmp_path / "held", 0, 8, seed=3) / "val"          # 56 new ones, never seen
@@ -462,7 +462,7 @@ def test_a_small_validation_split_is_topped_up_with_only_the_training_images_it_
     outputs of just as many training images as it lacks (one short pass, not over 2,048): the log and the
     record say so, and the kNN bank holds the validation features, then the training ones."""
     from conftest import train_tiny
-    from evaluation.trust import MIN_VALIDATION_FIT
+    from imgcls.evaluation.trust import MIN_VALIDATION_FIT
 
     val_images = 2 * 70
     data, best = train_tiny(tmp_path, {"a": (40, 70), "b": (40, 70)},
@@ -481,7 +481,7 @@ def test_a_validation_split_of_200_is_the_reject_fit_with_no_pass_over_training_
     suffice (MIN_VALIDATION_FIT images): the record says so, the log says so, and the kNN bank holds the
     validation features."""
     from conftest import train_tiny
-    from evaluation.trust import MIN_VALIDATION_FIT
+    from imgcls.evaluation.trust import MIN_VALIDATION_FIT
 
     data, best = train_tiny(tmp_path, {"a": (8, MIN_VALIDATION_FIT // 2), "b": (8, MIN_VALIDATION_FIT // 2)},
                             **{"model.name": "resnet10t"})

@@ -22,10 +22,10 @@ from PIL import Image
 
 import serve
 from conftest import REPO, class_image, run_script, train_tiny, wait_for
-from core.errors import CheckpointError, ConfigError
-from benchmarking.serve_load import percentile, run_load
-from serving.batcher import DynamicBatcher
-from serving.model import batch_shapes, classify_decode_error, padded_size
+from imgcls.core.errors import CheckpointError, ConfigError
+from imgcls.benchmarking.serve_load import percentile, run_load
+from imgcls.serving.batcher import DynamicBatcher
+from imgcls.serving.model import batch_shapes, classify_decode_error, padded_size
 
 CLASSES = ["a", "b", "c"]
 API_KEY = "test-key-27"

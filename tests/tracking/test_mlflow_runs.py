@@ -27,7 +27,7 @@ from conftest import REPO, make_tree, run_script, wait_for
 from kill_and_resume import ENV, STEPS_PER_EPOCH, TIMEOUT, TOTAL_STEPS, assert_same_result, paused, run_to_end, \
     start, train_cmd
 from mlflow_server import MlflowServer
-from tracking.run_tags import config_params
+from imgcls.tracking.run_tags import config_params
 
 pytestmark = pytest.mark.slow
 mlflow = pytest.importorskip("mlflow")  # requirements-dev.txt installs it; CI runs these
@@ -190,7 +190,7 @@ def test_server_killed_mid_run_training_unchanged_and_backlog_replays(data_root,
     assert backlog.exists() and run_id_of(run) == run_id
 
     server.start()  # the same database and artifact folder, the same port
-    done = subprocess.run([sys.executable, "-m", "tracking.replay", str(run)], cwd=REPO, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "imgcls.tracking.replay", str(run)], cwd=REPO, capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not backlog.exists() and list(run.glob("tracking_backlog.replayed-*.jsonl"))
@@ -220,7 +220,7 @@ def test_a_run_stopped_and_resumed_while_the_store_is_down_replays_into_its_run(
     # resumed while the store is down (here: nothing listens at the URI), to the end
     run_to_end(train_cmd(data_root, run, "--resume", "auto", *tracked(f"http://127.0.0.1:{free_port()}", "down")))
     assert (run / "tracking_backlog.jsonl").exists() and run_id_of(run) == run_id
-    done = subprocess.run([sys.executable, "-m", "tracking.replay", str(run), "--uri", store], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "imgcls.tracking.replay", str(run), "--uri", store], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     info = client.get_run(run_id)
@@ -242,7 +242,7 @@ def test_unreachable_store_at_start_trains_and_replays_into_a_new_run(data_root,
     saved = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     assert saved["step"] == TOTAL_STEPS and "tracking_run_id" not in saved
     store = f"sqlite:///{tmp_path}/late.db"
-    replayed = subprocess.run([sys.executable, "-m", "tracking.replay", str(run), "--uri", store], cwd=tmp_path,
+    replayed = subprocess.run([sys.executable, "-m", "imgcls.tracking.replay", str(run), "--uri", store], cwd=tmp_path,
                               env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=TIMEOUT)
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     client = MlflowClient(store)

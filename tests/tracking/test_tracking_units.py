@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from core.config import ConfigError, load_config, tracking_uri_problem
-from tracking.backlog import Backlog, read_backlog
-from tracking.run_tags import config_params, fingerprint_digest
-from tracking.sender import RateLimitedWarning, Sender
-from tracking.training import metrics_csv_points
+from imgcls.core.config import ConfigError, load_config, tracking_uri_problem
+from imgcls.tracking.backlog import Backlog, read_backlog
+from imgcls.tracking.run_tags import config_params, fingerprint_digest
+from imgcls.tracking.sender import RateLimitedWarning, Sender
+from imgcls.tracking.training import metrics_csv_points
 
 
 @pytest.mark.parametrize("uri", [None, "runs/mlruns", "/abs/mlruns", "file:///tmp/mlruns", "sqlite:///mlflow.db",
@@ -133,8 +133,8 @@ def test_a_cut_short_backlog_line_is_left_out(tmp_path):
 
 
 def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatch):
-    import core.config as config
-    import tracking.store_location as store_location
+    import imgcls.core.config as config
+    import imgcls.tracking.store_location as store_location
 
     cfg = load_config("base", ["tracking.backend=mlflow"])
     monkeypatch.setattr(store_location, "tracking_client_installed", lambda: False)
@@ -161,7 +161,7 @@ def unreachable_uri() -> str:
 
 def tracked_job(run_dir, uri, run_id=None, run_key="k1", steps=(), status="FINISHED", reopen=False):
     """One job's tracking as train.py does it: start, params, a point per step, end."""
-    from tracking.tracker import MlflowTracker
+    from imgcls.tracking.tracker import MlflowTracker
 
     tracker = MlflowTracker(uri, run_dir, "exp", "run", run_id, {"imgcls.command": "train.py"}, run_key=run_key,
                             reopen=reopen, close_timeout_s=5)
@@ -173,7 +173,7 @@ def tracked_job(run_dir, uri, run_id=None, run_key="k1", steps=(), status="FINIS
 
 
 def replay_cli(run_dir, uri, capsys) -> tuple[int, str]:
-    from tracking.replay import main
+    from imgcls.tracking.replay import main
 
     code = main([str(run_dir), "--uri", uri])
     out = capsys.readouterr()
@@ -214,7 +214,7 @@ def test_a_run_resumed_while_the_store_is_down_is_replayed_into_its_run(tmp_path
 
 
 def test_a_changed_uri_on_resume_opens_a_run_in_the_new_store(tmp_path, folder_store, capsys):
-    from tracking.mlflow_store import PREVIOUS_RUN_TAG
+    from imgcls.tracking.mlflow_store import PREVIOUS_RUN_TAG
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -233,7 +233,7 @@ def test_a_changed_uri_on_resume_opens_a_run_in_the_new_store(tmp_path, folder_s
 
 
 def test_replay_twice_is_one_run_and_a_bad_line_stops_it_before_anything_is_sent(tmp_path, folder_store, capsys):
-    from tracking.run_record import read_run_record, write_run_record
+    from imgcls.tracking.run_record import read_run_record, write_run_record
 
     run_dir, store = tmp_path / "run", folder_store()
     run_dir.mkdir()
@@ -259,7 +259,7 @@ def test_replay_twice_is_one_run_and_a_bad_line_stops_it_before_anything_is_sent
 def test_replay_uploads_only_files_of_the_run_directory_and_says_what_it_left_out(tmp_path, folder_store, capsys):
     from mlflow.tracking import MlflowClient
 
-    from tracking.tracker import MlflowTracker
+    from imgcls.tracking.tracker import MlflowTracker
 
     run_dir, store = tmp_path / "run", folder_store()
     run_dir.mkdir()
@@ -323,7 +323,7 @@ class RecordingTracker:
 def test_eval_never_logs_to_a_store_that_only_the_checkpoint_names(tmp_path, monkeypatch, caplog):
     import logging
 
-    import tracking.evaluation as evaluation
+    import imgcls.tracking.evaluation as evaluation
 
     ckpt = tracked_checkpoint(tmp_path / "best.pt")
     calls = []
@@ -341,7 +341,7 @@ def test_eval_never_logs_to_a_store_that_only_the_checkpoint_names(tmp_path, mon
 def test_eval_with_an_unreachable_store_says_the_figures_were_not_added(tmp_path, caplog):
     import logging
 
-    from tracking.evaluation import log_evaluation
+    from imgcls.tracking.evaluation import log_evaluation
 
     ckpt = tracked_checkpoint(tmp_path / "best.pt")
     caplog.set_level(logging.INFO)
@@ -355,7 +355,7 @@ def test_eval_with_an_unreachable_store_says_the_figures_were_not_added(tmp_path
 
 @pytest.mark.parametrize("where", ["data root", "CSV folder", "shards", "teacher", "sqlite in data"])
 def test_a_local_store_inside_an_input_is_refused(tmp_path, where):
-    from tracking.store_location import check_store_apart
+    from imgcls.tracking.store_location import check_store_apart
 
     data = tmp_path / "data"
     (data / "train" / "cat").mkdir(parents=True)
@@ -395,7 +395,7 @@ def test_train_with_a_store_inside_the_data_exits_2_and_leaves_the_data_alone(tm
 
 
 def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
-    import tracking.store_location as config
+    import imgcls.tracking.store_location as config
 
     cfg = load_config("base", ["tracking.backend=mlflow", "tracking.uri=runs/mlruns"])
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
@@ -410,7 +410,7 @@ def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
 def test_the_installed_mlflow_refuses_a_folder_store_unless_allowed(monkeypatch):
     import mlflow.store.tracking.file_store as file_store
 
-    from tracking.store_location import folder_store_allowed
+    from imgcls.tracking.store_location import folder_store_allowed
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     refused = "MLFLOW_ALLOW_FILE_STORE" in open(file_store.__file__).read()
@@ -422,9 +422,9 @@ def test_the_installed_mlflow_refuses_a_folder_store_unless_allowed(monkeypatch)
 # ---------------------------------------------------------------- a resumed run's identity
 
 def test_a_resumed_job_keeps_the_runs_command_key_and_experiment(tmp_path, monkeypatch):
-    import tracking.training as training
-    from core.config import config_from_dict
-    from tracking.run_record import read_run_record
+    import imgcls.tracking.training as training
+    from imgcls.core.config import config_from_dict
+    from imgcls.tracking.run_record import read_run_record
 
     calls = []
     monkeypatch.setattr(training, "open_tracker", lambda *a, **k: RecordingTracker(calls, *a, **k))
@@ -444,7 +444,7 @@ def test_a_resumed_job_keeps_the_runs_command_key_and_experiment(tmp_path, monke
 
 
 def test_a_backlog_written_before_run_keys_goes_into_the_run_its_start_names(tmp_path):
-    from tracking.replay import run_groups
+    from imgcls.tracking.replay import run_groups
 
     old = [{"op": "start", "run_id": "r1", "session": "s1", "experiment": "e"},
            {"op": "metrics", "run_id": None, "session": "s1", "step": 1, "timestamp": 0, "metrics": {}},

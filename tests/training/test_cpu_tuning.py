@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from core.config import load_config
-from runtime import cpu_tuning
+from imgcls.core.config import load_config
+import imgcls.runtime.cpu_tuning as cpu_tuning
 
 # parameters named `host` that are a network host, not the CPU tuning
 NETWORK_HOSTS = {("serving/server.py", "serve"), ("serving/onnx_only/server.py", "serve_onnx"),
@@ -31,7 +31,7 @@ def test_no_function_takes_the_cpu_tuning_as_a_parameter():
 
 
 def test_run_main_tunes_the_process_once_and_calls_main_bare():
-    from commands.cli import run_main
+    from imgcls.cli import run_main
 
     seen = []
     with pytest.raises(SystemExit) as exit_info:
@@ -42,7 +42,7 @@ def test_run_main_tunes_the_process_once_and_calls_main_bare():
 
 
 def test_freed_memory_is_kept_for_training_only(monkeypatch):
-    from runtime.runtime import build_runtime
+    from imgcls.runtime.runtime import build_runtime
 
     kept = []
     monkeypatch.setattr(cpu_tuning, "keep_freed_memory", lambda: kept.append(True) or True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_tree, run_script, tiny_overrides
-from models.ema import create_ema
+from imgcls.models.ema import create_ema
 
 EMA_DECAY = 0.8
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 import yaml
 
-import training_run.trainer as trainer_module
+import imgcls.training_run.trainer as trainer_module
 from conftest import PRETRAINED_PREPROCESSING, make_tree, run_script, tiny_overrides, write_pretrained_folder
-from core.config import ConfigError, OptimConfig, load_config
-from core.errors import ModelError
-from model_files.checkpoint_files import read_checkpoint
-from training.optim import base_lr, build_optimizer, param_groups
-from training.schedule import build_scheduler
-from models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
+from imgcls.core.config import ConfigError, OptimConfig, load_config
+from imgcls.core.errors import ModelError
+from imgcls.model_files.checkpoint_files import read_checkpoint
+from imgcls.training.optim import base_lr, build_optimizer, param_groups
+from imgcls.training.schedule import build_scheduler
+from imgcls.models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
                             pretrained_preprocessing)
 from conftest import run_train_in_process
 

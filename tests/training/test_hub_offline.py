@@ -22,7 +22,7 @@ def no_network(monkeypatch, tmp_path):
     and not yet decided. Whatever the code under test switches on is undone afterwards."""
     import huggingface_hub.constants as hf_constants
 
-    from models import hub_access
+    import imgcls.models.hub_access as hub_access
 
     lookups = []
 
@@ -54,8 +54,8 @@ def fake_hub_cache(cache: Path, repo: str, folder: Path) -> None:
 
 
 def test_unreachable_hub_is_tried_once_and_fails_in_one_line(no_network):
-    from core.errors import ModelError
-    from models.factory import load_pretrained
+    from imgcls.core.errors import ModelError
+    from imgcls.models.factory import load_pretrained
 
     started = time.monotonic()
     with pytest.raises(ModelError) as err:
@@ -74,7 +74,7 @@ def test_unreachable_hub_is_tried_once_and_fails_in_one_line(no_network):
 def test_unreachable_hub_still_loads_cached_weights_without_retries(no_network, tmp_path):
     import torch
 
-    from models.factory import load_pretrained
+    from imgcls.models.factory import load_pretrained
 
     expected = write_pretrained_folder(tmp_path / "saved", num_classes=3)
     fake_hub_cache(tmp_path / "hub", "local/tiny-test", tmp_path / "saved")
@@ -84,8 +84,8 @@ def test_unreachable_hub_still_loads_cached_weights_without_retries(no_network, 
 
 
 def test_hf_hub_offline_set_means_no_probe(no_network, monkeypatch):
-    from core.errors import ModelError
-    from models.factory import load_pretrained
+    from imgcls.core.errors import ModelError
+    from imgcls.models.factory import load_pretrained
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):

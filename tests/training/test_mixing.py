@@ -10,8 +10,8 @@ from timm.data.mixup import one_hot as timm_one_hot
 from timm.loss import BinaryCrossEntropy as TimmBCE
 from timm.loss import SoftTargetCrossEntropy
 
-from tasks.losses import BinaryCrossEntropy
-from training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
+from imgcls.tasks.losses import BinaryCrossEntropy
+from imgcls.training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
 
 H = W = 16
 

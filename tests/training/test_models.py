@@ -8,8 +8,8 @@ import torchvision
 
 import train
 from conftest import TEST_MODEL, tiny_overrides
-from commands.cli import run_main
-from models.factory import ModelError, batchnorm_to_groupnorm, create_model, fold_batchnorm, load_local_weights
+from imgcls.cli import run_main
+from imgcls.models.factory import ModelError, batchnorm_to_groupnorm, create_model, fold_batchnorm, load_local_weights
 
 
 def has_batchnorm(model: torch.nn.Module) -> bool:
@@ -129,7 +129,7 @@ def test_unknown_model_exits_2_before_any_work(monkeypatch, capsys, tiny_tree, t
 
 
 def test_list_models_prints_timm_and_torchvision_names_that_build(monkeypatch, capsys):
-    from models.factory import model_exists
+    from imgcls.models.factory import model_exists
 
     monkeypatch.setattr(sys, "argv", ["train.py", "--list-models", "mobilenetv3_small"])
     with pytest.raises(SystemExit) as exit_info:
@@ -149,7 +149,7 @@ def test_list_models_prints_timm_and_torchvision_names_that_build(monkeypatch, c
 
 
 def test_cpu_model_guide_rows_are_measured_from_the_model():
-    from benchmarking.cpu_models import markdown, model_row
+    from imgcls.benchmarking.cpu_models import markdown, model_row
 
     row = model_row("resnet10t", 32, 2, 1, classes=10)
     model = create_model("resnet10t", 10)
@@ -221,7 +221,7 @@ def test_feature_tap_catches_timms_pre_logits():
     to the logits; a model without a classifier has none to tap."""
     import timm
 
-    from models.feature_tap import FeatureTap, classifier_of
+    from imgcls.models.feature_tap import FeatureTap, classifier_of
 
     model = timm.create_model("resnet10t", num_classes=4).eval()
     assert classifier_of(model) == ("fc", model.get_classifier())
@@ -243,8 +243,8 @@ def test_feature_tap_catches_timms_pre_logits():
 def test_torchvisions_classifier_is_the_last_linear_of_its_head(name, head):
     """fc / classifier / heads; in a Sequential head the last Linear, whose input is the penultimate features
     (mobilenet_v3's classifier has two Linear layers): one rule for the freeze, distillation and rejection."""
-    from models.factory import classifier_parameter_names
-    from models.feature_tap import FeatureTap, classifier_of, feature_width
+    from imgcls.models.factory import classifier_parameter_names
+    from imgcls.models.feature_tap import FeatureTap, classifier_of, feature_width
 
     model = getattr(torchvision.models, name)(num_classes=3).eval()
     found, module = classifier_of(model)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_script, tiny_overrides
-from core.config import load_config
-from tasks import get_task
-from tasks.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
+from imgcls.core.config import load_config
+from imgcls.tasks import get_task
+from imgcls.tasks.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
 from multilabel_data import TAGS, make_tag_list
 
 README_MULTILABEL = ["data.task=multilabel", "data.format=csv", "data.root={root}",

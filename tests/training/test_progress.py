@@ -17,8 +17,8 @@ import termios
 import pytest
 
 from conftest import REPO, make_tree, tiny_overrides
-from core.config import load_config
-from training_run.trainer import run
+from imgcls.core.config import load_config
+from imgcls.training_run.trainer import run
 
 TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
 

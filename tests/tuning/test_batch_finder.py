@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
+from imgcls.tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
                                  pick_fastest_small, search_max_batch)
-from training.schedule import scaled_lr
+from imgcls.training.schedule import scaled_lr
 from conftest import run_script, tiny_overrides
 
 
@@ -145,7 +145,7 @@ def test_train_with_auto_batch(tmp_path, tiny_tree):
 
 @pytest.mark.slow
 def test_out_of_memory_message_names_the_batch_size_and_the_options(capsys):
-    from commands.cli import run_main
+    from imgcls.cli import run_main
 
     def main():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarking.photos import photo
+from imgcls.benchmarking.photos import photo
 from conftest import run_script
 
 SETTINGS_KEYS = {"model", "img_size", "batch", "amp", "channels_last", "workers", "device"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import json
 
-from benchmarking.diagnose import bottleneck_verdict, worker_counts
+from imgcls.benchmarking.diagnose import bottleneck_verdict, worker_counts
 from conftest import run_script
 
 HINTS = {"img_size": 224, "amp": "fp32", "fast_bf16": True, "channels_last": True, "compile": False,

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
+from imgcls.benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
 from conftest import make_tree, run_script
-from core.config import load_config
-from tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
+from imgcls.core.config import load_config
+from imgcls.tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
 
 
 class JitteryStep:

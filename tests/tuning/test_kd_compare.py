@@ -2,9 +2,9 @@
 refuses, and reading both programs' result files."""
 import pytest
 
-from benchmarking.kd_compare import (UnmappedSetting, main, markdown_table, parse_env, summarise_ours,
+from imgcls.benchmarking.kd_compare import (UnmappedSetting, main, markdown_table, parse_env, summarise_ours,
                                      summarise_timm, timm_flags)
-from core.config import load_config
+from imgcls.core.config import load_config
 
 STUDENT = ["model.name=resnet10t", "train.epochs=6", "distill.teacher=/nowhere/best.pt"]
 

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from core.config import load_config
-from tuning import batch_finder
-from tuning.batch_finder import StepResult, format_finder_table, run_finder
-from runtime.device import DeviceInput
-from runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
-from training.step import build_train_step
-from models.factory import create_model
+from imgcls.core.config import load_config
+import imgcls.tuning.batch_finder as batch_finder
+from imgcls.tuning.batch_finder import StepResult, format_finder_table, run_finder
+from imgcls.runtime.device import DeviceInput
+from imgcls.runtime.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
+from imgcls.training.step import build_train_step
+from imgcls.models.factory import create_model
 from conftest import REPO
 
 MiB = 2**20
@@ -24,8 +24,8 @@ MiB = 2**20
 ADDS_UP_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})
-from core.config import load_config
-from tuning.batch_finder import TrainingStepProbe
+from imgcls.core.config import load_config
+from imgcls.tuning.batch_finder import TrainingStepProbe
 cfg = load_config("base", ["model.name=resnet10t", "data.img_size=48", "train.amp=none", "train.device=cpu"])
 torch.manual_seed(0)
 probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None)
@@ -106,7 +106,7 @@ def test_finder_reports_the_largest_batch_with_and_without_checkpointing(monkeyp
 
 @pytest.mark.slow
 def test_out_of_memory_names_what_fills_the_memory_and_the_options_in_order(capsys):
-    from commands.cli import run_main
+    from imgcls.cli import run_main
 
     cfg = load_config("base", ["model.name=resnet10t", "train.amp=none"])
     model = create_model("resnet10t", 3)

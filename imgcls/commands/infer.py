@@ -1,0 +1,91 @@
+"""infer.py's work: classify a file list with a model file through the Predictor, in padded fixed-shape
+batches, and write the task's rows (a table on stdout, CSV or JSON files)."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+from imgcls.data.file_list import expand_inputs, inference_batches
+from imgcls.model_files.checkpoint_files import find_newest_checkpoint
+from imgcls.prediction.predictor import Predictor
+from imgcls.prediction.trust import TrustOptions, explain_rows, extra_columns
+from imgcls.runtime.device import precision_name
+from imgcls.commands.output_roles import check_infer_outputs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
+                  output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
+                  device_setting: str = "auto", classes_file: Optional[str] = None,
+                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None) -> int:
+    """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
+    returns the exit status (0: at least one classified, 1: none)."""
+    paths = expand_inputs(inputs)
+    if checkpoint is None:
+        checkpoint = find_newest_checkpoint("runs")
+        print(f"checkpoint: {checkpoint} (the newest best.pt under runs/)", file=sys.stderr)
+    else:
+        print(f"checkpoint: {checkpoint}", file=sys.stderr)
+    trust = trust or TrustOptions()
+    check_infer_outputs(inputs, paths, checkpoint, classes_file, output, trust.explain_dir)
+    predictor = Predictor.open(checkpoint, device_setting, amp, topk, trust, threshold, classes_file,
+                               compile_model=compile_model)
+    loaded = predictor.model_file
+    batch_size = fixed_batch_size(loaded, batch_size)
+    log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
+             " (fixed by the export)" if loaded.fixed_batch else "", predictor.runtime.device,
+             precision_name(predictor.runtime.amp_dtype))
+    if threshold is not None or loaded.thresholds:
+        source = (f"--threshold {threshold}" if threshold is not None else
+                  "the per-class thresholds tuned in training")
+        print(f"multi-label: a tag is called at {source}", file=sys.stderr)
+    loader = inference_batches(paths, predictor.transform, batch_size, num_workers, predictor.runtime.device)
+    try:
+        rows = predictor.predict_rows(loader, paths)
+    finally:
+        predictor.close()
+    report_trust(predictor, paths, rows, trust)
+
+    task = predictor.task
+    print(task.format_rows(rows, predictor.delimiter))
+    failed = [r for r in rows if r["error"] is not None]
+    for r in failed:
+        log.warning("could not read %s: %s", r["path"], r["error"])
+    if output:
+        task.write_rows(rows, output, predictor.classes, predictor.topk, predictor.delimiter, extra_columns(trust))
+    classified = len(rows) - len(failed)
+    print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
+          + (f"; wrote {output}" if output else ""), file=sys.stderr)
+    return 0 if classified else 1
+
+
+def report_trust(predictor: Predictor, paths: list[str], rows: list[dict], trust: TrustOptions) -> None:
+    """--reject / --reject-below: how many became `unknown`; --explain: Grad-CAM overlays."""
+    rejector = predictor.rejector
+    if rejector is not None:
+        rejected = sum(1 for r in rows if r["error"] is None and r["label"] == "unknown" and "predicted" in r)
+        classified = sum(1 for r in rows if r["error"] is None)
+        print(f"rejected {rejected} of {classified} image(s) as {'unknown'!r} ({rejector.method} score < "
+              f"{rejector.threshold:.4g})", file=sys.stderr)
+        record = predictor.model_file.calibration or {}
+        if rejector.method == record.get("method"):  # the notes measured this method (not an export's energy)
+            for note in record.get("reject_notes", []):
+                print(f"reject warning: {note}", file=sys.stderr)
+    if trust.explain_dir:
+        explain_rows(predictor.model_file, paths, rows, predictor.classes, trust.explain_dir)
+        each = " (one per called tag)" if predictor.task.explains_each_label else ""
+        print(f"wrote Grad-CAM overlays{each} to {trust.explain_dir}", file=sys.stderr)
+
+
+def fixed_batch_size(loaded, asked: Optional[int]) -> int:
+    """--batch-size, or the batch an exported model was traced for (a fixed-batch model takes no other)."""
+    if loaded.fixed_batch is None:
+        return asked or DEFAULT_BATCH_SIZE
+    if asked is not None and asked != loaded.fixed_batch:
+        log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
+                    loaded.fixed_batch, loaded.fixed_batch, asked)
+    return loaded.fixed_batch

@@ -1,0 +1,154 @@
+"""From a config to datasets, samplers and loaders."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from imgcls.data.settings import eval_size
+from imgcls.core.errors import ConfigError
+from imgcls.data.listing.builtin import ensure_builtin
+from imgcls.data.datasets import EvalDataset, TrainDataset
+from imgcls.data.eval_preprocessing import EvalPreprocessing
+from imgcls.data.listing.folder import ImageIndex
+from imgcls.data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
+from imgcls.data.samplers import TrainSampler
+from imgcls.data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
+from imgcls.data.listing.labelling.tags import TagIndex, describe_tags
+from imgcls.data.listing.sources.source import DataSources
+from imgcls.data.listing.sources.registry import scan_sources
+from imgcls.data.transforms import EvalTransform, TrainTransform, auto_augment_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunData:
+    """What a training run reads: the training split with its sampler and loader, the validation split
+    with its loader."""
+
+    classes: list[str]
+    train_index: ImageIndex | ShardIndex
+    val_index: ImageIndex | ShardIndex
+    sampler: TrainSampler | ShardTrainStream   # set_epoch(epoch, start_batch) and num_batches() either way
+    train_loader: object
+    val_loader: object
+    sources: DataSources   # the source's identity and split, for the checkpoint and the run directory
+
+
+def prepare_root(cfg) -> Path | None:
+    if not cfg.data.root:  # CSV lists without a root: their paths resolve against their own folders
+        return None
+    root = Path(cfg.data.root).expanduser()
+    if cfg.data.builtin:
+        ensure_builtin(cfg.data.builtin, root)
+    return root
+
+
+def scan_splits(cfg) -> tuple[ImageIndex, ImageIndex]:
+    """The training and validation indexes of whatever `data.format` names."""
+    sources = scan_sources(cfg)
+    return sources.train_index, sources.val_index
+
+
+def eval_transform(data_cfg) -> EvalTransform:
+    """The evaluation preprocessing of a config's `data` section (resize, centre crop, interpolation), at
+    `data.eval_img_size` when set (FixRes: evaluate at another size than training)."""
+    return EvalTransform(eval_size(data_cfg), data_cfg.crop_pct, data_cfg.interpolation, data_cfg.channels,
+                         data_cfg.value_range)
+
+
+def train_transform(data_cfg) -> TrainTransform:
+    d = data_cfg
+    policy = auto_augment_policy(d.auto_augment, d.auto_augment_magnitude, d.auto_augment_ops, d.interpolation)
+    return TrainTransform(d.img_size, d.scale, d.ratio, d.hflip, d.color_jitter, d.interpolation, policy, d.channels,
+                          d.value_range)
+
+
+def describe_augmentation(data_cfg) -> list[str]:
+    """Start-up lines for the data-side recipe knobs that are on (nothing when all are off)."""
+    d = data_cfg
+    lines = []
+    if d.channels != 3 or d.value_range is not None:
+        lines.append(f"data.channels={d.channels}: files read as {d.channels} float band(s), scaled by "
+                     + (f"data.value_range={d.value_range}" if d.value_range is not None else "their sample type's "
+                        "range") + f"; normalised per channel with mean {d.mean}, std {d.std}"
+                     + (" (the ImageNet RGB values do not apply: auto, measured on the training split, unless "
+                        "data.mean / data.std are set)"
+                        if d.channels != 3 else ""))
+    if d.auto_augment == "randaugment":
+        lines.append(f"auto-augment: randaugment, {d.auto_augment_ops} ops at magnitude {d.auto_augment_magnitude}")
+    elif d.auto_augment is not None:
+        lines.append(f"auto-augment: {d.auto_augment}" + (f" (severity {d.auto_augment_magnitude}, clipped to 1..10)"
+                                                          if d.auto_augment == "augmix" else ""))
+    if d.repeated_augment > 1:
+        lines.append(f"repeated augmentation x{d.repeated_augment}: each epoch takes 1/{d.repeated_augment} of the "
+                     f"training images, each {d.repeated_augment} times with its own augmentation")
+    if eval_size(d) != d.img_size:
+        lines.append(f"training at {d.img_size} px, evaluating at {eval_size(d)} px "
+                     f"(resize {eval_transform(d).resize_to}, centre crop)")
+    return lines
+
+
+def build_eval_loader_for(index, transform: EvalTransform, img_size: int, batch_size: int, num_workers: int,
+                          pin_memory: bool, rank: int = 0, world_size: int = 1, persistent_workers: bool = False,
+                          prefetch_factor: int = 2, limit_samples: int | None = None):
+    """The evaluation loader of a split (a file index or a shard set): this rank's share, each sample once."""
+    if isinstance(index, ShardIndex):
+        stream = ShardEvalStream(index, transform, img_size, rank, world_size, limit_samples)
+        return build_stream_eval_loader(stream, batch_size, num_workers, pin_memory, prefetch_factor)
+    return build_eval_loader(EvalDataset(index, transform, img_size), batch_size, num_workers, pin_memory, rank,
+                             world_size, persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                             limit_samples=limit_samples)
+
+
+def build_train_stream(cfg, index: ShardIndex, transform, batch_size: int, rank: int, world_size: int,
+                       pin_memory: bool) -> tuple[ShardTrainStream, object]:
+    """A shard set's training stream (which is also the run's sampler) and its loader."""
+    d = cfg.data
+    stream = ShardTrainStream(index, transform, cfg.train.seed, batch_size, rank, world_size, d.num_workers,
+                              d.shuffle_buffer, shuffle=d.sampler != "sequential")
+    return stream, build_stream_train_loader(stream, batch_size, d.num_workers, pin_memory, d.prefetch_factor)
+
+
+def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
+    sources = scan_sources(cfg)
+    train_index, val_index = sources.train_index, sources.val_index
+    d = cfg.data
+    transform = train_transform(d)
+    for line in describe_augmentation(d):
+        log.info(line)
+    for name, index in (("training", train_index), ("validation", val_index)):
+        if isinstance(index, TagIndex):
+            log.info("%s: %s", name, describe_tags(index))
+    if d.sampler == "sequential":
+        log.warning("data.sampler=sequential: the training split is read in a fixed order every epoch; the loss "
+                    "will cycle with the class order. Use data.sampler=random (or weighted) unless you mean it.")
+    if isinstance(train_index, ShardIndex):
+        sampler, train_loader = build_train_stream(cfg, train_index, transform, batch_size, rank, world_size,
+                                                   pin_memory)
+    else:
+        sampler = TrainSampler(train_index.labels, d.sampler, cfg.train.seed, batch_size, rank, world_size,
+                               repeats=d.repeated_augment)
+        train_loader = build_train_loader(TrainDataset(train_index, transform), sampler, batch_size, d.num_workers,
+                                          pin_memory, d.persistent_workers, d.prefetch_factor, cfg.train.seed)
+    if sampler.num_batches() == 0:
+        share = len(train_index) // world_size
+        smaller = small_folder_batch(share)
+        raise ConfigError(f"'train.batch_size' = {batch_size} is larger than this process's share of the training "
+                          f"split ({share} images); lower it, e.g. train.batch_size={smaller} "
+                          f"({share // smaller} batches per epoch)")
+    val_limit = d.limit_val_batches * batch_size if d.limit_val_batches else None
+    val_loader = build_eval_loader_for(val_index, eval_transform(d), eval_size(d), batch_size, d.num_workers,
+                                       pin_memory, rank, world_size, d.persistent_workers, d.prefetch_factor,
+                                       val_limit)
+    return RunData(train_index.classes, train_index, val_index, sampler, train_loader, val_loader, sources)
+
+
+def small_folder_batch(images: int) -> int:
+    """A batch size for a split of `images` images that gives at least four batches per epoch: the largest
+    power of two at most a quarter of them (1 for fewer than 8 images)."""
+    batch = 1
+    while batch * 2 <= images // 4:
+        batch *= 2
+    return batch

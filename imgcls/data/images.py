@@ -1,0 +1,212 @@
+"""Reading an image file into an RGB PIL image, the same way in training, evaluation and inference.
+
+Policy: EXIF orientation applied; 16-bit and 32-bit grayscale scaled to 8 bits (PIL's own
+`convert('RGB')` clips them to white); alpha (RGBA, LA, PA, palette transparency) composited on a
+white background; CMYK and YCbCr converted; JPEGs may be decoded at a reduced size (`draft`) when
+the caller only needs a smaller image.
+"""
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from imgcls.core.errors import ImageDecodeError
+
+try:  # libjpeg-turbo straight into an array (requirements.txt); without it every JPEG goes through PIL
+    import simplejpeg
+except ImportError:  # pragma: no cover - the PIL path is the same pixels
+    simplejpeg = None
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm", ".npy")
+BACKGROUND = (255, 255, 255)
+_TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
+
+
+def is_image_file(path: str | Path) -> bool:
+    return str(path).lower().endswith(IMAGE_EXTENSIONS)
+
+
+def require_regular_file(path: str | Path) -> None:
+    """ImageDecodeError unless `path` is a regular file (or a link to one): opening a FIFO blocks until a
+    writer comes, and a device or socket is no image either. Bytes in memory (a shard's sample) pass."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise ImageDecodeError(f"{path}: {type(err).__name__}: {err.strerror or err}") from err
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "a special file"
+        raise ImageDecodeError(f"{path}: not a regular file ({kind})")
+
+
+def open_image(path, name=None) -> Image.Image:
+    """Open lazily (header only): a path, or a file object whose messages say `name`. Raises ImageDecodeError
+    for anything unreadable."""
+    require_regular_file(path)
+    try:
+        return Image.open(path)
+    except Exception as err:  # UnidentifiedImageError, OSError, DecompressionBomb*, ...
+        # PIL names a file object by its repr ("cannot identify image file <_io.BytesIO ...>"): say the file
+        message = str(err) if name is None else str(err).replace(repr(path), repr(str(name)))
+        raise ImageDecodeError(f"{name or path}: {type(err).__name__}: {message}") from err
+
+
+def orientation(img: Image.Image) -> int:
+    """The EXIF orientation (1: upright; an unreadable tag counts as upright, as PIL's exif_transpose does)."""
+    try:
+        return img.getexif().get(0x0112, 1)
+    except Exception:
+        return 1
+
+
+def oriented_size(img: Image.Image) -> tuple[int, int]:
+    """(width, height) after the EXIF orientation is applied."""
+    w, h = img.size
+    return (h, w) if orientation(img) in _TRANSPOSED_ORIENTATIONS else (w, h)
+
+
+def draft_scale(size: tuple[int, int], min_size: tuple[int, int]) -> int:
+    """The reduction PIL's JPEG `draft` picks for `min_size`: the largest of 8, 4, 2, 1 that the whole
+    multiples of `min_size` in `size` allow."""
+    scale = min(size[0] // max(1, int(min_size[0])), size[1] // max(1, int(min_size[1])))
+    return next((s for s in (8, 4, 2, 1) if scale >= s), 1)
+
+
+def decode_plain_jpeg(img: Image.Image, buf, min_size: tuple[int, int] | None = None) -> np.ndarray | None:
+    """[H, W, 3] uint8 of a plain JPEG (colour, upright) that PIL opened from the bytes `buf`, decoded by
+    libjpeg-turbo straight into an array (simplejpeg) at the scale `decode_rgb`'s draft takes: the same pixels
+    as `decode_rgb` for ~2/3 of its CPU time on photos (docs/performance.md, "JPEG decoding"). None where it
+    does not apply (simplejpeg absent, another format or mode, an EXIF orientation, anything libjpeg-turbo
+    reports, even a recoverable error): `decode_rgb` then decodes, or refuses, the file as before."""
+    if simplejpeg is None or img.format != "JPEG" or img.mode != "RGB" or orientation(img) != 1:
+        return None
+    return decode_jpeg_array(buf, img.size, min_size)
+
+
+# APP segments after which PIL may show a JPEG otherwise than its pixels are stored: an EXIF or XMP block (an
+# orientation), a multi-picture index (PIL opens it as MPO)
+_NOT_PLAIN_SEGMENTS = ((0xE1, b"Exif"), (0xE1, b"http://ns.adobe.com/xap/1.0/\x00"), (0xE2, b"MPF\x00"))
+_STANDALONE_MARKERS = frozenset([0x01, 0xD8, *range(0xD0, 0xD8)])
+
+
+def plain_jpeg_size(buf) -> tuple[int, int] | None:
+    """(width, height) of a JPEG that PIL would open as a plain upright colour image (format JPEG, mode RGB,
+    orientation 1), read from its header segments and libjpeg-turbo's header alone: no EXIF or XMP block, no
+    multi-picture index, three colour components, within PIL's pixel limit. None for anything else, and
+    wherever simplejpeg is absent: PIL then opens the file (its checks, its refusals). Opening with PIL to learn
+    this cost ~6% of a training image's CPU (real-photo crops at 224 px)."""
+    if simplejpeg is None or len(buf) < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
+        return None
+    i, n = 2, len(buf)
+    while i + 4 <= n:
+        if buf[i] != 0xFF:
+            return None
+        marker = buf[i + 1]
+        if marker == 0xFF or marker in _STANDALONE_MARKERS:
+            i += 1 if marker == 0xFF else 2
+            continue
+        if marker == 0xDA:  # the scan: the header is over
+            break
+        end = i + 2 + ((buf[i + 2] << 8) | buf[i + 3])
+        if any(marker == m and bytes(buf[i + 4:min(end, i + 4 + len(tag))]) == tag for m, tag in _NOT_PLAIN_SEGMENTS):
+            return None
+        i = end
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(buf)
+    except (ValueError, OSError):
+        return None
+    limit = Image.MAX_IMAGE_PIXELS
+    if colorspace not in ("YCbCr", "RGB") or width < 1 or height < 1 or (limit and width * height > limit):
+        return None
+    return width, height
+
+
+def decode_jpeg_array(buf, size: tuple[int, int], min_size: tuple[int, int] | None = None) -> np.ndarray | None:
+    """[H, W, 3] uint8 of the plain colour JPEG `buf` of `size` (width, height), decoded by libjpeg-turbo at the
+    scale PIL's draft would take for `min_size`; None for anything libjpeg-turbo reports (even recoverable)."""
+    scale = draft_scale(size, min_size) if min_size is not None else 1
+    width, height = (size[0] + scale - 1) // scale, (size[1] + scale - 1) // scale
+    try:
+        array = simplejpeg.decode_jpeg(buf, colorspace="RGB", min_factor=scale, min_width=width,
+                                       min_height=height, strict=True)
+    except (ValueError, OSError):
+        return None
+    return array if array.shape == (height, width, 3) else None
+
+
+def load_rgb(path: str | Path, min_size: tuple[int, int] | None = None) -> Image.Image:
+    """Decode `path` as an 8-bit RGB image with the policy above.
+
+    `min_size` (width, height in displayed orientation): the smallest size the caller needs; a JPEG
+    may then be decoded at 1/2, 1/4 or 1/8 scale, never below it.
+    """
+    return decode_rgb(open_image(path), path, min_size)
+
+
+def decode_rgb(img: Image.Image, name, min_size: tuple[int, int] | None = None) -> Image.Image:
+    """`load_rgb` of an image `open_image` opened (errors name `name`)."""
+    try:
+        if min_size is not None and img.format == "JPEG":
+            w, h = min_size
+            if oriented_size(img) != img.size:
+                w, h = h, w
+            img.draft("RGB", (max(1, int(w)), max(1, int(h))))
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the whole image when upright
+        return to_rgb(img)
+    except ImageDecodeError:
+        raise
+    except Exception as err:
+        raise ImageDecodeError(f"{name}: {type(err).__name__}: {err}") from err
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        return Image.fromarray(_wide_to_uint8(np.asarray(img), mode)).convert("RGB")
+    if mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+        mode = img.mode
+        if mode == "RGB":  # an opaque palette image is done here
+            return img
+    if mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode == "L" and "transparency" in img.info:
+        return to_rgb(img.convert("LA"))
+    if mode in ("L", "1", "CMYK", "YCbCr", "LAB", "HSV", "RGBX"):
+        return img.convert("RGB")
+    raise ImageDecodeError(f"unsupported image mode {mode!r}")
+
+
+def _wide_to_uint8(array: np.ndarray, mode: str) -> np.ndarray:
+    array = array.astype(np.float64)
+    if mode == "F":
+        scale = 255.0 if array.size and array.max() <= 1.0 else 1.0
+        return np.clip(array * scale, 0, 255).round().astype(np.uint8)
+    if mode == "I" and array.size and array.max() <= 255 and array.min() >= 0:
+        return array.astype(np.uint8)
+    return np.clip(array / 257.0, 0, 255).round().astype(np.uint8)
+
+
+# An image longer than this many times its short side is cut to that ratio around its centre before the eval
+# resize: the work is bounded by the output size whatever the shape (a 400000x1 PNG of a few KB).
+MAX_EVAL_ASPECT = 16
+
+
+def centre_box(width: int, height: int, max_aspect: float = MAX_EVAL_ASPECT) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the image's centre with its long side at most `max_aspect` times its
+    short side: the whole image unless it is longer than that."""
+    short = min(width, height)
+    keep_w, keep_h = min(width, math.ceil(short * max_aspect)), min(height, math.ceil(short * max_aspect))
+    left, top = (width - keep_w) // 2, (height - keep_h) // 2
+    return left, top, left + keep_w, top + keep_h

@@ -1,0 +1,42 @@
+"""`Source`: one place samples come from (`data.format`), what the rest of the program asks of it: its
+training and validation indexes (`scan`), the validation data eval.py evaluates a checkpoint on, where its
+relative paths resolve, and which list files eval.py --data can name for it. Each source is one module
+(data/listing/source_*.py), registered in data/listing/sources/registry.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from imgcls.data.listing.folder import ImageIndex
+from imgcls.data.listing.split import SplitRecord
+from imgcls.data.shards import ShardIndex
+
+
+@dataclass
+class DataSources:
+    train_index: ImageIndex | ShardIndex
+    val_index: ImageIndex | ShardIndex
+    split: Optional[SplitRecord] = None
+    identity: dict = field(default_factory=dict)  # what last.pt / best.pt record as `data_source`
+
+    @property
+    def classes(self) -> list[str]:
+        return self.train_index.classes
+
+
+@dataclass
+class EvalSource:
+    index: ImageIndex | ShardIndex
+    data: str        # the data root or list evaluated
+    split: str       # the split's name: a folder name, 'held_out' (a data.val_fraction split), 'csv', 'shards'
+    described: str   # for people
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str                                  # the data.format value
+    scan: Callable                             # (data cfg) -> DataSources
+    validation: Callable                       # (data cfg, classes) -> EvalSource: a checkpoint's own validation data
+    base: Optional[Callable] = None            # (data cfg) -> Path where a recorded split's paths resolve
+    list_suffix: Optional[str] = None          # the suffix of a list eval.py --data may name (.csv, .tar)
+    listed: Optional[Callable] = None          # (data cfg, classes, that list) -> EvalSource

@@ -1,0 +1,81 @@
+"""`ModelFile`: a model file opened for evaluation, prediction or export, whatever its kind (a checkpoint
+written by train.py, ONNX, a torch.export program, a timm folder), and `FunctionModel`, which makes a
+batch -> logits function (an onnxruntime session, an exported program) a module."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from imgcls.core.config import Config
+from imgcls.core.temperature import check_calibration_record
+from imgcls.data.build import eval_transform
+from imgcls.data.transforms import EvalTransform
+from imgcls.tasks import task_of
+from imgcls.tasks.base import Task
+
+
+@dataclass
+class ModelFile:
+    """A model file opened for evaluation or prediction."""
+
+    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino | timm
+    path: Path
+    cfg: Config
+    classes: list[str]
+    epoch: Optional[int]
+    build: Callable                 # (device, channels_last) -> eval-mode module: normalised batch -> logits
+    fixed_batch: Optional[int] = None   # the batch an exported model was traced for (None: any)
+    saved_val_limit: Optional[int] = None
+    threads: Optional[int] = None       # CPU threads the training run validated with (checkpoints record it)
+    data_source: Optional[dict] = None  # the training run's data record (split file lists, ...; checkpoints)
+    state_dict: Optional[dict] = None   # a checkpoint's weights (bare state_dict; export.py reads them)
+    calibration: Optional[dict] = None  # temperature and reject record (evaluation.trust); exports: numbers only
+    thresholds: Optional[list] = None   # a multi-label model's per-class thresholds tuned in training
+    build_embedding: Optional[Callable] = None  # (device, channels_last) -> module: batch -> pre-logits features
+                                                # (an ONNX file exported with --embedding; None: from `build`)
+    source_digest: Optional[str] = None  # the sha256 of the checkpoint an export was written from (--embedding)
+
+    def __post_init__(self):
+        check_calibration_record(self.calibration, self.path)
+
+    @property
+    def task(self) -> Task:
+        return task_of(self.cfg)
+
+    @property
+    def fp32_only(self) -> bool:
+        """onnxruntime / OpenVINO run the exported fp32 graph; autocast does not reach it."""
+        return self.kind in ("onnx", "openvino")
+
+    def eval_transform(self) -> EvalTransform:
+        return eval_transform(self.cfg.data)
+
+    def build_model(self, device: torch.device, channels_last: bool) -> torch.nn.Module:
+        return self.build(device, channels_last)
+
+
+class FunctionModel(torch.nn.Module):
+    """A batch -> logits function (an onnxruntime session, an exported program) as a module in eval mode.
+    With a fixed batch, every call is cut into batches of exactly that size, the last one padded with
+    zeros whose outputs are dropped."""
+
+    def __init__(self, function: Callable, fixed_batch: Optional[int] = None):
+        super().__init__()
+        self.function = function  # a plain callable, not a submodule: exported programs refuse .eval()
+        self.fixed_batch = fixed_batch
+        self.eval()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.fixed_batch is None:
+            return self.function(images)
+        outputs = []
+        for chunk in images.split(self.fixed_batch):
+            n = len(chunk)
+            if n < self.fixed_batch:
+                chunk = torch.cat([chunk, chunk.new_zeros((self.fixed_batch - n, *chunk.shape[1:]))])
+            outputs.append(self.function(chunk)[:n])
+        return torch.cat(outputs)
+

@@ -1,0 +1,43 @@
+"""The objectives, registered in `OBJECTIVES`; the run's is chosen by its config (`objective_name`) and built
+once by `build_objective`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from imgcls.objectives.base import Objective
+from imgcls.objectives.distillation.distiller import build_distiller, check_no_teacher
+from imgcls.objectives.distillation.teacher import check_teacher
+from imgcls.tasks import task_of
+
+
+def build_task_objective(cfg, classes: Optional[list[str]], model: torch.nn.Module,
+                         device: torch.device) -> Objective:
+    return Objective(task_of(cfg).criterion(cfg.train))
+
+
+OBJECTIVES = {"task": build_task_objective, "distill": build_distiller}
+
+
+def objective_name(cfg) -> str:
+    return "distill" if cfg.distill.teacher else "task"
+
+
+def check_objective(cfg) -> None:
+    """Before any work (exit 2): what the objective needs can be had (distillation: a teacher that can teach)."""
+    if objective_name(cfg) == "distill":
+        check_teacher(cfg)
+
+
+def build_objective(cfg, classes: Optional[list[str]], model: torch.nn.Module, device: torch.device) -> Objective:
+    """The run's objective around the bare `model`. `classes` None: for measuring a step's cost only (tune.py's
+    batch finder on synthetic data), nothing is checked against the data."""
+    return OBJECTIVES[objective_name(cfg)](cfg, classes, model, device)
+
+
+def check_resume_objective(ckpt: dict, objective: Objective) -> None:
+    """--resume continues with the objective the checkpoint was trained with (ConfigError, exit 2)."""
+    objective.check_resume(ckpt)
+    if objective.name != "distill":
+        check_no_teacher(ckpt)
