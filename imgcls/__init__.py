@@ -24,7 +24,7 @@ def load_config(config: Union[str, Path, dict, None] = None, overrides: Union[di
     """A validated Config: `config` a name in configs/, a YAML path or a dict of sections over base.yaml's
     defaults; `overrides` dotted keys, as {"train.epochs": 3} or ["train.epochs=3"]. A mistake raises
     ConfigError naming the key and what is allowed."""
-    from imgcls.core.config import Config, apply_dict, apply_overrides, load_config as load_named, nest, validate
+    from imgcls.config import Config, apply_dict, apply_overrides, load_config as load_named, nest, validate
 
     if not isinstance(config, dict) and not isinstance(overrides, dict):
         return load_named(str(config) if config is not None else "base", list(overrides))
@@ -45,7 +45,7 @@ def train(config: Union[str, Path, dict, None] = None, overrides: Union[dict, It
     """Train as train.py does and return the run's summary.json. A usage mistake raises ConfigError (train.py's
     exit 2) before any work; a run that does not finish raises RuntimeError with its exit status (its run
     directory keeps last.pt for `resume`)."""
-    from imgcls.training_run.trainer import run
+    from imgcls.training.trainer import run
 
     cfg = load_config(config, overrides)
     code = run(cfg, resume=resume, finetune=finetune)
@@ -64,7 +64,7 @@ class Classifier:
     @classmethod
     def load(cls, path: Union[str, Path], device: str = "auto", amp: Optional[str] = None,
              topk: int = 5) -> "Classifier":
-        from imgcls.prediction.predictor import Predictor
+        from imgcls.model_files.predictor import Predictor
 
         if not Path(path).exists():
             raise ConfigError(f"Classifier.load: {path} does not exist")
@@ -78,7 +78,7 @@ class Classifier:
                 num_workers: int = 0) -> list[dict]:
         """infer.py's rows for image files, folders or globs (unreadable files get `error`)."""
         from imgcls.commands.infer import fixed_batch_size
-        from imgcls.data.file_list import expand_inputs, inference_batches
+        from imgcls.data.datasets import expand_inputs, inference_batches
 
         inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
         paths = expand_inputs(inputs)
@@ -94,7 +94,7 @@ class Classifier:
         import numpy
 
         from imgcls.commands.infer import fixed_batch_size
-        from imgcls.data.file_list import expand_inputs, inference_batches
+        from imgcls.data.datasets import expand_inputs, inference_batches
         from imgcls.embedding.embedder import Embedder
 
         inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]

@@ -195,7 +195,7 @@ def root_logging_restored():
 def fresh_cpu_policy():
     """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
     would read as the user's) and the start load in `runtime.cpu_tuning`: each test starts without them."""
-    import imgcls.runtime.cpu_tuning as cpu_tuning
+    import imgcls.compute.cpu_tuning as cpu_tuning
 
     saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     started = cpu_tuning.process_start()
@@ -261,7 +261,7 @@ IN_PROCESS = {"model.name": "test_resnet", "output.tensorboard": "false", "outpu
 
 
 def make_cfg(data_root: Path, out: Path, **extra):
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
 
     return load_config("base", tiny_overrides(data_root, out, **(IN_PROCESS | extra)))
 
@@ -294,7 +294,7 @@ def trainer_of():
     test's end: `trainer = trainer_of(cfg, resume=..., finetune=...)`."""
     import contextlib
 
-    from imgcls.training_run.trainer import open_trainer
+    from imgcls.training.trainer import open_trainer
 
     with contextlib.ExitStack() as stack:
         yield lambda cfg, **kwargs: stack.enter_context(open_trainer(cfg, **kwargs))
@@ -310,7 +310,7 @@ def faults_tree(tmp_path_factory) -> Path:
 def finished_run(faults_tree, tmp_path_factory) -> Path:
     """A 2-epoch in-process run on `faults_tree`: last.pt (step 8), last.prev.pt (step 4), best.pt. Tests
     read it or copy it; none changes it."""
-    from imgcls.training_run.trainer import run
+    from imgcls.training.trainer import run
 
     out = tmp_path_factory.mktemp("finished") / "run"
     assert run(make_cfg(faults_tree, out)) == 0

@@ -2,14 +2,13 @@
 so that each spawned process imports only what it needs)."""
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
-from imgcls.runtime.device import DeviceInput
+from imgcls.compute.device import DeviceInput
 from imgcls.objectives.base import Objective
 from imgcls.training.loop import measuring_parts, train_one_epoch
-from imgcls.rundir.state import EpochCounters, TrainState
+from imgcls.training.state import EpochCounters, TrainState
 from imgcls.training.step import TrainStep
 
 
@@ -47,8 +46,8 @@ def thread_counts_agreed(rank: int, world: int, init_file: str, out_dir: str) ->
     the count each settles on."""
     import os
 
-    from imgcls.core.config import load_config
-    from imgcls.runtime.runtime import Runtime
+    from imgcls.compute.device import Runtime
+    from imgcls.config import load_config
 
     os.environ["OMP_NUM_THREADS"] = str(rank + 1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -66,10 +65,10 @@ def calibrate_where_one_rank_cannot_see_best(rank: int, world: int, init_file: s
     from datetime import timedelta
     from pathlib import Path
 
-    from imgcls.core.config import load_config
+    from imgcls.compute.distributed import DistInfo
+    from imgcls.config import load_config
     from imgcls.models.factory import build_model
-    from imgcls.runtime.distributed import DistInfo
-    from imgcls.training_run.calibrate import best_is_calibrated, calibrate_best
+    from imgcls.training.calibrate import best_is_calibrated, calibrate_best
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import REPO, tiny_overrides, wait_for
 
 # 36 training images, batch 8: 4 optimizer steps per epoch (the short last batch is dropped), 2 epochs.

@@ -42,8 +42,8 @@ def halt(marker: str) -> None:
 
 
 def pause_in_validation(marker: str, n: int) -> None:
-    import imgcls.training_run.trainer as trainer
-    from imgcls.runtime.signals import StopSignal
+    import imgcls.training.trainer as trainer
+    from imgcls.compute.distributed import StopSignal
 
     real_evaluate = trainer.evaluate
     calls = {"n": 0}
@@ -59,8 +59,8 @@ def pause_in_validation(marker: str, n: int) -> None:
 
 
 def wait_for_signal_after_save(marker: str, n: int) -> None:
-    import imgcls.training_run.trainer as trainer
-    from imgcls.runtime.signals import StopSignal
+    import imgcls.training.trainer as trainer
+    from imgcls.compute.distributed import StopSignal
 
     real_handle = StopSignal._handle
     got = []
@@ -80,8 +80,8 @@ def wait_for_signal_after_save(marker: str, n: int) -> None:
 
 
 def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
-    import imgcls.rundir.atomic_files as checkpoint
-    import imgcls.rundir.checkpoints as checkpointer
+    import imgcls.training.checkpoints as checkpoint
+    import imgcls.training.checkpoints as checkpointer
 
     real_save = checkpoint.save_atomic
     calls = {"n": 0}
@@ -98,8 +98,9 @@ def pause_after_save(marker: str, n: int, at_pause=halt) -> None:
 
 
 def pause_in_save(marker: str, n: int) -> None:
-    import imgcls.rundir.atomic_files as checkpoint
     from conftest import HalfWriter
+
+    import imgcls.training.checkpoints as checkpoint
 
     real_save = checkpoint.save_atomic
     real_fdopen = os.fdopen
@@ -114,7 +115,7 @@ def pause_in_save(marker: str, n: int) -> None:
         return real_save(obj, path, keep_previous)
 
     checkpoint.save_atomic = save_atomic
-    import imgcls.rundir.checkpoints as checkpointer
+    import imgcls.training.checkpoints as checkpointer
 
     checkpointer.save_atomic = save_atomic
 
@@ -125,8 +126,8 @@ def block_reads_in_validation(marker: str, n: int) -> None:
     the N-th epoch's training starts, before the validation workers (started during its last step) read;
     MARKER is written when the pass starts in the main process, which then waits on those reads."""
     import imgcls.data.datasets as datasets
-    import imgcls.training_run.trainer as trainer
-    from imgcls.runtime.signals import StopSignal
+    import imgcls.training.trainer as trainer
+    from imgcls.compute.distributed import StopSignal
 
     fifo = Path(marker).with_name(Path(marker).name + ".fifo")
     real_getitem = datasets.EvalDataset.__getitem__
@@ -160,8 +161,8 @@ def wait_for_signal_in_validation(marker: str, n: int) -> None:
     """The first file read of the N-th validation pass (in this process: run with data.num_workers=0) writes
     MARKER and waits until the process has received a stop signal; then validation goes on."""
     import imgcls.data.datasets as datasets
-    import imgcls.training_run.trainer as trainer
-    from imgcls.runtime.signals import StopSignal
+    import imgcls.training.trainer as trainer
+    from imgcls.compute.distributed import StopSignal
 
     real_handle, real_getitem, real_evaluate = StopSignal._handle, datasets.EvalDataset.__getitem__, trainer.evaluate
     got, calls = [], {"n": 0, "waited": False}
@@ -200,7 +201,6 @@ if __name__ == "__main__":
          "val_signal": wait_for_signal_in_validation}[kind](marker, int(n))
     sys.argv = [str(REPO / "train.py"), *sys.argv[4:]]
     import train
-
     from imgcls.cli import run_main
 
     run_main(train.main)

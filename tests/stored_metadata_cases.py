@@ -30,7 +30,7 @@ BAD_METADATA = [
 
 def good_metadata() -> dict:
     """What export.py stores for a 3-class single-label model at 16 px (model_files.metadata.export_metadata)."""
-    from imgcls.core.config import Config
+    from imgcls.config import Config
 
     cfg = Config()
     cfg.model.name, cfg.data.img_size = "resnet10t", IMG_SIZE

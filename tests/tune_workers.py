@@ -8,12 +8,11 @@ import torch.distributed as dist
 
 
 def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out_dir: str) -> None:
-    from imgcls.core.config import load_config
-    from imgcls.runtime.device import select_device
-    from imgcls.runtime.distributed import DistInfo
-    from imgcls.runtime.runtime import Runtime
-    from imgcls.tuning.sweep import run_lr_range
+    from imgcls.compute.device import Runtime, select_device
+    from imgcls.compute.distributed import DistInfo
+    from imgcls.config import load_config
     from imgcls.tuning.arithmetic import lr_suggestion
+    from imgcls.tuning.sweep import run_lr_range
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgcls.core.errors import DataTreeError
-from imgcls.data.listing.labelling.labels import label_format
-from imgcls.data.listing.folder import ImageIndex, scan_split
+from imgcls.data.labels import label_format
+from imgcls.data.listing import ImageIndex, relative_key, scan_split
 from imgcls.data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
-from imgcls.data.listing.sources.source_csv import csv_base, read_list
-from imgcls.data.listing.sources.registry import scan_sources
-from imgcls.data.listing.split import relative_key
+from imgcls.data.sources import scan_sources
+from imgcls.data.sources.source_csv import csv_base, read_list
 
 log = logging.getLogger("audit")
 

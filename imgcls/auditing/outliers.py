@@ -59,11 +59,10 @@ def fold_outlier_z(opened, files: list[str], num_workers: int,
     """The lowest robust z of OUTLIER_PARTS for each of `files` (filed under `labels`: standardised per class)
     under the fold's calibrated best.pt (`opened`: folds.open_model's (ModelFile, model, device, amp dtype));
     None when it holds no feature fits (a model without a timm classifier); nan for an unreadable file."""
+    from imgcls.compute.device import DeviceInput
     from imgcls.data.build import build_eval_loader_for
-    from imgcls.data.listing.folder import ImageIndex
-    from imgcls.evaluation.split_outputs import collect_outputs
-    from imgcls.evaluation.rejection import rejector_from_record
-    from imgcls.runtime.device import DeviceInput
+    from imgcls.data.listing import ImageIndex
+    from imgcls.evaluation.rejection import collect_outputs, rejector_from_record
 
     loaded, model, device, amp = opened
     record = loaded.calibration

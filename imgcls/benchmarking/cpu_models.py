@@ -7,7 +7,6 @@ python -m imgcls.benchmarking.cpu_models [--models NAME,NAME,...] [--img-size 22
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -21,7 +20,7 @@ def model_row(name: str, img_size: int, batch: int, repeats: int, classes: int =
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
     from imgcls.models.factory import build_model
 
     model = build_model(load_config("quickstart", [f"model.name={name}"]).model, classes).eval()
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
           f"{args.repeats}")
     print(markdown(rows))
     if args.json:
-        from imgcls.core.outputs import write_json
+        from imgcls.core.files import write_json
 
         write_json({"img_size": args.img_size, "batch": args.batch, "threads": torch.get_num_threads(),
                     "rows": rows}, args.json)

@@ -169,9 +169,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"kd_compare: {err}", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))
-    from imgcls.core.config import load_config
+    from imgcls.compute.device import resolve_amp, select_device
+    from imgcls.config import load_config
     from imgcls.core.errors import ConfigError
-    from imgcls.runtime.device import resolve_amp, select_device
 
     args.out.mkdir(parents=True, exist_ok=True)
     teacher_dir = args.out / "teacher_timm"

@@ -1,24 +1,174 @@
-"""`benchmark.py --mode train|infer`: real training steps and infer.py's prediction pass, on the real
-loader or on a synthetic batch already on the device."""
+"""`benchmark.py --mode find-batch`'s reading for a person (stderr; stdout keeps the one JSON object): what to
+set, why, and how far the timings can be trusted.
+
+Loader throughput: our training loader against torchvision's ImageFolder + PIL + transforms, timed in
+alternation, whole epochs at a time (`benchmark.py --mode loader`).
+
+`benchmark.py --mode train|infer`: real training steps and infer.py's prediction pass, on the real
+loader or on a synthetic batch already on the device.
+
+`benchmark.py --mode diagnose`: which part bounds training. It measures the loader alone (the configured
+workers, and 0, 1, 2, 4, ... up to the core count), the model alone (real training steps on a synthetic
+batch on the device) and the real training step (loader and model together), then names the bottleneck
+with the numbers behind it and the overrides to apply.
+
+`bottleneck_verdict` is pure: tests inject the rates, so no verdict depends on the test machine's speed."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from itertools import repeat
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from imgcls.core.config import eval_size
-from imgcls.runtime.cpu_tuning import omp_wait_description
-from imgcls.tuning.batch_finder import build_training_probe
-from imgcls.data.normalisation import for_timing
-from imgcls.runtime.device import DeviceInput, memory_format, pin_memory_for, precision_name
+from imgcls.compute.cpu_tuning import omp_wait_description
+from imgcls.compute.device import DeviceInput, memory_format, pin_memory_for, precision_name
+from imgcls.compute.memory import mib, peak_memory_bytes, reset_peak_memory
+from imgcls.data.build import for_timing
+from imgcls.data.settings import eval_size
 from imgcls.evaluation.evaluate import predict
-from imgcls.runtime.memory import mib, peak_memory_bytes, reset_peak_memory
-from imgcls.training.schedule import ceil_div
-from imgcls.tuning.timing import sync, synthetic_batch, time_train_steps
 from imgcls.models.factory import build_model
+from imgcls.training.schedule import ceil_div
+from imgcls.tuning.batch_finder import (build_training_probe, process_tree_cpu_seconds, sync, synthetic_batch,
+                                        time_train_steps)
 
+# the recommendation leaves at least this many optimizer steps per epoch (an effective batch close to the
+# training split gives one or two updates per epoch: nothing to schedule, warm up or early-stop on)
+MIN_STEPS_PER_EPOCH = 8
+
+
+def find_batch_summary(report: dict) -> str:
+    """Lines: the setting to use, the speed table (median img/s over the timing rounds and their spread), the
+    steps per epoch it leaves, and a warning when the timings did not settle."""
+    lines = [f"find-batch: use train.batch_size={report['batch_size']} train.accum_steps={report['accum_steps']} "
+             f"(effective batch {report['effective_batch']} on {report['world_size']} process(es); the largest "
+             f"batch that fits is {report['max_batch']}, the smallest as fast as the best is "
+             f"{report['fastest_small_batch']})"]
+    if report.get("steps_per_epoch") is not None:
+        lines.append(f"  {report['steps_per_epoch']} optimizer steps per epoch over {report['train_images']} "
+                     f"training images (the target effective batch is kept to at least {MIN_STEPS_PER_EPOCH})")
+    lines.append(f"  {'batch':>6} {'img/s':>9} {'spread':>7} {'peak MiB':>9}")
+    for row in report["table"]:
+        lines.append(f"  {row['batch']:>6} {row['img_per_s']:>9.1f} {100 * row.get('img_per_s_spread', 0):>6.1f}% "
+                     f"{row['peak_memory_mb']:>9.0f}")
+    rounds = report.get("timing_rounds", 1)
+    if report.get("timing_stable", True):
+        lines.append(f"  timings stable: {rounds} round(s), every batch within 10% of itself")
+    else:
+        worst = max(row.get("img_per_s_spread", 0) for row in report["table"])
+        lines.append(f"  WARNING: timings not stable after {rounds} rounds (a batch's img/s varied by "
+                     f"{100 * worst:.0f}%): the machine is busy, and a run now may pick another batch; rerun "
+                     f"when it is idle, or take the largest that fits")
+    return "\n".join(lines)
+
+def time_loader_epochs(loader, min_batches: int, sampler=None, epoch: int = 0,
+                       consume: Callable = lambda images: images) -> tuple[float, float, int, int]:
+    """Iterate whole epochs until at least `min_batches` batches came; returns (seconds, CPU seconds of this
+    process and its workers, images, epochs).
+
+    Whole epochs, so no worker is still busy with prefetched batches when another loader is timed next.
+    `consume(images)` takes each batch to where the model would read it (device, float, normalised).
+    """
+    batches = images = epochs = 0
+    cpu_start = process_tree_cpu_seconds()
+    start = time.perf_counter()
+    while batches < min_batches:
+        if sampler is not None:
+            sampler.set_epoch(epoch + epochs)
+        for batch in loader:
+            consume(batch[0])
+            batches += 1
+            images += batch[0].shape[0]
+        epochs += 1
+        if batches == 0:
+            raise ValueError("the loader yields no batches (batch size larger than the split?)")
+    seconds = time.perf_counter() - start
+    return seconds, process_tree_cpu_seconds() - cpu_start, images, epochs
+
+
+def torchvision_train_loader(cfg, batch_size: int, pin_memory: bool):
+    """The common reference pipeline: ImageFolder + PIL + torchvision.transforms, float tensors normalised
+    in the workers, with the same augmentation (the auto-augment policy on the PIL crop, as torchvision's
+    reference scripts apply it), workers and prefetch as ours."""
+    import torchvision
+    from torchvision import transforms as T
+
+    from imgcls.data.transforms import TV_INTERPOLATION, auto_augment_policy
+
+    d = cfg.data
+    policy = auto_augment_policy(d.auto_augment, d.auto_augment_magnitude, d.auto_augment_ops, d.interpolation)
+    transform = T.Compose([
+        T.RandomResizedCrop(d.img_size, scale=tuple(d.scale), ratio=tuple(d.ratio),
+                            interpolation=TV_INTERPOLATION[d.interpolation]),
+        T.RandomHorizontalFlip(d.hflip),
+        *([policy] if policy is not None else []),
+        T.ToTensor(),
+        T.Normalize(d.mean, d.std),
+    ])
+    dataset = torchvision.datasets.ImageFolder(str(Path(d.root).expanduser() / d.train_split), transform=transform)
+    extra = {}
+    if d.num_workers > 0:
+        extra = {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor}
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=d.num_workers,
+                                       pin_memory=pin_memory, drop_last=True, **extra)
+
+
+def bench_loader(cfg, device: torch.device, batch_size: int, steps: int, rounds: int, baseline: Optional[str]) -> dict:
+    """Our training loader (uint8 batches; on CUDA also normalised there, once per batch) against, optionally,
+    torchvision's ImageFolder + PIL pipeline (float batches normalised in the workers); timed in
+    alternation, whole epochs at a time. On the CPU the normalisation is part of the training step
+    (`--mode train`), as in the trainer."""
+    from imgcls.data.build import build_run_data
+    from imgcls.data.transforms import normalize_batch
+
+    pin = pin_memory_for(cfg.data.pin_memory, device)
+    data = build_run_data(cfg, batch_size, 0, 1, pin)
+
+    def ours(images):
+        images = images.to(device, non_blocking=True)
+        if device.type == "cuda":  # part of the loader's hand-over there; on the CPU, of the training step
+            return normalize_batch(images, cfg.data.mean, cfg.data.std, channels_last=cfg.train.channels_last)
+        return images
+
+    def theirs(images):
+        return images.to(device, non_blocking=True)
+
+    contenders = [("ours", data.train_loader, data.sampler, ours)]
+    if baseline == "torchvision":
+        contenders.append(("torchvision", torchvision_train_loader(cfg, batch_size, pin), None, theirs))
+    totals = {name: [0.0, 0.0, 0] for name, *_ in contenders}
+    per_round = {name: [] for name, *_ in contenders}
+    epochs = {name: 0 for name, *_ in contenders}
+    for name, loader, sampler, consume in contenders:  # untimed: start workers, fill the page cache
+        *_, n = time_loader_epochs(loader, 1, sampler, epochs[name], consume)
+        epochs[name] += n
+    for _ in range(rounds):
+        for name, loader, sampler, consume in contenders:
+            seconds, cpu, images, n = time_loader_epochs(loader, steps, sampler, epochs[name], consume)
+            sync(device)
+            epochs[name] += n
+            totals[name][0] += seconds
+            totals[name][1] += cpu
+            totals[name][2] += images
+            per_round[name].append(round(images / seconds, 1))
+    rate = {name: images / seconds for name, (seconds, _, images) in totals.items()}
+    cpu_ms = {name: 1000 * cpu / images for name, (_, cpu, images) in totals.items()}
+    out = {"mode": "loader", "img_per_s": round(rate["ours"], 1), "img_per_s_rounds": per_round["ours"],
+           "cpu_ms_per_img": round(cpu_ms["ours"], 3), "images": totals["ours"][2],
+           "seconds": round(totals["ours"][0], 3), "train_images": len(data.train_index), "pin_memory": pin,
+           "prefetch_factor": cfg.data.prefetch_factor}
+    if baseline:
+        out["baseline"] = baseline
+        out["baseline_img_per_s"] = round(rate[baseline], 1)
+        out["baseline_img_per_s_rounds"] = per_round[baseline]
+        out["baseline_cpu_ms_per_img"] = round(cpu_ms[baseline], 3)
+        out["ratio"] = round(rate["ours"] / rate[baseline], 3)
+        # The same ratio from CPU time (main process + workers): what the wall-clock ratio is on an idle machine.
+        out["cpu_ratio"] = round(cpu_ms[baseline] / cpu_ms["ours"], 3)
+    return out
 
 def loader_batches(loader, sampler=None, start_epoch: int = 0) -> Iterator:
     """Batches from a loader across epochs, forever (the sampler's epoch advances like the trainer's)."""
@@ -79,7 +229,7 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
         loader, warm_loader = [batch] * steps, [batch] * max(1, warmup)
     else:
         from imgcls.data.build import eval_transform, scan_splits
-        from imgcls.data.file_list import FileListDataset, build_inference_loader
+        from imgcls.data.datasets import FileListDataset, build_inference_loader
 
         pin = pin_memory_for(cfg.data.pin_memory, device)
         _, val_index = scan_splits(cfg)
@@ -107,3 +257,78 @@ def bench_infer(cfg, device: torch.device, amp_dtype, batch_size: int, steps: in
     return {"mode": "infer", "img_per_s": round(images / seconds, 2), "images": images,
             "seconds": round(seconds, 3), "peak_memory_mb": mib(peak_memory_bytes(device)),
             "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_peak_rss"}
+
+SLOWER = 0.9       # one rate below 90% of another: that part holds the other back
+
+
+MATCHES = 0.85     # the real step runs at >= 85% of the slower part alone: nothing is lost combining them
+
+
+def worker_counts(cores: int, configured: int) -> list[int]:
+    """0, 1, 2, 4, ... up to the core count, plus the configured count."""
+    counts, n = {0, configured}, 1
+    while n <= max(cores, 1):
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def bottleneck_verdict(loader_rate: float, model_rate: float, step_rate: float, workers_rates: dict[int, float],
+                       configured_workers: int, cfg_hints: Optional[dict] = None) -> dict:
+    """`data`, `compute` or `transfer` from img/s of the loader alone (configured workers), the model alone
+    and the real step; `workers_rates` maps worker counts to the loader's img/s. Returns the verdict, why,
+    and the overrides to apply."""
+    hints = cfg_hints or {}
+    limit = min(loader_rate, model_rate)
+    if loader_rate < SLOWER * model_rate:
+        enough = sorted(w for w, rate in workers_rates.items() if rate >= model_rate)
+        best = max(workers_rates, key=workers_rates.get) if workers_rates else configured_workers
+        overrides = [f"data.num_workers={enough[0]}"] if enough else (
+            [f"data.num_workers={best}"] if best != configured_workers else [])
+        if not enough:
+            overrides += [f"data.img_size={max(8, hints.get('img_size', 224) * 3 // 4)}"]
+        why = (f"the loader alone gives {loader_rate:.1f} img/s with {configured_workers} workers, the model alone "
+               f"{model_rate:.1f} img/s: the GPU/CPU waits for data. " +
+               (f"{enough[0]} workers reach the model's rate." if enough else
+                f"No worker count reaches it (best {workers_rates.get(best, loader_rate):.1f} img/s at {best}): "
+                f"decoding is the cost; store images pre-resized near data.img_size, or train at a smaller "
+                f"data.img_size."))
+        return {"bottleneck": "data", "why": why, "overrides": overrides}
+    if step_rate >= MATCHES * limit:
+        overrides = [o for o, on in (("train.amp=bf16", hints.get("amp") == "fp32" and hints.get("fast_bf16")),
+                                     ("train.channels_last=true", hints.get("channels_last") is False),
+                                     ("train.compile=true", hints.get("compile") is False)) if on]
+        why = (f"the real step runs at {step_rate:.1f} img/s, the model alone at {model_rate:.1f} img/s and the "
+               f"loader is faster ({loader_rate:.1f} img/s): compute bounds the run; mixed precision, "
+               f"channels_last and torch.compile make each step cheaper.")
+        return {"bottleneck": "compute", "why": why, "overrides": overrides}
+    why = (f"the loader alone ({loader_rate:.1f} img/s) and the model alone ({model_rate:.1f} img/s) are both "
+           f"faster than the real step ({step_rate:.1f} img/s): the time goes between them, in the host-to-device "
+           f"copy or host syncs; pin the loader's memory and prefetch more batches.")
+    overrides = [o for o, on in (("data.pin_memory=true", hints.get("cuda") and hints.get("pin_memory") is not True),
+                                 (f"data.prefetch_factor={2 * hints.get('prefetch_factor', 2)}", True)) if on]
+    return {"bottleneck": "transfer", "why": why, "overrides": overrides}
+
+
+def diagnose(cfg, device, amp_dtype, batch_size: int, steps: int, warmup: int) -> dict:
+    """The measurements and the verdict (benchmark.py's JSON object)."""
+    from imgcls.compute.device import cpu_has_fast_bf16, pin_memory_for, precision_name
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    configured = cfg.data.num_workers
+    workers_rates = {}
+    for workers in worker_counts(cores, configured):
+        at = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_workers=workers))
+        workers_rates[workers] = bench_loader(at, device, batch_size, steps, 1, None)["img_per_s"]
+    model = bench_train(cfg, device, amp_dtype, batch_size, steps, warmup, synthetic=True)
+    step = bench_train(cfg, device, amp_dtype, batch_size, steps, warmup, synthetic=False)
+    hints = {"img_size": cfg.data.img_size, "amp": precision_name(amp_dtype), "channels_last": cfg.train.channels_last,
+             "compile": cfg.train.compile, "pin_memory": pin_memory_for(cfg.data.pin_memory, device),
+             "prefetch_factor": cfg.data.prefetch_factor, "cuda": device.type == "cuda",
+             "fast_bf16": device.type == "cuda" or cpu_has_fast_bf16()}
+    verdict = bottleneck_verdict(workers_rates[configured], model["img_per_s"], step["img_per_s"], workers_rates,
+                                 configured, hints)
+    return {"mode": "diagnose", "img_per_s": step["img_per_s"], **verdict,
+            "loader_img_per_s": workers_rates[configured], "loader_img_per_s_by_workers": workers_rates,
+            "model_img_per_s": model["img_per_s"], "step_img_per_s": step["img_per_s"],
+            "step_data_wait_frac": step["data_wait_frac"], "cores": cores}

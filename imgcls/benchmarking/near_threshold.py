@@ -19,9 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from imgcls.auditing.duplicates import hash_array, image_facts, near_pairs
 from imgcls.benchmarking.photos import photo
-from imgcls.auditing.duplicates import hash_array, near_pairs
-from imgcls.auditing.hashing import image_facts
 
 THRESHOLDS = (2, 4, 6, 8, 10, 12, 14)
 
@@ -119,9 +118,7 @@ def pixel_copies(img: Image.Image) -> dict[str, Image.Image]:
 
 
 def measure_pixels(images: list[Image.Image], folder: Path, tag: str, copies_of: int) -> dict:
-    from imgcls.auditing.duplicates import copy_groups
-    from imgcls.auditing.findings import near_matchable
-    from imgcls.auditing.pixel_match import required_scores, similarity, thumbnails
+    from imgcls.auditing.duplicates import copy_groups, near_matchable, required_scores, similarity, thumbnails
 
     def facts_of(imgs, name):
         out = []

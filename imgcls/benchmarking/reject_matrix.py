@@ -24,18 +24,16 @@ import torch
 from PIL import Image, ImageDraw
 
 from imgcls.benchmarking.photos import photo
+from imgcls.compute.device import DeviceInput
 from imgcls.data.build import build_eval_loader_for, scan_splits
-from imgcls.data.listing.builtin import ensure_builtin
-from imgcls.data.listing.folder import ImageIndex
-from imgcls.evaluation.split_outputs import collect_outputs
-from imgcls.evaluation.rejection import (INPUT_STAGE, combined_score, energy_score, knn_score, layer_fits,
-                                         layer_names, layer_scores, layer_weights, mahalanobis_fit,
+from imgcls.data.listing import ImageIndex, ensure_builtin
+from imgcls.evaluation.rejection import (INPUT_STAGE, collect_outputs, combined_score, energy_score, knn_score,
+                                         layer_fits, layer_names, layer_scores, layer_weights, mahalanobis_fit,
                                          mahalanobis_score, msp_score, multilayer_score, normalise, score_scale,
                                          threshold_for_coverage)
 from imgcls.evaluation.trust import feature_bank
 from imgcls.model_files.loading import load_model_file
-from imgcls.training_run.calibrate import bank_index
-from imgcls.runtime.device import DeviceInput
+from imgcls.training.calibrate import bank_index
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = ("circle", "square", "triangle", "hstripes", "vstripes", "cross", "ring")

@@ -19,17 +19,16 @@ import torch
 from PIL import Image
 
 from imgcls.benchmarking.photos import photo, sample_photo_crop
+from imgcls.compute.device import DeviceInput
 from imgcls.data.build import build_eval_loader_for, scan_splits
-from imgcls.data.listing.folder import ImageIndex
+from imgcls.data.listing import ImageIndex
 from imgcls.evaluation.calibration import apply_temperature, expected_calibration_error, nll
-from imgcls.evaluation.split_outputs import collect_outputs
-from imgcls.evaluation.rejection import (knn_score, layer_fits, layer_names, layer_weights, layer_scores, mahalanobis_fit,
-                                  mahalanobis_score, msp_score, multilayer_score, energy_score, score_scale,
-                                  threshold_for_coverage)
+from imgcls.evaluation.rejection import (collect_outputs, energy_score, knn_score, layer_fits, layer_names,
+                                         layer_scores, layer_weights, mahalanobis_fit, mahalanobis_score, msp_score,
+                                         multilayer_score, score_scale, threshold_for_coverage)
 from imgcls.evaluation.trust import build_record
 from imgcls.model_files.loading import load_model_file
-from imgcls.training_run.calibrate import bank_index
-from imgcls.runtime.device import DeviceInput
+from imgcls.training.calibrate import bank_index
 
 
 def write_ood_images(folder: Path, count: int, seed: int = 0) -> dict[str, list[str]]:

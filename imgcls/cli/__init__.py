@@ -17,8 +17,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, NoReturn
 
+from imgcls.compute.cpu_tuning import tune_process_start
 from imgcls.core.errors import JOB_FAILURES, USAGE_ERRORS
-from imgcls.runtime.cpu_tuning import tune_process_start
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
@@ -159,7 +159,7 @@ def _is_out_of_memory(err: Exception) -> bool:
     if isinstance(err, MemoryError):
         return True
     if "torch" in sys.modules:  # any out-of-memory error came from torch, which is then imported
-        from imgcls.runtime.device import is_out_of_memory
+        from imgcls.compute.device import is_out_of_memory
 
         return is_out_of_memory(err)
     return "out of memory" in str(err).lower()

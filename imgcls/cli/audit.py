@@ -10,9 +10,8 @@ import argparse
 import logging
 import sys
 
-
-from imgcls.core.outputs import check_output_file
-from imgcls.core.config import available_configs
+from imgcls.config import available_configs
+from imgcls.core.files import check_output_file
 
 # flag -> the config key it sets (configs/base.yaml documents each)
 FLAG_KEYS = {"folds": "audit.folds", "fold_epochs": "audit.fold_epochs", "near_threshold": "audit.near_threshold",
@@ -49,12 +48,13 @@ def main(argv=None) -> int:
     overrides = list(args.overrides) + [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items()
                                         if getattr(args, flag) is not None]
 
-    from imgcls.core.config import check_data_root, load_config
+    from imgcls.config import load_config
+    from imgcls.data.settings import check_data_root
 
     cfg = load_config(args.config, overrides)  # config mistakes exit 2 before torch is imported
     if not cfg.data.builtin:
         check_data_root(cfg)
-    from imgcls.commands.auditing.audit_args import check_arguments
+    from imgcls.commands.audit import check_arguments
 
     check_arguments(cfg, args.checkpoint, args.write_clean_csv)
     from imgcls.commands.output_roles import check_audit_outputs
@@ -65,6 +65,6 @@ def main(argv=None) -> int:
     from imgcls.cli import announce
 
     announce(f"audit.py: auditing {cfg.data.root or cfg.data.train_csv or 'the configured data'}")
-    from imgcls.commands.auditing.audit import run_audit
+    from imgcls.commands.audit import run_audit
 
     return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)

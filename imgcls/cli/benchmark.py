@@ -50,7 +50,7 @@ def main() -> int:
         raise ConfigError("--warmup must be >= 0")
     if args.baseline and args.mode != "loader":
         raise ConfigError("--baseline torchvision only applies to --mode loader")
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.baseline and cfg.data.format != "folder":
@@ -66,11 +66,10 @@ def main() -> int:
 def run_benchmark(cfg, args) -> dict:
     import torch
 
-    from imgcls.benchmarking.loader import bench_loader
-    from imgcls.benchmarking.modes import bench_infer, bench_train, settings
-    from imgcls.core.config import check_data_root
+    from imgcls.benchmarking.modes import bench_infer, bench_loader, bench_train, settings
+    from imgcls.compute.device import build_runtime
     from imgcls.data.build import prepare_root, scan_splits
-    from imgcls.runtime.runtime import build_runtime
+    from imgcls.data.settings import check_data_root
 
     if args.mode in ("train", "find-batch"):
         from imgcls.training.optim import check_optimizer
@@ -90,7 +89,7 @@ def run_benchmark(cfg, args) -> dict:
             prepare_root(cfg)
             train_index, _ = scan_splits(cfg)
             num_classes, train_images = len(train_index.classes), len(train_index)
-        from imgcls.benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
+        from imgcls.benchmarking.modes import MIN_STEPS_PER_EPOCH, find_batch_summary
 
         report = run_finder(cfg, device, amp_dtype, num_classes, train_images, compare_checkpointing=True,
                             min_steps_per_epoch=MIN_STEPS_PER_EPOCH)
@@ -105,7 +104,7 @@ def run_benchmark(cfg, args) -> dict:
     if args.mode == "loader":
         out = bench_loader(cfg, device, batch, args.steps, args.rounds, args.baseline)
     elif args.mode == "diagnose":
-        from imgcls.benchmarking.diagnose import diagnose
+        from imgcls.benchmarking.modes import diagnose
 
         out = diagnose(cfg, device, amp_dtype, batch, args.steps, args.warmup)
         print(f"bottleneck: {out['bottleneck']}: {out['why']} Overrides: {' '.join(out['overrides']) or 'none'}",

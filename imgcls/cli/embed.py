@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     announce(f"embed.py: embedding {' '.join(args.inputs[:3])}{' ...' if len(args.inputs) > 3 else ''} with "
              f"{args.checkpoint} into {args.output}")
 
-    from imgcls.commands.embedding.embed import run_embed
+    from imgcls.commands.embed import run_embed
 
     return run_embed(args.inputs, args.checkpoint, args.output, args.batch_size, args.amp, args.num_workers,
                      args.device)

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from imgcls.cli import announce, finite_float
-from imgcls.core.outputs import check_output_file
+from imgcls.core.files import check_output_file
 
 
 def main(argv=None) -> int:
@@ -56,15 +56,13 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
     check_output_file("--reliability", args.reliability, ".png")
     check_output_file("--predictions", args.predictions)
-    from imgcls.tracking.evaluation import check_eval_tracking
+    from imgcls.tracking.runs import check_eval_tracking
 
     check_eval_tracking(args.overrides, args.checkpoint, args.data)  # only the tracking asked for here, checked now
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
-    from imgcls.commands.evaluation.evaluate import evaluate_checkpoint, report_evaluation
-    from imgcls.commands.evaluation.report import confusion_png_path
-
-    from imgcls.commands.evaluation.eval_representation import pretrained_features_only, report_features_only
+    from imgcls.commands.evaluate import (confusion_png_path, evaluate_checkpoint, pretrained_features_only,
+                                          report_evaluation, report_features_only)
 
     features_only = pretrained_features_only(args.checkpoint, args.data, args.overrides, args.knn, args.linear_probe)
     if features_only is not None:
@@ -76,7 +74,7 @@ def main(argv=None) -> int:
                                           "--predictions": args.predictions},
                                  knn=args.knn, linear_probe=args.linear_probe)
     report_evaluation(result, args.json, args.reliability, args.predictions)
-    from imgcls.tracking.evaluation import log_evaluation
+    from imgcls.tracking.runs import log_evaluation
 
     log_evaluation(args.checkpoint, args.overrides, {**result.metrics, **(result.trust or {})},
                    [args.json, confusion_png_path(args.json) if args.json else None, args.reliability])

@@ -17,8 +17,8 @@ import os
 import sys
 
 from imgcls.cli import announce, finite_float
-from imgcls.core.outputs import check_output_file
 from imgcls.core.errors import ConfigError
+from imgcls.core.files import check_output_file
 from imgcls.core.host import usable_cpus
 
 OUTPUT_FORMATS = (".csv", ".json")
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from imgcls.commands.infer import run_inference
-    from imgcls.prediction.trust import TrustOptions
+    from imgcls.model_files.predictor import TrustOptions
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device, args.classes,

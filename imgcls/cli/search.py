@@ -16,8 +16,8 @@ import sys
 
 from imgcls.cli import announce
 from imgcls.core.errors import ConfigError
+from imgcls.core.files import check_output_file
 from imgcls.core.host import usable_cpus
-from imgcls.core.outputs import check_output_file
 
 
 def main(argv=None) -> int:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     announce(f"search.py: searching {args.index} for {' '.join(args.queries[:3])}"
              f"{' ...' if len(args.queries) > 3 else ''}")
 
-    from imgcls.commands.embedding.search import run_search
+    from imgcls.commands.embed import run_search
 
     return run_search(args.queries, args.index, args.top_k, args.output, args.checkpoint, args.batch_size,
                       args.num_workers, args.device)

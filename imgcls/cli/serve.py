@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key,
                              args.drain_bytes, args.body_timeout)
     if args.onnx_only or importlib.util.find_spec("torch") is None:
-        from imgcls.serving.onnx_only.server import serve_onnx
+        from imgcls.serving.slim import serve_onnx
 
         return serve_onnx(args.checkpoint, args.host, args.port, settings, args.topk, args.device, args.reject,
                           args.reject_below, args.index)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     from imgcls.cli import announce
 
     announce(f"serve.py: serving {args.checkpoint} on {args.host}:{args.port}")
-    from imgcls.prediction.trust import TrustOptions
+    from imgcls.model_files.predictor import TrustOptions
     from imgcls.serving.server import serve
 
     return serve(args.checkpoint, args.host, args.port, settings, args.topk, args.device,

@@ -5,7 +5,7 @@ import os
 import sys
 
 from imgcls.cli import announce
-from imgcls.core.config import available_configs
+from imgcls.config import available_configs
 
 
 def main() -> int:
@@ -41,18 +41,18 @@ def main() -> int:
         parser.error("--config is required (unless --resume PATH continues a run with the config its last.pt "
                      "recorded; --resume auto needs --config to find the run directory)")
     if args.config is None:
-        from imgcls.commands.resume import config_from_checkpoint
+        from imgcls.config import config_from_checkpoint
 
         announce(f"train.py: continuing the run of {args.resume} with the config it recorded")
         cfg = config_from_checkpoint(args.resume, args.overrides)
     else:
-        from imgcls.core.config import load_config
+        from imgcls.config import load_config
 
         cfg = load_config(args.config, args.overrides)  # config mistakes exit 2 before torch is imported
         data = cfg.data.root or cfg.data.train_csv or cfg.data.train_shards or cfg.data.builtin
         announce(f"train.py: training {cfg.model.name} on {data} into {cfg.output.dir}"
                  + (f", resuming from {args.resume}" if args.resume else ""))
 
-    from imgcls.training_run.trainer import run
+    from imgcls.training.trainer import run
 
     return run(cfg, resume=args.resume, finetune=args.finetune, finetune_partial=args.finetune_partial)

@@ -15,8 +15,6 @@ python tune.py --config CONFIG --search SPACE.yaml --trials N --study DIR [--pru
 import argparse
 
 
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Exit status: 0 done, 1 failed, 2 usage or config error, 130 after "
@@ -56,9 +54,9 @@ def main() -> int:
     if args.search is None and (args.trials is not None or args.study is not None):
         parser.error("--trials and --study belong to --search SPACE.yaml (the hyper-parameter search)")
     if args.search is not None:
-        from imgcls.commands.tuning.tune_search import main as search
+        from imgcls.commands.tune import search_main as search
 
         return search(args)
-    from imgcls.commands.tuning.tune import main as tune
+    from imgcls.commands.tune import main as tune
 
     return tune(args)

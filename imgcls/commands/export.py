@@ -7,11 +7,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from imgcls.commands.output_roles import check_export_outputs
 from imgcls.core.errors import CheckpointError, ConfigError, DataTreeError
 from imgcls.model_files.checkpoint_files import read_checkpoint
-from imgcls.model_files.export import check_output_path, export_checkpoint
-from imgcls.commands.output_roles import check_export_outputs
-from imgcls.model_files.export_target import check_export_target
+from imgcls.model_files.export import check_export_target, check_output_path, export_checkpoint
 from imgcls.model_files.formats import DEFAULT, FORMATS, format_of
 from imgcls.model_files.model_file import ModelFile
 
@@ -53,7 +52,7 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
 def validation_files(loaded: ModelFile) -> tuple[list[str], list[int], str]:
     """The checkpoint's recorded validation split as (paths, labels, description), as eval.py finds it.
     ConfigError (exit 2) when it is not on disk as image files."""
-    from imgcls.data.listing.sources.registry import eval_source
+    from imgcls.data.sources import eval_source
 
     try:
         source = eval_source(loaded.cfg.data, loaded.classes, loaded.data_source)
@@ -93,8 +92,7 @@ def run_openvino_int8_export(loaded: ModelFile, path: Path, batch: Optional[int]
     IR is moved to `path` once compared with the fp32 one (and kept there for inspection when the agreement
     is below `min_agreement`: exit 1)."""
     from imgcls.model_files.export import publish_folder, staging_folder
-    from imgcls.model_files.openvino_int8 import quantize_ir
-    from imgcls.model_files.quantize import CHECK_LIMIT, check_agreement, compare_int8, model_bytes, spread
+    from imgcls.model_files.quantize import CHECK_LIMIT, check_agreement, compare_int8, model_bytes, quantize_ir, spread
 
     paths, labels, described = validation_files(loaded)
     with staging_folder(path) as work:

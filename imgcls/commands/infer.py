@@ -6,12 +6,11 @@ import logging
 import sys
 from typing import Optional
 
-from imgcls.data.file_list import expand_inputs, inference_batches
-from imgcls.model_files.checkpoint_files import find_newest_checkpoint
-from imgcls.prediction.predictor import Predictor
-from imgcls.prediction.trust import TrustOptions, explain_rows, extra_columns
-from imgcls.runtime.device import precision_name
 from imgcls.commands.output_roles import check_infer_outputs
+from imgcls.compute.device import precision_name
+from imgcls.data.datasets import expand_inputs, inference_batches
+from imgcls.model_files.checkpoint_files import find_newest_checkpoint
+from imgcls.model_files.predictor import Predictor, TrustOptions, explain_rows, extra_columns
 
 log = logging.getLogger(__name__)
 

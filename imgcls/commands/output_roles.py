@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from imgcls.core.outputs import check_outputs_apart
+from imgcls.core.files import check_outputs_apart
 
 
 def _dirs(*paths: Optional[str]) -> list[str]:
@@ -34,8 +34,8 @@ def eval_output_files(outputs: dict) -> dict:
     for flag, path in outputs.items():
         files[flag] = path
         if flag == "--json" and path:
-            from imgcls.commands.evaluation.eval_errors import errors_paths  # eval.py's modules (torch), not at infer.py --help
-            from imgcls.commands.evaluation.report import confusion_png_path
+            from imgcls.commands.evaluate import errors_paths  # eval.py's modules (torch), not at infer.py --help
+            from imgcls.commands.evaluate import confusion_png_path
 
             errors_csv, errors_html = errors_paths(path)
             files.update({"--json's confusion matrix": str(confusion_png_path(path)),

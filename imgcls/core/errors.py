@@ -4,8 +4,14 @@ Usage errors (exit 2, found before any work): ConfigError, DataTreeError, ModelE
 Job failures (exit 1): BadDataError, NonFiniteError, DiskFullError, DistributedSetupError, ExportError,
 ModelOutputError,
 ImageDecodeError escaping a split.
-"""
+
+Credentials in URIs kept out of what is printed, logged and saved: the user:password part of a URL and the
+values of secret-like query parameters (token, key, secret, password, sig, ...) become ***."""
 from __future__ import annotations
+
+import logging
+import re
+from urllib.parse import parse_qsl, urlsplit
 
 
 class ConfigError(Exception):
@@ -57,5 +63,75 @@ class StopRequested(Exception):
 
 
 USAGE_ERRORS = (ConfigError, DataTreeError, ModelError, CheckpointError)
+
+
 # failures of the job whose message says everything: one line, exit 1, no traceback
 JOB_FAILURES = (DistributedSetupError, ExportError, BadDataError, ModelOutputError)
+
+MASK = "***"
+
+
+# query parameter names whose value is a secret: one of these words as a part of the name (api_key, X-Amz-Signature,
+# access_token), or a name ending in one (sslpassword); `sslkey`, a path to a key file, is not one
+SECRET_WORDS = ("token", "secret", "password", "passwd", "pwd", "sig", "signature", "key", "apikey", "auth",
+                "credential", "credentials", "sas")
+
+
+SECRET_SUFFIXES = ("token", "secret", "password", "passwd")
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"<>]+@")
+
+
+_QUERY_VALUE = re.compile(r"(?P<name>(?<=[?&;])[A-Za-z0-9_.\-]+)=(?P<value>[^&#\s'\"<>]*)")
+
+
+def is_secret_name(name: str) -> bool:
+    lowered = name.lower()
+    parts = re.split(r"[-_.]", lowered)
+    return any(part in SECRET_WORDS for part in parts) or lowered.endswith(SECRET_SUFFIXES)
+
+
+def secret_query_names(uri: str) -> list[str]:
+    """The query parameters of `uri` whose names say they hold a secret."""
+    try:
+        query = urlsplit(uri).query
+    except ValueError:
+        return []
+    return [name for name, _ in parse_qsl(query, keep_blank_values=True) if is_secret_name(name)]
+
+
+def redact_text(text: str) -> str:
+    """`text` with the userinfo of every URL in it and the values of secret-like query parameters masked."""
+    text = _USERINFO.sub(lambda m: m.group("scheme") + MASK + "@", str(text))
+    return _QUERY_VALUE.sub(lambda m: f"{m.group('name')}={MASK}" if is_secret_name(m.group("name")) and m.group("value")
+                            else m.group(0), text)
+
+
+def redact_uri(uri):
+    """A URI as it may be shown: None stays None."""
+    return None if uri is None else redact_text(uri)
+
+
+class RedactingFilter(logging.Filter):
+    """Masks credentials in every record a handler emits (a client library's request log names the URL)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "://" in message or "=" in message:
+            clean = redact_text(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+        return True
+
+
+def install_log_redaction(logger_names=("", "mlflow")) -> None:
+    """Add a RedactingFilter to the handlers of these loggers (the root's and MLflow's own, which does not
+    propagate), once each."""
+    for name in logger_names:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                handler.addFilter(RedactingFilter())

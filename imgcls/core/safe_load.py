@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from imgcls.core.errors import CheckpointError
-from imgcls.core.paths import not_a_regular_file
+from imgcls.core.files import not_a_regular_file
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:

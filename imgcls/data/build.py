@@ -1,22 +1,28 @@
-"""From a config to datasets, samplers and loaders."""
+"""From a config to datasets, samplers and loaders.
+
+`data.mean` / `data.std` = auto: measured per channel on the training split, in one pass of the evaluation
+preprocessing (no augmentation), before the run starts; the measured numbers replace `auto` in the run's config,
+so the checkpoint's config and preprocessing carry them to eval.py, infer.py, serve.py and export.py. A resumed
+run takes its first run's numbers."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgcls.data.settings import eval_size
+import torch
+
 from imgcls.core.errors import ConfigError
-from imgcls.data.listing.builtin import ensure_builtin
 from imgcls.data.datasets import EvalDataset, TrainDataset
-from imgcls.data.eval_preprocessing import EvalPreprocessing
-from imgcls.data.listing.folder import ImageIndex
-from imgcls.data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
-from imgcls.data.samplers import TrainSampler
+from imgcls.data.labels import TagIndex, describe_tags
+from imgcls.data.listing import ImageIndex, ensure_builtin
+from imgcls.data.loaders import (TrainSampler, build_eval_loader, build_stream_eval_loader, build_stream_train_loader,
+                                 build_train_loader, shutdown_workers)
+from imgcls.data.settings import MIN_STD, eval_size
 from imgcls.data.shards import ShardEvalStream, ShardIndex, ShardTrainStream
-from imgcls.data.listing.labelling.tags import TagIndex, describe_tags
-from imgcls.data.listing.sources.source import DataSources
-from imgcls.data.listing.sources.registry import scan_sources
+from imgcls.data.sources import DataSources, scan_sources
 from imgcls.data.transforms import EvalTransform, TrainTransform, auto_augment_policy
 
 log = logging.getLogger(__name__)
@@ -152,3 +158,68 @@ def small_folder_batch(images: int) -> int:
     while batch * 2 <= images // 4:
         batch *= 2
     return batch
+
+
+AUTO = "auto"
+
+
+def wants_measuring(data_cfg) -> bool:
+    return data_cfg.mean == AUTO or data_cfg.std == AUTO
+
+
+def measure_channels(index, data_cfg, batch_size: int, num_workers: int) -> tuple[list[float], list[float], int]:
+    """(mean, std, images) per channel of the split `index` on the [0, 1] scale, over every pixel of each
+    readable image's evaluation crop; float64 sums, so memory is one batch whatever the split's size."""
+    loader = build_eval_loader_for(index, eval_transform(data_cfg), eval_size(data_cfg), batch_size, num_workers,
+                                   pin_memory=False)
+    total = torch.zeros(data_cfg.channels, dtype=torch.float64)
+    squares = torch.zeros(data_cfg.channels, dtype=torch.float64)
+    pixels, images = 0, 0
+    try:
+        for batch in loader:
+            x = batch[0][batch[2]].to(torch.float64) / 255.0
+            total += x.sum(dim=(0, 2, 3))
+            squares += (x * x).sum(dim=(0, 2, 3))
+            pixels += x.shape[0] * x.shape[2] * x.shape[3]
+            images += x.shape[0]
+    finally:
+        shutdown_workers(loader)
+    if not pixels:
+        return [0.5] * data_cfg.channels, [0.25] * data_cfg.channels, 0
+    mean = total / pixels
+    std = (squares / pixels - mean * mean).clamp_min(0).sqrt()
+    return ([float(m) for m in mean], [max(MIN_STD, float(s)) for s in std], images)
+
+
+def resolve_normalisation(cfg, index, resume_ckpt, batch_size: int, is_main_fn):
+    """`cfg` with `auto` mean / std replaced: by the resumed run's numbers, or measured on `index` (the training
+    split) by `is_main_fn` (a callable that runs a function on rank 0 and shares its result). Logs the choice."""
+    d = cfg.data
+    if not wants_measuring(d):
+        return cfg
+    saved = ((resume_ckpt or {}).get("config") or {}).get("data") or {}
+    if isinstance(saved.get("mean"), list) and isinstance(saved.get("std"), list):
+        mean, std = saved["mean"], saved["std"]
+        log.info("data.mean / data.std = auto: the resumed run's measured values, mean %s, std %s",
+                 _short(mean), _short(std))
+    else:
+        mean, std, images = is_main_fn(lambda: measure_channels(index, d, batch_size, d.num_workers))
+        log.info("data.mean / data.std = auto: measured per channel on %d training images (evaluation crops): "
+                 "mean %s, std %s", images, _short(mean), _short(std))
+    data = dataclasses.replace(d, mean=mean if d.mean == AUTO else d.mean, std=std if d.std == AUTO else d.std)
+    return dataclasses.replace(cfg, data=data)
+
+
+def for_timing(cfg):
+    """`cfg` with `auto` mean / std replaced by 0.5 / 0.25 per channel: for runs that only measure what a step
+    costs (the batch-size finder, benchmark.py), where the values change nothing."""
+    d = cfg.data
+    if not wants_measuring(d):
+        return cfg
+    mean = [0.5] * d.channels if d.mean == AUTO else d.mean
+    std = [0.25] * d.channels if d.std == AUTO else d.std
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, mean=mean, std=std))
+
+
+def _short(values) -> str:
+    return "[" + ", ".join(f"{v:.6g}" if math.isfinite(v) else str(v) for v in values) + "]"

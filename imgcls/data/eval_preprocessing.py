@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from imgcls.core.config import eval_size
 from imgcls.data.images import centre_box, decode_rgb, oriented_size
+from imgcls.data.settings import eval_size
 
 PIL_RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
                   "nearest": Image.Resampling.NEAREST}

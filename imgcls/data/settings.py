@@ -1,4 +1,10 @@
-"""The `data` section: where the samples come from (data.format and the keys each source declares beside it,
+"""The keys of data.format=csv (data/listing/sources/source_csv.py): CSV lists of image paths and labels.
+
+The keys of data.format=folder (data/listing/sources/source_folder.py): class-folder trees under data.root.
+
+The keys of data.format=webdataset (data/listing/sources/source_webdataset.py): tar shards read as a stream.
+
+The `data` section: where the samples come from (data.format and the keys each source declares beside it,
 data/listing/source_*_settings.py), how images are decoded, augmented and loaded. Also the checks of the data
 paths that run before any work (the data root, the files the keys name)."""
 from __future__ import annotations
@@ -8,19 +14,115 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from imgcls.core.errors import ConfigError
-from imgcls.core.paths import not_a_regular_file
+from imgcls.core.files import not_a_regular_file
 from imgcls.core.settings import setting
-from imgcls.data.listing.sources.source_csv_settings import CsvSourceKeys
-from imgcls.data.listing.sources.source_folder_settings import FolderSourceKeys
-from imgcls.data.listing.sources.source_webdataset_settings import WebDatasetSourceKeys
+
+
+@dataclass
+class CsvSourceKeys:
+    FORMAT = "csv"
+    FORMAT_HELP = "data.train_csv / data.val_csv lists"
+
+    # Paths may move on --resume; the checkpoint's record of the lists' contents decides whether they changed.
+    train_csv: Optional[str] = setting(None, "csv: the training list, a header then one row per image (paths "
+                                       "relative to data.root, or to the CSV's folder)", resume_free=True)
+    val_csv: Optional[str] = setting(None, "csv: the validation list (labels must be training classes)",
+                                     resume_free=True)
+    csv_path_column: str = setting("path", "csv: the column holding image paths")
+    csv_label_column: str = setting("label", "csv: the column holding class names")
+
+    def check_source(self) -> None:
+        if not self.train_csv:
+            raise ConfigError("'data.format' = csv needs 'data.train_csv' (a CSV file with a header and the columns "
+                              f"'{self.csv_path_column}' and '{self.csv_label_column}')")
+        if self.val_csv and self.val_fraction is not None:
+            raise ConfigError("'data.val_csv' and 'data.val_fraction' are both set: validate on the CSV list or "
+                              "hold out a fraction of data.train_csv, not both")
+        if not self.val_csv and self.val_fraction is None:
+            raise ConfigError("'data.format' = csv needs 'data.val_csv', or 'data.val_fraction' to hold out a "
+                              "fraction of data.train_csv")
+
+    def check_unselected(self) -> None:
+        if self.train_csv or self.val_csv:
+            raise ConfigError(f"'data.train_csv' / 'data.val_csv' are set but 'data.format' = {self.format}; "
+                              f"set data.format=csv to train from CSV lists")
+
+@dataclass
+class FolderSourceKeys:
+    FORMAT = "folder"
+    FORMAT_HELP = "class-folder trees under data.root"
+
+    train_split: str = setting("train", "training split folder under data.root")
+    val_split: str = setting("val", "validation split folder under data.root")
+    builtin: Optional[Literal["digits"]] = setting(
+        None, "null, or 'digits': write scikit-learn's digits as a class-folder tree into data.root first")
+
+    def check_source(self) -> None:
+        self._check_builtin()
+
+    def check_unselected(self) -> None:
+        self._check_builtin()
+
+    def _check_builtin(self) -> None:
+        if self.builtin and (self.val_fraction is not None or self.format != "folder"):
+            raise ConfigError(f"'data.builtin' = {self.builtin} writes its own train/ and val/ folders: drop "
+                              f"data.val_fraction and keep data.format=folder")
+
+@dataclass
+class WebDatasetSourceKeys:
+    FORMAT = "webdataset"
+    FORMAT_HELP = "tar shards"
+
+    # Shard locations may move on --resume (the checkpoint records the shard names and the sample count).
+    train_shards: Union[str, list[str], None] = setting(
+        None, "webdataset: training shards, a brace pattern (train-{000000..000127}.tar), a list, pipe: or "
+              "http(s):// URLs", resume_free=True)
+    val_shards: Union[str, list[str], None] = setting(
+        None, "webdataset: validation shards (each sample counted once at any world size)", resume_free=True)
+    shuffle_buffer: int = setting(1000, "webdataset: in-memory sample shuffle buffer per loader worker (shards "
+                                        "are shuffled per epoch too; 0: off)", lo=0)
+    train_samples: Optional[int] = setting(None, "webdataset: the epoch length in samples (null: count the "
+                                                 "training shards' samples at start)", lo=1)
+
+    def check_source(self) -> None:
+        missing = [f"data.{k}" for k in ("train_shards", "val_shards", "classes") if not getattr(self, k)]
+        if missing:
+            raise ConfigError(f"'data.format' = webdataset needs {', '.join(missing)} (shard patterns such as "
+                              f"train-{{000000..000127}}.tar, and the class list, one name per line)")
+        if self.val_fraction is not None:
+            raise ConfigError("'data.val_fraction' does not apply to shards: write the validation samples as their "
+                              "own shards (data.val_shards)")
+        if self.sampler == "weighted":
+            raise ConfigError("'data.sampler' = weighted needs random access to every sample; a shard stream reads "
+                              "in sequence. Use data.sampler=random with data.format=webdataset, or write "
+                              "class-balanced shards")
+        if self.repeated_augment > 1:
+            raise ConfigError(f"'data.repeated_augment' = {self.repeated_augment} needs random access to every "
+                              f"sample; a shard stream reads each sample once per epoch. Use "
+                              f"data.repeated_augment=1 with data.format=webdataset")
+
+    def check_unselected(self) -> None:
+        if self.train_shards or self.val_shards:
+            raise ConfigError(f"'data.train_shards' / 'data.val_shards' are set but 'data.format' = {self.format}; "
+                              f"set data.format=webdataset to train from shards")
 
 # the data sources' keys, in the order data.format lists them (data/listing/sources/registry.py registers the sources)
 SOURCE_KEYS = (FolderSourceKeys, CsvSourceKeys, WebDatasetSourceKeys)
+
+
 SOURCE_FORMATS = tuple(keys.FORMAT for keys in SOURCE_KEYS)
+
+
 MAX_IMG_SIZE = 4096
+
+
 # torchvision's RandAugment magnitudes are bins 0..30 (num_magnitude_bins=31, as timm's scale)
 RANDAUGMENT_MAX_MAGNITUDE = 30
+
+
 MAX_CHANNELS = 1024  # data.bands.MAX_BANDS: a file with more bands is refused before decoding
+
+
 MIN_STD = 1e-6  # data.std's floor (auto measures bands whose spread is below one 8-bit step: 0.0039)
 
 

@@ -40,8 +40,8 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from imgcls.core.errors import BadDataError, ConfigError, DataTreeError, ImageDecodeError
-from imgcls.data.listing.labelling.labels import FORMATS, ClassLabels, TagLabels
-from imgcls.data.samplers import mix_seed
+from imgcls.data.labels import FORMATS, ClassLabels, TagLabels
+from imgcls.data.loaders import mix_seed
 from imgcls.data.transforms import blank_for
 
 log = logging.getLogger(__name__)
@@ -458,10 +458,10 @@ def source_index(source: Path, root: Optional[str], labels: Optional[ClassLabels
         if not labels.folder_tree:
             raise ConfigError("--multilabel: tags come from a CSV list (--from LIST.csv); a class-folder tree "
                               "holds one label per image")
-        from imgcls.data.listing.folder import scan_split
+        from imgcls.data.listing import scan_split
 
         return scan_split(source)
-    from imgcls.data.listing.csv_list import read_csv_rows
+    from imgcls.data.listing import read_csv_rows
 
     base = Path(root) if root else source.parent
     rows = read_csv_rows(source, "path", "label", allow_empty_label=labels.allows_empty_label)

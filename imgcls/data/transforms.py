@@ -38,15 +38,13 @@ import random
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
 from imgcls.core.errors import ImageDecodeError
-from imgcls.data.bands import is_npy, read_bands
 from imgcls.data.eval_preprocessing import EvalPreprocessing, centre_region, resize_size
-from imgcls.data.images import (centre_box, decode_jpeg_array, decode_plain_jpeg, decode_rgb, open_image, oriented_size,
-                         plain_jpeg_size, require_regular_file)
+from imgcls.data.images import (centre_box, decode_jpeg_array, decode_plain_jpeg, decode_rgb, is_npy, open_image,
+                                oriented_size, plain_jpeg_size, read_bands, require_regular_file)
 
 TV_INTERPOLATION = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
                     "nearest": InterpolationMode.NEAREST}

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from imgcls.core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
+from imgcls.core.settings import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 ECE_BINS = 15
 # the fitted temperature stays within core.temperature's bounds (log-space search); a split too small or too

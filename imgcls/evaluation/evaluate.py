@@ -10,8 +10,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from imgcls.compute.device import DeviceInput
 from imgcls.core.errors import ModelOutputError, StopRequested
-from imgcls.runtime.device import DeviceInput
 from imgcls.tasks import get_task
 from imgcls.tasks.base import Predictions, Task
 

@@ -16,7 +16,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-
 MIN_CAM_CELLS = 6   # the coarsest map Grad-CAM may read: 6-7 cells a side (ResNet's 7x7 at 224 px)
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from imgcls.core.settings import setting
-from imgcls.core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
+from imgcls.core.settings import MAX_TEMPERATURE, MIN_TEMPERATURE, setting
 
 
 @dataclass

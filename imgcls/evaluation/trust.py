@@ -25,16 +25,15 @@ from typing import Optional, Union
 import torch
 
 from imgcls.core.errors import ConfigError
-from imgcls.core.temperature import temperature_problem
+from imgcls.core.settings import temperature_problem
 from imgcls.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
-from imgcls.evaluation.split_outputs import SplitOutputs, joined_outputs
-from imgcls.evaluation.rejection import (BANK_SIZE, DEFAULT_METHOD, KNN_K, COMBINED_OF, LAYERS_METHOD, LOGITS_METHOD,
-                                         DEGENERATE_VARIANCE, MIN_SPREAD, Rejector, combined_score, energy_score, knn_score, layer_fits, layer_scores,
-                                         layer_view, layer_weights,
-                                         mahalanobis_fit, mahalanobis_score, msp_score, multilayer_score, normalise,
-                                         rejector_from_record, score_scale, seeded_subset, threshold_for_coverage,
-                                         variance_share)
+from imgcls.evaluation.rejection import (BANK_SIZE, COMBINED_OF, DEFAULT_METHOD, DEGENERATE_VARIANCE, KNN_K,
+                                         LAYERS_METHOD, LOGITS_METHOD, MIN_SPREAD, Rejector, SplitOutputs,
+                                         combined_score, energy_score, joined_outputs, knn_score, layer_fits,
+                                         layer_scores, layer_view, layer_weights, mahalanobis_fit, mahalanobis_score,
+                                         msp_score, multilayer_score, normalise, rejector_from_record, score_scale,
+                                         seeded_subset, threshold_for_coverage, variance_share)
 
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str], str]:

@@ -8,13 +8,13 @@ from typing import Optional
 
 import torch
 
-from imgcls.core.config import Config, eval_size
+from imgcls.compute.device import memory_format
+from imgcls.config import Config
 from imgcls.core.errors import CheckpointError
 from imgcls.core.safe_load import load_checkpoint
 from imgcls.data.eval_preprocessing import EvalPreprocessing
 from imgcls.model_files.model_file import ModelFile
 from imgcls.model_files.stored_metadata import check_class_names, check_thresholds, eval_config
-from imgcls.runtime.device import memory_format
 from imgcls.models.factory import build_model
 
 

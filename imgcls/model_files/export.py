@@ -1,4 +1,7 @@
-"""Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
+"""Where export.py may write: never over an existing export unless asked (`--overwrite`), never over or
+among other files, and never into a run directory (its checkpoints, lock and logs are the run's own).
+
+Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
 torch.export program, an OpenVINO IR, a timm model folder). Each carries the class names and the eval
 preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before
 export.py reports success."""
@@ -15,19 +18,55 @@ from typing import Iterator, Optional
 import torch
 
 from imgcls.core.errors import ConfigError, ExportError, ImageDecodeError
-from imgcls.core.file_modes import follow_umask
-from imgcls.data.listing.folder import list_images
+from imgcls.core.files import follow_umask
+from imgcls.data.listing import list_images
 from imgcls.data.transforms import normalize_batch
-from imgcls.model_files.model_file import ModelFile
 from imgcls.model_files.checkpoint_files import build_eval_model
 from imgcls.model_files.formats import FORMATS
+from imgcls.model_files.formats.base import ModelFormat
 from imgcls.model_files.loading import load_model_file
 from imgcls.model_files.metadata import export_metadata
+from imgcls.model_files.model_file import ModelFile
+
+# files a run directory holds (train.py writes them); one of them marks a folder as a run's
+RUN_DIR_MARKERS = (".lock", "last.pt", "best.pt", "summary.json", "metrics.csv")
+
+
+def run_dir_marker(folder: Path) -> str | None:
+    return next((name for name in RUN_DIR_MARKERS if (folder / name).exists()), None)
+
+
+def check_export_target(kind: ModelFormat, output: Path, overwrite: bool) -> None:
+    """ConfigError (exit 2, before any work) for an export that would land in a run directory, replace an
+    existing file without `overwrite`, or (timm) mix with other files in a folder."""
+    resolved = output.resolve()  # `run/sub/..` and links name the folder they lead to
+    folder = resolved if kind.folder else resolved.parent
+    marker = run_dir_marker(folder) if folder.is_dir() else None
+    if marker:
+        raise ConfigError(f"--output {output}: {folder} is a run directory (it holds {marker}); an export never "
+                          f"goes among a run's files: name a path outside it")
+    if not kind.folder:
+        if output.exists() and not overwrite:
+            raise ConfigError(f"--output {output} exists; pass --overwrite to replace it, or name a new file")
+        return
+    present = sorted(p.name for p in resolved.iterdir()) if resolved.is_dir() else []
+    others = [name for name in present if name not in kind.folder_files]
+    if others:
+        raise ConfigError(f"--output {output}: the folder holds other files ({', '.join(others[:5])}); a "
+                          f"{kind.name} export goes into a new or empty folder")
+    if present and not overwrite:
+        raise ConfigError(f"--output {output} holds a {kind.name} export ({', '.join(present)}); pass --overwrite "
+                          f"to replace it, or name a new folder")
 
 log = logging.getLogger(__name__)
 
+
 MAX_PROB_DIFF = 1e-4   # fp32: an exported graph agrees with PyTorch to float rounding, far below this
+
+
 MIN_EMBEDDING_COSINE = 0.999  # --embedding: each exported vector against the checkpoint's
+
+
 CHECK_IMAGES = 8
 
 
@@ -69,7 +108,7 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
     output.parent.mkdir(parents=True, exist_ok=True)
     metadata = export_metadata(loaded, batch)
     if embedding:
-        from imgcls.model_files.digest import file_sha256
+        from imgcls.model_files.model_file import file_sha256
 
         metadata.update(embedding=True, source_digest=file_sha256(loaded.path))
     FORMATS[fmt].write(loaded, output, batch, metadata)
@@ -135,9 +174,6 @@ def export_folder(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int
         publish_folder(staged, output, work)
     report.path = output
     return report
-
-
-# ---------------------------------------------------------------- the check after export
 
 
 def check_images(loaded: ModelFile) -> tuple[torch.Tensor, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from imgcls.core.errors import CheckpointError, ConfigError
-from imgcls.core.paths import not_a_regular_file
+from imgcls.core.files import not_a_regular_file
 from imgcls.model_files.formats import format_of
 from imgcls.model_files.model_file import ModelFile
 from imgcls.model_files.stored_metadata import check_class_names

@@ -26,7 +26,6 @@ def numbered_classes(count: int, path: Path) -> list[str]:
     return [f"class_{i}" for i in range(count)]
 
 
-
 def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
     """What an exported model carries: the class names, the eval preprocessing, the training config (so
     eval.py finds the data and batch size as for the checkpoint), the epoch and the traced batch."""

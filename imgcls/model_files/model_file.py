@@ -1,16 +1,21 @@
 """`ModelFile`: a model file opened for evaluation, prediction or export, whatever its kind (a checkpoint
 written by train.py, ONNX, a torch.export program, a timm folder), and `FunctionModel`, which makes a
-batch -> logits function (an onnxruntime session, an exported program) a module."""
+batch -> logits function (an onnxruntime session, an exported program) a module.
+
+Which model made a set of vectors: the sha256 of the checkpoint file, which an export written with
+export.py --embedding records (`source_digest`), so an index built from a checkpoint is searched with its
+export, and a retrained or another model is told apart (search.py exits 2)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from imgcls.core.config import Config
-from imgcls.core.temperature import check_calibration_record
+from imgcls.config import Config
+from imgcls.core.settings import check_calibration_record
 from imgcls.data.build import eval_transform
 from imgcls.data.transforms import EvalTransform
 from imgcls.tasks import task_of
@@ -79,3 +84,25 @@ class FunctionModel(torch.nn.Module):
             outputs.append(self.function(chunk)[:n])
         return torch.cat(outputs)
 
+CHUNK_BYTES = 1 << 20
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_digest(loaded: ModelFile) -> str:
+    """The recorded source checkpoint's digest for an --embedding export; else the file's own (a timm
+    folder: its files' digests, in name order)."""
+    if loaded.source_digest:
+        return loaded.source_digest
+    if loaded.path.is_dir():
+        digest = hashlib.sha256()
+        for item in sorted(p for p in loaded.path.iterdir() if p.is_file()):
+            digest.update(f"{item.name}:{file_sha256(item)}\n".encode())
+        return digest.hexdigest()
+    return file_sha256(loaded.path)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from imgcls.core.config import Config, apply_dict, apply_overrides, config_from_dict, eval_size, validate
+from imgcls.config import Config, apply_dict, apply_overrides, config_from_dict, validate
 from imgcls.core.errors import CheckpointError, ConfigError
-from imgcls.core.temperature import check_calibration_record
+from imgcls.core.settings import check_calibration_record
+from imgcls.data.settings import eval_size
 
 ONNX_METADATA_PREFIX = "imgcls."    # ONNX metadata_props keys: imgcls.classes, imgcls.preprocessing, ...
 # keys of a model file's `preprocessing` that are also `data.*` config keys

@@ -1,4 +1,21 @@
-"""Build a classifier by name: timm models (also `hf-hub:ORG/NAME` and `local-dir:PATH`, which timm
+"""Whether the Hugging Face hub can be reached, found once per process with one short connection.
+
+Without a network, huggingface_hub retries every file it looks for (five times, with back-off, for each of
+the two weight-file names timm asks for): some 50 s of warnings before the error. One probe decides
+instead; when the hub cannot be reached, offline mode is set for the rest of the process (the environment
+for child processes, huggingface_hub's constant for this one), so the cache answers at once and a file that
+is not cached fails at once.
+
+A timm model folder (`config.json` + weights, as `timm.models.save_for_hf` writes it; `local-dir:` model
+names and exported timm folders) checked against itself before timm loads it.
+
+timm builds the model its config.json describes and, when a classifier in the weights has another shape,
+drops it and starts a random one (an INFO line "expected if adapted"); other shape differences, a cut
+safetensors file or a hostile pickle end in a traceback. Here the weights' names and shapes are read
+(safetensors: the header only; other files by `torch.load(weights_only=True)`) and compared with the model
+config.json builds on the meta device (no memory), so every such folder ends in one line, exit 2.
+
+Build a classifier by name: timm models (also `hf-hub:ORG/NAME` and `local-dir:PATH`, which timm
 reads), or torchvision models as `tv:<name>`.
 
 Pretrained weights (`model.pretrained`): timm's loader, or torchvision's default weights, into a model
@@ -8,37 +25,183 @@ Fine-tuning helpers: the classifier's parameters, and `BackboneFreeze` (`model.f
 
 Optional local weights (`model.weights`): a safetensors file, a plain state_dict saved with
 torch.save, or one of our checkpoints; every tensor whose name and shape match is loaded, the rest
-(typically the classifier of a model trained on other classes) are reported.
-"""
+(typically the classifier of a model trained on other classes) are reported."""
 from __future__ import annotations
 
 import inspect
 import json
 import logging
+import os
 import re
+import socket
+import urllib.request
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 import timm
-from timm.layers import BatchNormAct2d, GroupNormAct
 import torch
 import torchvision
+from timm.layers import BatchNormAct2d, GroupNormAct
 
-from imgcls.core.config import fill_unset
+from imgcls.config import fill_unset
 from imgcls.core.errors import CheckpointError, ModelError
-from imgcls.core.paths import not_a_regular_file
+from imgcls.core.files import not_a_regular_file
 from imgcls.core.safe_load import load_checkpoint
 from imgcls.models.feature_tap import TORCHVISION_HEADS, classifier_heads
-from imgcls.models.hub_access import hub_offline
-from imgcls.models.timm_folder import check_timm_folder
+
+PROBE_TIMEOUT_S = 3.0
+
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+_TRUE = {"1", "on", "yes", "true"}
+
+
+_decided: Optional[tuple[bool, str]] = None  # (offline, why), once per process
+
+
+def offline_by_environment() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def probe_address() -> tuple[str, int]:
+    """Where a download would first connect: the HTTPS proxy when one is set, else the hub's endpoint."""
+    proxy = urllib.request.getproxies().get("https")
+    url = urlsplit(proxy if proxy and "://" in proxy else (f"http://{proxy}" if proxy else
+                                                          os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT))
+    return url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+
+
+def can_connect(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """None when a TCP connection to host:port opens within `timeout`, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except OSError as err:
+        return f"{host}:{port} cannot be reached: {err.strerror or err}"
+
+
+def hub_offline() -> tuple[bool, str]:
+    """(offline, why): decided once per process, by HF_HUB_OFFLINE or by one probe; when the probe fails,
+    offline mode is switched on so that nothing retries."""
+    global _decided
+    if _decided is None:
+        why = "HF_HUB_OFFLINE is set" if offline_by_environment() else can_connect(*probe_address())
+        _decided = (why is not None, why or "")
+        if why is not None:
+            set_offline()
+    return _decided
+
+
+def set_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants  # read its environment at import: the constant is what it checks
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+# the weight files timm looks for in a folder, in its order (timm.models._hub._PREFERRED_FILES)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
+
+
+def weight_file(folder: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise ModelError(f"{folder}: no weights file ({', '.join(WEIGHT_FILES)}) beside config.json")
+
+
+def weight_shapes(path: Path) -> dict[str, tuple]:
+    """Tensor name -> shape of a weights file, without running any code from it."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as err:  # safetensors raises its own SafetensorError for a cut or damaged header
+            raise ModelError(f"{path}: damaged or truncated safetensors file ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]})") from err
+    from imgcls.core.safe_load import load_checkpoint
+
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as err:
+        raise ModelError(f"{path}: {err}") from err
+    for key in ("state_dict", "model"):
+        if isinstance(state.get(key), dict):
+            state = state[key]
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def expected_shapes(folder: Path) -> tuple[dict[str, tuple], int]:
+    """(name -> shape of the model config.json describes, as timm builds it for `local-dir:`: its model_args,
+    num_classes from config.json where they name none), and that model's num_classes. ModelError when the
+    classes config.json declares (num_classes, label_names) are not the model's."""
+    import timm
+    from timm.models._hub import load_model_config_from_path
+
+    config = folder / "config.json"
+    try:
+        pretrained_cfg, architecture, model_args = load_model_config_from_path(folder)
+        declared = int(pretrained_cfg["num_classes"])
+        args = dict(model_args or {})
+        args.setdefault("num_classes", declared)
+        with torch.device("meta"):
+            model = timm.create_model(architecture, pretrained=False, **args)
+    except Exception as err:  # a config.json timm cannot build from: many types
+        raise ModelError(f"{config}: timm cannot build the model it describes "
+                         f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from err
+    if int(args["num_classes"]) != declared:
+        raise ModelError(f"{config}: num_classes {declared} but model_args.num_classes {args['num_classes']} (the "
+                         f"model its weights were saved from); timm would drop the classifier and start a random "
+                         f"one: fix num_classes in config.json")
+    labels = pretrained_cfg.get("label_names") or []
+    if labels and len(labels) != declared:
+        raise ModelError(f"{config}: num_classes {declared} but {len(labels)} label_names; they must agree "
+                         f"(fix config.json)")
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, declared
+
+
+def check_timm_folder(folder: str | Path) -> None:
+    """ModelError (exit 2) naming the disagreement when config.json and the weights beside it do not describe
+    the same model: another classifier size (num_classes, label_names), other shapes for the same tensor
+    names, or a weights file that cannot be read safely. Tensors are matched by name and shape, as loaded."""
+    folder = Path(folder).expanduser()
+    expected, num_classes = expected_shapes(folder)
+    path = weight_file(folder)
+    found = weight_shapes(path)
+    differ = [f"{k} {list(found[k])} (config.json: {list(shape)})" for k, shape in expected.items()
+              if k in found and found[k] != shape]
+    if differ:
+        raise ModelError(f"{folder}: config.json (architecture and num_classes {num_classes}) and {path.name} "
+                         f"disagree on {len(differ)} tensor(s): {'; '.join(differ[:4])}"
+                         f"{'; ...' if len(differ) > 4 else ''}; the folder was not written as one model "
+                         f"(fix num_classes in config.json, or write the folder again with timm's save_for_hf)")
+    if not set(expected) & set(found):
+        raise ModelError(f"{folder}: none of the {len(found)} tensors in {path.name} is named as in the model "
+                         f"config.json describes")
 
 log = logging.getLogger(__name__)
+
+
 TORCHVISION_PREFIX = "tv:"
+
+
 HF_HUB_PREFIX = "hf-hub:"
+
+
 LOCAL_DIR_PREFIX = "local-dir:"
+
+
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
+
+
 # the data.* keys that follow the pretrained model's preprocessing unless the user set them
 PRETRAINED_DATA_KEYS = ("data.mean", "data.std", "data.interpolation", "data.crop_pct")
+
+
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
 
@@ -326,9 +489,6 @@ def load_local_weights(model: torch.nn.Module, path: str) -> None:
              ", ".join(skipped) if skipped else "none")
 
 
-# ---------------------------------------------------------------- pretrained weights
-
-
 def _has_weight_source(pretrained_cfg: dict) -> bool:
     return any(pretrained_cfg.get(k) for k in ("url", "file", "state_dict", "hf_hub_id"))
 
@@ -424,9 +584,6 @@ def load_pretrained_weights(model: torch.nn.Module, source: torch.nn.Module, nam
     if others:
         log.warning("model.pretrained: not loaded (absent or another shape in the pretrained weights): %s",
                     ", ".join(others))
-
-
-# ---------------------------------------------------------------- fine-tuning helpers
 
 
 def classifier_parameter_names(model: torch.nn.Module) -> set[str]:

@@ -1,3 +1,3 @@
 """Training objectives: what a batch's loss is. One module per objective (`base.py`: the task's loss;
-`distillation/`: the task's loss and a frozen teacher's term), registered in `registry.py`. This package's
+`distillation.py`, its teacher in `teacher.py`: the task's loss and a frozen teacher's term), registered in `registry.py`. This package's
 own import stays light: the settings modules beside it are read by the torch-free config."""

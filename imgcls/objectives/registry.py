@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from imgcls.objectives.base import Objective
-from imgcls.objectives.distillation.distiller import build_distiller, check_no_teacher
-from imgcls.objectives.distillation.teacher import check_teacher
+from imgcls.objectives.distillation import build_distiller, check_no_teacher
+from imgcls.objectives.teacher import check_teacher
 from imgcls.tasks import task_of
 
 

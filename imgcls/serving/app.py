@@ -1,4 +1,19 @@
-"""The HTTP API (FastAPI): `POST /predict` takes an image as the raw body or as a multipart `file` field
+"""What a request body can be refused for, without torch: the JSON error's `kind` and its detail. Shared by
+serve.py's torch path (serving.model) and its ONNX-only path (serving.onnx_only).
+
+The padded batch sizes a served model sees (both serve.py paths: torch, and ONNX only).
+
+Dynamic batching for an asyncio server: requests wait in a queue; the first one waiting opens a batch,
+which closes when it holds `max_batch` items or `max_wait_s` after it opened, then runs on one model
+thread while the next batch gathers. Only decoded images enter the queue, so a bad upload never reaches
+a batch; an exception in a batch's run fails that batch's requests only.
+
+serve.py's embedding endpoints: `POST /embed` answers the image's L2-normalised pooled pre-logits
+vector (`{"embedding": [...]}`); with --index DIR, `POST /similar?k=K` answers its K nearest indexed images
+(`{"neighbours": [{"path", "score"}]}`, cosine, nearest first). Both go through the dynamic batcher with
+/predict, so concurrent requests share forward passes.
+
+The HTTP API (FastAPI): `POST /predict` takes an image as the raw body or as a multipart `file` field
 and answers infer.py's JSON row for it; `GET /health` describes the loaded model. A body over `max_bytes`
 gets 413 after the rest of it is read and thrown away (kept: at most `max_bytes`), so a client that sends
 its whole body before reading (no `Expect: 100-continue`: urllib, requests) reads the 413 instead of a
@@ -6,8 +21,7 @@ reset; a body (or a declared length) over `drain_bytes` gets 413 at once and the
 body that has not arrived within `body_timeout_s` gets 408 and the connection is closed (a slow client
 holds no connection longer). An image that cannot be decoded gets 400 with a JSON error naming the
 problem; with an API key, `/predict` wants `Authorization: Bearer KEY` (401). One access-log line per
-request with its status and latency.
-"""
+request with its status and latency."""
 from __future__ import annotations
 
 import asyncio
@@ -17,24 +31,181 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from imgcls.serving.batcher import DynamicBatcher
-from imgcls.serving.errors import BadImage
-from imgcls.serving.requests import ImageRequests
+
+class BadImage(Exception):
+    """A request body that is no usable image: `kind` names the problem for the JSON error."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def classify_decode_error(message: str) -> str:
+    """The kind of problem PIL or the decoder reported (an ImageDecodeError's message)."""
+    if "DecompressionBomb" in message:
+        return "decompression_bomb"
+    if "truncated" in message or "broken data stream" in message or "premature end" in message.lower():
+        return "truncated_image"
+    if "cannot identify image file" in message or "UnidentifiedImageError" in message:
+        return "not_an_image"
+    return "unreadable_image"
+
+def batch_shapes(max_batch: int) -> list[int]:
+    """The padded batch sizes the model sees: powers of two below `max_batch`, and `max_batch` itself. A few
+    fixed shapes (cudnn tunes each once), and one waiting request is not padded to the largest."""
+    shapes, size = [], 1
+    while size < max_batch:
+        shapes.append(size)
+        size *= 2
+    return shapes + [max_batch]
+
+
+def padded_size(n: int, shapes: list[int]) -> int:
+    return next(size for size in shapes if size >= n)
+
+log = logging.getLogger("serve")
+
+
+class DynamicBatcher:
+    """`await submit(item)` -> that item's result from `run_batch(items) -> results` (same order, same
+    length), called with up to `max_batch` items at a time on a single worker thread."""
+
+    def __init__(self, run_batch: Callable[[list], list], max_batch: int, max_wait_s: float):
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.batches_run = 0
+        self.items_run = 0
+        self._queue: Optional[asyncio.Queue] = None
+        self._task: Optional[asyncio.Task] = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def submit(self, item: Any) -> Any:
+        if self._queue is None:
+            raise RuntimeError("the batcher is not running")
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put((item, future))
+        return await future
+
+    async def stop(self) -> None:
+        """Finish what is queued, then stop the loop and the model thread."""
+        if self._task is not None:
+            while self._queue is not None and not self._queue.empty():
+                await asyncio.sleep(0.01)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def _gather(self) -> list:
+        """One batch: wait for the first item, then up to `max_wait_s` for more, up to `max_batch`."""
+        pending = [await self._queue.get()]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while len(pending) < self.max_batch:
+            if not self._queue.empty():  # what queued during the last run: taken without waiting
+                pending.append(self._queue.get_nowait())
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                pending.append(await asyncio.wait_for(self._queue.get(), remaining))
+            except asyncio.TimeoutError:
+                break
+        return pending
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            pending = await self._gather()
+            live = [(item, future) for item, future in pending if not future.cancelled()]  # client gone
+            if not live:
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self.run_batch, [item for item, _ in live])
+            except Exception as err:  # the model failed on this batch: its requests get a 500, the server goes on
+                log.exception("a batch of %d failed", len(live))
+                for _, future in live:
+                    if not future.done():
+                        future.set_exception(err)
+                continue
+            self.batches_run += 1
+            self.items_run += len(live)
+            for (_, future), result in zip(live, results):
+                if not future.done():
+                    future.set_result(result)
+
+MAX_K = 1000
+
+
+def _error(status: int, kind: str, detail: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "detail": detail}, status_code=status)
+
+
+@dataclass
+class ImageRequests:
+    served: object            # serving.model.ServedModel or the ONNX-only one: `embeds`, `embed`
+    index: Optional[object]   # embedding.index.LoadedIndex (serve.py --index)
+    batcher: object
+    decoded: Callable         # request -> (image, name) or an error response
+
+    async def vector(self, request: Request):
+        if not self.served.embeds:
+            return _error(404, "no_embedding", "this model file gives logits only: serve a checkpoint, a timm "
+                                               "folder or an ONNX file written by export.py --embedding")
+        image = await self.decoded(request)
+        if isinstance(image, JSONResponse):
+            return image
+        return await self.batcher.submit(("embed", *image))
+
+    def add_to(self, app: FastAPI) -> None:
+        @app.post("/embed")
+        async def embed(request: Request):
+            vector = await self.vector(request)
+            return vector if isinstance(vector, JSONResponse) else {"embedding": [float(v) for v in vector]}
+
+        @app.post("/similar")
+        async def similar(request: Request, k: int = 5):
+            if self.index is None:
+                return _error(404, "no_index", "start serve.py with --index DIR (a folder written by embed.py)")
+            if not 1 <= k <= MAX_K:
+                return _error(400, "bad_k", f"k={k}: must be between 1 and {MAX_K}")
+            vector = await self.vector(request)
+            if isinstance(vector, JSONResponse):
+                return vector
+            import asyncio
+
+            from imgcls.embedding.index import neighbours
+
+            found = await asyncio.get_running_loop().run_in_executor(None, neighbours, self.index, vector, k)
+            return {"neighbours": found}
 
 if TYPE_CHECKING:
     from imgcls.embedding.index import LoadedIndex
 
+
 if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving.onnx_only) has the same methods
     from imgcls.serving.model import ServedModel
 
+
 log = logging.getLogger("serve")
+
+
 access_log = logging.getLogger("serve.access")
 
 

@@ -12,15 +12,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from imgcls.compute.device import DeviceInput, precision_name
 from imgcls.core.errors import ConfigError, ImageDecodeError
-from imgcls.embedding.embedder import Embedder
 from imgcls.data.transforms import EvalTransform, blank_for, read_source
+from imgcls.embedding.embedder import Embedder
 from imgcls.model_files.checkpoint_files import preprocessing_record
-from imgcls.prediction.predictor import Predictor
-from imgcls.prediction.trust import TrustOptions
-from imgcls.runtime.device import DeviceInput, precision_name
-from imgcls.serving.batch_shapes import batch_shapes, padded_size
-from imgcls.serving.errors import BadImage, classify_decode_error
+from imgcls.model_files.predictor import Predictor, TrustOptions
+from imgcls.serving.app import BadImage, batch_shapes, classify_decode_error, padded_size
 
 log = logging.getLogger("serve")
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-
 from pathlib import Path
 from typing import Optional
 
 import uvicorn
 
 from imgcls.core.errors import ConfigError
-
 from imgcls.serving.app import ServeSettings, create_app
 
 log = logging.getLogger("serve")
@@ -56,7 +54,7 @@ def check_served_index(served, index, index_dir: Optional[str]) -> None:
     if not served.embeds:
         raise ConfigError(f"--index {index_dir}: the served model file gives logits only; serve the checkpoint or "
                           f"an ONNX file written by export.py --embedding")
-    from imgcls.embedding.neighbours import check_index_model
+    from imgcls.embedding.index import check_index_model
 
     check_index_model(index, Path(index_dir), served.model_file.path, served.embedder.digest)
 

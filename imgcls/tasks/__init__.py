@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from imgcls.core.errors import ConfigError
-from imgcls.tasks.base import Task
-from imgcls.tasks.metric import LOSS, SHARED_METRICS, Metric
+from imgcls.tasks.base import LOSS, SHARED_METRICS, Metric, Task
 from imgcls.tasks.multi_label import MultiLabel
 from imgcls.tasks.single_label import SingleLabel
 

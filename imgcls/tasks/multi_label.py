@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from imgcls.core.errors import ConfigError
-from imgcls.tasks.base import Task
-from imgcls.tasks.metric import LOSS, NUM_SAMPLES, Metric
+from imgcls.tasks.base import LOSS, NUM_SAMPLES, Metric, Task
 
 if TYPE_CHECKING:  # the task registry loads without torch (config validation, --help)
     import torch
@@ -80,7 +79,7 @@ class MultiLabel(Task):
         return {"thresholds": [float(t) for t in metrics["thresholds"]]}
 
     def new_sums(self, num_classes: int, device: torch.device, classes: list[str]):
-        from imgcls.tasks.multi_label_metrics import MultiLabelSums
+        from imgcls.tasks.metrics import MultiLabelSums
 
         return MultiLabelSums(num_classes, device, classes)
 
@@ -119,45 +118,45 @@ class MultiLabel(Task):
         return logits > 0
 
     def probabilities(self, logits, temperature=None):
-        from imgcls.tasks.multi_label_rows import sigmoid
+        from imgcls.tasks.rows import sigmoid
 
         return sigmoid(logits)
 
     def outputs(self, logits, topk, temperature=None) -> dict:
         """Every class's probability (no calibration: each tag is called at its threshold)."""
-        from imgcls.tasks.multi_label_rows import tag_outputs
+        from imgcls.tasks.rows import tag_outputs
 
         return tag_outputs(logits)
 
     def rows(self, names, preds, classes, thresholds, delimiter) -> list[dict]:
-        from imgcls.tasks.multi_label_rows import tag_rows
+        from imgcls.tasks.rows import tag_rows
 
         return tag_rows(names, preds, classes, thresholds, delimiter)
 
     def format_rows(self, rows: list[dict], delimiter: str) -> str:
-        from imgcls.tasks.multi_label_rows import format_tag_table
+        from imgcls.tasks.rows import format_tag_table
 
         return format_tag_table(rows, delimiter)
 
     def write_rows(self, rows, path, classes, topk, delimiter, extra=()) -> None:
-        from imgcls.tasks.multi_label_rows import write_tag_rows
+        from imgcls.tasks.rows import write_tag_rows
 
         write_tag_rows(rows, path, classes, delimiter, extra)
 
     def evaluation_figures(self, sums, classes, thresholds) -> tuple:
         """F1, precision and recall at the model's tuned thresholds (those infer.py applies; 0.5 where the
         model records none) and at 0.5, mAP over the classes with a positive."""
-        from imgcls.tasks.multi_label_rows import DEFAULT_THRESHOLD
+        from imgcls.tasks.rows import DEFAULT_THRESHOLD
 
         metrics = sums.compute(thresholds or [DEFAULT_THRESHOLD] * len(classes))
         return metrics, metrics.pop("per_class"), None
 
     def eval_table(self, metrics, per_class, classes) -> str:
-        from imgcls.tasks.multi_label_report import format_multilabel_table
+        from imgcls.tasks.metrics import format_multilabel_table
 
         return format_multilabel_table(metrics, per_class)
 
     def eval_document(self, metrics, per_class, confusion, classes, **extra) -> dict:
-        from imgcls.tasks.multi_label_report import multilabel_document
+        from imgcls.tasks.metrics import multilabel_document
 
         return multilabel_document([m.name for m in self.metrics], metrics, per_class, classes, **extra)

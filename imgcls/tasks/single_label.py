@@ -6,8 +6,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from imgcls.core.errors import ConfigError
-from imgcls.tasks.base import Task
-from imgcls.tasks.metric import LOSS, NUM_SAMPLES, Metric
+from imgcls.tasks.base import LOSS, NUM_SAMPLES, Metric, Task
 
 if TYPE_CHECKING:  # the task registry loads without torch (config validation, --help)
     import torch
@@ -29,7 +28,7 @@ class SingleLabel(Task):
                               "(with CSV or shard tags) or use train.loss=ce / bce")
 
     def new_sums(self, num_classes: int, device: torch.device, classes: list[str]):
-        from imgcls.tasks.single_label_metrics import MetricSums
+        from imgcls.tasks.metrics import MetricSums
 
         return MetricSums(num_classes, device)
 
@@ -45,7 +44,7 @@ class SingleLabel(Task):
         return build_criterion(train_cfg)
 
     def epoch_text(self, metrics: dict, top5_k: int) -> str:
-        from imgcls.tasks.single_label_metrics import top5_label
+        from imgcls.tasks.metrics import top5_label
 
         return (f"val top1 {metrics['top1']:.2f}  {top5_label(top5_k)} {metrics['top5']:.2f}  loss "
                 f"{metrics['loss']:.4f}  mean class acc {metrics['mean_class_acc']:.2f}  "
@@ -56,42 +55,42 @@ class SingleLabel(Task):
         return logits.argmax(dim=1).int()
 
     def probabilities(self, logits, temperature=None):
-        from imgcls.tasks.single_label_rows import softmax
+        from imgcls.tasks.rows import softmax
 
         return softmax(logits, temperature)
 
     def outputs(self, logits, topk, temperature=None) -> dict:
-        from imgcls.tasks.single_label_rows import label_outputs
+        from imgcls.tasks.rows import label_outputs
 
         return label_outputs(logits, topk, temperature)
 
     def rows(self, names, preds, classes, thresholds, delimiter) -> list[dict]:
-        from imgcls.tasks.single_label_rows import result_rows
+        from imgcls.tasks.rows import result_rows
 
         return result_rows(names, preds, classes)
 
     def format_rows(self, rows: list[dict], delimiter: str) -> str:
-        from imgcls.tasks.single_label_rows import format_predictions_table
+        from imgcls.tasks.rows import format_predictions_table
 
         return format_predictions_table(rows)
 
     def write_rows(self, rows, path, classes, topk, delimiter, extra=()) -> None:
-        from imgcls.tasks.single_label_rows import write_rows
+        from imgcls.tasks.rows import write_rows
 
         write_rows(rows, path, min(topk, len(classes)), extra)
 
     def evaluation_figures(self, sums, classes, thresholds) -> tuple:
-        from imgcls.tasks.single_label_metrics import per_class_report
+        from imgcls.tasks.metrics import per_class_report
 
         confusion = sums.confusion.cpu()
         return sums.compute(), per_class_report(confusion, classes), confusion
 
     def eval_table(self, metrics, per_class, classes) -> str:
-        from imgcls.tasks.single_label_report import format_eval_table
+        from imgcls.tasks.metrics import format_eval_table
 
         return format_eval_table(metrics, per_class, min(5, len(classes)))
 
     def eval_document(self, metrics, per_class, confusion, classes, **extra) -> dict:
-        from imgcls.tasks.single_label_report import eval_document
+        from imgcls.tasks.metrics import eval_document
 
         return eval_document([m.name for m in self.metrics], metrics, per_class, confusion, classes, **extra)

@@ -27,10 +27,10 @@ from typing import Optional
 
 import yaml
 
-from imgcls.core.config import tracking_uri_problem
-from imgcls.core.redaction import redact_text, redact_uri
-from imgcls.tracking.backlog import BACKLOG_NAME, record_problem
-from imgcls.tracking.run_record import note_run_id, read_run_record
+from imgcls.core.errors import redact_text, redact_uri
+from imgcls.tracking.runs import note_run_id, read_run_record
+from imgcls.tracking.settings import tracking_uri_problem
+from imgcls.tracking.tracker import BACKLOG_NAME, record_problem
 
 # error codes with which a store that answered turns a record down (anything else: it failed or was away)
 REFUSALS = ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
@@ -108,7 +108,7 @@ def artifact_problem(record: dict, run_dir: Path) -> Optional[str]:
 
 def open_group_run(store, items: list[tuple[int, dict]], recorded: dict) -> Optional[str]:
     """Open the run of one key's records in `store`; None when there is none to put them in (the reason)."""
-    from imgcls.tracking.mlflow_store import RunNotFound
+    from imgcls.tracking.tracker import RunNotFound
 
     starts = [(n, r) for n, r in items if r["op"] == "start"]
     named = next((r["run_id"] for _, r in items if r.get("run_id")), None)
@@ -142,7 +142,7 @@ def send(store, number: int, record: dict) -> None:
 def replay(records: list[tuple[int, dict]], uri: Optional[str], run_dir: Path) -> tuple[dict, list]:
     """Send `records`; returns ({run id: records sent}, [(line, reason) of the records left out]). Raises
     ReplayStopped when the store fails or refuses one."""
-    from imgcls.tracking.mlflow_store import MlflowStore
+    from imgcls.tracking.tracker import MlflowStore
 
     sent: dict[str, int] = {}
     left_out: list[tuple[int, str]] = []
@@ -200,7 +200,7 @@ def keep_left_out(path: Path, numbers: set[int]) -> Path:
 
 
 def stopped_message(err: ReplayStopped, path: Path) -> str:
-    from imgcls.tracking.mlflow_store import RunNotFound
+    from imgcls.tracking.tracker import RunNotFound
 
     code = getattr(err.error, "error_code", None)
     what = f"line {err.line} ({err.record['op']})"

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 from urllib.parse import urlsplit
 
-from imgcls.core.errors import ConfigError
-from imgcls.core.redaction import redact_uri, secret_query_names
+from imgcls.core.errors import ConfigError, redact_uri, secret_query_names
 from imgcls.core.settings import setting
 
 # tracking.uri schemes MLflow serves (a plain path is a local store); anything else is refused before any work

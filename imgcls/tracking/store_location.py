@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
-from imgcls.core.errors import ConfigError
-from imgcls.core.redaction import redact_uri
+from imgcls.core.errors import ConfigError, redact_uri
+from imgcls.core.files import check_outputs_apart
 from imgcls.tracking.settings import TrackingConfig, tracking_client_installed
-from imgcls.core.outputs import check_outputs_apart
 
 
 def local_store(uri: Optional[str]) -> tuple[Optional[str], Optional[str]]:

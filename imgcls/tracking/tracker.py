@@ -1,15 +1,479 @@
-"""The narrow interface jobs report to (`Tracker`), its no-op form for `tracking.backend: none` and for
+"""The backlog: records that could not be sent, one JSON object a line in `<run dir>/tracking_backlog.jsonl`.
+
+A record is a plain dict with an `op`: `start` (open or create the run), `params`, `tags`, `metrics` (`step`,
+`timestamp` in ms, `metrics`: name -> value), `artifact` (`path`, `artifact_path`) or `end` (`status`). Each
+carries `run_key`: the run it belongs to, as the client knows it (tracking.run_record; the same across the
+jobs of a resumed run), `run_id`: the store's id of that run when known, or null when the run had not been
+created yet (then it belongs to the run that its `start` record creates or finds on replay), and `session`:
+the job (one tracker) it came from.
+
+The background sender: records go into a bounded queue and one thread sends them, so the job never waits
+on the tracking store. A record that fails is retried a few times; then it goes to the backlog, the store
+counts as down for a while (records meanwhile go straight to the backlog), and a warning says so at most
+once a minute. A run that could not be created at all sends nothing more: its records all go to the backlog,
+which creates the run on replay.
+
+Records (tracking.backlog) applied to an MLflow tracking store through `MlflowClient`: the one place that
+calls MLflow. Used by the sender thread during a job and by `python -m imgcls.tracking.replay` after it.
+
+The narrow interface jobs report to (`Tracker`), its no-op form for `tracking.backend: none` and for
 every rank but global rank 0, and the MLflow form (queued; never blocks, never fails the job)."""
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import queue
+import re
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-from imgcls.tracking.backlog import BACKLOG_NAME, Backlog
-from imgcls.tracking.sender import ATTEMPTS, Sender
+from imgcls.core.errors import install_log_redaction, redact_text
+
+BACKLOG_NAME = "tracking_backlog.jsonl"
+
+
+class Backlog:
+    """Appends records to the backlog file (both the sender thread and the caller may write: one lock)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock = threading.Lock()
+        self.written = 0
+
+    def append(self, records: list[dict]) -> None:
+        if not records:
+            return
+        lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in map(finite_record, records))
+        with self.lock:
+            with self.path.open("a") as f:
+                f.write(lines)
+                f.flush()
+            self.written += len(records)
+
+
+def finite_record(record: dict) -> dict:
+    """The record with non-finite metric values left out (MLflow takes them; JSON does not)."""
+    if record.get("op") != "metrics":
+        return record
+    return {**record, "metrics": {k: v for k, v in record["metrics"].items() if math.isfinite(v)}}
+
+
+def read_backlog(path: Path) -> list[dict]:
+    """The records of a backlog file, in order; a line cut short by a kill (the last one) is left out."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "op" in record:
+            records.append(record)
+    return records
+
+
+OPS = ("start", "params", "tags", "metrics", "artifact", "end")
+
+
+END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+
+ID_PATTERN = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _text_map(value, numbers: bool = False) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and (isinstance(v, str) or (numbers and _is_number(v))) for k, v in value.items())
+
+
+def _op_problem(record: dict) -> Optional[str]:
+    op = record["op"]
+    if op == "start":
+        if not isinstance(record.get("experiment"), str) or not record["experiment"].strip():
+            return "'experiment' must be a name"
+        if not isinstance(record.get("run_name"), (str, type(None))) or not _text_map(record.get("tags") or {}):
+            return "'run_name' must be text or null and 'tags' a map of names to text"
+    elif op in ("params", "tags") and not _text_map(record.get(op), numbers=True):
+        return f"'{op}' must be a map of names to text"
+    elif op == "metrics":
+        if not all(isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in ("step", "timestamp")):
+            return "'step' and 'timestamp' must be whole numbers"
+        if not isinstance(record.get("metrics"), dict) or not all(
+                isinstance(k, str) and _is_number(v) for k, v in record["metrics"].items()):
+            return "'metrics' must be a map of names to finite numbers"
+    elif op == "artifact":
+        folder = record.get("artifact_path")
+        if not isinstance(record.get("path"), str) or not record["path"]:
+            return "'path' must name a file"
+        if folder is not None and (not isinstance(folder, str) or folder.startswith("/") or ".." in folder.split("/")):
+            return "'artifact_path' must be a relative folder name without '..'"
+    elif op == "end" and record.get("status") not in END_STATUSES:
+        return f"'status' must be one of {', '.join(END_STATUSES)}"
+    return None
+
+
+def record_problem(record) -> Optional[str]:
+    """What makes a backlog line unusable as a record (None: nothing)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("op") not in OPS:
+        return f"'op' = {record.get('op')!r}; allowed: {', '.join(OPS)}"
+    for key in ("run_id", "run_key", "session"):
+        value = record.get(key)
+        if value is not None and not (isinstance(value, str) and ID_PATTERN.fullmatch(value)):
+            return f"'{key}' = {value!r}: must be null or an id (letters, digits, '-', '_')"
+    return _op_problem(record)
+
+log = logging.getLogger(__name__)
+
+
+QUEUE_SIZE = 10_000           # records waiting; beyond it the caller writes them to the backlog itself
+
+
+ATTEMPTS = 3                  # tries per record before it goes to the backlog
+
+
+RETRY_WAIT_S = 0.5            # before the second try; doubled for each next one
+
+
+DOWN_FOR_S = 30.0             # after a record failed every try, the store is not tried again for this long
+
+
+WARN_EVERY_S = 60.0
+
+
+# at the end, the start record may take this long: creating a new SQLite store runs MLflow's schema migrations,
+# a minute on a loaded machine, and a store left half-migrated cannot be opened again
+START_CALL_S = 180.0
+
+
+_STOP = object()
+
+
+class RateLimitedWarning:
+    """log.warning at most once per `every_s` seconds; the ones held back are counted in the next."""
+
+    def __init__(self, every_s: float = WARN_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self.last: Optional[float] = None
+        self.held = 0
+
+    def warn(self, message: str) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            self.held += 1
+            return False
+        more = f" ({self.held} more such warning(s) held back)" if self.held else ""
+        log.warning("tracking: %s%s", message, more)
+        self.last, self.held = now, 0
+        return True
+
+
+class Sender:
+    """`submit` never blocks. `store` has `apply(record)` and `run_id`; `close(timeout_s)` sends what is queued
+    (what is still unsent after the timeout goes to the backlog) and ends the thread."""
+
+    def __init__(self, store, backlog: Backlog, queue_size: int = QUEUE_SIZE, attempts: int = ATTEMPTS,
+                 retry_wait_s: float = RETRY_WAIT_S, down_for_s: float = DOWN_FOR_S,
+                 on_started: Optional[Callable[[str], None]] = None):
+        """`on_started(run_id)`: called on the sender thread once the store created or opened the run."""
+        self.store, self.backlog = store, backlog
+        self.on_started = on_started
+        # the run the start record names (--resume: last.pt's): the records written to the backlog while the
+        # store cannot confirm it still name it, so that a replay puts them there
+        self.run_id_named: Optional[str] = None
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.attempts, self.retry_wait_s, self.down_for_s = attempts, retry_wait_s, down_for_s
+        self.warning = RateLimitedWarning()
+        self.down_until = 0.0
+        self.run_missing = False        # the start record failed: nothing is sent, all goes to the backlog
+        self.closing = threading.Event()
+        self.in_flight: Optional[dict] = None
+        self.progress_at = time.monotonic()  # when the thread last finished a record
+        self.started = threading.Event()  # the start record was handled (the run exists, or it failed)
+        self.thread = threading.Thread(target=self._work, name="tracking-sender", daemon=True)
+        self.thread.start()
+
+    def submit(self, record: dict) -> None:
+        if record.get("op") == "start":
+            self.run_id_named = record.get("run_id")
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.backlog.append([self._addressed(record)])
+            self.warning.warn(f"the tracking store is slower than the job: records go to {self.backlog.path}")
+
+    def _addressed(self, record: dict) -> dict:
+        return record if record.get("op") == "start" else {**record, "run_id": self.store.run_id or self.run_id_named}
+
+    def _work(self) -> None:
+        while True:
+            record = self.queue.get()
+            if record is _STOP:
+                return
+            self.in_flight = record
+            self._send(record)
+            self.in_flight = None
+            self.progress_at = time.monotonic()
+            if record.get("op") == "start":
+                self._started()
+
+    def _started(self) -> None:
+        if self.store.run_id and self.on_started is not None:
+            try:
+                self.on_started(self.store.run_id)
+            except OSError as err:  # a full disk: the run id is still in last.pt
+                log.warning("tracking: could not record run %s in the run directory: %s", self.store.run_id, err)
+        self.started.set()
+
+    def _send(self, record: dict) -> None:
+        if self.run_missing or time.monotonic() < self.down_until:
+            self.backlog.append([self._addressed(record)])
+            return
+        error = None
+        for attempt in range(self.attempts):
+            try:
+                self.store.apply(record)
+                return
+            except Exception as err:  # whatever the store raises: the job goes on
+                error = err
+                if attempt + 1 < self.attempts and self.closing.wait(self.retry_wait_s * 2 ** attempt):
+                    break
+        self.down_until = time.monotonic() + self.down_for_s
+        if record.get("op") == "start" and self.store.run_id is None:
+            self.run_missing = True
+        self.backlog.append([self._addressed(record)])
+        reason = redact_text((str(error).strip().splitlines() or [type(error).__name__])[0])[:300]
+        self.warning.warn(f"could not reach the tracking store ({type(error).__name__}: {reason}); the run "
+                          f"goes on, and what is not logged goes to {self.backlog.path} (send it later with "
+                          f"python -m imgcls.tracking.replay {self.backlog.path.parent})")
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued while the store keeps answering: the wait ends when no record was finished for
+        `timeout_s` (START_CALL_S while the run is being created); the rest goes to the backlog."""
+        try:
+            self.queue.put(_STOP, timeout=timeout_s)
+        except queue.Full:
+            pass
+        while self.thread.is_alive():
+            limit = START_CALL_S if (self.in_flight or {}).get("op") == "start" else timeout_s
+            if time.monotonic() - self.progress_at > limit:
+                break
+            self.thread.join(0.2)
+        if self.thread.is_alive():  # the store hangs: what is left is written out, the daemon thread abandoned
+            self.closing.set()
+            left = [r for r in [self.in_flight, *drain(self.queue)] if r is not None and r is not _STOP]
+            self.backlog.append([self._addressed(r) for r in left])
+            log.warning("tracking: the store stopped answering at the end (nothing sent for %.0f s); %d "
+                        "record(s) written to %s", timeout_s, len(left), self.backlog.path)
+
+
+def drain(q: queue.Queue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+# MLflow's HTTP client retries a failed request 7 times with exponential back-off and waits 120 s for an
+# answer by default: minutes per call against a server that went away. The sender retries by itself.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+PARAMS_PER_CALL = 100     # MLflow's log_batch limits: 100 params, 1000 metrics, 100 tags a call
+
+
+METRICS_PER_CALL = 1000
+
+
+PARAM_VALUE_MAX = 6000    # MLflow's longest param value
+
+
+TAG_VALUE_MAX = 8000
+
+
+RUN_KEY_TAG = "imgcls.run_key"            # the client-side key of the run (tracking.run_record)
+
+
+PREVIOUS_RUN_TAG = "imgcls.previous_run_id"  # the run id last.pt named, which this store did not hold
+
+
+RUN_KEY_PATTERN = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+class RunNotFound(Exception):
+    """The store answers, but holds no run of the id that eval.py's checkpoint names."""
+
+
+def use_short_http_timeouts() -> None:
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    install_log_redaction()  # the client's own log lines name the URI, with the user's credentials
+
+
+class MlflowStore:
+    """One MLflow run, opened by a `start` record; `apply` sends one record (raises when the store fails).
+    Metric points whose (name, step) the run already holds are not sent again: a resumed run re-runs the
+    steps after its checkpoint, and a replay may repeat what a slow call did send."""
+
+    def __init__(self, uri: Optional[str]):
+        self.uri = uri
+        self.client = None
+        self.run_id: Optional[str] = None
+        self.logged: dict[str, set[int]] = {}   # metric name -> steps the run holds
+        self.params: set[str] = set()           # param names the run holds (a param cannot change)
+        self.tags: dict[str, str] = {}          # the run's tags (one with its value already is not sent again)
+        self.status: Optional[str] = None
+
+    def _client(self):
+        if self.client is None:
+            from mlflow.tracking import MlflowClient
+
+            use_short_http_timeouts()
+            self.client = MlflowClient(tracking_uri=self.uri)
+        return self.client
+
+    def apply(self, record: dict) -> None:
+        getattr(self, "_" + record["op"])(record)
+
+    def attach(self, run_id: str, run=None) -> None:
+        """Log into the existing run `run_id` from now on (what it holds is read, so nothing is sent twice)."""
+        client = self._client()
+        run = run or client.get_run(run_id)
+        self.run_id = run.info.run_id
+        self.status = run.info.status
+        self.params = set(run.data.params)
+        self.tags = dict(run.data.tags)
+        self.logged = {key: {m.step for m in client.get_metric_history(self.run_id, key)}
+                       for key in run.data.metrics}
+
+    def _start(self, record: dict) -> None:
+        """The run a `start` record names (--resume: the run last.pt names goes on), else the run created
+        earlier for its `run_key` (by a job whose start this store missed, or by a replay), else a new one.
+        A named run this store does not hold (tracking.uri changed on resume) is replaced by a new run tagged
+        with the old id; eval.py's records (`attach_only`) go into the named run or nowhere."""
+        client = self._client()
+        wanted = record.get("run_id")
+        run = self._get_run(wanted) if wanted else None
+        if run is None and record.get("attach_only"):
+            raise RunNotFound(f"the store holds no run {wanted}")
+        if run is None and record.get("run_key"):
+            run = self._find_by_key(record["experiment"], record["run_key"])
+        if run is not None:
+            self.attach(run.info.run_id, run)
+            if record.get("reopen") and not record.get("replayed"):
+                client.update_run(self.run_id, status="RUNNING")
+                self.status = "RUNNING"
+            if record.get("tags"):
+                self._tags({"tags": record["tags"]})
+            return
+        tags = dict(record.get("tags") or {})
+        if record.get("run_key"):
+            tags[RUN_KEY_TAG] = record["run_key"]
+        if wanted:
+            tags[PREVIOUS_RUN_TAG] = wanted
+        run = client.create_run(self._experiment_id(record["experiment"]), run_name=record.get("run_name"),
+                                tags={k: clip(str(v), TAG_VALUE_MAX) for k, v in tags.items()})
+        self.run_id, self.status = run.info.run_id, run.info.status
+        self.params, self.logged, self.tags = set(), {}, tags
+
+    def _get_run(self, run_id: str):
+        """The run, or None when the store answers that it holds no such run (raises when it fails)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client().get_run(run_id)
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    def _find_by_key(self, experiment: str, run_key: str):
+        """The experiment's run tagged with `run_key` (None: none yet)."""
+        client = self._client()
+        found = client.get_experiment_by_name(experiment)
+        if found is None or found.lifecycle_stage == "deleted" or not RUN_KEY_PATTERN.fullmatch(run_key):
+            return None
+        runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                                  max_results=1)
+        return runs[0] if runs else None
+
+    def _experiment_id(self, name: str) -> str:
+        client = self._client()
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            try:
+                return client.create_experiment(name)
+            except Exception:  # created meanwhile by another job
+                found = client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+        if found.lifecycle_stage == "deleted":
+            client.restore_experiment(found.experiment_id)
+        return found.experiment_id
+
+    def _params(self, record: dict) -> None:
+        from mlflow.entities import Param
+
+        new = [(k, v) for k, v in record["params"].items() if k not in self.params]
+        for i in range(0, len(new), PARAMS_PER_CALL):
+            chunk = new[i:i + PARAMS_PER_CALL]
+            self._client().log_batch(self.run_id, params=[Param(k, clip(str(v), PARAM_VALUE_MAX)) for k, v in chunk])
+            self.params.update(k for k, _ in chunk)
+
+    def _tags(self, record: dict) -> None:
+        from mlflow.entities import RunTag
+
+        new = {k: clip(str(v), TAG_VALUE_MAX) for k, v in record["tags"].items()}
+        new = {k: v for k, v in new.items() if self.tags.get(k) != v}
+        if new:
+            self._client().log_batch(self.run_id, tags=[RunTag(k, v) for k, v in new.items()])
+            self.tags.update(new)
+
+    def _metrics(self, record: dict) -> None:
+        from mlflow.entities import Metric
+
+        step = int(record["step"])
+        new = {k: float(v) for k, v in record["metrics"].items() if step not in self.logged.get(k, ())}
+        if not new:
+            return
+        metrics = [Metric(k, v, int(record["timestamp"]), step) for k, v in new.items()]
+        for i in range(0, len(metrics), METRICS_PER_CALL):
+            self._client().log_batch(self.run_id, metrics=metrics[i:i + METRICS_PER_CALL])
+        for key in new:
+            self.logged.setdefault(key, set()).add(step)
+
+    def _artifact(self, record: dict) -> None:
+        path = Path(record["path"])
+        if not path.is_file():  # a file gone since is not the store's failure (replay counts it beforehand)
+            return
+        if record.get("replayed") and self._holds_artifact(path, record.get("artifact_path")):
+            return  # sent by the job or an earlier replay
+        self._client().log_artifact(self.run_id, str(path), record.get("artifact_path"))
+
+    def _holds_artifact(self, path: Path, artifact_path: Optional[str]) -> bool:
+        name = f"{artifact_path}/{path.name}" if artifact_path else path.name
+        held = self._client().list_artifacts(self.run_id, artifact_path)
+        return any(f.path == name and f.file_size == path.stat().st_size for f in held)
+
+    def _end(self, record: dict) -> None:
+        if record.get("replayed") and self.status == record["status"]:
+            return
+        self._client().set_terminated(self.run_id, record["status"])
+        self.status = record["status"]
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 CLOSE_TIMEOUT_S = 30.0  # at the end, the job waits for queued records while the store answers within this
 
@@ -67,7 +531,6 @@ class MlflowTracker:
         client-side key (tracking.run_record), which finds the run again when `run_id` is unknown; `reopen`
         (default: given a run id): a resumed job's run goes back to RUNNING. `on_started(run_id)` is called
         once the store created or opened the run; `attempts`: tries per record."""
-        from imgcls.tracking.mlflow_store import MlflowStore
 
         self.store = MlflowStore(uri)
         self.sender = Sender(self.store, Backlog(Path(backlog_dir) / BACKLOG_NAME), attempts=attempts,

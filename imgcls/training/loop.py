@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 
 from imgcls.core.errors import NonFiniteError, StopRequested
-from imgcls.rundir.state import EpochCounters, TrainState
 from imgcls.training.schedule import window_length
+from imgcls.training.state import EpochCounters, TrainState
 from imgcls.training.step import TrainStep, WindowUpdate
 
 

@@ -1,4 +1,7 @@
-"""`train.batch_size: auto`: the largest per-device batch that fits, then the smallest one that is as fast.
+"""Timing real training steps (the batch-size finder and benchmark.py): the loop the trainer runs, on
+batches from a loader or a synthetic batch already on the device.
+
+`train.batch_size: auto`: the largest per-device batch that fits, then the smallest one that is as fast.
 
 1. Fit: double the batch until a training step no longer fits, then binary-search the boundary to
    within 5%. On CUDA "fits" means a real step ran without an out-of-memory error (the error is caught
@@ -12,41 +15,154 @@
    the batch `optim.lr` is tuned for), reached by `accum_steps` micro-batches on every process; the
    trainer then scales the LR by `optim.lr_scaling` from the resulting effective batch as usual.
 
-The table (batch, img/s, peak memory) is logged and saved as `batch_finder.json` in the run directory.
-"""
+The table (batch, img/s, peak memory) is logged and saved as `batch_finder.json` in the run directory."""
 from __future__ import annotations
 
 import dataclasses
 import gc
 import logging
+import os
+import resource
+import time
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
-from imgcls.data.normalisation import for_timing
-from imgcls.runtime.device import DeviceInput, is_out_of_memory, memory_format, precision_name
-from imgcls.runtime.distributed import min_over_ranks
-from imgcls.runtime.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_rss_bytes,
-                           gradient_bytes, mib, optimizer_state_bytes, parameter_bytes)
-from imgcls.training.schedule import ceil_div
-from imgcls.training.step import build_train_step
-from imgcls.objectives.registry import build_objective
-from imgcls.objectives.distillation.teacher import check_teacher
-from imgcls.tuning.timing import synthetic_batch, time_train_steps
-from imgcls.tuning.arithmetic import throughput_knee
+from imgcls.compute.device import DeviceInput, is_out_of_memory, memory_format, precision_name
+from imgcls.compute.distributed import min_over_ranks
+from imgcls.compute.memory import (MemoryBreakdown, available_memory_bytes, breakdown_from_steps, current_memory_bytes,
+                                   current_rss_bytes, gradient_bytes, mib, optimizer_state_bytes, parameter_bytes,
+                                   peak_memory_bytes, reset_peak_memory)
 from imgcls.core.errors import ModelError
+from imgcls.data.build import for_timing
 from imgcls.models.factory import build_model, check_grad_checkpointing
+from imgcls.objectives.registry import build_objective
+from imgcls.objectives.teacher import check_teacher
+from imgcls.training.loop import measuring_parts, train_one_epoch
+from imgcls.training.schedule import ceil_div
+from imgcls.training.state import EpochCounters, TrainState
+from imgcls.training.step import TrainStep, build_train_step
+from imgcls.tuning.arithmetic import throughput_knee
+
+
+def process_tree_cpu_seconds() -> float:
+    """CPU time (user + system) of this process plus its children (loader workers), live ones and those that
+    ended (a shard stream's workers end with each epoch). On a busy machine wall-clock rates follow the
+    load of other processes; CPU seconds per image do not."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    me = os.getpid()
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:  # ppid; then utime, stime are fields 14, 15 of the whole line
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthetic_batch(batch_size: int, img_size: int, num_classes: int, device: torch.device, train: bool = True,
+                    channels: int = 3):
+    """Random uint8 images and labels already on the device, shaped like a loader batch (`channels` bands)."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch_size, channels, img_size, img_size), dtype=torch.uint8, generator=generator)
+    targets = torch.randint(0, num_classes, (batch_size,), generator=generator)
+    images, targets = images.to(device), targets.to(device)
+    if train:
+        return images, targets, torch.full((batch_size,), -1, dtype=torch.int64)
+    return images, targets, torch.ones(batch_size, dtype=torch.bool), torch.arange(batch_size)
+
+
+class TimedIterator:
+    """Wraps batches and adds up the time spent waiting for the next one (the data wait)."""
+
+    def __init__(self, batches: Iterable):
+        self.batches = iter(batches)
+        self.wait_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+
+@dataclass
+class StepTiming:
+    steps: int
+    images: int
+    total_s: float
+    data_wait_s: float
+    peak_memory_bytes: int
+    cpu_s: float = 0.0
+    held_before_bytes: int = 0    # memory held when the timed steps started (peak minus it: what they added)
+
+    @property
+    def img_per_s(self) -> float:
+        return self.images / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.total_s / max(self.steps, 1)
+
+
+def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int) -> StepTiming:
+    """Run `warmup` then `steps` real training steps (`train_one_epoch`) on `batches`; time the latter."""
+    iterator = iter(batches)
+    device = step.input.device
+    if warmup:
+        train_one_epoch(step, measuring_parts(), iterator, warmup, TrainState(), EpochCounters())
+    sync(device)
+    reset_peak_memory(device)
+    held_before = current_memory_bytes(device)
+    timed = TimedIterator(iterator)
+    counters = EpochCounters()
+    cpu_start = process_tree_cpu_seconds()
+    start = time.perf_counter()
+    # train_one_epoch ends with one host sync (the epoch's loss sum), so the clock stops after the work.
+    train_one_epoch(step, measuring_parts(), timed, steps, TrainState(), counters)
+    sync(device)
+    total = time.perf_counter() - start
+    return StepTiming(steps, counters.samples, total, timed.wait_s, peak_memory_bytes(device),
+                      process_tree_cpu_seconds() - cpu_start, held_before)
 
 log = logging.getLogger(__name__)
 
+
 FIT_TOLERANCE = 0.05
+
+
 SPEED_TOLERANCE = 0.05
+
+
 SPEED_CANDIDATES = 4          # the largest fitting batch and up to 3 halvings of it
+
+
 MIN_SPEED_BATCH = 8
+
+
 TIMING_ROUNDS = (2, 5)        # the speed table is timed at least 2 and at most 5 rounds over the candidates ...
+
+
 STABLE_SPREAD = 0.10          # ... until every batch's img/s over the rounds is within 10% (max - min over median)
 
 
@@ -420,8 +536,8 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     Every process measures its own device; all take the smallest batch any of them chose, so the
     effective batch is the same everywhere.
     """
+    from imgcls.core.files import write_json
     from imgcls.data.build import scan_splits
-    from imgcls.core.outputs import write_json
 
     train_index, _ = scan_splits(cfg)
     if cfg.distill.teacher:  # a teacher that cannot teach is refused before the search (exit 2)
@@ -445,7 +561,6 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     if dist.is_main:
         write_json(report, Path(run_dir) / "batch_finder.json")
     return report["batch_size"], report["accum_steps"]
-
 
 
 def resolve_batch_size(cfg, resume_ckpt: Optional[dict], device: torch.device, amp_dtype, run_dir: Path,

@@ -3,10 +3,9 @@ import re
 
 import pytest
 import yaml
-
 from conftest import run_script, run_train_in_process, tiny_overrides
-from imgcls.core.config import (CONFIG_DIR, Config, ConfigError, all_keys, load_config, read_yaml,
-                           resolve_config_path)
+
+from imgcls.config import CONFIG_DIR, Config, ConfigError, all_keys, load_config, read_yaml, resolve_config_path
 
 
 @pytest.mark.slow
@@ -210,7 +209,7 @@ def test_every_base_yaml_key_is_documented_on_its_line():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    from imgcls.core.config import config_from_dict, dump_yaml
+    from imgcls.config import config_from_dict, dump_yaml
 
     cfg = load_config("quickstart", tiny_overrides(tmp_path / "data", tmp_path / "run"))
     path = tmp_path / "config.yaml"
@@ -254,7 +253,7 @@ def test_a_bad_recipe_combination_exits_2_through_train_py(monkeypatch, capsys, 
 
 
 def test_resume_of_a_checkpoint_written_before_the_recipe_keys_sees_no_difference():
-    from imgcls.core.config import config_differences
+    from imgcls.config import config_differences
 
     saved = Config().to_dict()
     for section, key in (("train", "mixup_alpha"), ("train", "loss"), ("schedule", "name"), ("data", "random_erasing"),
@@ -272,7 +271,7 @@ def test_the_loader_records_the_keys_a_config_or_an_override_set():
 
 
 def test_fill_unset_keeps_what_the_user_set():
-    from imgcls.core.config import fill_unset
+    from imgcls.config import fill_unset
 
     cfg = load_config(None, ["data.std=[0.3,0.3,0.3]"])
     lines = fill_unset(cfg, {"data.mean": (0.5, 0.4, 0.3), "data.std": [0.2, 0.2, 0.2], "data.crop_pct": 0.95}, "X")

@@ -3,7 +3,6 @@ non-root user, `python` is the entrypoint in /app, the base image carries the pi
 reinstalled over the base's, and .dockerignore keeps data, runs and environments out of the image."""
 from __future__ import annotations
 
-import pytest
 import json
 import re
 import shlex
@@ -12,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 DOCKERFILE = REPO / "Dockerfile"

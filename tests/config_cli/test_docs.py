@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
-from imgcls.core.config import ConfigError, all_keys, load_config
+
+from imgcls.config import ConfigError, all_keys, load_config
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ENTRY_SCRIPTS = ("train.py", "eval.py", "infer.py", "export.py", "tune.py", "audit.py", "serve.py", "benchmark.py",
@@ -99,7 +99,7 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
 # --- the configuration reference -------------------------------------------------------------------------
 
 def test_base_yaml_and_the_reference_are_what_the_declarations_give(capsys):
-    import imgcls.core.config_reference as config_reference
+    import imgcls.config as config_reference
 
     assert config_reference.main(["--check"]) == 0, capsys.readouterr().err
 
@@ -111,7 +111,7 @@ def test_configuration_reference_lists_every_key_the_config_has():
 
 
 def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
-    from imgcls.core.config_reference import render_page
+    from imgcls.config import render_page
 
     page = render_page()
     assert ("| `train.amp` | `auto` | none \\| fp16 \\| bf16 \\| auto | none \\| fp16 (CUDA, GradScaler) \\| bf16 "
@@ -124,7 +124,7 @@ def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
 
 
 def test_check_mode_fails_on_stale_files_and_write_mends_them(tmp_path, monkeypatch, capsys):
-    import imgcls.core.config_reference as config_reference
+    import imgcls.config as config_reference
 
     base, page = tmp_path / "configs" / "base.yaml", tmp_path / "docs" / "configuration.md"
     base.parent.mkdir()
@@ -135,7 +135,7 @@ def test_check_mode_fails_on_stale_files_and_write_mends_them(tmp_path, monkeypa
     assert config_reference.main(["--check"]) == 1
     err = capsys.readouterr().err
     assert "configs/base.yaml is not what" in err and "docs/configuration.md is not what" in err
-    assert "python -m imgcls.core.config_reference --write" in err
+    assert "python -m imgcls.config --write" in err
     assert config_reference.main(["--write"]) == 0 and config_reference.main(["--check"]) == 0
     assert yaml.safe_load(base.read_text()) == load_config(None).to_dict()
 

@@ -65,7 +65,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
 
 def test_layers_and_rooms_import_only_downwards_and_no_two_modules_import_each_other():
     modules = project_modules()
-    assert "imgcls.training_run.trainer" in modules and "imgcls.runtime.runtime" in modules
+    assert "imgcls.training.trainer" in modules and "imgcls.compute.device" in modules
     graph = {name: imports_of(path, set(modules)) - {name} for name, path in modules.items()}
     upward = [f"{name} imports {target}" for name, targets in graph.items() for target in targets
               if level_of(target) > level_of(name)
@@ -82,7 +82,7 @@ def test_only_the_task_package_and_config_validation_ask_which_kind_of_label_thi
     asks = re.compile(r"\b(if|elif)\b.*(\.task\s*[!=]=|data\.task\b|\bmultilabel\b|\bmulticlass\b)")
     found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
              for name, path in project_modules().items() if not (name == "tasks" or name.startswith("tasks."))
-             and name != "imgcls.core.config"
+             and name != "imgcls.config"
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if asks.search(line.split("#")[0]) and not line.strip().startswith(("#", '"', "'"))]
     assert found == [], "\n".join(found)
@@ -122,11 +122,11 @@ def all_imports_of(path: Path) -> set[str]:
 def test_settings_modules_import_only_the_standard_library_core_and_settings():
     modules = project_modules()
     settings = {name: path for name, path in modules.items() if is_settings(name)}
-    assert {"imgcls.data.settings", "imgcls.models.settings", "imgcls.training.settings", "imgcls.tracking.settings", "imgcls.rundir.settings",
-            "imgcls.objectives.distillation.settings", "imgcls.data.listing.sources.source_csv_settings"} <= set(settings)
+    assert {"imgcls.data.settings", "imgcls.models.settings", "imgcls.training.settings", "imgcls.tracking.settings", "imgcls.training.settings",
+            "imgcls.objectives.settings", "imgcls.data.settings"} <= set(settings)
     wrong = [f"{name} imports {target}" for name, path in settings.items() for target in all_imports_of(path)
              if not (target.split(".")[0] in sys.stdlib_module_names or target == "__future__"
-                     or (target.startswith("core.") and target != "imgcls.core.config") or is_settings(target))]
+                     or (target.startswith("core.") and target != "imgcls.config") or is_settings(target))]
     assert wrong == []
 
 
@@ -136,8 +136,8 @@ def test_loading_validating_and_documenting_a_config_imports_no_torch():
     settings = sorted(name for name in project_modules() if is_settings(name))
     code = (f"import importlib, sys\n"
             f"for name in {settings!r}: importlib.import_module(name)\n"
-            f"from imgcls.core.config import load_config\n"
-            f"from imgcls.core.config_reference import render_base_yaml, render_page\n"
+            f"from imgcls.config import load_config\n"
+            f"from imgcls.config import render_base_yaml, render_page\n"
             f"render_base_yaml(); render_page()\n"
             f"load_config('resnet50_a3', ['optim.name=adan', 'optim.options.no_prox=true', 'distill.teacher=t.pt', "
             f"'data.format=csv', 'data.train_csv=t.csv', 'data.val_fraction=0.2', 'tracking.backend=mlflow'])\n"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, Payload, exit_code, make_tree, tiny_overrides
 
-from conftest import Payload, exit_code, REPO, make_tree, tiny_overrides
+from imgcls.config import ConfigError, load_config, parse_override
 from imgcls.core.errors import CheckpointError
 from imgcls.core.safe_load import load_checkpoint
-from imgcls.core.config import ConfigError, load_config, parse_override
-from imgcls.training_run.trainer import run
+from imgcls.training.trainer import run
 
 
 def write_hostile(path: Path, marker: Path, form: str) -> Path:
@@ -141,7 +141,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
 
 def test_fifos_named_as_config_checkpoint_classes_or_weights_say_so_without_reading(tmp_path):
     """Each of these was opened and read: a FIFO blocked for ever (--classes) or was called missing."""
-    from imgcls.core.config import resolve_config_path
+    from imgcls.config import resolve_config_path
     from imgcls.core.errors import ModelError
     from imgcls.model_files.loading import read_classes_file
     from imgcls.models.factory import read_weights_file
@@ -291,9 +291,7 @@ def test_log_lines_naming_the_store_mask_its_credentials(tmp_path, monkeypatch):
     import io
     import logging
 
-    from imgcls.tracking.backlog import Backlog
-    from imgcls.tracking.mlflow_store import MlflowStore
-    from imgcls.tracking.sender import Sender
+    from imgcls.tracking.tracker import Backlog, MlflowStore, Sender
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SECRET}@127.0.0.1:{free_port()}/?token={SECRET}")
     log_file = io.StringIO()  # train.log's handler, on the root logger

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 # Two files, so that --dist loadfile gives each worker one.
@@ -22,7 +21,7 @@ from pathlib import Path
 
 
 def test_an_in_process_run_holds_sigint():
-    from imgcls.runtime.signals import StopSignal
+    from imgcls.compute.distributed import StopSignal
 
     StopSignal().install()  # what an in-process training run does: SIGINT means "save and stop", not end
     (Path(os.environ["SUITE_MARKS"]) / "held").write_text(str(os.getpid()))

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
 from conftest import REPO
-from imgcls.benchmarking.serve_load import run_load
 from served_rows import assert_same_rows
+
+from imgcls.benchmarking.serve_load import run_load
 
 # the first test also builds the bases and images (minutes; a cold stand-in base, ~15 min): pytest.ini's 600 s
 # per test is too short for it

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from conftest import REPO, train_tiny, wait_for
 
 import embed as embed_script
 import export as export_script
-from conftest import REPO, train_tiny, wait_for
 
 SERVE_REQUIREMENTS = REPO / "docker" / "requirements-serve.txt"
 # the third-party modules this project's code imports, and the package that installs each (simplejpeg is left
@@ -81,14 +81,14 @@ def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_the
     model_files/stored_metadata.py are copied, not the torch modules beside them, and they import with torch
     unimportable (the rows modules are imported when a row is made)."""
     copy_serve_image_files(tmp_path)
-    shared = ["imgcls.tasks.single_label_rows", "imgcls.tasks.multi_label_rows", "imgcls.data.eval_preprocessing",
+    shared = ["imgcls.tasks.rows", "imgcls.tasks.rows", "imgcls.data.eval_preprocessing",
               "imgcls.model_files.stored_metadata"]
     assert all((tmp_path / (name.replace(".", "/") + ".py")).is_file() for name in shared)
     assert not (tmp_path / "model_files" / "checkpoint_files.py").exists()
     assert not (tmp_path / "data" / "transforms.py").exists()
     assert not {"rows.py", "preprocess.py"} & {p.name for p in (tmp_path / "serving" / "onnx_only").iterdir()}
     code = ("import importlib, sys; sys.modules.update(torch=None, torchvision=None)\n"
-            f"for name in {['imgcls.serving.onnx_only.server', *shared]!r}: importlib.import_module(name)\n"
+            f"for name in {['imgcls.serving.slim', *shared]!r}: importlib.import_module(name)\n"
             f"print(sorted(n for n in {sorted(PACKAGE_OF)!r} if sys.modules.get(n) is not None))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=""))

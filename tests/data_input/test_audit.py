@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from conftest import class_image, make_tree, run_script, tiny_overrides, train_tiny
+from PIL import Image
 
 COUNTS = {"a": (10, 4), "b": (10, 4), "c": (10, 4)}
 
@@ -126,8 +125,8 @@ def test_audit_never_changes_the_data(folder_audit):
 
 @pytest.mark.slow  # runs audit.py (and training) in a subprocess
 def test_clean_csv_drops_leaked_and_duplicate_copies_and_trains_as_a_list(folder_audit):
-    from imgcls.core.config import load_config
-    from imgcls.data.listing.sources.registry import scan_sources
+    from imgcls.config import load_config
+    from imgcls.data.sources import scan_sources
 
     f, out = folder_audit["faults"], folder_audit["out"]
     with open(out / "clean.csv", newline="") as fh:
@@ -210,7 +209,7 @@ def test_webdataset_audit_names_shard_samples_as_training_does(tmp_path):
     (data / "train" / "a" / "broken.png").unlink()  # shards hold what decodes; a broken sample is injected below
     import webdataset as wds
 
-    from imgcls.data.listing.folder import scan_split
+    from imgcls.data.listing import scan_split
     from imgcls.data.shards import write_shards
 
     for split in ("train", "val"):
@@ -295,9 +294,8 @@ def test_copy_groups_join_exact_and_confirmed_near_copies_once_per_group():
 
 
 def test_images_too_small_for_phash_match_by_content_only():
-    from imgcls.auditing.findings import find_copies
-    from imgcls.auditing.hashing import ImageFacts
     from imgcls.auditing.audit_data import AuditItem
+    from imgcls.auditing.duplicates import ImageFacts, find_copies
 
     def item(name, split):
         return AuditItem(name=name, file=name, label=0, split=split)
@@ -332,8 +330,8 @@ def test_folds_are_stratified_seeded_and_keep_copies_together():
 def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_error():
     import torch
 
-    from imgcls.core.errors import ConfigError
     from imgcls.auditing.folds import align_classes, check_same_classes
+    from imgcls.core.errors import ConfigError
 
     probs = torch.tensor([[0.7, 0.2, 0.1]])
     assert align_classes(probs, ["b", "c", "a"], ["a", "b", "c"])[0].tolist() == pytest.approx([0.1, 0.7, 0.2])
@@ -342,7 +340,7 @@ def test_checkpoint_classes_are_matched_by_name_and_a_difference_is_a_usage_erro
 
 
 def test_label_issues_rank_by_self_confidence_and_suggest_the_argmax():
-    from imgcls.auditing.label_issues import find_label_issues
+    from imgcls.auditing.folds import find_label_issues
 
     labels = [i % 3 for i in range(60)]
     probs = np.full((60, 3), 0.05)
@@ -360,7 +358,7 @@ def test_an_under_confident_fold_model_still_names_the_image_it_files_under_anot
     class a at 0.234) while c's own images averaged 0.63; cleanlab's confident learning alone found nothing."""
     from cleanlab.filter import find_label_issues as cleanlab_find
 
-    from imgcls.auditing.label_issues import find_label_issues
+    from imgcls.auditing.folds import find_label_issues
 
     rng = np.random.default_rng(0)
     labels = [i % 3 for i in range(45)]
@@ -380,7 +378,7 @@ def test_an_under_confident_fold_model_still_names_the_image_it_files_under_anot
 
 
 def test_balance_advice_names_the_weighted_sampler_and_small_classes():
-    from imgcls.auditing.stats import advice, balance, image_stats
+    from imgcls.auditing.report import advice, balance, image_stats
 
     b = balance({"cat": 300, "dog": 10, "eel": 50}, min_images=20)
     assert b["imbalance_ratio"] == 30 and b["small_classes"] == ["dog"]
@@ -565,7 +563,7 @@ def test_an_output_over_an_input_exits_2_naming_both_roles(tmp_path, flag, targe
 
 def test_a_checkpoint_of_the_other_task_is_refused_for_the_label_search():
     """A multi-label (sigmoid) model gave 18 'label errors' on single-label data."""
-    from imgcls.commands.auditing.audit_args import check_checkpoint_task
+    from imgcls.commands.audit import check_checkpoint_task
     from imgcls.core.errors import ConfigError
     from imgcls.tasks import get_task
 

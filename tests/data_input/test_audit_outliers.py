@@ -7,13 +7,13 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import make_tree, run_script, tiny_overrides
 from PIL import Image
 
-from conftest import make_tree, run_script, tiny_overrides
-from imgcls.auditing.colour import chroma, grayscale_outliers
+from imgcls.auditing.duplicates import chroma, grayscale_outliers
 from imgcls.auditing.folds import assign_folds, copy_keys
-from imgcls.auditing.outliers import (OUTLIER_Z, find_outliers, lowest_z, merge_outliers, outliers_section, outliers_summary,
-                               robust_z, robust_z_by_class)
+from imgcls.auditing.outliers import (OUTLIER_Z, find_outliers, lowest_z, merge_outliers, outliers_section,
+                                      outliers_summary, robust_z, robust_z_by_class)
 
 
 def test_robust_z_is_not_moved_by_the_outliers_themselves():

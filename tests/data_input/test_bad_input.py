@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import IN_PROCESS, class_image, exit_code, make_cfg, make_tree, run_script, tiny_overrides
 from PIL import Image
 
-from conftest import IN_PROCESS, exit_code, class_image, make_cfg, make_tree, run_script, tiny_overrides
+from imgcls.config import load_config
 from imgcls.data.datasets import EvalDataset, TrainDataset
-from imgcls.data.listing.folder import scan_split
 from imgcls.data.images import ImageDecodeError, load_rgb
+from imgcls.data.listing import scan_split
 from imgcls.data.transforms import EvalTransform, TrainTransform
-from imgcls.core.config import load_config
-from imgcls.training_run.trainer import run
+from imgcls.training.trainer import run
 
 # ---------------------------------------------------------------- broken files
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import run_script
-from imgcls.data.listing.builtin import ensure_builtin
-from imgcls.data.listing.folder import DataTreeError, scan_split
+
+from imgcls.data.listing import DataTreeError, ensure_builtin, scan_split
 
 
 def test_digits_written_once_into_an_empty_folder(tmp_path):

@@ -6,20 +6,20 @@ import io
 import json
 import os
 import struct
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, run_script, tiny_overrides, wait_for
 from PIL import Image
 
 import eval as eval_script
 import infer
-from conftest import REPO, run_script, tiny_overrides, wait_for
 from imgcls.core.errors import ImageDecodeError
-from imgcls.data.bands import read_bands
+from imgcls.data.images import read_bands
 from imgcls.data.transforms import EvalTransform, TrainTransform
 
 
@@ -327,7 +327,7 @@ def test_onnx_int8_pt2_and_timm_exports_take_four_channels_and_agree_with_the_ch
     assert dims[1].dim_value == 4
     assert json.loads((exports["timm"] / "config.json").read_text())["model_args"]["in_chans"] == 4
     from imgcls.core.errors import CheckpointError
-    from imgcls.serving.onnx_only.export_file import OnnxExport
+    from imgcls.serving.slim import OnnxExport
 
     with pytest.raises(CheckpointError, match="4 input channel"):  # the slim server reads 8-bit RGB only
         OnnxExport.open(exports["onnx"])
@@ -377,7 +377,7 @@ def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does()
     from timm.models import adapt_input_conv
 
     from imgcls.models.factory import create_model, load_matching_weights, stem_conv
-    from imgcls.rundir.resume import apply_finetune
+    from imgcls.training.resume import apply_finetune
 
     rgb = create_model("resnet10t", 3).state_dict()
     for channels in (1, 4):
@@ -395,7 +395,7 @@ def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does()
 
 @pytest.mark.slow
 def test_shards_of_tiff_and_npy_members_train_as_four_bands(tmp_path):
-    from imgcls.data.listing.folder import scan_split
+    from imgcls.data.listing import scan_split
     from imgcls.data.shards import write_shards
 
     for kind in ("tif", "npy"):
@@ -469,7 +469,7 @@ def test_an_rgb_npy_reads_as_its_png_does_on_the_eight_bit_path(tmp_path):
                                            (["data.channels=2", "data.mean=[0.5,0.5,0.5]"], "data.mean"),
                                            (["data.channels=0"], "data.channels")])
 def test_channel_keys_are_checked_before_any_work(tmp_path, overrides, key):
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
     from imgcls.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

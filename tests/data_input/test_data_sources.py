@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import class_image, make_tree, run_script, tiny_overrides
-from imgcls.core.config import ConfigError, check_data_root, load_config, resume_free_keys
+
+from imgcls.config import ConfigError, load_config, resume_free_keys
 from imgcls.core.errors import BadDataError, DataTreeError
-from imgcls.data.file_list import expand_inputs
-from imgcls.data.listing.folder import ImageIndex
-from imgcls.data.listing.sources.registry import scan_sources
-from imgcls.data.listing.split import held_out_count, split_index
+from imgcls.data.datasets import expand_inputs
+from imgcls.data.listing import ImageIndex, held_out_count, split_index
+from imgcls.data.settings import check_data_root
+from imgcls.data.sources import scan_sources
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 
@@ -198,8 +198,8 @@ def test_each_registered_source_declares_its_keys_and_no_key_twice():
     settings class, and a key of another source set away from its default is refused."""
     import dataclasses
 
-    from imgcls.data.listing.sources.registry import SOURCES
     from imgcls.data.settings import SOURCE_FORMATS, SOURCE_KEYS, DataConfig
+    from imgcls.data.sources import SOURCES
 
     assert list(SOURCES) == list(SOURCE_FORMATS)
     names = [f.name for f in dataclasses.fields(DataConfig)]

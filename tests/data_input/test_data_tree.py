@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, class_image, make_tree
-from imgcls.data.file_list import FileListDataset, expand_inputs
-from imgcls.data.listing.folder import DataTreeError, scan_split
+
+from imgcls.data.datasets import FileListDataset, expand_inputs
+from imgcls.data.listing import DataTreeError, scan_split
 from imgcls.data.transforms import EvalTransform
 
 
@@ -78,7 +78,7 @@ def test_split_without_class_folders_is_an_error(tmp_path):
 SCAN = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from imgcls.data.listing.folder import scan_split
+from imgcls.data.listing import scan_split
 index = scan_split(sys.argv[1])
 print(json.dumps({"counts": index.class_counts(), "paths": index.paths, "labels": index.labels,
                   "skipped": getattr(index, "skipped", [])}))

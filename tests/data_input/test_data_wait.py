@@ -10,14 +10,14 @@ import csv
 import types
 
 import pytest
+from conftest import tiny_overrides
 
 import imgcls.training.loop as training_loop
-import imgcls.training_run.trainer as trainer_module
+import imgcls.training.trainer as trainer_module
+from imgcls.config import load_config
 from imgcls.data.transforms import TrainTransform
-from imgcls.core.config import load_config
 from imgcls.training.step import TrainStep
-from imgcls.training_run.trainer import run
-from conftest import tiny_overrides
+from imgcls.training.trainer import run
 
 DECODE_S, STEP_S = 0.09, 0.08
 

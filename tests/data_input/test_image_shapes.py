@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, make_tree, run_script, tiny_overrides
 from PIL import Image
 
-from conftest import REPO, make_tree, run_script, tiny_overrides
 from imgcls.data.images import MAX_EVAL_ASPECT, centre_box
 from imgcls.data.transforms import EvalTransform
 

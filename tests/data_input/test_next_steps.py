@@ -12,8 +12,9 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
     import shlex
 
     from conftest import make_tree
-    from imgcls.core.config import load_config, parse_override
+
     import imgcls.data.shards as shards
+    from imgcls.config import load_config, parse_override
 
     tree = make_tree(tmp_path / "tree", {"a": (3, 2), "b": (3, 2)}, ext=".jpg")
     assert shards.main(["--from", str(tree / split), "--to", str(tmp_path / f"{split} shards"),
@@ -34,7 +35,8 @@ def test_shard_writer_prints_the_overrides_to_use_next(tmp_path, capsys, split, 
 
 def test_a_batch_larger_than_a_small_folder_names_one_that_works(tmp_path):
     from conftest import make_tree, tiny_overrides
-    from imgcls.core.config import load_config
+
+    from imgcls.config import load_config
     from imgcls.core.errors import ConfigError
     from imgcls.data.build import build_run_data, small_folder_batch
 

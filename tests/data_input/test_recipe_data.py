@@ -8,21 +8,19 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import make_tree, run_train_in_process, tiny_overrides
+from kill_and_resume import STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start, train_cmd
 from torchvision.transforms import InterpolationMode
 
-from imgcls.commands.evaluation.evaluate import evaluate_checkpoint
-from conftest import make_tree, tiny_overrides
-from imgcls.core.config import Config, ConfigError, config_differences, load_config
+from imgcls.commands.evaluate import evaluate_checkpoint
+from imgcls.config import Config, ConfigError, config_differences, load_config
 from imgcls.data.build import build_run_data, describe_augmentation, eval_transform, train_transform
 from imgcls.data.datasets import TrainDataset
-from imgcls.data.listing.folder import scan_split
-from imgcls.data.samplers import TrainSampler
+from imgcls.data.listing import scan_split
+from imgcls.data.loaders import TrainSampler
 from imgcls.data.transforms import EvalTransform, auto_augment_policy, normalize_batch
 from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
-from imgcls.training_run.trainer import run
-from conftest import run_train_in_process
-from kill_and_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
-                             train_cmd)
+from imgcls.training.trainer import run
 
 POLICIES = ["randaugment", "trivialaugment", "autoaugment", "augmix"]
 
@@ -83,7 +81,7 @@ def test_magnitude_ops_and_interpolation_reach_the_torchvision_policies():
 def test_the_torchvision_loader_baseline_applies_the_same_policy(photos):
     from torchvision.transforms import v2
 
-    from imgcls.benchmarking.loader import torchvision_train_loader
+    from imgcls.benchmarking.modes import torchvision_train_loader
 
     cfg = load_config(None, tiny_overrides(photos, photos / "unused", **{"data.auto_augment": "trivialaugment"}))
     steps = torchvision_train_loader(cfg, 4, False).dataset.transform.transforms
@@ -194,7 +192,7 @@ def test_validation_checkpoint_and_eval_use_eval_img_size(photos, tmp_path):
     assert other.settings["preprocessing"]["img_size"] == 32 and other.metrics["num_samples"] == 6
     assert other.metrics["loss"] != summary["best"]["loss"]
 
-    import infer                                                        # infer.py classifies at 24 px too
+    import infer  # infer.py classifies at 24 px too
     out = tmp_path / "pred.json"
     assert infer.main([str(photos / "val"), "--checkpoint", str(run_dir / "best.pt"), "--batch-size", "4",
                        "--output", str(out), "--num-workers", "0"]) == 0

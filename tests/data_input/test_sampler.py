@@ -2,11 +2,11 @@
 from collections import Counter
 
 import pytest
-
-from imgcls.data.build import build_run_data
-from imgcls.data.samplers import TrainSampler
-from imgcls.core.config import load_config
 from conftest import make_tree, tiny_overrides
+
+from imgcls.config import load_config
+from imgcls.data.build import build_run_data
+from imgcls.data.loaders import TrainSampler
 
 IMBALANCED = [0] * 200 + [1] * 20 + [2] * 5
 

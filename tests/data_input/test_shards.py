@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 import webdataset as wds
+from conftest import REPO, class_image, make_tree, run_script, tiny_overrides
 
 import imgcls.data.shards as shards
-from conftest import REPO, class_image, make_tree, run_script, tiny_overrides
-from imgcls.core.config import ConfigError, load_config
+from imgcls.config import ConfigError, load_config
 from imgcls.core.errors import BadDataError, DataTreeError
-from imgcls.rundir.resume import check_resume_compatible
+from imgcls.data.listing import scan_split
 from imgcls.data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
-from imgcls.data.listing.folder import scan_split
 from imgcls.data.transforms import EvalTransform, TrainTransform
+from imgcls.training.resume import check_resume_compatible
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -9,12 +9,11 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
-from imgcls.data.datasets import TrainDataset
-from imgcls.data.listing.folder import scan_split
-from imgcls.data.images import ImageDecodeError, load_rgb
-from imgcls.data.images import open_image, oriented_size
-from imgcls.data.transforms import TrainTransform, normalize_batch, read_source
 from imgcls.benchmarking.photos import photo
+from imgcls.data.datasets import TrainDataset
+from imgcls.data.images import ImageDecodeError, load_rgb, open_image, oriented_size
+from imgcls.data.listing import scan_split
+from imgcls.data.transforms import TrainTransform, normalize_batch, read_source
 
 
 def _jpeg(path, size, mode="RGB", orientation=None, seed=0):

@@ -10,13 +10,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import exit_code, train_tiny
 from PIL import Image
 
 import embed
 import eval as eval_script
 import export
 import search
-from conftest import exit_code, train_tiny
 
 CLASSES = ["a", "b", "c"]
 
@@ -132,7 +132,7 @@ def test_embed_py_the_onnx_export_and_serve_py_give_the_same_vectors(trained, tm
 
     from imgcls.serving.app import ServeSettings, create_app
     from imgcls.serving.model import ServedModel
-    from imgcls.serving.onnx_only.model import OnnxServedModel
+    from imgcls.serving.slim import OnnxServedModel
 
     data, checkpoint = trained
     onnx_file = tmp_path / "model.onnx"

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_tree, run_script, tiny_overrides, write_pretrained_folder
-from kill_and_resume import (STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start,
-                             train_cmd)
+from kill_and_resume import STEPS_PER_EPOCH, assert_same_result, kill_at_pause, paused, run_to_end, start, train_cmd
 
 CLASSES = ["a", "b", "c"]
 
@@ -79,8 +77,8 @@ def test_ranks_that_load_different_teacher_files_are_refused_on_every_rank(monke
     listing the digests; the same teacher everywhere passes."""
     from types import SimpleNamespace
 
+    import imgcls.objectives.teacher as teacher_module
     from imgcls.core.errors import ConfigError
-    import imgcls.objectives.distillation.teacher as teacher_module
 
     ours = SimpleNamespace(identity={"source": "/nfs/teacher/best.pt", "sha256": "a" * 64})
     gathered = [["a" * 64, None], ["b" * 64, None]]  # what all_gather gives every rank: rank 1 saw another file

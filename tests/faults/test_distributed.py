@@ -16,19 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
 from ddp_workers import calibrate_where_one_rank_cannot_see_best, nonfinite_on_one_rank, thread_counts_agreed
-from imgcls.data.datasets import EvalDataset
-from imgcls.data.listing.folder import scan_split
-from imgcls.data.loaders import build_eval_loader
-from imgcls.data.samplers import UnpaddedEvalSampler, TrainSampler
-from imgcls.data.transforms import EvalTransform
-from imgcls.core.config import ConfigError
+
+from imgcls.compute.device import DeviceInput
+from imgcls.compute.distributed import ProcessPlace, check_sync_bn, convert_sync_bn, init_distributed, process_place
+from imgcls.config import ConfigError
 from imgcls.core.errors import DistributedSetupError
-from imgcls.runtime.distributed import check_sync_bn, convert_sync_bn, init_distributed
-from imgcls.runtime.launcher import ProcessPlace, process_place
-from imgcls.runtime.device import DeviceInput
+from imgcls.data.datasets import EvalDataset
+from imgcls.data.listing import scan_split
+from imgcls.data.loaders import TrainSampler, UnpaddedEvalSampler, build_eval_loader
+from imgcls.data.transforms import EvalTransform
 from imgcls.evaluation.evaluate import evaluate
 from imgcls.models.factory import create_model
 from imgcls.tasks import get_task
@@ -408,10 +406,9 @@ def test_calibration_gathers_every_validation_sample_once_and_equals_one_process
     """After a DDP run, best.pt's temperature and feature bank come from every validation / training sample
     once (17 and 120, split unevenly over the ranks), as a single process computes them. The validation
     outputs are the ones each rank's validation pass kept (gathered, no second pass)."""
-    from imgcls.data.listing.folder import scan_split
+    from imgcls.data.listing import scan_split
     from imgcls.evaluation.calibration import calibrated_temperature
-    from imgcls.evaluation.split_outputs import collect_outputs
-    from imgcls.evaluation.rejection import normalise
+    from imgcls.evaluation.rejection import collect_outputs, normalise
 
     out, result = ddp_run
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import IN_PROCESS, REPO, HalfWriter, class_image, exit_code, make_cfg, make_tree, tiny_overrides, wait_for
 
-from conftest import (IN_PROCESS, REPO, HalfWriter, class_image, exit_code, make_cfg, make_tree, tiny_overrides,
-                      wait_for)
-import imgcls.rundir.atomic_files as checkpoint
+import imgcls.training.checkpoints as checkpoint
+from imgcls.config import ConfigError
 from imgcls.core.safe_load import load_checkpoint
-from imgcls.rundir.atomic_files import save_atomic
-from imgcls.core.config import ConfigError
-from imgcls.rundir.resume import resolve_resume
-from imgcls.rundir.run_lock import open_run_dir
-from imgcls.rundir.state import TrainState
-from imgcls.training_run.trainer import Trainer, run
+from imgcls.training.checkpoints import save_atomic
+from imgcls.training.resume import resolve_resume
+from imgcls.training.rundir import open_run_dir
+from imgcls.training.state import TrainState
+from imgcls.training.trainer import Trainer, run
+
 
 def finite(state_dict: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if t.is_floating_point())
@@ -91,9 +91,9 @@ def test_a_second_signal_during_a_save_waits_until_the_file_is_whole(tmp_path, m
 def test_the_final_last_pt_written_in_the_background_holds_the_weights_it_started_with(tmp_path, monkeypatch):
     """After the final epoch last.pt is written on a thread while the calibration loads best.pt's weights into
     the same model: the file holds the weights of the moment it was started, and a full disk reaches wait()."""
+    import imgcls.training.checkpoints as checkpoints
     from imgcls.core.errors import DiskFullError
-    import imgcls.rundir.checkpoints as checkpoints
-    from imgcls.rundir.checkpoints import Checkpointer, ModuleWeights, RandomState, RunRecord
+    from imgcls.training.checkpoints import Checkpointer, ModuleWeights, RandomState, RunRecord
 
     cfg = make_cfg(tmp_path / "data", tmp_path / "run")
     model = torch.nn.Linear(300, 200)
@@ -682,7 +682,7 @@ def test_an_unusable_output_dir_exits_2_before_any_work_naming_path_and_reason(f
     blocker.write_text("not a folder")
     out = {"a file": blocker, "under a file": blocker / "run", "not writable": tmp_path / "ro"}[kind]
     if kind == "not writable":  # a read-only mount (root ignores permission bits, so it is simulated)
-        import imgcls.rundir.run_lock as run_lock
+        import imgcls.training.rundir as run_lock
 
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -754,7 +754,7 @@ def test_a_nonfinite_validation_is_never_best_and_counts_as_a_bad_epoch():
 def test_a_run_whose_first_validation_is_nan_keeps_best_pt_for_the_finite_epoch(faults_tree, tmp_path, monkeypatch,
                                                                                metric):
     """`optim.lr=1000000`: epoch 1 logged `loss nan ... best` and best.pt held `summary.best.loss: null`."""
-    import imgcls.training_run.trainer as trainer
+    import imgcls.training.trainer as trainer
 
     calls = []
 

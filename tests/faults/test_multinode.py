@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import IN_PROCESS, REPO, run_train_in_process, tiny_overrides, wait_for
-from multinode_launch import (ENV, SIGNALS_TO_HANDLE, files_of, finish, free_port, kill_group, node_flags,
-                              one_node, output_of, two_nodes)
+from multinode_launch import (ENV, SIGNALS_TO_HANDLE, files_of, finish, free_port, kill_group, node_flags, one_node,
+                              output_of, two_nodes)
 
 # The built-in digits (written by each node), 4 batches of 4 per process and epoch, 2 epochs, last.pt
 # after every optimizer step: 8 steps, a few seconds of training per run.
@@ -278,7 +277,7 @@ def test_the_pytorchjob_manifest_has_what_the_operator_needs_and_runs_the_tested
 # ---------------------------------------------------------------- the pieces, in-process
 
 def test_launch_info_reads_torchelastics_restart_count_and_run_id():
-    from imgcls.runtime.launcher import launch_info
+    from imgcls.compute.distributed import launch_info
 
     assert launch_info({}) == launch_info({"TORCHELASTIC_RESTART_COUNT": "0"})
     assert not launch_info({}).restarted and launch_info({}).run_id is None
@@ -287,8 +286,8 @@ def test_launch_info_reads_torchelastics_restart_count_and_run_id():
 
 
 def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
-    from imgcls.rundir.restart import check_own_checkpoint, plan_resume, run_id_fields
-    from imgcls.runtime.launcher import LaunchInfo
+    from imgcls.compute.distributed import LaunchInfo
+    from imgcls.training.resume import check_own_checkpoint, plan_resume, run_id_fields
 
     first, again = LaunchInfo(0, "r1"), LaunchInfo(1, "r1")
     assert plan_resume(None, tmp_path, first).resume is None            # a first start: as typed
@@ -308,7 +307,7 @@ def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
 
 def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
     from imgcls.core.errors import ConfigError
-    from imgcls.rundir.shared_view import check_same_view, describe_view, resume_files
+    from imgcls.training.rundir import check_same_view, describe_view, resume_files
 
     shared, local = tmp_path / "shared", tmp_path / "local"
     for folder, content in ((shared, b"state 8"), (local, b"state 4")):
@@ -330,7 +329,7 @@ def test_view_differences_name_each_rank_and_path_that_differs(tmp_path):
 
 
 def test_sigusr1_is_a_stop_signal_that_exits_138():
-    from imgcls.runtime.signals import StopSignal
+    from imgcls.compute.distributed import StopSignal
 
     stop = StopSignal()
     stop.install()
@@ -344,10 +343,10 @@ def test_sigusr1_is_a_stop_signal_that_exits_138():
 
 def test_every_process_takes_the_device_of_its_local_rank(monkeypatch):
     """On node 1 of 2 with 4 GPUs each, global rank 5 is local rank 1: it takes cuda:1, not cuda:5."""
-    import imgcls.runtime.runtime as runtime
-    from imgcls.core.config import load_config
-    from imgcls.runtime.device import select_device
-    from imgcls.runtime.distributed import DistInfo
+    import imgcls.compute.device as runtime
+    from imgcls.compute.device import select_device
+    from imgcls.compute.distributed import DistInfo
+    from imgcls.config import load_config
 
     chosen = []
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -384,8 +383,7 @@ def test_a_restarted_group_does_not_see_the_keys_the_previous_group_left_in_torc
 
     import torch.distributed as dist
 
-    from imgcls.runtime.distributed import restart_store
-    from imgcls.runtime.launcher import LaunchInfo
+    from imgcls.compute.distributed import LaunchInfo, restart_store
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_tree, wait_for, write_pretrained_folder
 from kill_and_resume import (ENV, STEPS_PER_EPOCH, TIMEOUT, assert_same_result, kill_at_pause, paused, run_to_end,
                              start, train_cmd)
@@ -216,7 +215,7 @@ def test_resume_right_after_sigkill_of_the_main_process_while_its_loader_workers
     """kill -9 of the run alone (its persistent loader workers orphaned, still alive): the directory is free
     at once, and a resume started right away runs to the end (the flock was shared with the workers: 'in use
     by another run' naming the dead pid)."""
-    from imgcls.rundir.run_lock import open_run_dir
+    from imgcls.training.rundir import open_run_dir
 
     run, marker = tmp_path / "run", tmp_path / "paused"
     proc = start(train_cmd(data_root, run, "data.persistent_workers=true",

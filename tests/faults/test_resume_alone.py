@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imgcls.commands.resume import config_from_checkpoint
-from imgcls.core.config import load_config
+from imgcls.config import config_from_checkpoint, load_config
 from imgcls.core.errors import ConfigError
-from imgcls.rundir.resume_hint import continue_command
+from imgcls.training.resume import continue_command
 
 
 def test_the_recorded_config_with_the_overrides_on_top(tmp_path):

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, train_tiny, wait_for
 
 import eval as eval_script
 import export
+import imgcls.model_files.formats.openvino as openvino_format
 import infer
 from imgcls.cli import run_main
 from imgcls.core.errors import ConfigError
-from conftest import REPO, train_tiny, wait_for
 from imgcls.model_files.checkpoint_files import read_checkpoint
 from imgcls.model_files.formats import format_of
-import imgcls.model_files.formats.openvino as openvino_format
 from imgcls.model_files.loading import load_model_file
-from imgcls.prediction.predictor import Predictor
+from imgcls.model_files.predictor import Predictor
 from imgcls.serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]
@@ -189,9 +189,9 @@ def test_help_and_other_formats_never_import_openvino(exported):
     code = ("import contextlib, io, sys, export, infer, eval, serve\n"
             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
             "    export.main(['--help'])\n"
-            "from imgcls.model_files.loading import load_model_file\n"
+            "from imgcls.model_files.formats import load_model_file\n"
             "from imgcls.model_files.export import check_export\n"
-            "import imgcls.commands.export, imgcls.commands.infer, imgcls.commands.evaluation.evaluate, imgcls.serving.model\n"
+            "import imgcls.commands.export, imgcls.commands.infer, imgcls.commands.evaluate, imgcls.serving.model\n"
             f"load_model_file({str(checkpoint)!r})\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'openvino', 'nncf'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

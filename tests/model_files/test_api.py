@@ -7,13 +7,12 @@ import tomllib
 
 import pytest
 import torch
-
 from conftest import REPO, make_tree, run_script
 
 
 def test_load_config_takes_a_dict_and_names_a_wrong_key():
-    from imgcls.core.errors import ConfigError
     from imgcls import load_config
+    from imgcls.core.errors import ConfigError
 
     cfg = load_config({"model": {"name": "resnet10t"}, "train": {"epochs": 3}}, {"data.img_size": 48})
     assert (cfg.model.name, cfg.train.epochs, cfg.data.img_size) == ("resnet10t", 3, 48)

@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
-from imgcls.commands.evaluation.report import format_trust_line
-from imgcls.evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE,
-                                    apply_temperature, calibrated_temperature, expected_calibration_error,
-                                    fit_temperature, held_out_probs)
-from imgcls.evaluation.split_outputs import SplitOutputs
+from imgcls.commands.evaluate import format_trust_line
+from imgcls.evaluation.calibration import (MAX_TEMPERATURE, MIN_CALIBRATION_ERRORS, MIN_TEMPERATURE, apply_temperature,
+                                           calibrated_temperature, expected_calibration_error, fit_temperature,
+                                           held_out_probs)
+from imgcls.evaluation.rejection import SplitOutputs
 from imgcls.evaluation.trust import build_record, export_record, trust_metrics
 
 
@@ -149,7 +149,7 @@ def test_a_small_split_and_the_upper_bound_are_said():
 
 
 def test_the_notes_reach_the_record_the_export_and_eval_output(caplog):
-    from imgcls.training_run.calibrate import log_record
+    from imgcls.training.calibrate import log_record
 
     logits, labels = all_right_split()
     val = SplitOutputs(logits, labels, torch.arange(len(labels)), None)

@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import make_tree, run_script, tiny_overrides
 from PIL import Image
 
-from conftest import make_tree, run_script, tiny_overrides
-from imgcls.data.listing.folder import DataTreeError
-from imgcls.core.config import ConfigError
-from imgcls.commands.evaluation.evaluate import evaluate_checkpoint
+from imgcls.commands.evaluate import evaluate_checkpoint
+from imgcls.config import ConfigError
+from imgcls.data.listing import DataTreeError
 
 COUNTS = {"a": (16, 6), "b": (16, 6), "c": (16, 7)}
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
@@ -84,7 +84,7 @@ def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     assert b["f1"] == pytest.approx(100 * 2 * (6 / 19) / (1 + 6 / 19))
     assert result.per_class["a"] == {"accuracy": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "count": 6}
 
-    from imgcls.commands.evaluation.report import draw_confusion
+    from imgcls.commands.evaluate import draw_confusion
 
     with Image.open(draw_confusion(result.confusion, result.classes, tmp_path / "c.png")) as img:
         pixels = np.asarray(img.convert("RGB")).reshape(-1, 3)
@@ -255,7 +255,7 @@ def test_eval_with_two_outputs_on_one_file_exits_2_before_writing(trained, tmp_p
 def test_an_explicit_train_amp_override_is_evals_amp():
     """eval.py has no --amp: `train.amp=bf16` on its command line keeps bf16 where the checkpoint's own bf16
     would run in fp32 (a CPU that emulates it)."""
-    from imgcls.commands.evaluation.evaluate import amp_override
+    from imgcls.commands.evaluate import amp_override
 
     assert amp_override(["data.num_workers=0", "train.amp=bf16"]) == "bf16"
     assert amp_override(["train.amp=none", "train.amp = auto"]) == "auto"

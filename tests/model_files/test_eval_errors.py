@@ -5,10 +5,10 @@ import csv
 
 import pytest
 import torch
-
-from imgcls.commands.evaluation.eval_errors import misclassified, write_errors
 from conftest import make_tree, run_script, train_tiny
-from imgcls.evaluation.split_outputs import SplitOutputs
+
+from imgcls.commands.evaluate import misclassified, write_errors
+from imgcls.evaluation.rejection import SplitOutputs
 
 
 def test_rows_are_the_wrong_predictions_most_confidently_wrong_first(tmp_path):

@@ -13,19 +13,19 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from conftest import REPO, Payload, train_tiny, write_pretrained_folder
 
 import eval as eval_script
 import export
+import imgcls.model_files.export as engine_export
+import imgcls.model_files.formats.base as export_formats_base
 import infer
-from conftest import REPO, Payload, train_tiny, write_pretrained_folder
 from imgcls.cli import run_main
 from imgcls.core.errors import CheckpointError, ConfigError, ExportError
-from imgcls.data.listing.folder import list_images
+from imgcls.data.listing import list_images
 from imgcls.data.transforms import normalize_batch
-import imgcls.model_files.export as engine_export
 from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
 from imgcls.model_files.loading import load_model_file
-import imgcls.model_files.formats.base as export_formats_base
 
 CLASSES = ["a", "b", "c"]
 # (format, output name, batch option): a fixed-batch ONNX, a dynamic-batch program, a timm folder
@@ -443,7 +443,7 @@ def edit_config(folder: Path, **changes) -> None:
 
 def refusals(folder: Path) -> list[str]:
     """The messages of infer/eval's loader and of model.pretrained=true model.name=local-dir:FOLDER."""
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
     from imgcls.core.errors import ModelError
     from imgcls.models.factory import load_pretrained
 

@@ -11,19 +11,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import class_image, exit_code, run_script, train_tiny
 from PIL import Image
 
 import infer
-from conftest import class_image, exit_code, run_script, train_tiny
-from imgcls.data.listing.folder import DataTreeError
-from imgcls.data.file_list import FileListDataset, build_inference_loader, expand_inputs
+from imgcls.compute.device import DeviceInput
+from imgcls.config import ConfigError
 from imgcls.core.errors import CheckpointError
-from imgcls.core.config import ConfigError
-from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
-from imgcls.runtime.device import DeviceInput
-from imgcls.evaluation.evaluate import predict
-from imgcls.tasks.single_label_rows import format_predictions_table
+from imgcls.data.datasets import FileListDataset, build_inference_loader, expand_inputs
+from imgcls.data.listing import DataTreeError
 from imgcls.data.transforms import EvalTransform
+from imgcls.evaluation.evaluate import predict
+from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
+from imgcls.tasks.rows import format_predictions_table
 
 CLASSES = ["a", "b", "c"]
 
@@ -332,7 +332,7 @@ def test_outputs_over_inputs_exit_2_naming_both_roles_before_any_work(checkpoint
 
 
 def test_check_outputs_apart_compares_resolved_paths(tmp_path):
-    from imgcls.core.outputs import check_outputs_apart
+    from imgcls.core.files import check_outputs_apart
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "a.png").write_bytes(b"x")

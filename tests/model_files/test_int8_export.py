@@ -16,14 +16,14 @@ from pathlib import Path
 
 import onnx
 import pytest
+from conftest import REPO, train_tiny, wait_for
 
 import export
-from imgcls.commands.export import validation_files
-from imgcls.model_files.checkpoint_files import read_checkpoint
-import infer
-from conftest import REPO, train_tiny, wait_for
-from imgcls.core.errors import ConfigError, ExportError
 import imgcls.model_files.quantize as quantize
+import infer
+from imgcls.commands.export import validation_files
+from imgcls.core.errors import ConfigError, ExportError
+from imgcls.model_files.checkpoint_files import read_checkpoint
 from imgcls.model_files.loading import load_model_file
 from imgcls.serving.model import ServedModel
 
@@ -103,7 +103,7 @@ AVX2_ONLY = "flags : fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c"
 
 
 def test_int8_is_said_to_be_no_faster_only_without_vnni_amx_or_dot_product():
-    from imgcls.runtime.device import int8_slow_reason
+    from imgcls.compute.device import int8_slow_reason
 
     assert "no int8 dot-product instructions" in int8_slow_reason(AVX2_ONLY)
     for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp"):

@@ -6,7 +6,7 @@ import torch
 from sklearn.metrics import balanced_accuracy_score
 
 from imgcls.tasks import is_improvement
-from imgcls.tasks.single_label_metrics import MetricSums, per_class_report, reduce_metrics
+from imgcls.tasks.metrics import MetricSums, per_class_report, reduce_metrics
 
 
 def _logits_for(predictions: list[list[int]], num_classes: int) -> torch.Tensor:

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
+from conftest import train_tiny
 
 import eval as eval_script
 import infer
-from conftest import train_tiny
-from imgcls.prediction.predictor import Predictor
+from imgcls.model_files.predictor import Predictor
 from imgcls.serving.model import ServedModel
 
 CLASSES = ["a", "b", "c"]

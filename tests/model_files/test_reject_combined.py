@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imgcls.evaluation.split_outputs import SplitOutputs
-from imgcls.evaluation.rejection import COMBINED_OF, DEFAULT_METHOD, combined_score, rejector_from_record, score_scale
+from imgcls.evaluation.rejection import (COMBINED_OF, DEFAULT_METHOD, SplitOutputs, combined_score,
+                                         rejector_from_record, score_scale)
 from imgcls.evaluation.trust import build_record, export_record, usable_rejector
 
 D, C = 16, 4

@@ -5,12 +5,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 
 def test_a_rejected_row_names_its_would_be_label():
-    from imgcls.tasks.single_label_rows import format_predictions_table
+    from imgcls.tasks.rows import format_predictions_table
 
     rows = [{"path": "a.png", "label": "unknown", "predicted": "astronaut", "prob": 0.7601, "error": None},
             {"path": "b.png", "label": "cat", "predicted": "cat", "prob": 0.9, "error": None}]
@@ -20,7 +19,7 @@ def test_a_rejected_row_names_its_would_be_label():
 
 
 def test_eval_table_has_one_column_for_recall_and_class_accuracy():
-    from imgcls.tasks.single_label_report import format_eval_table
+    from imgcls.tasks.metrics import format_eval_table
 
     metrics = {"top1": 50.0, "top5": 100.0, "loss": 1.0, "mean_class_acc": 50.0, "num_samples": 4}
     per_class = {"a": {"count": 2, "accuracy": 100.0, "precision": 50.0, "recall": 100.0, "f1": 66.67}}
@@ -53,7 +52,7 @@ def test_confusion_column_labels_stay_clear_of_the_grid(tmp_path):
     import torch
     from PIL import Image
 
-    from imgcls.commands.evaluation.report import LABEL_GAP, draw_confusion
+    from imgcls.commands.evaluate import LABEL_GAP, draw_confusion
 
     classes = ["a", "bb", "a_long_class_name"]
     path = draw_confusion(torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 5]]), classes, tmp_path / "c.png")

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from stored_metadata_cases import BAD_METADATA, CLASSES, IMG_SIZE, good_metadata, spoilt, write_onnx
 
 from imgcls.core.errors import USAGE_ERRORS
 from imgcls.model_files.loading import load_model_file
-from stored_metadata_cases import BAD_METADATA, CLASSES, IMG_SIZE, good_metadata, spoilt, write_onnx
 
 IDS = [case for case, _, _ in BAD_METADATA]
 

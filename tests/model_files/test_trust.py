@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import REPO, tiny_overrides, wait_for
+from PIL import Image
 
 pytestmark = pytest.mark.slow  # trains a model (and kills and resumes one)
 
@@ -170,7 +169,7 @@ def test_reject_keeps_new_squares_and_rejects_photos(trained, tmp_path, capsys):
 def test_serve_rejects_as_infer_does(trained, tmp_path, capsys):
     """serve.py --reject: the same `unknown` labels, would-be labels, scores and calibrated probabilities as
     infer.py --reject on the same files."""
-    from imgcls.prediction.trust import TrustOptions
+    from imgcls.model_files.predictor import TrustOptions
     from imgcls.serving.model import ServedModel
 
     _, _, best = trained
@@ -375,7 +374,7 @@ def test_reject_below_nan_or_inf_is_a_usage_error(trained, tmp_path, capsys):
 def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pixels(trained, tmp_path, capsys):
     """A 9000x9000 JPEG took 5.6 GB and wrote a 142 MB overlay: the overlay's longer side is now at most
     OVERLAY_MAX_SIDE, the peak still in the original's pixels."""
-    from imgcls.prediction.trust import OVERLAY_MAX_SIDE
+    from imgcls.model_files.predictor import OVERLAY_MAX_SIDE
 
     _, _, best = trained
     rows = write_squares(tmp_path / "squares", 1, seed=3)
@@ -394,7 +393,7 @@ def test_explain_overlay_of_a_large_photo_is_bounded_and_its_peak_in_original_pi
 
 
 def test_overlay_geometry_and_names():
-    from imgcls.prediction.trust import display_size, explain_items, overlay_name
+    from imgcls.model_files.predictor import display_size, explain_items, overlay_name
     from imgcls.tasks import get_task
 
     assert display_size(9000, 9000) == (1024, 1024, 1024 / 9000) and display_size(300, 200) == (300, 200, 1.0)
@@ -411,8 +410,9 @@ def test_overlay_geometry_and_names():
 def test_the_trust_benchmark_measures_the_shipped_default_score(tmp_path):
     """trust.md's reject table compared msp, energy, kNN and Mahalanobis but not the default the checkpoints
     use; benchmarking.trust measures `mahalanobis_layers` beside them."""
-    from imgcls.benchmarking.trust import measure
     from conftest import train_tiny
+
+    from imgcls.benchmarking.trust import measure
 
     _, checkpoint = train_tiny(tmp_path, {"a": (8, 6), "b": (8, 6)})
     result = measure(str(checkpoint), 4, 0.95)
@@ -427,7 +427,7 @@ def test_a_briefly_trained_model_rejects_grey_digits(tmp_path, capsys):
     too little to tell them apart); the input's statistics, which no training spoils, reject them while the
     model keeps its own kind of image."""
     from imgcls.benchmarking.reject_matrix import write_photos_tree
-    from imgcls.data.listing.builtin import ensure_builtin
+    from imgcls.data.listing import ensure_builtin
 
     data = write_photos_tree(tmp_path / "shapes", 30, 12, seed=0)              # 7 classes: 210 train, 84 val
     held = write_photos_tree(tmp_path / "held", 0, 8, seed=3) / "val"          # 56 new ones, never seen
@@ -462,6 +462,7 @@ def test_a_small_validation_split_is_topped_up_with_only_the_training_images_it_
     outputs of just as many training images as it lacks (one short pass, not over 2,048): the log and the
     record say so, and the kNN bank holds the validation features, then the training ones."""
     from conftest import train_tiny
+
     from imgcls.evaluation.trust import MIN_VALIDATION_FIT
 
     val_images = 2 * 70
@@ -481,6 +482,7 @@ def test_a_validation_split_of_200_is_the_reject_fit_with_no_pass_over_training_
     suffice (MIN_VALIDATION_FIT images): the record says so, the log says so, and the kNN bank holds the
     validation features."""
     from conftest import train_tiny
+
     from imgcls.evaluation.trust import MIN_VALIDATION_FIT
 
     data, best = train_tiny(tmp_path, {"a": (8, MIN_VALIDATION_FIT // 2), "b": (8, MIN_VALIDATION_FIT // 2)},

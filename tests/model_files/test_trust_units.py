@@ -11,9 +11,8 @@ import torch
 from imgcls.evaluation.calibration import (apply_temperature, expected_calibration_error, fit_temperature, nll,
                                            reliability_bins, selective_report)
 from imgcls.evaluation.explain import crop_geometry, heatmap_peak, to_original
-from imgcls.evaluation.split_outputs import SplitOutputs, gather_outputs
-from imgcls.evaluation.rejection import (energy_score, knn_score, mahalanobis_fit, mahalanobis_score,
-                                         seeded_subset, threshold_for_coverage)
+from imgcls.evaluation.rejection import (SplitOutputs, energy_score, gather_outputs, knn_score, mahalanobis_fit,
+                                         mahalanobis_score, seeded_subset, threshold_for_coverage)
 from imgcls.evaluation.trust import build_record, export_record, trust_metrics
 
 
@@ -174,10 +173,9 @@ def test_peak_maps_back_to_the_original_pixels(size, resize_to, img_size):
 
 
 def test_the_temperature_range_is_one_rule_for_config_fit_and_stored_records():
-    from imgcls.core.config import ConfigError, load_config
+    from imgcls.config import ConfigError, load_config
     from imgcls.core.errors import CheckpointError
-    from imgcls.core.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE, temperature_problem
-    from imgcls.core.temperature import check_calibration_record
+    from imgcls.core.settings import MAX_TEMPERATURE, MIN_TEMPERATURE, check_calibration_record, temperature_problem
 
     for bad in ("1e-300", "0", "-1", "21", ".nan", ".inf"):
         with pytest.raises(ConfigError, match="calibration.temperature"):
@@ -195,8 +193,7 @@ def test_the_temperature_range_is_one_rule_for_config_fit_and_stored_records():
 
 
 def test_infer_json_never_holds_a_bare_nan(tmp_path):
-    from imgcls.tasks.multi_label_rows import write_tag_rows
-    from imgcls.tasks.single_label_rows import write_rows
+    from imgcls.tasks.rows import write_rows, write_tag_rows
 
     out = tmp_path / "rows.json"
     write_rows([{"path": "a.png", "label": "x", "prob": float("nan"), "error": None}], out, 0)
@@ -261,7 +258,7 @@ def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
     deepest stage with at least 6 cells a side, and says which."""
     import timm
 
-    from imgcls.evaluation.explain import Explainer, MIN_CAM_CELLS, target_layer
+    from imgcls.evaluation.explain import MIN_CAM_CELLS, Explainer, target_layer
 
     model = timm.create_model("resnet10t", pretrained=False, num_classes=3)
     assert target_layer(model, 224)[0] == "layer4"                  # 7x7
@@ -280,8 +277,8 @@ def test_grad_cam_reads_the_deepest_stage_fine_enough_for_the_input():
 def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_weak():
     """Issue 51: a 3-epoch photos model rejected 51.6% of digit images while 10-epoch ones rejected 93-94%;
     the fit measures its rejection of generated far-off images and says when it is weak."""
-    from imgcls.commands.evaluation.report import format_trust_line
-    from imgcls.evaluation.reject_probe import PROBE_KINDS, far_off_image, probe_batches, rejection_rates, weak_note
+    from imgcls.commands.evaluate import format_trust_line
+    from imgcls.evaluation.rejection import PROBE_KINDS, far_off_image, probe_batches, rejection_rates, weak_note
 
     rng = np.random.default_rng(0)
     for kind in PROBE_KINDS:
@@ -307,9 +304,8 @@ def test_far_off_images_are_made_at_the_models_input_and_say_when_rejection_is_w
 def test_the_probe_scores_far_off_images_through_the_model():
     import timm
 
-    from imgcls.evaluation.reject_probe import PROBE_KINDS, probe_rejector
-    from imgcls.evaluation.rejection import Rejector
-    from imgcls.runtime.device import DeviceInput
+    from imgcls.compute.device import DeviceInput
+    from imgcls.evaluation.rejection import PROBE_KINDS, Rejector, probe_rejector
 
     model = timm.create_model("resnet10t", pretrained=False, num_classes=3).eval()
     device_input = DeviceInput(torch.device("cpu"), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), False, None)
@@ -325,11 +321,11 @@ def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
     batch, and a split over the byte limit keeps nothing (the calibration then passes again)."""
     import timm
 
+    from imgcls.compute.device import DeviceInput
     from imgcls.evaluation.evaluate import evaluate
-    from imgcls.evaluation.split_outputs import collect_outputs
-    from imgcls.runtime.device import DeviceInput
+    from imgcls.evaluation.rejection import collect_outputs
     from imgcls.tasks import get_task
-    from imgcls.training_run.kept_outputs import RECORDED_VALIDATIONS, KeptOutputs
+    from imgcls.training.calibrate import RECORDED_VALIDATIONS, KeptOutputs
 
     torch.manual_seed(0)
     model = timm.create_model("resnet10t", num_classes=3).eval()
@@ -368,7 +364,7 @@ def test_the_kept_validation_outputs_are_a_separate_pass_s_and_bounded():
 def test_a_short_top_up_pass_decodes_in_process():
     """The reject fit's top-up pass (the training images a small validation split lacks) forks no loader
     workers for two batches or fewer: forking them took longer than decoding the images."""
-    from imgcls.training_run.calibrate import top_up_workers
+    from imgcls.training.calibrate import top_up_workers
 
     assert top_up_workers(32, 32, 2) == 0 and top_up_workers(64, 32, 4) == 0
     assert top_up_workers(65, 32, 2) == 2 and top_up_workers(160, 32, 0) == 0

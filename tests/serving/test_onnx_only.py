@@ -10,19 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-import export as export_script
 from conftest import class_image, run_script, train_tiny
-from imgcls.core.errors import ConfigError
-from imgcls.data.transforms import EvalTransform, normalize_batch
 from multilabel_data import make_tag_list
+from PIL import Image
 from served_rows import assert_same_rows as assert_rows_agree
 from stored_metadata_cases import BAD_METADATA, good_metadata, spoilt, write_onnx
-from imgcls.serving.onnx_only.model import OnnxServedModel
+
+import export as export_script
+from imgcls.core.errors import ConfigError
 from imgcls.data.eval_preprocessing import EvalPreprocessing, centre_crop_box, resized_short_side
 from imgcls.data.images import open_image
-from imgcls.tasks.single_label_rows import energy_score as energy, softmax, top_k
+from imgcls.data.transforms import EvalTransform, normalize_batch
+from imgcls.serving.slim import OnnxServedModel
+from imgcls.tasks.rows import energy_score as energy, softmax, top_k
 
 PROB_TOLERANCE = 1e-5
 CLASSES = ["a", "b", "c"]
@@ -135,7 +135,7 @@ def exports(tmp_path_factory):
 def both_rows(path: Path, bodies: dict[str, bytes], max_batch: int = 8, **trust) -> tuple[list, list]:
     """serve.py's rows for `bodies` from its torch path (serving.model) and from the ONNX-only path, in
     batches of `max_batch` as the server forms them."""
-    from imgcls.prediction.trust import TrustOptions
+    from imgcls.model_files.predictor import TrustOptions
     from imgcls.serving.model import ServedModel
 
     torch_model = ServedModel.load(str(path), 5, max_batch, "cpu", TrustOptions(**trust))
@@ -196,8 +196,9 @@ def test_multilabel_rows_equal_the_torch_paths(exports):
 
 
 def serve_exit(*argv: str) -> tuple[int, str]:
-    import serve
     from conftest import exit_code
+
+    import serve
 
     return exit_code(lambda: serve.main(["--onnx-only", "--port", "0", *argv]))
 
@@ -220,7 +221,7 @@ def test_onnx_only_refuses_what_it_cannot_serve(tmp_path, capsys):
 def test_onnx_only_refuses_metadata_the_torch_path_refuses(tmp_path, capsys, monkeypatch, case, changes, named):
     """Issue 50 item 6: an export's spoilt metadata is refused before the port opens (exit 2, naming the field,
     its value and what is allowed), as the torch path refuses it; no class dropped, no 500 per request."""
-    import imgcls.serving.onnx_only.server as slim_server
+    import imgcls.serving.slim as slim_server
 
     def port_opened(config):
         raise AssertionError(f"{case}: the server started on this export")

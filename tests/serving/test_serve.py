@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import REPO, class_image, run_script, train_tiny, wait_for
 from PIL import Image
 
 import serve
-from conftest import REPO, class_image, run_script, train_tiny, wait_for
-from imgcls.core.errors import CheckpointError, ConfigError
 from imgcls.benchmarking.serve_load import percentile, run_load
-from imgcls.serving.batcher import DynamicBatcher
+from imgcls.core.errors import CheckpointError, ConfigError
+from imgcls.serving.app import DynamicBatcher
 from imgcls.serving.model import batch_shapes, classify_decode_error, padded_size
 
 CLASSES = ["a", "b", "c"]

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, make_tree, run_script, wait_for
-from kill_and_resume import ENV, STEPS_PER_EPOCH, TIMEOUT, TOTAL_STEPS, assert_same_result, paused, run_to_end, \
-    start, train_cmd
+from kill_and_resume import (ENV, STEPS_PER_EPOCH, TIMEOUT, TOTAL_STEPS, assert_same_result, paused, run_to_end, start,
+                             train_cmd)
 from mlflow_server import MlflowServer
-from imgcls.tracking.run_tags import config_params
+
+from imgcls.tracking.runs import config_params
 
 pytestmark = pytest.mark.slow
 mlflow = pytest.importorskip("mlflow")  # requirements-dev.txt installs it; CI runs these

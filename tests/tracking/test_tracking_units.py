@@ -7,11 +7,10 @@ import time
 
 import pytest
 
-from imgcls.core.config import ConfigError, load_config, tracking_uri_problem
-from imgcls.tracking.backlog import Backlog, read_backlog
-from imgcls.tracking.run_tags import config_params, fingerprint_digest
-from imgcls.tracking.sender import RateLimitedWarning, Sender
-from imgcls.tracking.training import metrics_csv_points
+from imgcls.config import ConfigError, load_config
+from imgcls.tracking.runs import config_params, fingerprint_digest, metrics_csv_points
+from imgcls.tracking.settings import tracking_uri_problem
+from imgcls.tracking.tracker import Backlog, RateLimitedWarning, Sender, read_backlog
 
 
 @pytest.mark.parametrize("uri", [None, "runs/mlruns", "/abs/mlruns", "file:///tmp/mlruns", "sqlite:///mlflow.db",
@@ -133,7 +132,7 @@ def test_a_cut_short_backlog_line_is_left_out(tmp_path):
 
 
 def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatch):
-    import imgcls.core.config as config
+    import imgcls.config as config
     import imgcls.tracking.store_location as store_location
 
     cfg = load_config("base", ["tracking.backend=mlflow"])
@@ -214,7 +213,7 @@ def test_a_run_resumed_while_the_store_is_down_is_replayed_into_its_run(tmp_path
 
 
 def test_a_changed_uri_on_resume_opens_a_run_in_the_new_store(tmp_path, folder_store, capsys):
-    from imgcls.tracking.mlflow_store import PREVIOUS_RUN_TAG
+    from imgcls.tracking.tracker import PREVIOUS_RUN_TAG
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -233,7 +232,7 @@ def test_a_changed_uri_on_resume_opens_a_run_in_the_new_store(tmp_path, folder_s
 
 
 def test_replay_twice_is_one_run_and_a_bad_line_stops_it_before_anything_is_sent(tmp_path, folder_store, capsys):
-    from imgcls.tracking.run_record import read_run_record, write_run_record
+    from imgcls.tracking.runs import read_run_record, write_run_record
 
     run_dir, store = tmp_path / "run", folder_store()
     run_dir.mkdir()
@@ -323,7 +322,7 @@ class RecordingTracker:
 def test_eval_never_logs_to_a_store_that_only_the_checkpoint_names(tmp_path, monkeypatch, caplog):
     import logging
 
-    import imgcls.tracking.evaluation as evaluation
+    import imgcls.tracking.runs as evaluation
 
     ckpt = tracked_checkpoint(tmp_path / "best.pt")
     calls = []
@@ -341,7 +340,7 @@ def test_eval_never_logs_to_a_store_that_only_the_checkpoint_names(tmp_path, mon
 def test_eval_with_an_unreachable_store_says_the_figures_were_not_added(tmp_path, caplog):
     import logging
 
-    from imgcls.tracking.evaluation import log_evaluation
+    from imgcls.tracking.runs import log_evaluation
 
     ckpt = tracked_checkpoint(tmp_path / "best.pt")
     caplog.set_level(logging.INFO)
@@ -422,9 +421,9 @@ def test_the_installed_mlflow_refuses_a_folder_store_unless_allowed(monkeypatch)
 # ---------------------------------------------------------------- a resumed run's identity
 
 def test_a_resumed_job_keeps_the_runs_command_key_and_experiment(tmp_path, monkeypatch):
-    import imgcls.tracking.training as training
-    from imgcls.core.config import config_from_dict
-    from imgcls.tracking.run_record import read_run_record
+    import imgcls.tracking.runs as training
+    from imgcls.config import config_from_dict
+    from imgcls.tracking.runs import read_run_record
 
     calls = []
     monkeypatch.setattr(training, "open_tracker", lambda *a, **k: RecordingTracker(calls, *a, **k))

@@ -6,13 +6,13 @@ import logging
 import pytest
 import torch
 
-from imgcls.core.config import OptimConfig, load_config
-from imgcls.runtime.device import DeviceInput
+from imgcls.compute.device import DeviceInput
+from imgcls.config import OptimConfig, load_config
 from imgcls.objectives.base import Objective
 from imgcls.training.loop import measuring_parts, train_one_epoch
 from imgcls.training.optim import build_optimizer
 from imgcls.training.schedule import build_scheduler, plan_run, steps_per_epoch
-from imgcls.rundir.state import EpochCounters, TrainState
+from imgcls.training.state import EpochCounters, TrainState
 from imgcls.training.step import TrainStep
 
 MEAN, STD = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
@@ -127,7 +127,7 @@ def test_clipping_happens_once_per_update_on_the_whole_window(monkeypatch):
 
 @pytest.mark.slow
 def test_each_micro_batch_mixes_within_itself_with_its_own_draw():
-    from imgcls.training.mixing import BatchMixing
+    from imgcls.training.step import BatchMixing
 
     images, labels = fixed_data(128)
     seen = []

@@ -6,10 +6,10 @@ import ast
 
 import pytest
 import torch
-
 from conftest import REPO
-from imgcls.core.config import load_config
-import imgcls.runtime.cpu_tuning as cpu_tuning
+
+import imgcls.compute.cpu_tuning as cpu_tuning
+from imgcls.config import load_config
 
 # parameters named `host` that are a network host, not the CPU tuning
 NETWORK_HOSTS = {("serving/server.py", "serve"), ("serving/onnx_only/server.py", "serve_onnx"),
@@ -42,7 +42,7 @@ def test_run_main_tunes_the_process_once_and_calls_main_bare():
 
 
 def test_freed_memory_is_kept_for_training_only(monkeypatch):
-    from imgcls.runtime.runtime import build_runtime
+    from imgcls.compute.device import build_runtime
 
     kept = []
     monkeypatch.setattr(cpu_tuning, "keep_freed_memory", lambda: kept.append(True) or True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import run_script, tiny_overrides
 from PIL import Image
 
-from conftest import run_script, tiny_overrides
-import imgcls.rundir.curves as curves
-from imgcls.rundir.curves import CURVES_FILE, CurvesPicture, draw_curves, log_ticks, nice_ticks, read_columns, write_curves
+import imgcls.training.runlog as curves
+from imgcls.training.runlog import (CURVES_FILE, CurvesPicture, draw_curves, log_ticks, nice_ticks, read_columns,
+                                    write_curves)
 
 HEADER = "epoch,step,lr,train_loss,val_top1,val_top5,val_loss,val_mean_class_acc\n"
 

@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_tree, run_script, tiny_overrides
-from imgcls.core.config import load_config
-from imgcls.objectives.distillation.conversion import InputConversion
-from imgcls.objectives.distillation.agreement import AgreementProbe
-from imgcls.objectives.distillation.distiller import Distiller
-from imgcls.objectives.distillation.losses import feature_distance, hard_bce, hard_ce, soft_bce, soft_kl
+
+from imgcls.config import load_config
+from imgcls.objectives.distillation import (AgreementProbe, Distiller, InputConversion, feature_distance, hard_bce,
+                                            hard_ce, soft_bce, soft_kl)
+from imgcls.objectives.teacher import Teacher, TeacherPredictions, class_mismatch, freeze
 from imgcls.tasks import get_task
-from imgcls.objectives.distillation.teacher import Teacher, TeacherPredictions, class_mismatch, freeze
 
 S = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
 T = torch.tensor([[1.0, 3.0, 0.0], [-0.5, 0.0, 2.5]])
@@ -150,7 +148,7 @@ def eval_student_and_distiller() -> tuple:
 
 
 def test_the_done_line_names_the_teacher_and_the_agreement_only_when_distilled():
-    from imgcls.training_run.reporter import objective_text
+    from imgcls.training.reporter import objective_text
 
     summary = {"teacher": {"source": "runs/big/best.pt", "kind": "checkpoint", "top1": 91.5, "top5": 99.0}}
     assert objective_text(summary, 87.25) == (
@@ -170,8 +168,8 @@ def test_agreement_probe_counts_only_readable_images():
 
 
 def test_later_validations_read_the_teachers_kept_predictions_and_count_the_same():
+    from imgcls.compute.device import DeviceInput
     from imgcls.evaluation.evaluate import evaluate
-    from imgcls.runtime.device import DeviceInput
 
     student, teacher, distiller = eval_student_and_distiller()
     batches = [(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 0]),
@@ -233,9 +231,9 @@ def test_class_mismatch_names_the_first_difference_and_another_head_size():
 
 
 def test_a_teacher_of_the_other_task_is_refused_both_ways():
-    from imgcls.objectives.distillation.teacher import teacher_mismatch
-
     from types import SimpleNamespace
+
+    from imgcls.objectives.teacher import teacher_mismatch
 
     single, multi = (SimpleNamespace(data=SimpleNamespace(task=task)) for task in ("multiclass", "multilabel"))
     tagger = tiny_teacher(["a", "b", "c"])
@@ -252,7 +250,7 @@ def test_teacher_load_errors_name_distill_teacher_not_the_students_keys(tmp_path
     from timm.models import save_for_hf
 
     from imgcls.core.errors import CheckpointError, ConfigError, ModelError
-    from imgcls.objectives.distillation.teacher import load_teacher
+    from imgcls.objectives.teacher import load_teacher
 
     for missing in (str(tmp_path / "runs" / "x" / "best.pt"), "runs/nothere/best.pt", f"local-dir:{tmp_path / 'no'}"):
         with pytest.raises(ConfigError, match=r"'distill.teacher' = .*: no such file or folder") as caught:
@@ -271,7 +269,8 @@ def test_teacher_load_errors_name_distill_teacher_not_the_students_keys(tmp_path
 
 def test_a_timm_folder_teacher_is_another_teacher_when_its_config_json_changes(tmp_path):
     from conftest import write_pretrained_folder
-    from imgcls.objectives.distillation.teacher import load_teacher, teacher_change
+
+    from imgcls.objectives.teacher import load_teacher, teacher_change
 
     folder = tmp_path / "teacher"
     write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])
@@ -292,14 +291,15 @@ def test_a_teacher_far_larger_than_the_student_is_warned_with_its_cost(caplog):
     import logging
 
     import timm
-    from imgcls.objectives.distillation.teacher import forward_profile, warn_costly_size
+
+    from imgcls.objectives.teacher import forward_profile, warn_costly_size
 
     model = timm.create_model("test_resnet", num_classes=3).eval()
     outputs, at_64 = forward_profile(model, 64, torch.device("cpu"))
     _, at_128 = forward_profile(model, 128, torch.device("cpu"))
     assert outputs == 3 and at_128 == 4 * at_64 > 0  # activations grow with the pixels
     warn_costly_size.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="imgcls.objectives.distillation.teacher"):
+    with caplog.at_level(logging.WARNING, logger="imgcls.objectives.teacher"):
         warn_costly_size("big.pt", 2048, 512 * 2**20, 32, 2)
         warn_costly_size("near.pt", 64, at_64, 32, 2)  # 4x the pixels: ordinary
     warnings = [r.getMessage() for r in caplog.records]
@@ -316,7 +316,7 @@ def test_a_teacher_far_larger_than_the_student_is_warned_with_its_cost(caplog):
                                            ("distill.feature_loss=l1", "distill.feature_loss"),
                                            ("distill.teacher=''", "distill.teacher")])
 def test_bad_distill_values_are_config_errors_naming_the_key(override, key):
-    from imgcls.core.config import ConfigError
+    from imgcls.config import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("base", [override])
@@ -505,6 +505,7 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
     """tune.py's batch finder and sweep build their step with the teacher: its forward is in what they time
     and its weights and activations in the memory they measure."""
     from conftest import write_pretrained_folder
+
     from imgcls.tuning.batch_finder import TrainingStepProbe
 
     folder = tmp_path / "teacher"
@@ -522,8 +523,8 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
 
 
 def test_the_agreement_probe_leaves_the_student_in_its_mode():
+    from imgcls.compute.device import DeviceInput
     from imgcls.evaluation.evaluate import evaluate
-    from imgcls.runtime.device import DeviceInput
 
     student, teacher, distiller = eval_student_and_distiller()  # an eval-mode student, as an EMA copy
     probe = AgreementProbe(student, distiller)
@@ -536,7 +537,7 @@ def test_the_agreement_probe_leaves_the_student_in_its_mode():
 
 
 def test_the_teachers_time_share_is_over_training_time_only():
-    from imgcls.objectives.distillation.distiller import StepTimer
+    from imgcls.objectives.distillation import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     assert timer.take_share() is None  # no teacher forward yet

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, make_tree, run_script, tiny_overrides
+
 from imgcls.models.ema import create_ema
 
 EMA_DECAY = 0.8

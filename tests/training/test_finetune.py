@@ -8,17 +8,17 @@ import urllib.error
 import pytest
 import torch
 import yaml
+from conftest import (PRETRAINED_PREPROCESSING, make_tree, run_script, run_train_in_process, tiny_overrides,
+                      write_pretrained_folder)
 
-import imgcls.training_run.trainer as trainer_module
-from conftest import PRETRAINED_PREPROCESSING, make_tree, run_script, tiny_overrides, write_pretrained_folder
-from imgcls.core.config import ConfigError, OptimConfig, load_config
+import imgcls.training.trainer as trainer_module
+from imgcls.config import ConfigError, OptimConfig, load_config
 from imgcls.core.errors import ModelError
 from imgcls.model_files.checkpoint_files import read_checkpoint
+from imgcls.models.factory import (build_model, check_model_name, create_model, load_pretrained,
+                                   load_pretrained_weights, pretrained_preprocessing)
 from imgcls.training.optim import base_lr, build_optimizer, param_groups
 from imgcls.training.schedule import build_scheduler
-from imgcls.models.factory import (build_model, check_model_name, create_model, load_pretrained, load_pretrained_weights,
-                            pretrained_preprocessing)
-from conftest import run_train_in_process
 
 
 @pytest.fixture(scope="module")

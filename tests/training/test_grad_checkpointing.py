@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, run_script, tiny_overrides
 
-from imgcls.core.config import load_config
+from imgcls.config import load_config
 from imgcls.core.errors import ModelError
 from imgcls.models.factory import build_model, check_grad_checkpointing, create_model
-from conftest import REPO, run_script, tiny_overrides
 
 # deep enough (11 checkpointed blocks) that recomputing them frees most of the activations
 MODEL = "mobilenetv3_small_050"
@@ -19,7 +19,7 @@ MODEL = "mobilenetv3_small_050"
 PEAK_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-from imgcls.runtime.memory import current_rss_bytes, peak_memory_bytes, reset_peak_memory
+from imgcls.compute.memory import current_rss_bytes, peak_memory_bytes, reset_peak_memory
 from imgcls.models.factory import create_model
 torch.manual_seed(0)
 model = create_model({model!r}, 3, grad_checkpointing={on})

@@ -9,7 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import write_pretrained_folder
 
 HF_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "https_proxy", "HTTPS_PROXY", "all_proxy",
@@ -22,7 +21,7 @@ def no_network(monkeypatch, tmp_path):
     and not yet decided. Whatever the code under test switches on is undone afterwards."""
     import huggingface_hub.constants as hf_constants
 
-    import imgcls.models.hub_access as hub_access
+    import imgcls.models.factory as hub_access
 
     lookups = []
 

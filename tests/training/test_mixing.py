@@ -7,11 +7,10 @@ import statistics
 import pytest
 import torch
 from timm.data.mixup import one_hot as timm_one_hot
-from timm.loss import BinaryCrossEntropy as TimmBCE
-from timm.loss import SoftTargetCrossEntropy
+from timm.loss import BinaryCrossEntropy as TimmBCE, SoftTargetCrossEntropy
 
 from imgcls.tasks.losses import BinaryCrossEntropy
-from imgcls.training.mixing import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
+from imgcls.training.step import BatchMixing, MixDraw, apply_mix, draw_mix, erase, erase_boxes
 
 H = W = 16
 

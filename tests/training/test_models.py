@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 import torchvision
+from conftest import TEST_MODEL, tiny_overrides
 
 import train
-from conftest import TEST_MODEL, tiny_overrides
 from imgcls.cli import run_main
 from imgcls.models.factory import ModelError, batchnorm_to_groupnorm, create_model, fold_batchnorm, load_local_weights
 

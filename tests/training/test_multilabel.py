@@ -16,19 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, TEST_MODEL, run_script, wait_for
+from multilabel_data import TAGS, make_tag_list
 from sklearn.metrics import average_precision_score, f1_score
 
-from conftest import REPO, TEST_MODEL, run_script, wait_for
-from imgcls.core.config import load_config
+from imgcls.config import load_config
 from imgcls.core.errors import USAGE_ERRORS, ConfigError, DataTreeError
-from imgcls.data.listing.sources.registry import scan_sources
-from imgcls.data.listing.labelling.tag_split import tag_split_positions
-from imgcls.data.listing.labelling.tags import parse_tags
+from imgcls.data.labels import parse_tags, tag_split_positions
+from imgcls.data.sources import scan_sources
 from imgcls.tasks import get_task
-from imgcls.tasks.multi_label_metrics import (average_precision, multilabel_metrics, predicted, tune_thresholds)
 from imgcls.tasks.losses import AsymmetricLoss, BinaryCrossEntropy
-from imgcls.training.mixing import MixDraw, apply_mix
-from multilabel_data import TAGS, make_tag_list
+from imgcls.tasks.metrics import average_precision, multilabel_metrics, predicted, tune_thresholds
+from imgcls.training.step import MixDraw, apply_mix
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
@@ -103,7 +102,7 @@ def test_unknown_tag_stops_with_the_row_and_the_close_match(images):
 def test_shards_carry_the_tags(images, tmp_path):
     """python -m imgcls.data.shards --from LIST.csv --multilabel writes .tags members; the eval stream reads them back
     as the CSV's multi-hot targets (an untagged image all zeros)."""
-    from imgcls.data.listing.labelling.labels import TagLabels
+    from imgcls.data.labels import TagLabels
     from imgcls.data.shards import ShardEvalStream, main as write_shards_main, shard_index
     from imgcls.data.transforms import EvalTransform
 
@@ -307,7 +306,7 @@ def test_infer_threshold_flag_and_json_rows(trained, tmp_path):
 def test_serve_answers_the_tag_rows_infer_writes(trained, tmp_path):
     """serve.py's model on a multi-label checkpoint: the same tags and probabilities as infer.py's JSON rows;
     the reject option is refused for it."""
-    from imgcls.prediction.trust import TrustOptions
+    from imgcls.model_files.predictor import TrustOptions
     from imgcls.serving.model import ServedModel
 
     train_csv, run = trained
@@ -407,7 +406,7 @@ def test_tags_that_break_infer_columns_or_split_class_lists_exit_2(images, label
 
 
 def test_shard_writer_refuses_a_tag_with_a_newline(images, tmp_path):
-    from imgcls.data.listing.labelling.labels import TagLabels
+    from imgcls.data.labels import TagLabels
     from imgcls.data.shards import source_index
 
     listing = write_list(images / "newline.csv", [("images/list_0000.png", "cloud\nroad"),
@@ -436,7 +435,7 @@ def test_a_val_fraction_split_that_leaves_a_side_empty_exits_2(images, n):
     cfg = load_config("base", [f"data.train_csv={write_list(images / f'tiny{n}.csv', rows)}", "data.format=csv",
                                "data.task=multilabel", "data.val_fraction=0.01"])
     if n == 2:  # two images, 1 % held out: the stratifier keeps at least one; check the rule itself
-        from imgcls.data.listing.split import check_split_sides
+        from imgcls.data.listing import check_split_sides
 
         with pytest.raises(DataTreeError, match="validation side empty"):
             check_split_sides([0, 1], [], 0.01)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from imgcls.rundir.state import TrainState
 from imgcls.tasks import deciding_metric, get_task
-from imgcls.tasks.multi_label_metrics import multilabel_metrics
+from imgcls.tasks.metrics import multilabel_metrics
+from imgcls.training.state import TrainState
 
 
 def test_map_of_a_split_without_any_tag_is_undefined_and_prints_so():

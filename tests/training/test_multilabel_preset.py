@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_script, tiny_overrides
-from imgcls.core.config import load_config
+from multilabel_data import TAGS, make_tag_list
+
+from imgcls.config import load_config
 from imgcls.tasks import get_task
 from imgcls.tasks.losses import AsymmetricLoss, BinaryCrossEntropy, build_criterion
-from multilabel_data import TAGS, make_tag_list
 
 README_MULTILABEL = ["data.task=multilabel", "data.format=csv", "data.root={root}",
                      "data.train_csv={root}/train.csv", "data.val_fraction=0.2"]

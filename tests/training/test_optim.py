@@ -1,11 +1,11 @@
 """Optimizers: weight decay on conv / linear weights only; SGD momentum and Nesterov; AdamW settings."""
 import pytest
 import torch
-
 from conftest import TEST_MODEL
-from imgcls.core.config import OptimConfig
-from imgcls.training.optim import build_optimizer, param_groups
+
+from imgcls.config import OptimConfig
 from imgcls.models.factory import create_model
+from imgcls.training.optim import build_optimizer, param_groups
 
 
 def test_no_weight_decay_on_norm_and_bias_parameters():
@@ -106,7 +106,7 @@ def test_optimizers_get_the_options_they_take():
 @pytest.mark.parametrize("name, override", [("adamw", "optim.momentum=0.8"), ("lion", "optim.eps=1e-6"),
                                             ("sgd", "optim.betas=[0.8,0.9]"), ("lamb", "optim.nesterov=false")])
 def test_an_option_the_optimizer_does_not_take_is_a_usage_error(name, override):
-    from imgcls.core.config import ConfigError, load_config
+    from imgcls.config import ConfigError, load_config
     from imgcls.training.optim import check_optimizer
 
     cfg = load_config("base", [f"optim.name={name}", override])  # torch-free validation cannot know
@@ -118,7 +118,7 @@ def test_an_option_the_optimizer_does_not_take_is_a_usage_error(name, override):
 
 def test_an_optimizer_timm_knows_needs_no_code_and_optim_options_reach_it():
     """adan is in no list of ours: its three betas and optim.options (no_prox) go to timm's constructor."""
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
     from imgcls.training.optim import check_optimizer
 
     cfg = load_config("base", ["optim.name=adan", "optim.betas=[0.98,0.92,0.99]", "optim.options.no_prox=true",
@@ -140,7 +140,7 @@ def test_an_optimizer_timm_knows_needs_no_code_and_optim_options_reach_it():
     (["optim.name=adamw", "optim.options.betas=[0.8,0.9]"], ["'optim.options.betas'", "optim.betas instead"]),
 ])
 def test_a_name_or_option_timm_does_not_have_is_a_usage_error(overrides, names):
-    from imgcls.core.config import ConfigError, load_config
+    from imgcls.config import ConfigError, load_config
     from imgcls.training.optim import check_optimizer
 
     with pytest.raises(ConfigError) as err:
@@ -161,7 +161,7 @@ def test_an_unknown_optimizer_exits_2_before_any_work(monkeypatch, capsys, tiny_
                                            ("rmsprop", True), ("adan", True), ("lion", False), ("clion", False)])
 def test_whether_a_nonfinite_gradient_reaches_the_weights_is_measured_not_listed(name, carries):
     """The step checks its gradients itself only where the optimizer would hide a NaN (a sign step)."""
-    from imgcls.core.config import load_config
+    from imgcls.config import load_config
     from imgcls.training.optim import update_carries_nonfinite
 
     betas = ["optim.betas=[0.98,0.92,0.99]"] if name == "adan" else []

@@ -15,10 +15,10 @@ import sys
 import termios
 
 import pytest
-
 from conftest import REPO, make_tree, tiny_overrides
-from imgcls.core.config import load_config
-from imgcls.training_run.trainer import run
+
+from imgcls.config import load_config
+from imgcls.training.trainer import run
 
 TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) ")
 

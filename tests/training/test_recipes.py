@@ -3,10 +3,10 @@ import json
 
 import pytest
 import yaml
-
 from conftest import make_tree, tiny_overrides
-from imgcls.core.config import load_config
-from imgcls.training_run.trainer import run
+
+from imgcls.config import load_config
+from imgcls.training.trainer import run
 
 RECIPES = {
     "resnet50_tv2": {"data.auto_augment": "trivialaugment", "data.random_erasing": 0.1, "data.repeated_augment": 4,

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from imgcls.training.schedule import (build_scheduler, effective_batch, lr_factor, scaled_lr, steps_per_epoch, warmup_steps,
-                             window_length)
+from imgcls.training.schedule import (build_scheduler, effective_batch, lr_factor, scaled_lr, steps_per_epoch,
+                                      warmup_steps, window_length)
 
 
 def test_warmup_is_linear_in_steps_and_reaches_peak():
@@ -122,10 +122,10 @@ def test_scheduler_state_round_trips_through_a_weights_only_load(tmp_path):
 
 from types import SimpleNamespace  # noqa: E402
 
-from imgcls.core.config import load_config  # noqa: E402
+from imgcls.config import load_config  # noqa: E402
 from imgcls.objectives.base import Objective  # noqa: E402
-from imgcls.training.schedule import (LrSchedule, epochs_to_steps, observe_epoch, plan_run, schedule_from_config,  # noqa: E402
-                             schedule_warnings)
+from imgcls.training.schedule import (LrSchedule, epochs_to_steps, observe_epoch, plan_run,  # noqa: E402
+                                      schedule_from_config, schedule_warnings)
 
 
 def factors(schedule: LrSchedule, steps: int) -> list[float]:
@@ -251,8 +251,8 @@ def test_start_up_warnings_name_what_the_lr_will_do():
 def test_start_up_logs_the_recipe_and_the_schedule_warnings(caplog):
     import logging
 
-    from imgcls.training_run.reporter import RunReporter
-    from imgcls.runtime.runtime import Runtime
+    from imgcls.compute.device import Runtime
+    from imgcls.training.reporter import RunReporter
 
     cfg = load_config("base", ["schedule.warmup_epochs=5", "train.epochs=4", "train.mixup_alpha=0.2",
                                "schedule.name=multistep", "optim.name=lamb", "train.loss=bce"])

@@ -1,18 +1,18 @@
 """train.threads (the CPU thread policy) and train.val_interval (validation every N epochs)."""
 import csv
-import logging
 import json
+import logging
 
 import pytest
 import torch
-
 from conftest import make_tree, tiny_overrides
-from imgcls.core.config import load_config
+
+import imgcls.compute.cpu_tuning as cpu_tuning
+from imgcls.compute.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
+from imgcls.config import load_config
 from imgcls.core.host import busy_cores_of_others, cpu_jiffies
-import imgcls.runtime.cpu_tuning as cpu_tuning
-from imgcls.runtime.cpu_tuning import SHORT_OMP_SPIN, choose_omp_wait, choose_threads, omp_wait_for
 from imgcls.training.schedule import validation_due
-from imgcls.training_run.trainer import open_trainer, run
+from imgcls.training.trainer import open_trainer, run
 
 
 @pytest.mark.parametrize("setting, cpus, env, busy, saved, expected", [
@@ -50,7 +50,7 @@ def test_the_run_applies_and_logs_its_thread_count(tmp_path, tiny_tree, monkeypa
 
 
 def test_auto_precision_takes_bf16_on_cpus_with_amx_only():
-    from imgcls.runtime.device import bf16_is_fast
+    from imgcls.compute.device import bf16_is_fast
 
     flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16"
     assert not bf16_is_fast(flags)                          # AVX512-BF16 alone: fp32 measured faster
@@ -62,7 +62,7 @@ AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
 
 
 def test_bf16_is_emulated_on_cpus_without_avx512_bf16_amx_or_arm_bf16():
-    from imgcls.runtime.device import bf16_emulated
+    from imgcls.compute.device import bf16_emulated
 
     assert "neither AVX512-BF16 nor AMX" in bf16_emulated(AVX2_ONLY)
     assert bf16_emulated("flags\t\t: fpu avx2 avx512f avx512_bf16") is None
@@ -76,7 +76,7 @@ def test_a_onednn_isa_cap_below_bf16_counts_as_emulated():
     """ONEDNN_MAX_CPU_ISA=AVX2 (how an AVX2-only CPU is reproduced on a newer one) makes oneDNN emulate bf16
     whatever the flags say: the warning and the inference commands' fp32 follow the cap, and amp=auto keeps
     fp32 even on AMX."""
-    from imgcls.runtime.device import bf16_emulated, bf16_is_fast
+    from imgcls.compute.device import bf16_emulated, bf16_is_fast
 
     amx = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile"
     assert bf16_emulated(amx, {}) is None and bf16_is_fast(amx, {})
@@ -91,7 +91,7 @@ def test_a_onednn_isa_cap_below_bf16_counts_as_emulated():
 
 @pytest.fixture
 def emulating_cpu(monkeypatch):
-    import imgcls.runtime.device as device
+    import imgcls.compute.device as device
 
     reason = device.bf16_emulated(AVX2_ONLY)
     monkeypatch.setattr(device, "cpu_bf16_emulated", lambda: reason)
@@ -100,9 +100,9 @@ def emulating_cpu(monkeypatch):
 
 
 def test_bf16_chosen_on_an_emulating_cpu_is_warned_once_with_the_reason(emulating_cpu, caplog):
-    from imgcls.runtime.device import resolve_amp
+    from imgcls.compute.device import resolve_amp
 
-    with caplog.at_level(logging.WARNING, logger="imgcls.runtime.device"):
+    with caplog.at_level(logging.WARNING, logger="imgcls.compute.device"):
         assert resolve_amp("bf16", torch.device("cpu")) == torch.bfloat16  # as asked, but said
         assert resolve_amp("bf16", torch.device("cpu")) == torch.bfloat16
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -112,8 +112,8 @@ def test_bf16_chosen_on_an_emulating_cpu_is_warned_once_with_the_reason(emulatin
 def test_inference_runs_a_bf16_checkpoint_in_fp32_where_bf16_is_emulated_unless_amp_says(emulating_cpu):
     from types import SimpleNamespace
 
-    from imgcls.prediction.predictor import prediction_runtime
-    from imgcls.runtime.device import inference_amp
+    from imgcls.compute.device import inference_amp
+    from imgcls.model_files.predictor import prediction_runtime
 
     cpu = torch.device("cpu")
     assert inference_amp("bf16", cpu) == "none" and inference_amp("fp16", cpu) == "auto"
@@ -128,7 +128,7 @@ def test_inference_runs_a_bf16_checkpoint_in_fp32_where_bf16_is_emulated_unless_
 
 
 def test_inference_keeps_a_bf16_checkpoint_where_the_cpu_runs_bf16(monkeypatch):
-    import imgcls.runtime.device as device
+    import imgcls.compute.device as device
 
     monkeypatch.setattr(device, "cpu_bf16_emulated", lambda: None)
     assert device.inference_amp("bf16", torch.device("cpu")) == "bf16"
@@ -261,7 +261,7 @@ def test_idle_cores_follow_the_start_load_auto_does_not_and_a_resume_keeps_its_c
     whatever the load. A run that started with two keeps both on resume though the load changed (sums over
     another thread count round differently: no bitwise resume otherwise); eval.py and infer.py take the
     checkpoint's count too."""
-    from imgcls.runtime.cpu_tuning import OmpWaitChoice, apply_cpu_policy
+    from imgcls.compute.cpu_tuning import OmpWaitChoice, apply_cpu_policy
 
     def start_load(busy):
         """What the process start measured (`cpu_tuning.tune_process_start`)."""
@@ -348,7 +348,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
     from conftest import REPO
 
     # page faults over 10 training steps of a small conv net (after 3 warm-up steps), with and without
-    probe = ("import resource, sys, torch; from imgcls.runtime.cpu_tuning import keep_freed_memory; "
+    probe = ("import resource, sys, torch; from imgcls.compute.cpu_tuning import keep_freed_memory; "
              "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None; torch.manual_seed(0); "
              "net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), "
              "torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU()); "
@@ -367,7 +367,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 def test_the_start_up_line_says_how_threads_wait_and_memory_is_kept():
-    from imgcls.runtime.cpu_tuning import apply_cpu_policy
+    from imgcls.compute.cpu_tuning import apply_cpu_policy
 
     threads, description = apply_cpu_policy(1, reuse_host_memory=False)
     assert threads == 1 and description.startswith("train.threads; ") and description.endswith("malloc's defaults")
@@ -416,7 +416,7 @@ def test_the_next_epochs_batches_load_during_validation_and_train_the_same_weigh
 
 
 def test_all_finite_is_exact_also_where_a_sum_overflows():
-    from imgcls.rundir.checkpoints import all_finite
+    from imgcls.training.checkpoints import all_finite
 
     ok = [torch.ones(3), torch.zeros(2, 2)]
     assert all_finite(ok)
@@ -459,8 +459,8 @@ def test_starting_a_loaders_batches_leaves_the_global_rng_alone():
     restores must not depend on it, so no loader draws its workers' base seed from the global generator."""
     from torch.utils.data import IterableDataset
 
-    from imgcls.data.loaders import build_eval_loader, build_stream_eval_loader, build_stream_train_loader, build_train_loader
-    from imgcls.data.samplers import TrainSampler
+    from imgcls.data.loaders import (TrainSampler, build_eval_loader, build_stream_eval_loader,
+                                     build_stream_train_loader, build_train_loader)
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -483,9 +483,9 @@ def test_which_steps_check_their_gradients(optimizer, nonfinite, checked):
     update (sign(nan) = 0), so a non-finite gradient leaves the weights finite and poisons only its state."""
     from timm.optim import create_optimizer_v2
 
-    from imgcls.runtime.device import DeviceInput
-    from imgcls.training.step import build_train_step
+    from imgcls.compute.device import DeviceInput
     from imgcls.models.factory import build_model
+    from imgcls.training.step import build_train_step
 
     cfg = load_config("base", [f"optim.name={optimizer}", f"train.nonfinite={nonfinite}", "train.amp=none",
                                "model.name=test_resnet"])

@@ -6,9 +6,9 @@ import re
 import pytest
 import timm
 import torch
-
 from conftest import TEST_MODEL, make_tree, run_script, tiny_overrides
-from imgcls.core.config import Config, load_config
+
+from imgcls.config import Config, load_config
 from imgcls.training.schedule import lr_factor
 
 SUMMARY_BEST_KEYS = {"top1", "top5", "loss", "mean_class_acc", "num_samples"}

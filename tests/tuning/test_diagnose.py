@@ -2,11 +2,12 @@
 and the measured numbers reaching the same pure function end to end."""
 from __future__ import annotations
 
-import pytest
 import json
 
-from imgcls.benchmarking.diagnose import bottleneck_verdict, worker_counts
+import pytest
 from conftest import run_script
+
+from imgcls.benchmarking.modes import bottleneck_verdict, worker_counts
 
 HINTS = {"img_size": 224, "amp": "fp32", "fast_bf16": True, "channels_last": True, "compile": False,
          "pin_memory": False, "prefetch_factor": 4, "cuda": True}

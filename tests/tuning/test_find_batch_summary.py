@@ -7,10 +7,10 @@ import logging
 
 import pytest
 import torch
-
-from imgcls.benchmarking.find_batch_summary import MIN_STEPS_PER_EPOCH, find_batch_summary
 from conftest import make_tree, run_script
-from imgcls.core.config import load_config
+
+from imgcls.benchmarking.modes import MIN_STEPS_PER_EPOCH, find_batch_summary
+from imgcls.config import load_config
 from imgcls.tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
 
 

@@ -3,8 +3,8 @@ refuses, and reading both programs' result files."""
 import pytest
 
 from imgcls.benchmarking.kd_compare import (UnmappedSetting, main, markdown_table, parse_env, summarise_ours,
-                                     summarise_timm, timm_flags)
-from imgcls.core.config import load_config
+                                            summarise_timm, timm_flags)
+from imgcls.config import load_config
 
 STUDENT = ["model.name=resnet10t", "train.epochs=6", "distill.teacher=/nowhere/best.pt"]
 

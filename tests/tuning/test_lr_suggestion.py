@@ -9,8 +9,8 @@ import math
 from argparse import Namespace
 
 import pytest
-
 from conftest import make_tree, run_script, tiny_overrides
+
 from imgcls.tuning.arithmetic import exponential_lrs, lr_suggestion, smooth
 
 
@@ -56,7 +56,7 @@ def test_confidence_says_when_the_curve_cannot_be_trusted():
 
 
 def test_the_printed_result_names_the_suggestion_and_its_confidence():
-    from imgcls.commands.tuning.tune_run import format_lr_result
+    from imgcls.commands.tune import format_lr_result
 
     lrs = exponential_lrs(1e-4, 1, 50)
     found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])
@@ -69,7 +69,7 @@ def test_the_printed_result_names_the_suggestion_and_its_confidence():
 def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
     """Issue 51: 'confidence: low' followed by `use: optim.lr=0.0004632` trained to 17.6% against the
     recipe's 47.1%. A low confidence names the recipe's LR and the test to run for a confident one."""
-    from imgcls.commands.tuning.tune_run import format_lr_result
+    from imgcls.commands.tune import format_lr_result
 
     lrs = exponential_lrs(1e-4, 1, 50)
     found = lr_suggestion(lrs, [2.0 - 0.01 * i / 50 for i in range(50)])   # hardly falls, never diverges
@@ -87,7 +87,7 @@ def test_a_low_confidence_test_prints_no_use_line_but_what_to_run():
 def test_a_loss_that_rose_back_is_not_called_no_divergence():
     """The loss falls from 2.3 to 1.0, then climbs back to 2.6 as the LR grows (under 4x its minimum, so no
     divergence by the 4x rule): the result says it rose, and the confidence is not 'never diverged'."""
-    from imgcls.commands.tuning.tune_run import format_lr_result
+    from imgcls.commands.tune import format_lr_result
 
     lrs = exponential_lrs(1e-4, 10, 60)
     raw = [2.3 - 1.3 / (1 + math.exp(-(math.log10(lr) + 2.5) * 4)) + (0.8 * (math.log10(lr) + 1) if lr > 0.1 else 0)
@@ -106,9 +106,9 @@ def test_a_loss_that_rose_back_is_not_called_no_divergence():
 def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
     """Every optimizer step of the range test runs at the planned LR (no warmup, schedule or scaling in
     between): the parameter groups' LR at each `optimizer.step` is the exponential ramp."""
-    from imgcls.core.config import load_config
-    from imgcls.commands.tuning.tune_run import prepare
     import imgcls.tuning.sweep as sweep
+    from imgcls.commands.tune import prepare
+    from imgcls.config import load_config
 
     root = make_tree(tmp_path / "data", {"a": (16, 4), "b": (16, 4)}, size=(16, 16))
     cfg = load_config("base", tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 8,
@@ -138,8 +138,8 @@ def test_the_range_tests_lr_reaches_the_optimizer(tmp_path, monkeypatch):
 def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
     """The range test on generated data, then train.py at its `use: optim.lr=...`: the training loss falls and
     validation accuracy is well above chance (4 classes: 25%)."""
-    from imgcls.commands.tuning.tune_run import run_lr_test
-    from imgcls.core.config import load_config
+    from imgcls.commands.tune import run_lr_test
+    from imgcls.config import load_config
 
     root = make_tree(tmp_path / "data", {"a": (48, 12), "b": (48, 12), "c": (48, 12), "d": (48, 12)}, size=(16, 16))
     overrides = tiny_overrides(root, tmp_path / "unused", **{"train.batch_size": 16})
@@ -168,7 +168,7 @@ def test_a_run_at_the_suggested_lr_trains(tmp_path, capsys):
 def test_a_rise_short_of_divergence_is_said_not_denied():
     """The issue's case: the plot's loss climbs from 1.18 to 4.2 (3.5x, under the 4x that stops the test), and
     the result said 'no divergence within the range'. It names the rise and the LR it reached instead."""
-    from imgcls.commands.tuning.tune_run import format_lr_result
+    from imgcls.commands.tune import format_lr_result
 
     lrs = exponential_lrs(1e-4, 10, 60)
     falls_then_rises = [1.16 + 2.0 / (1 + (lr / 1e-2) ** 2) + (3.04 * min(lr, 10) / 10 if lr > 0.1 else 0)
@@ -190,8 +190,8 @@ def test_the_loss_floor_follows_the_recipe(tmp_path):
     """Cross entropy against smoothed or mixed targets cannot fall below their entropy: 0.1 smoothing over 10
     classes leaves 0.500 nats; mixup raises it, distillation's (1 - alpha) scales it, ASL and hard labels have
     none."""
-    from imgcls.core.config import load_config
-    from imgcls.tuning.loss_floor import loss_floor
+    from imgcls.config import load_config
+    from imgcls.tuning.sweep import loss_floor
 
     def floor_of(**extra):
         return loss_floor(load_config("base", tiny_overrides(tmp_path, tmp_path / "out", **extra)), 10)
@@ -244,7 +244,7 @@ def test_a_smoothed_objective_is_judged_above_its_floor():
 
 
 def test_the_printed_result_names_the_floor():
-    from imgcls.commands.tuning.tune_run import format_lr_result
+    from imgcls.commands.tune import format_lr_result
 
     lrs = exponential_lrs(1e-4, 10, 80)
     found = lr_suggestion(lrs, smoothed_curve(lrs, 0.5), floor=0.5)

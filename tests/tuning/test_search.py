@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
-from imgcls.core.config import load_config
+
+from imgcls.config import load_config
 from imgcls.core.errors import ConfigError
-from imgcls.tuning.search_space import load_space
+from imgcls.tuning.search import load_space
 
 SPACE_ERRORS = {  # SPACE.yaml text -> what the message must name
     "optim.lrr: {low: 0.01, high: 0.1}": "optim.lrr",
@@ -191,8 +191,7 @@ def test_a_study_killed_during_a_trial_continues_to_exactly_the_asked_trials(tmp
 def test_a_continued_study_draws_new_values_not_the_first_ones_again(tmp_path):
     """The sampler is seeded by train.seed; a study continued by a new process must not draw the values of its
     first trials again (a seed restarted at each run would)."""
-    from imgcls.tuning.search_study import SearchPlan, open_study
-    from imgcls.tuning.search_space import suggest
+    from imgcls.tuning.search import SearchPlan, open_study, suggest
 
     space = tmp_path / "space.yaml"
     space.write_text("optim.lr: {low: 0.001, high: 1.0, log: true}\n")
@@ -228,8 +227,8 @@ def test_a_trial_stopped_by_a_signal_stays_running_and_is_continued_not_replaced
     once. (The runs are stand-ins here: the slow tests train for real.)"""
     import json
 
-    import imgcls.tuning.search_study as search_study
-    from imgcls.tuning.search_trial import TrialOutcome
+    import imgcls.tuning.search as search_study
+    from imgcls.tuning.search import TrialOutcome
 
     commands = []
 

@@ -14,15 +14,15 @@ from argparse import Namespace
 
 import pytest
 import torch
-
-from imgcls.core.config import load_config
-from imgcls.core.errors import ConfigError
-from imgcls.runtime.distributed import DistInfo
-from imgcls.runtime.runtime import Runtime
-from imgcls.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
-from imgcls.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, lr_suggestion, smooth, sweep_rows,
-                           sweep_verdict, throughput_knee, time_to_target_noise, loss_at_seconds)
 from conftest import REPO, make_tree, run_script, tiny_overrides, wait_for
+
+from imgcls.compute.device import Runtime
+from imgcls.compute.distributed import DistInfo
+from imgcls.config import load_config
+from imgcls.core.errors import ConfigError
+from imgcls.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, loss_at_seconds, lr_suggestion,
+                                      smooth, sweep_rows, sweep_verdict, throughput_knee, time_to_target_noise)
+from imgcls.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 
 
 def curve(batch, losses, seconds_per_step):
@@ -66,7 +66,7 @@ def test_the_verdict_compares_what_the_plot_shows_loss_at_equal_wall_time():
     """The issue's case: 20 steps each; batch 16 is lower than 32 and 64 at every wall-clock time but, having
     seen 320 samples, never reaches the default target, so the least time to it goes to batch 32. The verdict
     names batch 16 at equal wall time (the plot's comparison) and says why 16 has no time to target."""
-    from imgcls.commands.tuning.tune_run import format_verdict
+    from imgcls.commands.tune import format_verdict
 
     steps = list(range(1, 21))
     # wall time per step 0.5, 1.0, 2.0 s; by wall time batch 16 falls fastest while it runs (10 s), the others
@@ -103,7 +103,7 @@ def test_a_difference_within_the_measurement_noise_names_no_winner():
     """The issue's case: 16.5 s against 16.9 s, each step's time moving by up to 15% while measured."""
     import random
 
-    from imgcls.commands.tuning.tune_run import format_verdict
+    from imgcls.commands.tune import format_verdict
 
     rng = random.Random(0)
 
@@ -191,7 +191,7 @@ def test_sweep_losses_reproducible_per_seed(tmp_path):
 
 
 def test_unreachable_target_is_an_error_after_the_table(tmp_path, capsys):
-    from imgcls.commands.tuning.tune_run import run_sweep
+    from imgcls.commands.tune import run_sweep
 
     root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1)}, size=(16, 16))
     cfg = load_config("base", tiny_overrides(root, tmp_path / "run"))
@@ -202,7 +202,7 @@ def test_unreachable_target_is_an_error_after_the_table(tmp_path, capsys):
 
 
 def test_lr_range_test_says_how_long_it_will_take(tmp_path, capsys):
-    from imgcls.commands.tuning.tune_run import LrEstimateOnce, run_lr_test
+    from imgcls.commands.tune import LrEstimateOnce, run_lr_test
 
     estimate = LrEstimateOnce(Runtime(torch.device("cpu"), None, DistInfo()), steps=11)
     for step, seconds in ((1, 2.0), (2, 2.5), (3, 3.0), (4, 3.5)):
@@ -219,7 +219,7 @@ def test_lr_range_test_says_how_long_it_will_take(tmp_path, capsys):
 
 
 def test_tune_computes_with_the_thread_count_train_py_would_take(tmp_path, tiny_tree):
-    from imgcls.commands.tuning.tune_run import prepare
+    from imgcls.commands.tune import prepare
 
     before = torch.get_num_threads()
     try:
@@ -278,7 +278,7 @@ def test_refuses_to_write_into_a_run_directory(tmp_path, tiny_tree):
 def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(tiny_tree, tmp_path, capsys):
     """`--batch-sizes 2,4` probed memory at batch 1 and died in BatchNorm ('Expected more than 1 value per
     channel'), exit 1, no table."""
-    from imgcls.commands.tuning.tune_run import run_sweep
+    from imgcls.commands.tune import run_sweep
 
     cfg = load_config("base", tiny_overrides(tiny_tree, tmp_path / "run"))
     out = tmp_path / "t.json"
@@ -289,7 +289,7 @@ def test_tune_sweeps_small_batches_whose_memory_probe_would_be_one_sample(tiny_t
 
 
 def test_tune_refuses_a_one_image_batch_that_batchnorm_cannot_train_on():
-    from imgcls.commands.tuning.tune_run import check_sizes
+    from imgcls.commands.tune import check_sizes
 
     with pytest.raises(ConfigError, match="--batch-sizes: 1 is one image per process, and BatchNorm cannot train"):
         check_sizes([1, 2], 24, 1)
@@ -299,7 +299,7 @@ def test_tune_refuses_a_one_image_batch_that_batchnorm_cannot_train_on():
 
 
 def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
-    from imgcls.commands.tuning.tune import check_arguments
+    from imgcls.commands.tune import check_arguments
 
     base = dict(batch_sizes=None, target_loss=None, lr_range=None, checkpointing=False, json=None, plot=None)
     with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 2"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import imgcls.model_files.formats.checkpoint as checkpoint
+import imgcls.model_files.formats.base as checkpoint  # the checkpoint format lives beside the base
 import imgcls.model_files.formats.onnx as onnx
 import imgcls.model_files.formats.openvino as openvino
 import imgcls.model_files.formats.pt2 as pt2

@@ -1,6 +1,9 @@
 """`ModelFormat`: one kind of model file, what it is called, how it is told apart, how it is opened for
 eval.py / infer.py / serve.py, and (for export formats) how export.py writes one. Each kind is one module
-of this package, registered in `model_files/formats/__init__.py`."""
+of this package, registered in `model_files/formats/__init__.py`.
+
+A checkpoint written by train.py (`best.pt`, `last.pt`): what every file not named otherwise is taken for.
+Read by model_files/checkpoint_files.py; export.py reads it and never writes one."""
 from __future__ import annotations
 
 import inspect
@@ -11,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from imgcls.model_files.checkpoint_files import build_eval_model
+from imgcls.model_files.checkpoint_files import build_eval_model, read_checkpoint
 from imgcls.model_files.model_file import ModelFile
 from imgcls.models.factory import fold_batchnorm
 
@@ -50,9 +53,9 @@ def traced_model(loaded: ModelFile, batch: Optional[int],
     return folded, torch.zeros(batch or 2, loaded.cfg.data.channels, size, size)
 
 
-# ---------------------------------------------------------------- exporter errors, shortened
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)(?:\n[ \t]+(\S[^\n]*))?')
 
 
@@ -88,3 +91,5 @@ def layer_defined_at(model: torch.nn.Module, file: str, line: int) -> Optional[s
         if start <= line < start + len(source):
             return f"'{name or '(the model)'}' ({type(module).__name__})"
     return None
+
+FORMAT = ModelFormat("checkpoint", "a checkpoint", read_checkpoint)

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from imgcls.core.config import Config
+from imgcls.config import Config
 from imgcls.core.errors import CheckpointError, ExportError
 from imgcls.model_files.formats.base import ModelFormat, shorten_export_error, traced_model
 from imgcls.model_files.metadata import numbered_classes, onnx_metadata_props
@@ -104,7 +104,7 @@ def read_cpuinfo() -> Optional[str]:
 
 def warn_if_int8_is_slow_here(path: Path) -> None:
     """Once per process: an int8 model about to run on a CPU without int8 dot-product instructions."""
-    from imgcls.runtime.device import int8_slow_reason
+    from imgcls.compute.device import int8_slow_reason
 
     if _WARNED_INT8:
         return
@@ -208,8 +208,6 @@ def write_onnx(loaded: ModelFile, path: Path, batch: Optional[int], metadata: di
             logger.setLevel(level)
     program.model.metadata_props.update(onnx_metadata_props(metadata))
     program.save(str(path))
-
-
 
 
 FORMAT = ModelFormat("onnx", "an ONNX model", open_onnx, suffix=".onnx", traced=True,

@@ -17,8 +17,8 @@ import torch
 from imgcls.core.errors import CheckpointError, ConfigError, ExportError
 from imgcls.model_files.formats.base import ModelFormat, shorten_export_error, traced_model
 from imgcls.model_files.metadata import OPENVINO_RT_INFO_KEY
-from imgcls.model_files.stored_metadata import check_output_count, read_metadata
 from imgcls.model_files.model_file import FunctionModel, ModelFile
+from imgcls.model_files.stored_metadata import check_output_count, read_metadata
 
 log = logging.getLogger(__name__)
 

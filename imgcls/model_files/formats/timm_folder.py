@@ -9,16 +9,15 @@ from typing import Optional
 
 import torch
 
-from imgcls.core.config import Config
+from imgcls.compute.device import memory_format
+from imgcls.config import Config
 from imgcls.core.errors import CheckpointError, ConfigError, ExportError
 from imgcls.model_files.checkpoint_files import build_eval_model, preprocessing_record
 from imgcls.model_files.formats.base import ModelFormat
 from imgcls.model_files.metadata import TIMM_METADATA_KEY, metadata_thresholds, numbered_classes
-from imgcls.model_files.stored_metadata import check_class_names, check_output_count, eval_config
 from imgcls.model_files.model_file import ModelFile
-from imgcls.runtime.device import memory_format
-from imgcls.models.factory import TORCHVISION_PREFIX
-from imgcls.models.timm_folder import check_timm_folder
+from imgcls.model_files.stored_metadata import check_class_names, check_output_count, eval_config
+from imgcls.models.factory import TORCHVISION_PREFIX, check_timm_folder
 
 # pretrained_cfg entries that describe timm's published weights, not the ones we trained
 PROVENANCE_KEYS = ("tag", "hf_hub_id", "hf_hub_filename", "url", "file", "source", "license", "origin",

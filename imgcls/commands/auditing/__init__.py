@@ -1,1 +1,0 @@
-"""audit.py's work: the data audit and its argument checks."""

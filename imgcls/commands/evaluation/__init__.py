@@ -1,1 +1,0 @@
-"""eval.py's work: the evaluation of a model file, its report, the error gallery, the representation figures."""
