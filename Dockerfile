@@ -38,31 +38,11 @@ RUN python -m pip install --no-cache-dir -r /tmp/requirements-serve.txt && rm /t
 RUN useradd --create-home --uid 1000 --user-group app \
     && mkdir -p /app/runs && chown app:app /app /app/runs
 
-# serve.py and what its ONNX-only path imports (serving.onnx_only: no torch): the rows are the tasks' own,
-# the preprocessing data/eval_preprocessing.py, the metadata checks model_files/stored_metadata.py
+# serve.py and the imgcls package: the ONNX-only path (imgcls/serving/slim.py) imports no torch; its rows are the
+# tasks' own (imgcls/tasks/rows.py), the preprocessing imgcls/data/eval_preprocessing.py, the metadata checks
+# imgcls/model_files/stored_metadata.py. The torch modules beside them are never imported here.
 COPY --chown=app:app serve.py ./
-COPY --chown=app:app core/ core/
-COPY --chown=app:app tasks/ tasks/
-COPY --chown=app:app commands/__init__.py commands/cli.py commands/
-COPY --chown=app:app runtime/__init__.py runtime/cpu_tuning.py runtime/
-COPY --chown=app:app data/__init__.py data/images.py data/eval_preprocessing.py data/settings.py data/
-# the config's sections, each declared beside its owner (torch-free: core/config.py composes them)
-COPY --chown=app:app data/listing/__init__.py data/listing/
-COPY --chown=app:app data/listing/sources/__init__.py data/listing/sources/source_csv_settings.py \
-     data/listing/sources/source_folder_settings.py data/listing/sources/source_webdataset_settings.py data/listing/sources/
-COPY --chown=app:app auditing/__init__.py auditing/settings.py auditing/
-COPY --chown=app:app evaluation/__init__.py evaluation/settings.py evaluation/
-COPY --chown=app:app models/__init__.py models/settings.py models/
-COPY --chown=app:app objectives/__init__.py objectives/
-COPY --chown=app:app objectives/distillation/__init__.py objectives/distillation/settings.py objectives/distillation/
-COPY --chown=app:app rundir/__init__.py rundir/settings.py rundir/
-COPY --chown=app:app tracking/__init__.py tracking/settings.py tracking/
-COPY --chown=app:app training/__init__.py training/settings.py training/
-COPY --chown=app:app model_files/__init__.py model_files/stored_metadata.py model_files/
-COPY --chown=app:app serving/ serving/
-# serve.py --index DIR: the FAISS index of an embed.py folder (POST /similar)
-COPY --chown=app:app embedding/__init__.py embedding/index.py embedding/store.py embedding/neighbours.py embedding/
-
+COPY --chown=app:app imgcls/ imgcls/
 USER 1000:1000
 
 EXPOSE 8000

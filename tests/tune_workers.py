@@ -11,7 +11,7 @@ def lr_range_on_rank(rank: int, world: int, init_file: str, overrides: list, out
     from imgcls.compute.device import Runtime, select_device
     from imgcls.compute.distributed import DistInfo
     from imgcls.config import load_config
-    from imgcls.tuning.arithmetic import lr_suggestion
+    from imgcls.training.arithmetic import lr_suggestion
     from imgcls.tuning.sweep import run_lr_range
 
     torch.set_num_threads(1)

@@ -31,9 +31,9 @@ from imgcls.data.build import for_timing
 from imgcls.data.settings import eval_size
 from imgcls.evaluation.evaluate import predict
 from imgcls.models.factory import build_model
+from imgcls.training.batch_finder import (build_training_probe, process_tree_cpu_seconds, sync, synthetic_batch,
+                                          time_train_steps)
 from imgcls.training.schedule import ceil_div
-from imgcls.tuning.batch_finder import (build_training_probe, process_tree_cpu_seconds, sync, synthetic_batch,
-                                        time_train_steps)
 
 # the recommendation leaves at least this many optimizer steps per epoch (an effective batch close to the
 # training split gives one or two updates per epoch: nothing to schedule, warm up or early-stop on)

@@ -11,14 +11,12 @@ import atexit
 import gc
 import logging
 import os
-import signal
 import sys
 import threading
-from contextlib import contextmanager
 from typing import Callable, NoReturn
 
 from imgcls.compute.cpu_tuning import tune_process_start
-from imgcls.core.errors import JOB_FAILURES, USAGE_ERRORS
+from imgcls.core.errors import JOB_FAILURES, USAGE_ERRORS, ConfigError, Terminated
 
 OUT_OF_MEMORY_ADVICE = (
     "The batch does not fit in memory. What helps, in this order: 1. mixed precision (train.amp=bf16, or fp16 "
@@ -117,32 +115,6 @@ def _called_from_top_level(frame) -> bool:
             and caller.f_globals.get("__name__") == "__main__")
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the command was by `sigterm_unwinds`: it unwinds as Ctrl-C does (exit 143)."""
-
-
-@contextmanager
-def sigterm_unwinds():
-    """While the block runs, SIGTERM (docker stop, kill, a scheduler's pre-emption) raises Terminated where
-    the command is, so `finally` blocks and temporary folders clean up on the way out; Python's default
-    ends the process on the spot and leaves them. Only the main thread can take signals. Yields a list the
-    signal is also noted in, for code that catches the KeyboardInterrupt itself (tune.py's sweep)."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def terminate(signum, frame):
-        received.append(signum)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield received
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _report(line: str, code: int) -> int:
     """`line` on stderr, and in the run's log file when the run has written to it (train.log, opened at its
     first record): a run stopped by bad data would otherwise leave a train.log that does not say why.
@@ -177,6 +149,54 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r}: a finite number is needed")
     return value
+
+
+# ---------------------------------------------------------------- optional dependencies
+
+# pyproject.toml's extras and the modules each one brings (import names); a command whose extra is missing exits 2
+# before any work, naming the extra (tests/config_cli/test_package.py keeps this table and pyproject in step)
+EXTRAS = {
+    "export": ("onnx", "onnxscript", "onnxruntime"),
+    "openvino": ("openvino", "nncf"),
+    "serve": ("fastapi", "uvicorn", "python_multipart"),
+    "tune": ("optuna",),
+    "audit": ("imagehash", "cleanlab"),
+    "embed": ("faiss",),
+    "explain": ("pytorch_grad_cam",),
+    "track": ("mlflow",),
+}
+
+
+def module_available(name: str) -> bool:
+    """Whether `import name` would find the module, without importing it (a None in sys.modules: blocked)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_extra(extra: str, what: str) -> None:
+    """ConfigError (exit 2) naming the extra to install when one of its modules is missing."""
+    missing = [name for name in EXTRAS[extra] if not module_available(name)]
+    if missing:
+        raise ConfigError(f"{what} needs imgcls's optional dependencies [{extra}] ({', '.join(missing)} not "
+                          f"installed): pip install \"imgcls[{extra}]\" (or \"imgcls[all]\")")
+
+
+def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
+    """The extra that runs a model file of this kind: ONNX files need [export] (onnxruntime), OpenVINO IRs
+    [openvino]; checkpoints, .pt2 files and timm folders need nothing more."""
+    if not path:
+        return
+    lowered = path.lower()
+    if lowered.endswith(".onnx"):
+        require_extra("export", f"{flag} {path} (an ONNX file)")
+    elif lowered.endswith(".xml") or os.path.isfile(os.path.join(path, "model.xml")):
+        require_extra("openvino", f"{flag} {path} (an OpenVINO IR)")
 
 
 # ---------------------------------------------------------------- imgcls COMMAND

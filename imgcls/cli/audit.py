@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     check_audit_outputs(cfg, args.checkpoint, {"--json": args.json, "--html": args.html,
                                                "--write-clean-csv": args.write_clean_csv})
 
-    from imgcls.cli import announce
+    from imgcls.cli import announce, require_extra
+
+    require_extra("audit", "audit.py")
 
     announce(f"audit.py: auditing {cfg.data.root or cfg.data.train_csv or 'the configured data'}")
     from imgcls.commands.audit import run_audit

@@ -82,7 +82,7 @@ def run_benchmark(cfg, args) -> dict:
         check_data_root(cfg)
         prepare_root(cfg)
     if args.mode == "find-batch":
-        from imgcls.tuning.batch_finder import run_finder
+        from imgcls.training.batch_finder import run_finder
 
         num_classes, train_images = 1000, 1 << 30
         if cfg.data.root:

@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from imgcls.cli import announce
+from imgcls.cli import announce, require_extra, require_model_runtime
 from imgcls.core.errors import ConfigError
 from imgcls.core.host import usable_cpus
 
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     for flag, value, low in (("--batch-size", batch_size, 1), ("--num-workers", args.num_workers, 0)):
         if value < low:
             raise ConfigError(f"{flag} {value}: must be >= {low}")
+    require_extra("embed", "embed.py")
+    require_model_runtime(args.checkpoint)
     announce(f"embed.py: embedding {' '.join(args.inputs[:3])}{' ...' if len(args.inputs) > 3 else ''} with "
              f"{args.checkpoint} into {args.output}")
 

@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from imgcls.cli import announce, finite_float
+from imgcls.cli import announce, finite_float, require_model_runtime
 from imgcls.core.files import check_output_file
 
 
@@ -56,13 +56,15 @@ def main(argv=None) -> int:
     check_output_file("--json", args.json)
     check_output_file("--reliability", args.reliability, ".png")
     check_output_file("--predictions", args.predictions)
+    require_model_runtime(args.checkpoint)
     from imgcls.tracking.runs import check_eval_tracking
 
     check_eval_tracking(args.overrides, args.checkpoint, args.data)  # only the tracking asked for here, checked now
     announce(f"eval.py: evaluating {args.checkpoint}" + (f" on {args.data}" if args.data else ""))
 
-    from imgcls.commands.evaluate import (confusion_png_path, evaluate_checkpoint, pretrained_features_only,
-                                          report_evaluation, report_features_only)
+    from imgcls.commands.evaluate import (evaluate_checkpoint, pretrained_features_only, report_evaluation,
+                                          report_features_only)
+    from imgcls.commands.output_roles import confusion_png_path
 
     features_only = pretrained_features_only(args.checkpoint, args.data, args.overrides, args.knn, args.linear_probe)
     if features_only is not None:

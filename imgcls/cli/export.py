@@ -19,11 +19,13 @@ import argparse
 import logging
 import sys
 
-from imgcls.cli import announce
+from imgcls.cli import announce, require_extra
 
 # the formats export.py writes, named here so --help needs no torch (a test holds them equal to the registered
 # export formats of model_files/formats/)
 EXPORT_FORMATS = ("onnx", "pt2", "openvino", "timm")
+# the optional dependencies a format needs (pt2 and timm: torch and timm alone)
+FORMAT_EXTRAS = {"onnx": "export", "openvino": "openvino"}
 QUANTIZED_FORMATS = ("onnx", "openvino")  # --quantize int8
 
 
@@ -70,9 +72,11 @@ def main(argv=None) -> int:
         raise ConfigError("--embedding: only an fp32 ONNX export carries the embedding output; use --format onnx "
                           "without --quantize")
 
+    if args.format in FORMAT_EXTRAS:
+        require_extra(FORMAT_EXTRAS[args.format], f"--format {args.format}")
     announce(f"export.py: exporting {args.checkpoint} as {args.format} to {args.output}")
-    from imgcls.cli import sigterm_unwinds
     from imgcls.commands.export import run_export
+    from imgcls.core.errors import sigterm_unwinds
 
     with sigterm_unwinds():  # the temporary fp32 export, staging and quantization folders go with the process
         return run_export(args.checkpoint, args.format, args.output,

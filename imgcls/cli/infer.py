@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from imgcls.cli import announce, finite_float
+from imgcls.cli import announce, finite_float, require_extra, require_model_runtime
 from imgcls.core.errors import ConfigError
 from imgcls.core.files import check_output_file
 from imgcls.core.host import usable_cpus
@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
     check_output_file("--output", args.output)
+    require_model_runtime(args.checkpoint)
+    if args.explain:
+        require_extra("explain", "--explain")
     announce(f"infer.py: classifying {' '.join(args.inputs[:3])}{' ...' if len(args.inputs) > 3 else ''} with "
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from imgcls.cli import announce
+from imgcls.cli import announce, require_extra, require_model_runtime
 from imgcls.core.errors import ConfigError
 from imgcls.core.files import check_output_file
 from imgcls.core.host import usable_cpus
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     if args.output and os.path.splitext(args.output)[1].lower() not in (".csv", ".json"):
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
     check_output_file("--output", args.output)
+    require_extra("embed", "search.py")
+    require_model_runtime(args.checkpoint)
     announce(f"search.py: searching {args.index} for {' '.join(args.queries[:3])}"
              f"{' ...' if len(args.queries) > 3 else ''}")
 

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 
-from imgcls.cli import finite_float
+from imgcls.cli import finite_float, require_extra, require_model_runtime
 from imgcls.core.errors import ConfigError
 from imgcls.core.host import usable_cpus
 
@@ -90,6 +90,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
     check_arguments(args)
+    require_extra("serve", "serve.py")
+    require_model_runtime(args.checkpoint)
+    if args.index:
+        require_extra("embed", "--index")
     from imgcls.serving.app import ServeSettings
 
     settings = ServeSettings(args.max_batch, args.max_wait_ms, args.workers, args.max_bytes, args.api_key,

@@ -13,6 +13,14 @@ python tune.py --config CONFIG --search SPACE.yaml --trials N --study DIR [--pru
     DIR/trials.csv, DIR/best.yaml and the plots history.png, slice.png, importances.png
 """
 import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+
+from imgcls.cli import announce, require_extra
+from imgcls.core.errors import ConfigError
+from imgcls.core.files import check_output_file
 
 
 def main() -> int:
@@ -54,9 +62,156 @@ def main() -> int:
     if args.search is None and (args.trials is not None or args.study is not None):
         parser.error("--trials and --study belong to --search SPACE.yaml (the hyper-parameter search)")
     if args.search is not None:
-        from imgcls.commands.tune import search_main as search
+        require_extra("tune", "--search")
+        return search_main(args)
+    return sweep_main(args)
 
-        return search(args)
-    from imgcls.commands.tune import main as tune
 
-    return tune(args)
+PRUNERS = ("median", "hyperband", "none")
+
+
+KEEP = ("best", "all")
+
+
+# tune.py's flags of the batch-size sweep and the LR range test, which a search does not take
+SWEEP_FLAGS = {"batch_sizes": "--batch-sizes", "lr_range": "--lr-range", "steps": "--steps",
+               "warmup_steps": "--warmup-steps", "target_loss": "--target-loss", "json": "--json", "plot": "--plot"}
+
+
+def check_search_arguments(args) -> None:
+    """Every usage error of the search's flags before any work (exit 2)."""
+    given = [flag for name, flag in SWEEP_FLAGS.items() if getattr(args, name, None) not in (None, False)]
+    if args.checkpointing:
+        given.append("--try-checkpointing")
+    if given:
+        raise ConfigError(f"--search runs a hyper-parameter study; it does not take {', '.join(given)} (flags of the "
+                          f"batch-size sweep and the LR range test)")
+    if args.trials is None or args.study is None:
+        raise ConfigError("--search needs --trials N (the finished trials to reach) and --study DIR (where the "
+                          "study lives: DIR/study.db, DIR/trials/<number>/)")
+    if args.trials < 1:
+        raise ConfigError(f"--trials {args.trials}: must be >= 1")
+    if args.startup_trials < 0:
+        raise ConfigError(f"--startup-trials {args.startup_trials}: must be >= 0")
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: must be >= 1")
+    study = Path(args.study)
+    if study.exists() and not study.is_dir():
+        raise ConfigError(f"--study {args.study}: is a file; pass a folder (created when missing)")
+    if (study / "config.yaml").exists() or (study / "last.pt").exists():
+        raise ConfigError(f"--study {args.study}: is a training run's directory; pass a folder of its own")
+
+
+def launcher(nproc_per_node: int) -> tuple:
+    """The command that trains a trial, before train.py's arguments: `imgcls train`, or the same under torchrun."""
+    if nproc_per_node == 1:
+        return (sys.executable, "-m", "imgcls", "train")
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
+            "-m", "imgcls", "train")
+
+
+def search_main(args) -> int:
+    from imgcls.config import load_config
+    from imgcls.data.settings import check_data_root
+    from imgcls.tasks import metric_named
+    from imgcls.tracking.store_location import check_tracking_client
+    from imgcls.tuning.search import load_space
+
+    check_search_arguments(args)
+    cfg = load_config(args.config, args.overrides)
+    dims = load_space(args.search, args.config, args.overrides)
+    check_data_root(cfg)
+    check_tracking_client(cfg.tracking)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    announce(f"tune.py: search over {', '.join(d.key for d in dims)} with --config {args.config}: "
+             f"{args.trials} trial(s) in {args.study}")
+    from imgcls.models.factory import check_model_name
+
+    for name in next((d.choices for d in dims if d.key == "model.name"), None) or (cfg.model.name,):
+        check_model_name(name)
+    from imgcls.tuning.search import SearchPlan, run_search
+
+    metric = cfg.early_stop.metric
+    plan = SearchPlan(config=args.config, overrides=list(args.overrides), dims=dims, trials=args.trials,
+                      study_dir=Path(args.study), metric=metric, higher_is_better=metric_named(metric).higher_is_better,
+                      epochs=cfg.train.epochs, seed=cfg.train.seed, pruner=args.pruner,
+                      startup_trials=args.startup_trials, keep=args.keep, launcher=launcher(args.nproc_per_node),
+                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls")
+    for dim in dims:
+        logging.getLogger(__name__).info("search: %s", dim.describe())
+    return run_search(plan)
+
+
+# optimizer steps per size (or of the LR range test) when --steps is not given
+DEFAULT_STEPS = 100
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """"64,128,256" -> [64, 128, 256]: positive integers, each once."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = int(part.strip())
+        except ValueError:
+            size = 0
+        if size < 1 or str(size) != part.strip():
+            raise ConfigError(f"--batch-sizes {text}: '{part.strip()}' is not a positive integer "
+                              f"(comma-separated, e.g. 64,128,256)")
+        sizes.append(size)
+    if len(set(sizes)) != len(sizes):
+        raise ConfigError(f"--batch-sizes {text}: a size is repeated")
+    return sorted(sizes)
+
+
+def parse_lr_range(text: str) -> tuple[float, float]:
+    """"1e-5,10" -> (1e-5, 10.0), with 0 < low < high."""
+    parts = text.split(",")
+    try:
+        low, high = (float(p) for p in parts) if len(parts) == 2 else (math.nan, math.nan)
+    except ValueError:
+        low = high = math.nan
+    if not (math.isfinite(low) and math.isfinite(high)) or low <= 0 or low >= high:
+        raise ConfigError(f"--lr-range {text}: needs LOW,HIGH with 0 < LOW < HIGH (e.g. 1e-5,10)")
+    return low, high
+
+
+def check_arguments(args) -> None:
+    """Every usage error before any work (exit 2)."""
+    if args.steps is not None and args.steps < 2:
+        raise ConfigError("--steps must be >= 2")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ConfigError("--warmup-steps must be >= 0")
+    steps = args.steps or DEFAULT_STEPS
+    if args.warmup_steps is not None and args.warmup_steps >= steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} is not below --steps {steps}: the LR would never "
+                          f"reach its peak and the sizes would be compared during warmup; give fewer warmup "
+                          f"steps or more steps")
+    if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
+        raise ConfigError(f"--target-loss {args.target_loss}: must be a positive number")
+    if args.lr_range is not None and (args.batch_sizes or args.target_loss is not None or args.checkpointing):
+        raise ConfigError("--lr-range runs the LR range test at train.batch_size; it does not take --batch-sizes, "
+                          "--target-loss or --try-checkpointing")
+    check_output_file("--json", args.json, ".json", outside_runs=True)
+    check_output_file("--plot", args.plot, ".png", outside_runs=True)
+
+
+def sweep_main(args) -> int:
+    from imgcls.config import load_config
+    from imgcls.tracking.store_location import check_tracking_client
+
+    check_arguments(args)
+    args.steps = args.steps or DEFAULT_STEPS
+    sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
+    lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
+    cfg = load_config(args.config, args.overrides)
+    check_tracking_client(cfg.tracking)
+    from imgcls.tracking.store_location import check_store_apart
+
+    check_store_apart(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    announce(f"tune.py: {'LR range test' if lr_range else 'batch-size sweep'} with --config {args.config}")
+    from imgcls.commands.tune import run_lr_test, run_sweep
+
+    if lr_range is not None:
+        return run_lr_test(cfg, args, lr_range)
+    return run_sweep(cfg, args, sizes)

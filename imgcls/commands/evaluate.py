@@ -28,7 +28,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from imgcls.auditing.report import MAX_SHOWN, STYLE, thumbnail_uri
-from imgcls.commands.output_roles import check_eval_outputs
+from imgcls.commands.output_roles import check_eval_outputs, confusion_png_path, errors_paths
 from imgcls.compute.device import DeviceInput, amp_setting, pin_memory_for
 from imgcls.core.errors import ConfigError
 from imgcls.data.build import build_eval_loader_for, prepare_root
@@ -61,11 +61,6 @@ def misclassified(outputs, paths: Optional[list[str]], classes: list[str], tempe
                      "predicted": classes[guess], "prob_predicted": round(float(probs[i, guess]), 4),
                      "prob_label": round(float(probs[i, label]), 4)})
     return sorted(rows, key=lambda r: (r["prob_label"], -r["prob_predicted"], r["path"]))
-
-
-def errors_paths(json_path: str | Path) -> tuple[Path, Path]:
-    json_path = Path(json_path)
-    return json_path.with_name(f"{json_path.stem}_errors.csv"), json_path.with_name(f"{json_path.stem}_errors.html")
 
 
 def write_errors(rows: list[dict], json_path: str | Path) -> tuple[Path, Path]:
@@ -148,11 +143,6 @@ def format_trust_line(trust: dict) -> str:
                  f"accuracy {sel['accuracy']:.2f}%")
     return (line + "".join(f"\ncalibration warning: {note}" for note in trust.get("calibration_notes") or []) +
             "".join(f"\nreject warning: {note}" for note in trust.get("reject_notes") or []))
-
-
-def confusion_png_path(json_path: str | Path) -> Path:
-    json_path = Path(json_path)
-    return json_path.with_name(f"{json_path.stem}_confusion.png")
 
 
 LABEL_GAP = 4   # pixels between a rotated column label and the grid

@@ -3,6 +3,7 @@ file it reads or into a folder it reads from (exit 2 before any work, naming bot
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 
 from imgcls.core.files import check_outputs_apart
@@ -34,8 +35,6 @@ def eval_output_files(outputs: dict) -> dict:
     for flag, path in outputs.items():
         files[flag] = path
         if flag == "--json" and path:
-            from imgcls.commands.evaluate import errors_paths  # eval.py's modules (torch), not at infer.py --help
-            from imgcls.commands.evaluate import confusion_png_path
 
             errors_csv, errors_html = errors_paths(path)
             files.update({"--json's confusion matrix": str(confusion_png_path(path)),
@@ -67,3 +66,13 @@ def check_export_outputs(checkpoint: str, output: str, folder_output: bool) -> N
     export (timm) never holds it."""
     check_outputs_apart({"--output": output}, {"checkpoint": _files(checkpoint)},
                         {"checkpoint folder": _dirs(checkpoint)}, {"--output": output} if folder_output else None)
+
+
+def errors_paths(json_path: str | Path) -> tuple[Path, Path]:
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_errors.csv"), json_path.with_name(f"{json_path.stem}_errors.html")
+
+
+def confusion_png_path(json_path: str | Path) -> Path:
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_confusion.png")

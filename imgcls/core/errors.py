@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from urllib.parse import parse_qsl, urlsplit
 
 
@@ -135,3 +138,29 @@ def install_log_redaction(logger_names=("", "mlflow")) -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command was by `sigterm_unwinds`: it unwinds as Ctrl-C does (exit 143)."""
+
+
+@contextmanager
+def sigterm_unwinds():
+    """While the block runs, SIGTERM (docker stop, kill, a scheduler's pre-emption) raises Terminated where
+    the command is, so `finally` blocks and temporary folders clean up on the way out; Python's default
+    ends the process on the spot and leaves them. Only the main thread can take signals. Yields a list the
+    signal is also noted in, for code that catches the KeyboardInterrupt itself (tune.py's sweep)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def terminate(signum, frame):
+        received.append(signum)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -38,40 +38,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-
-class BadImage(Exception):
-    """A request body that is no usable image: `kind` names the problem for the JSON error."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-
-
-def classify_decode_error(message: str) -> str:
-    """The kind of problem PIL or the decoder reported (an ImageDecodeError's message)."""
-    if "DecompressionBomb" in message:
-        return "decompression_bomb"
-    if "truncated" in message or "broken data stream" in message or "premature end" in message.lower():
-        return "truncated_image"
-    if "cannot identify image file" in message or "UnidentifiedImageError" in message:
-        return "not_an_image"
-    return "unreadable_image"
-
-def batch_shapes(max_batch: int) -> list[int]:
-    """The padded batch sizes the model sees: powers of two below `max_batch`, and `max_batch` itself. A few
-    fixed shapes (cudnn tunes each once), and one waiting request is not padded to the largest."""
-    shapes, size = [], 1
-    while size < max_batch:
-        shapes.append(size)
-        size *= 2
-    return shapes + [max_batch]
-
-
-def padded_size(n: int, shapes: list[int]) -> int:
-    return next(size for size in shapes if size >= n)
-
-log = logging.getLogger("serve")
+from imgcls.serving import BadImage
 
 
 class DynamicBatcher:
@@ -199,9 +166,8 @@ if TYPE_CHECKING:
     from imgcls.embedding.index import LoadedIndex
 
 
-if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving.onnx_only) has the same methods
+if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving/slim.py) has the same methods
     from imgcls.serving.model import ServedModel
-
 
 log = logging.getLogger("serve")
 

@@ -18,7 +18,7 @@ from imgcls.data.transforms import EvalTransform, blank_for, read_source
 from imgcls.embedding.embedder import Embedder
 from imgcls.model_files.checkpoint_files import preprocessing_record
 from imgcls.model_files.predictor import Predictor, TrustOptions
-from imgcls.serving.app import BadImage, batch_shapes, classify_decode_error, padded_size
+from imgcls.serving import BadImage, batch_shapes, classify_decode_error, padded_size
 
 log = logging.getLogger("serve")
 

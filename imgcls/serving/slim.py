@@ -33,7 +33,8 @@ from imgcls.core.errors import CheckpointError, ConfigError, ImageDecodeError
 from imgcls.data.eval_preprocessing import EvalPreprocessing
 from imgcls.data.images import open_image, oriented_size
 from imgcls.model_files.stored_metadata import check_output_count, metadata_from_onnx_props, read_metadata
-from imgcls.serving.app import BadImage, ServeSettings, batch_shapes, classify_decode_error, create_app, padded_size
+from imgcls.serving import BadImage, batch_shapes, classify_decode_error, padded_size
+from imgcls.serving.app import ServeSettings, create_app
 from imgcls.serving.server import GRACEFUL_SHUTDOWN_S, GracefulServer, open_index
 from imgcls.tasks import task_of
 from imgcls.tasks.base import Predictions, Task

@@ -2,7 +2,7 @@
 loss, mAP and F1 at per-class thresholds tuned on validation (carried by best.pt and every export)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from imgcls.core.errors import ConfigError
 from imgcls.tasks.base import LOSS, NUM_SAMPLES, Metric, Task

@@ -3,7 +3,7 @@ targets), top-1 / top-5 / balanced accuracy, a calibrated probability and the re
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from imgcls.core.errors import ConfigError
 from imgcls.tasks.base import LOSS, NUM_SAMPLES, Metric, Task

@@ -95,8 +95,9 @@ def check_tracking_client(t: TrackingConfig) -> None:
     if t.backend != "mlflow":
         return
     if not tracking_client_installed():
-        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install mlflow-skinny (a "
-                          "tracking server) or pip install mlflow (also the local SQLite store and mlflow ui)")
+        raise ConfigError("'tracking.backend' = mlflow needs the MLflow client: pip install \"imgcls[track]\" "
+                          "(mlflow-skinny: a tracking server) or pip install mlflow (also the local SQLite store "
+                          "and mlflow ui)")
     uri, key = (t.uri, "'tracking.uri'") if t.uri else (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI")
     if uri and is_folder_uri(uri) and not folder_store_allowed():
         raise ConfigError(f"{key} = {redact_uri(uri)!r} is a folder store, which the installed MLflow no longer "

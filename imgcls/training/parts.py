@@ -39,6 +39,7 @@ from imgcls.objectives.base import Objective
 from imgcls.objectives.registry import build_objective, check_objective, check_resume_objective
 from imgcls.tracking.runs import RUN_ID_KEY as TRACKING_RUN_ID_KEY, TrainingTracking, open_training_tracking
 from imgcls.tracking.store_location import check_store_apart, check_tracking_client
+from imgcls.training.batch_finder import resolve_batch_size
 from imgcls.training.checkpoints import Checkpointer, ModuleWeights, RandomState, Recorded, RunRecord
 from imgcls.training.optim import check_optimizer, describe_groups
 from imgcls.training.reporter import RunReporter
@@ -50,7 +51,6 @@ from imgcls.training.runlog import RunLog, setup_logging
 from imgcls.training.schedule import RunPlan, plan_run
 from imgcls.training.state import TrainState
 from imgcls.training.step import TrainStep, build_train_step
-from imgcls.tuning.batch_finder import resolve_batch_size
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from imgcls.core.errors import NonFiniteError, StopRequested
 from imgcls.models.factory import build_model
 from imgcls.objectives.registry import build_objective
 from imgcls.tasks import task_of
+from imgcls.training.arithmetic import Curve, above_floor, divergence_index, exponential_lrs, smooth
 from imgcls.training.loop import measuring_parts, train_one_epoch
 from imgcls.training.schedule import scaled_lr
 from imgcls.training.state import EpochCounters, TrainState
 from imgcls.training.step import LRPlan, build_train_step
-from imgcls.tuning.arithmetic import Curve, above_floor, divergence_index, exponential_lrs, smooth
 
 # the expectation over the mixing's lambda ~ Beta(alpha, alpha): this many seeded draws (an error of ~0.3% of
 # the floor, far under the rules' 10% and 4x)
@@ -290,7 +290,7 @@ class MemoryCheck:
         self.breakdowns: dict = {}
 
     def breakdown(self, grad_checkpointing: bool):
-        from imgcls.tuning.batch_finder import TrainingStepProbe
+        from imgcls.training.batch_finder import TrainingStepProbe
 
         if grad_checkpointing not in self.breakdowns:
             probe = TrainingStepProbe(settings_for(self.cfg, self.small, 1, grad_checkpointing), self.num_classes,
@@ -315,7 +315,7 @@ def sweep_batch_sizes(cfg, ctx: Runtime, sizes: list[int], steps: int, warmup: i
     """Each size in turn (stopping after one Ctrl-C'd); a size that does not fit is retried as `attempts_for`
     says. `on_point(size, curve)` after every logged point, `on_entry` after every size."""
     from imgcls.compute.device import is_out_of_memory
-    from imgcls.tuning.batch_finder import free_device_memory
+    from imgcls.training.batch_finder import free_device_memory
 
     entries: list[SweepEntry] = []
     for size in sizes:

@@ -119,7 +119,7 @@ def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
     assert "| `train.epochs` | `90` | int &gt;= 1 | training epochs |" in page
     assert "| `data.label_delimiter` | `' '` | text |" in page
     # a data source declares its own keys, beside its module
-    assert "`data/listing/sources/source_csv_settings.py`" in page and "`data/listing/sources/source_webdataset_settings.py`" in page
+    assert "`imgcls/data/settings.py`" in page and "`imgcls/training/settings.py`" in page
     assert "## `distill`\n\nDeclared in `objectives/distillation/settings.py`.\n\nknowledge distillation" in page
 
 
@@ -310,7 +310,7 @@ def test_every_flag_of_an_entry_script_is_on_the_page_of_its_command(script, mon
 def test_the_docs_preview_and_serve_py_take_different_ports():
     """`mkdocs serve` and the README's `serve.py --port 8000` both took port 8000: the second one failed."""
     root = REPO
-    serve_port = re.search(r'"--port", type=int, default=(\d+)', (root / "serve.py").read_text()).group(1)
+    serve_port = re.search(r'"--port", type=int, default=(\d+)', (root / "imgcls" / "cli" / "serve.py").read_text()).group(1)
     site = yaml.safe_load((root / "mkdocs.yml").read_text())
     assert site["dev_addr"].rsplit(":", 1)[1] != serve_port
     documented = re.findall(r"mkdocs serve( -a [\d.:]+)?", (root / "README.md").read_text()

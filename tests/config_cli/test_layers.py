@@ -1,7 +1,8 @@
 """The architecture holds: each layer imports only from the layers below it, each room only from the
 rooms before it, and no two modules import each other (module-level or inside a function). A package's config
-section lives in its `settings` module (or a `*_settings` one beside a data source), which sits at core's level:
-core/config.py composes them, so they import nothing but the standard library, core and other settings modules."""
+section lives in its `settings` module, which sits at core's level and imports nothing but the standard library,
+core and other settings modules; imgcls/config.py composes them into the tree, so core itself imports nothing
+above it."""
 from __future__ import annotations
 
 import ast
@@ -11,12 +12,10 @@ from pathlib import Path
 
 from conftest import REPO
 
-# lowest first; a module may import its own level and the ones before it
-LEVELS = ["core", "tasks", "data", "models", "tracking", "runtime", "evaluation", "model_files", "prediction",
-          "embedding", "rundir", "objectives", "training", "tuning", "training_run", "auditing", "commands",
-          "benchmarking", "serving"]
-LAYER_OF_TOP = {"train", "eval", "infer", "export", "tune", "benchmark", "audit", "serve", "embed",  # entry scripts
-                "search", "imgcls"}  # and the Python API, beside them
+# the rooms under imgcls/, lowest first; a module may import its own room and the ones before it
+LEVELS = ["core", "tasks", "config", "data", "models", "tracking", "compute", "evaluation", "model_files",
+          "embedding", "objectives", "training", "tuning", "auditing", "commands", "benchmarking", "serving", "cli"]
+PACKAGE = REPO / "imgcls"
 
 
 def is_settings(module: str) -> bool:
@@ -25,25 +24,28 @@ def is_settings(module: str) -> bool:
     return last == "settings" or last.endswith("_settings")
 
 
+def room_of(module: str) -> str:
+    """`imgcls.data.images` -> `data`; the package itself and `imgcls.__main__` sit at the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "top"
+
+
 def level_of(module: str) -> int | None:
-    if is_settings(module) and module.split(".")[0] in LEVELS:
+    room = room_of(module)
+    if is_settings(module) or room == "core":
         return LEVELS.index("core")
-    if module.split(".")[0] in LAYER_OF_TOP:
+    if room == "top":
         return len(LEVELS)
-    matches = [i for i, name in enumerate(LEVELS) if module == name or module.startswith(name + ".")]
-    if module.startswith("data.") or module.startswith("models."):  # data and models sit side by side
+    if room == "models":  # data and models sit side by side
         return LEVELS.index("data")
-    if module == "tasks" or module.startswith("tasks."):  # so do core and tasks (config validation asks the task)
-        return LEVELS.index("core")
-    return max(matches) if matches else None
+    return LEVELS.index(room) if room in LEVELS else None
 
 
 def project_modules() -> dict[str, Path]:
+    """Every module of the package, by its dotted name (the entry shims beside it import only imgcls.cli)."""
     modules = {}
-    for path in REPO.rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(REPO).with_suffix("").parts
-        if parts[0] in {"tests", ".venv", "venv", "docs", "runs", "datasets"} or parts[0].startswith("."):
-            continue
         name = ".".join(p for p in parts if p != "__init__")
         if level_of(name) is not None:
             modules[name] = path
@@ -68,21 +70,28 @@ def test_layers_and_rooms_import_only_downwards_and_no_two_modules_import_each_o
     assert "imgcls.training.trainer" in modules and "imgcls.compute.device" in modules
     graph = {name: imports_of(path, set(modules)) - {name} for name, path in modules.items()}
     upward = [f"{name} imports {target}" for name, targets in graph.items() for target in targets
-              if level_of(target) > level_of(name)
-              and not (level_of(name) == LEVELS.index("data") and level_of(target) == LEVELS.index("data"))]
+              if level_of(target) > level_of(name)]
     mutual = sorted({" <-> ".join(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph[b]})
     assert upward == [] and mutual == []
 
 
+def test_the_bottom_layer_imports_nothing_above_it():
+    """core/ is the config machinery, errors, files and host facts: it imports only core (the tree of sections is
+    assembled in imgcls/config.py, where it is used)."""
+    modules = project_modules()
+    upward = [f"{name} imports {target}" for name, path in modules.items() if room_of(name) == "core"
+              for target in imports_of(path, set(modules)) if room_of(target) != "core"]
+    assert upward == []
+
+
 def test_only_the_task_package_and_config_validation_ask_which_kind_of_label_this_is():
     """The rest of the code asks the Task (tasks/), never `data.task`: no conditional on `data.task` or on a
-    `multilabel` flag outside tasks/ and core/config.py."""
+    `multilabel` flag outside tasks/ and imgcls/config.py."""
     import re
 
     asks = re.compile(r"\b(if|elif)\b.*(\.task\s*[!=]=|data\.task\b|\bmultilabel\b|\bmulticlass\b)")
     found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-             for name, path in project_modules().items() if not (name == "tasks" or name.startswith("tasks."))
-             and name != "imgcls.config"
+             for name, path in project_modules().items() if room_of(name) != "tasks" and name != "imgcls.config"
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if asks.search(line.split("#")[0]) and not line.strip().startswith(("#", '"', "'"))]
     assert found == [], "\n".join(found)
@@ -102,7 +111,7 @@ def test_house_rules_no_function_over_70_lines_no_class_over_300():
 def test_no_top_level_room_holds_more_than_30_percent_of_the_code():
     lines: dict[str, int] = {}
     for name, path in project_modules().items():
-        top = name.split(".")[0]
+        top = room_of(name)
         lines[top] = lines.get(top, 0) + len(path.read_text().splitlines())
     total = sum(lines.values())
     assert max(lines.values()) <= 0.3 * total, {k: round(v / total, 2) for k, v in sorted(lines.items())}
@@ -126,7 +135,7 @@ def test_settings_modules_import_only_the_standard_library_core_and_settings():
             "imgcls.objectives.settings", "imgcls.data.settings"} <= set(settings)
     wrong = [f"{name} imports {target}" for name, path in settings.items() for target in all_imports_of(path)
              if not (target.split(".")[0] in sys.stdlib_module_names or target == "__future__"
-                     or (target.startswith("core.") and target != "imgcls.config") or is_settings(target))]
+                     or target.startswith("imgcls.core.") or is_settings(target))]
     assert wrong == []
 
 

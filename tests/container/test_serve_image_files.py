@@ -18,8 +18,8 @@ import pytest
 import requests
 from conftest import REPO, train_tiny, wait_for
 
-import embed as embed_script
-import export as export_script
+import imgcls.cli.embed as embed_script
+import imgcls.cli.export as export_script
 
 SERVE_REQUIREMENTS = REPO / "docker" / "requirements-serve.txt"
 # the third-party modules this project's code imports, and the package that installs each (simplejpeg is left
@@ -77,16 +77,14 @@ def copy_serve_image_files(target: Path) -> None:
 
 
 def test_the_serve_stage_copies_the_shared_rows_preprocessing_and_checks_and_they_need_no_torch(tmp_path):
-    """The slim server has no copies of its own: the tasks' rows, data/eval_preprocessing.py and
-    model_files/stored_metadata.py are copied, not the torch modules beside them, and they import with torch
-    unimportable (the rows modules are imported when a row is made)."""
+    """The slim server has no copies of its own: the stage copies the imgcls package, and the ONNX-only server,
+    the tasks' rows, data/eval_preprocessing.py and model_files/stored_metadata.py import with torch unimportable
+    (the rows modules are imported when a row is made)."""
     copy_serve_image_files(tmp_path)
-    shared = ["imgcls.tasks.rows", "imgcls.tasks.rows", "imgcls.data.eval_preprocessing",
-              "imgcls.model_files.stored_metadata"]
+    shared = ["imgcls.tasks.rows", "imgcls.data.eval_preprocessing", "imgcls.model_files.stored_metadata"]
     assert all((tmp_path / (name.replace(".", "/") + ".py")).is_file() for name in shared)
-    assert not (tmp_path / "model_files" / "checkpoint_files.py").exists()
-    assert not (tmp_path / "data" / "transforms.py").exists()
-    assert not {"rows.py", "preprocess.py"} & {p.name for p in (tmp_path / "serving" / "onnx_only").iterdir()}
+    assert not (tmp_path / "imgcls" / "serving" / "rows.py").exists()  # no copy of the tasks' rows of its own
+    assert not (tmp_path / "train.py").exists()
     code = ("import importlib, sys; sys.modules.update(torch=None, torchvision=None)\n"
             f"for name in {['imgcls.serving.slim', *shared]!r}: importlib.import_module(name)\n"
             f"print(sorted(n for n in {sorted(PACKAGE_OF)!r} if sys.modules.get(n) is not None))")
@@ -112,7 +110,7 @@ def test_the_serve_stages_files_serve_an_export_without_torch(tmp_path):
     app = tmp_path / "app"
     app.mkdir()
     copy_serve_image_files(app)
-    assert not (app / "train.py").exists() and (app / "serving" / "onnx_only" / "model.py").exists()
+    assert not (app / "train.py").exists() and (app / "imgcls" / "serving" / "slim.py").exists()
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", NO_TORCH, "--checkpoint", str(model), "--port", "0",

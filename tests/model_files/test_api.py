@@ -1,13 +1,12 @@
-"""The Python API (imgcls/): train from a config dict, load the checkpoint, predict infer.py's rows; the
-package's console commands name real functions."""
+"""The Python API (imgcls/): train from a config dict, load the checkpoint, predict infer.py's rows (the
+console command: tests/config_cli/test_package.py)."""
 from __future__ import annotations
 
 import json
-import tomllib
 
 import pytest
 import torch
-from conftest import REPO, make_tree, run_script
+from conftest import make_tree, run_script
 
 
 def test_load_config_takes_a_dict_and_names_a_wrong_key():
@@ -49,14 +48,3 @@ def test_train_then_classifier_predicts_the_rows_infer_py_writes(tmp_path):
         train({"data": {"root": str(data)}, "output": {"dir": str(out)}}, {"train.epochs": 1})
 
 
-def test_the_console_commands_name_functions_that_run_each_entry_script():
-    import importlib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    scripts = project["project"]["scripts"]
-    modules = project["tool"]["setuptools"]["py-modules"]
-    assert sorted(modules) == sorted(p.stem for p in REPO.glob("*.py"))
-    for command, target in scripts.items():
-        module, function = target.split(":")
-        assert callable(getattr(importlib.import_module(module), function)), command
-    assert len(scripts) == len(modules)

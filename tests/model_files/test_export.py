@@ -392,7 +392,7 @@ def test_an_export_never_lands_on_its_own_checkpoint(tmp_path):
 def test_export_offers_every_registered_export_format():
     """export.py lists its --format choices without importing torch (--help is instant); they are the formats
     registered with a writer."""
-    import export
+    import imgcls.cli.export as export
     from imgcls.model_files.formats import export_formats
 
     assert list(export.EXPORT_FORMATS) == export_formats()

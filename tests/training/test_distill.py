@@ -506,7 +506,7 @@ def test_tune_measures_steps_with_the_teacher(tmp_path):
     and its weights and activations in the memory they measure."""
     from conftest import write_pretrained_folder
 
-    from imgcls.tuning.batch_finder import TrainingStepProbe
+    from imgcls.training.batch_finder import TrainingStepProbe
 
     folder = tmp_path / "teacher"
     write_pretrained_folder(folder, "test_resnet", num_classes=3, label_names=["a", "b", "c"])

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import run_script, tiny_overrides
 
+from imgcls.training.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch,
+                                          pick_fastest_small, search_max_batch)
 from imgcls.training.schedule import scaled_lr
-from imgcls.tuning.batch_finder import (LinearMemoryModel, StepResult, accumulation_for, find_batch, pick_fastest_small,
-                                        search_max_batch)
 
 
 class FakeStep:

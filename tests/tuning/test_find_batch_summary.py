@@ -11,7 +11,7 @@ from conftest import make_tree, run_script
 
 from imgcls.benchmarking.modes import MIN_STEPS_PER_EPOCH, find_batch_summary
 from imgcls.config import load_config
-from imgcls.tuning.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
+from imgcls.training.batch_finder import STABLE_SPREAD, TIMING_ROUNDS, StepResult, run_finder, timed_table
 
 
 class JitteryStep:

@@ -11,7 +11,7 @@ from argparse import Namespace
 import pytest
 from conftest import make_tree, run_script, tiny_overrides
 
-from imgcls.tuning.arithmetic import exponential_lrs, lr_suggestion, smooth
+from imgcls.training.arithmetic import exponential_lrs, lr_suggestion, smooth
 
 
 def blown_up_curve(lrs):

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import REPO
 
-import imgcls.tuning.batch_finder as batch_finder
+import imgcls.training.batch_finder as batch_finder
 from imgcls.compute.device import DeviceInput
 from imgcls.compute.memory import breakdown_from_steps, optimizer_state_bytes, parameter_bytes
 from imgcls.config import load_config
 from imgcls.models.factory import create_model
+from imgcls.training.batch_finder import StepResult, format_finder_table, run_finder
 from imgcls.training.step import build_train_step
-from imgcls.tuning.batch_finder import StepResult, format_finder_table, run_finder
 
 MiB = 2**20
 
@@ -25,7 +25,7 @@ ADDS_UP_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 from imgcls.config import load_config
-from imgcls.tuning.batch_finder import TrainingStepProbe
+from imgcls.training.batch_finder import TrainingStepProbe
 cfg = load_config("base", ["model.name=resnet10t", "data.img_size=48", "train.amp=none", "train.device=cpu"])
 torch.manual_seed(0)
 probe = TrainingStepProbe(cfg, 3, torch.device("cpu"), None)

@@ -20,8 +20,8 @@ from imgcls.compute.device import Runtime
 from imgcls.compute.distributed import DistInfo
 from imgcls.config import load_config
 from imgcls.core.errors import ConfigError
-from imgcls.tuning.arithmetic import (Curve, exponential_lrs, loss_after_samples, loss_at_seconds, lr_suggestion,
-                                      smooth, sweep_rows, sweep_verdict, throughput_knee, time_to_target_noise)
+from imgcls.training.arithmetic import (Curve, exponential_lrs, loss_after_samples, loss_at_seconds, lr_suggestion,
+                                        smooth, sweep_rows, sweep_verdict, throughput_knee, time_to_target_noise)
 from imgcls.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
 
 
@@ -299,7 +299,7 @@ def test_tune_refuses_a_one_image_batch_that_batchnorm_cannot_train_on():
 
 
 def test_tune_refuses_warmup_at_least_as_long_as_the_steps():
-    from imgcls.commands.tune import check_arguments
+    from imgcls.cli.tune import check_arguments
 
     base = dict(batch_sizes=None, target_loss=None, lr_range=None, checkpointing=False, json=None, plot=None)
     with pytest.raises(ConfigError, match="--warmup-steps 100 is not below --steps 2"):

@@ -8,14 +8,26 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SMOOTHING = 0.9            # EMA weight of the past; debiased like fastai's / Lightning's lr_find
+
+
 KNEE_TOLERANCE = 0.05      # the throughput knee: the smallest batch within 5% of the best img/s
+
+
 DIVERGENCE_FACTOR = 4.0    # the LR range test stops once the smoothed loss exceeds 4x its minimum
+
+
 # the suggestion is at most the LR of the loss minimum over this: fastai's `minimum` rule takes 10, which trained
 # the photos-like shapes 20 points below the recipe in 3 epochs; 4 trained both data sets measured within 2.1
 # points of it (docs/advice.md)
 MINIMUM_DIVISOR = 4.0
+
+
 LR_MIN_DROP = 0.10         # a suggestion is low-confidence when the loss fell less than this share before its minimum
+
+
 LR_MIN_POINTS = 5          # ... or fewer points than this lead down to the minimum
+
+
 RISE_SHARE = 0.5           # after its minimum the loss "rose back" once it undid this share of its fall
 
 

@@ -41,11 +41,11 @@ from imgcls.data.build import for_timing
 from imgcls.models.factory import build_model, check_grad_checkpointing
 from imgcls.objectives.registry import build_objective
 from imgcls.objectives.teacher import check_teacher
+from imgcls.training.arithmetic import throughput_knee
 from imgcls.training.loop import measuring_parts, train_one_epoch
 from imgcls.training.schedule import ceil_div
 from imgcls.training.state import EpochCounters, TrainState
 from imgcls.training.step import TrainStep, build_train_step
-from imgcls.tuning.arithmetic import throughput_knee
 
 
 def process_tree_cpu_seconds() -> float:
@@ -144,6 +144,7 @@ def time_train_steps(step: TrainStep, batches: Iterable, steps: int, warmup: int
     total = time.perf_counter() - start
     return StepTiming(steps, counters.samples, total, timed.wait_s, peak_memory_bytes(device),
                       process_tree_cpu_seconds() - cpu_start, held_before)
+
 
 log = logging.getLogger(__name__)
 
