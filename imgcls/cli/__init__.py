@@ -7,13 +7,10 @@ answer before the heavy imports.
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import os
 import sys
-import threading
-from typing import Callable, NoReturn
+from typing import Callable
 
 from imgcls.compute.cpu_tuning import tune_process_start
 from imgcls.core.errors import JOB_FAILURES, USAGE_ERRORS, ConfigError, Terminated
@@ -84,35 +81,19 @@ def run_main(main: Callable[[], int]) -> None:
 
             traceback.print_exc()
             code = _report(f"error: {type(err).__name__}: {err}", 1)
-    exit_process(code, outermost=_called_from_top_level(sys._getframe()))
+    flush_stdout()
+    sys.exit(code)
 
 
-def exit_process(code: int, outermost: bool) -> NoReturn:
-    """End the command's process with `code`. The interpreter's own exit walks and frees every object torch,
-    torchvision and timm made at import (1.0-1.3 s of every command's end with them; with gc.freeze, 0.16 s for
-    torch alone and 0.3-0.5 s after a photos run on two cores, a sixth of what follows its last epoch), which
-    nothing needs: when run_main is the outermost caller (not under runpy, cProfile or a test's wrapper, which
-    go on after it) and no other thread runs, the exit handlers run (logging's flush, MLflow's run, worker
-    processes, coverage), the standard streams are flushed, and the process ends with os._exit. Otherwise
-    sys.exit, with the collector frozen (the same walk, without the collector's passes)."""
-    gc.freeze()
-    if not outermost or threading.active_count() > 1 or not hasattr(atexit, "_run_exitfuncs"):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (`| head`) or stream: nothing more can reach it
-            pass
-    os._exit(0 if code is None else int(code))
-
-
-def _called_from_top_level(frame) -> bool:
-    """Whether `frame` (run_main's) was called by the __main__ script's top level with nothing beneath it:
-    `python train.py`, not runpy, cProfile, pdb or a test's wrapper, which have code to run after it."""
-    caller = frame.f_back
-    return (caller is not None and caller.f_back is None and caller.f_code.co_name == "<module>"
-            and caller.f_globals.get("__name__") == "__main__")
+def flush_stdout() -> None:
+    """Flush what the command printed. A reader that closed the pipe (`| head`) has what it wanted: stdout then
+    points at /dev/null, so the interpreter's own flush at exit does not fail (Python's documented idiom)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a closed stream: nothing more can reach it
+        pass
 
 
 def _report(line: str, code: int) -> int:

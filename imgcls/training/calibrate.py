@@ -146,13 +146,12 @@ def best_is_calibrated(run_dir: Path, dist: Optional[dist_utils.DistInfo] = None
 
 def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_loader, train_index,
                    device_input: DeviceInput, dist: dist_utils.DistInfo,
-                   val_outputs: Optional[SplitOutputs] = None, held_best: Optional[dict] = None) -> Optional[dict]:
+                   val_outputs: Optional[SplitOutputs] = None) -> Optional[dict]:
     """Load best.pt's weights into `eval_model` (training is over), gather its outputs, and on rank 0 add
     the `calibration` record to best.pt. Call on every rank. Returns the record (rank 0) or None.
     `val_outputs`: this rank's outputs of best.pt's model on `val_loader`, kept from the validation pass that
     saved it (training_run.kept_outputs); the validation split is then not passed over again (when every rank
-    has them). `held_best`: what best.pt holds, when `eval_model` holds its weights now (rank 0's: the final
-    epoch's best.pt); best.pt is then neither read nor loaded."""
+    has them)."""
     best_path = run_dir / "best.pt"
     task = task_of(cfg)
     if not task.supports("calibration"):
@@ -163,12 +162,10 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     if not dist_utils.run_on_main(dist.is_main, best_path.exists, share_result=True):
         log.info("calibration: no best.pt (no validation ran); nothing to calibrate")
         return None
-    best = dist_utils.run_on_main(dist.is_main, lambda: held_best or load_checkpoint(best_path),
+    best = dist_utils.run_on_main(dist.is_main, lambda: load_checkpoint(best_path),
                                   shared=(ConfigError, CheckpointError))
-    if dist.is_main and best is not held_best:
+    if dist.is_main:
         eval_model.load_state_dict(best["model"])
-    if held_best is not None:
-        log.info("calibration: best.pt is the final epoch's: its weights are the model's own (not read back)")
     dist_utils.broadcast_state(eval_model)
     if dist_utils.any_rank(val_outputs is None, device_input.device):
         # as the validation pass ran (its memory layout): the same numbers as the outputs it would have kept

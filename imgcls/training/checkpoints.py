@@ -352,21 +352,18 @@ class Checkpointer:
         return self._start(lambda: self.last_contents(state), "last.pt", True, after,
                            on_whole=lambda: setattr(self, "saved_state", saved))
 
-    def start_best(self, state: TrainState, metrics: dict, after: Optional["PendingSave"] = None,
-                   hold: bool = False) -> "PendingSave":
-        """best.pt (`best_contents`), written as start_last writes last.pt; with `hold`, the PendingSave keeps the
-        copy written (`contents`, rank 0's) for a caller that will rewrite the file."""
+    def start_best(self, state: TrainState, metrics: dict, after: Optional["PendingSave"] = None) -> "PendingSave":
+        """best.pt (`best_contents`), written as start_last writes last.pt."""
         self.refuse_nonfinite("best.pt", state.step)
-        return self._start(lambda: self.best_contents(state, metrics), "best.pt", False, after, hold=hold)
+        return self._start(lambda: self.best_contents(state, metrics), "best.pt", False, after)
 
     def _start(self, contents: Callable[[], dict], name: str, keep_previous: bool, after: Optional["PendingSave"],
-               on_whole: Callable[[], None] = lambda: None, hold: bool = False) -> "PendingSave":
-        def begin() -> tuple[BackgroundSave, dict]:
-            copies = tensor_copies(contents())
-            return BackgroundSave(copies, self.run_dir / name, keep_previous, after.writer if after else None), copies
+               on_whole: Callable[[], None] = lambda: None) -> "PendingSave":
+        def begin() -> BackgroundSave:
+            return BackgroundSave(tensor_copies(contents()), self.run_dir / name, keep_previous,
+                                  after.writer if after else None)
 
-        writer, copies = run_on_main(self.is_main, begin) or (None, None)
-        return PendingSave(name, writer, self.is_main, on_whole, contents=copies if hold else None)
+        return PendingSave(name, run_on_main(self.is_main, begin), self.is_main, on_whole)
 
     def refuse_nonfinite(self, name: str, step: int) -> None:
         """Non-finite weights are never saved: the file keeps the last good state."""
@@ -426,12 +423,11 @@ class BackgroundSave:
 class PendingSave:
     """A checkpoint (`name`) being written by rank 0's BackgroundSave (`writer`; None on the other ranks):
     `wait()`, once and on every rank, returns when the file is whole (then calls `on_whole`); a full disk is
-    raised on every rank. `contents`: what is written, when the starter asked to hold it (rank 0; else None)."""
+    raised on every rank."""
 
     def __init__(self, name: str, writer: Optional[BackgroundSave], is_main: bool,
-                 on_whole: Callable[[], None] = lambda: None, contents: Optional[dict] = None):
+                 on_whole: Callable[[], None] = lambda: None):
         self.name, self.writer, self.is_main, self.on_whole = name, writer, is_main, on_whole
-        self.contents = contents
 
     def wait(self) -> None:
         run_on_main(self.is_main, lambda: self.writer.join(), shared=(DiskFullError,))

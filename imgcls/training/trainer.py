@@ -186,9 +186,7 @@ class Trainer:
         improved = metrics is not None and r.state.record_validation(epoch, metrics, es.metric, es.min_delta,
                                                                       es.patience)
         if improved:
-            # the final epoch's best.pt is held for the calibration, which rewrites it: the weights are the eval
-            # model's now (no read back, no load: 0.15 s of the photos recipe's tail)
-            self.saves.start_best(metrics, hold=epoch + 1 == r.cfg.train.epochs)
+            self.saves.start_best(metrics)
             self.kept_outputs.keep(epoch)
         deciding = deciding_metric(metrics, es.metric) if metrics is not None else es.metric
         if deciding != es.metric and not self.warned_undefined_metric:
@@ -213,7 +211,7 @@ class Trainer:
         r = self.run
         self.saves.finish_pending(only="best.pt")  # rewritten by the calibration; last.pt is written meanwhile
         calibrate_best(r.cfg, r.run_dir, r.models.eval_model, r.data.val_loader, r.data.train_index, r.step.input,
-                       r.runtime.dist, val_outputs=self.kept_outputs.outputs(), held_best=self.saves.take_held_best())
+                       r.runtime.dist, val_outputs=self.kept_outputs.outputs())
 
     def write_summary(self) -> None:
         r = self.run
@@ -229,9 +227,7 @@ class RunSaves:
     def __init__(self, run: Run):
         self.run = run
         self.every_steps = run.cfg.checkpoint.every_steps
-        self.pending: list = []  # rundir.checkpoints.PendingSave, in the order they were started
-        # what the final epoch's best.pt holds, while the eval model still holds its weights (rank 0's)
-        self.held_best: Optional[dict] = None
+        self.pending: list = []  # training.checkpoints.PendingSave, in the order they were started
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
@@ -244,18 +240,10 @@ class RunSaves:
         state.save_mid_epoch(snapshot)
         self.save_last()
 
-    def start_best(self, metrics: dict, hold: bool = False) -> None:
-        """The epoch end's best.pt, written on a thread from a copy (Checkpointer.start_best); with `hold`, the
-        copy stays in `held_best`."""
+    def start_best(self, metrics: dict) -> None:
+        """The epoch end's best.pt, written on a thread from a copy (Checkpointer.start_best)."""
         self.finish_pending()
-        pending = self.run.checkpointer.start_best(self.run.state, metrics, hold=hold)
-        self.pending.append(pending)
-        self.held_best = pending.contents
-
-    def take_held_best(self) -> Optional[dict]:
-        """The held copy of best.pt (None when none is held), given up: the caller rewrites it."""
-        held, self.held_best = self.held_best, None
-        return held
+        self.pending.append(self.run.checkpointer.start_best(self.run.state, metrics))
 
     def start_last(self) -> None:
         """The epoch end's last.pt, written on a thread from a copy after any best.pt (Checkpointer.start_last):
