@@ -316,3 +316,26 @@ def test_the_docs_preview_and_serve_py_take_different_ports():
     documented = re.findall(r"mkdocs serve( -a [\d.:]+)?", (root / "README.md").read_text()
                             + (root / "docs" / "index.md").read_text())
     assert documented and all(f"127.0.0.1:{site['dev_addr'].rsplit(':', 1)[1]}" in a for a in documented)
+
+
+def test_the_architecture_page_names_rooms_and_files_that_exist_and_every_room():
+    """docs/architecture.md is true to the code: each room of its table is a subpackage (or module) of imgcls, each
+    file a row names exists in that room, each path elsewhere on the page exists, and no room is left out."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    package = REPO / "imgcls"
+    table = page.split("## The rooms, lowest first")[1].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    rooms = [re.match(r"\| `([\w./]+)`", row).group(1) for row in rows]
+    missing = [room for room in rooms if not (package / room).exists()]
+    for row, room in zip(rows, rooms):
+        folder = package / room if room.endswith("/") else package
+        missing += [f"{room}{name}" for name in re.findall(r"`([\w/]+\.py)`", row)
+                    if not (folder / name).exists() and not (package / name).exists()]
+    rest = page.replace(table, "")
+    missing += [path for path in re.findall(r"`([\w]+/[\w/]*\.py)`", rest)
+                if not (package / path).exists() and not (REPO / path).exists()]
+    tested = {name for name in re.findall(r"`(test_\w+\.py)`", page)}
+    missing += [name for name in tested if not list((REPO / "tests").rglob(name))]
+    assert missing == []
+    actual = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()} | {"config.py"}
+    assert actual == set(rooms)
