@@ -86,10 +86,11 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
     assert len(text.splitlines()) <= 210
     assert "python train.py --config quickstart" in text
     test_command = "python -m pytest -q -n 2 --dist loadfile"
-    assert f"pip install -r requirements-dev.txt && {test_command}" in text
+    install = 'pip install -e ".[all]" -r requirements-dev.txt'
+    assert f"{install} && {test_command}" in text and 'pip install -e ".[all]" && python train.py' in text
     ci = (REPO / ".ci" / "run").read_text()
     ci_runs = [line.split(" ||")[0] for line in ci.splitlines() if line.startswith("python -m pytest")]
-    assert "pip install -q -r requirements-dev.txt" in ci and ci_runs[0] == test_command  # what the README says
+    assert install.replace("pip install", "pip install -q") in ci and ci_runs[0] == test_command  # the README's
     assert ci_runs[1] == f'{test_command} -m "container or slurm"'  # and the tests a plain run leaves out
     first_screen = "\n".join(text.splitlines()[:60])
     for command in ("python train.py", "python infer.py", "python serve.py"):
@@ -120,7 +121,7 @@ def test_the_reference_shows_each_key_s_default_allowed_values_help_and_owner():
     assert "| `data.label_delimiter` | `' '` | text |" in page
     # a data source declares its own keys, beside its module
     assert "`imgcls/data/settings.py`" in page and "`imgcls/training/settings.py`" in page
-    assert "## `distill`\n\nDeclared in `objectives/distillation/settings.py`.\n\nknowledge distillation" in page
+    assert "## `distill`\n\nDeclared in `imgcls/objectives/settings.py`.\n\nknowledge distillation" in page
 
 
 def test_check_mode_fails_on_stale_files_and_write_mends_them(tmp_path, monkeypatch, capsys):
