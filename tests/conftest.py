@@ -194,7 +194,7 @@ def root_logging_restored():
 @pytest.fixture(autouse=True)
 def fresh_cpu_policy():
     """Tests that call run_main in-process may leave OpenMP's wait in os.environ (which later subprocesses
-    would read as the user's) and the start load in `runtime.cpu_tuning`: each test starts without them."""
+    would read as the user's) and the start load in `imgcls.compute.cpu_tuning`: each test starts without them."""
     import imgcls.compute.cpu_tuning as cpu_tuning
 
     saved = {key: os.environ.get(key) for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -290,7 +290,7 @@ def run_train_in_process(monkeypatch, capsys, *argv) -> tuple[int, str]:
 
 @pytest.fixture
 def trainer_of():
-    """Builds Trainers over runs (`training_run.trainer.open_trainer`), whose resources are released at the
+    """Builds Trainers over runs (`imgcls.training.trainer.open_trainer`), whose resources are released at the
     test's end: `trainer = trainer_of(cfg, resume=..., finetune=...)`."""
     import contextlib
 

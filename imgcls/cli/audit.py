@@ -7,10 +7,14 @@ python audit.py --config CONFIG [KEY=VALUE ...] [--checkpoint CKPT] [--folds K] 
                 [--near-threshold D] [--json FILE] [--html FILE] [--write-clean-csv FILE [--drop-label-issues N]]
 """
 import argparse
+import os
 import logging
 import sys
+from pathlib import Path
+from typing import Optional
 
 from imgcls.config import available_configs
+from imgcls.core.errors import ConfigError
 from imgcls.core.files import check_output_file
 
 # flag -> the config key it sets (configs/base.yaml documents each)
@@ -54,8 +58,6 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)  # config mistakes exit 2 before torch is imported
     if not cfg.data.builtin:
         check_data_root(cfg)
-    from imgcls.commands.audit import check_arguments
-
     check_arguments(cfg, args.checkpoint, args.write_clean_csv)
     from imgcls.commands.output_roles import check_audit_outputs
 
@@ -70,3 +72,23 @@ def main(argv=None) -> int:
     from imgcls.commands.audit import run_audit
 
     return run_audit(cfg, args.checkpoint, args.json, args.html, args.write_clean_csv)
+
+
+def check_arguments(cfg, checkpoint: Optional[str], clean_csv: Optional[str]) -> None:
+    """Usage mistakes, before any work (exit 2)."""
+    a, d = cfg.audit, cfg.data
+    if clean_csv and d.format == "webdataset":
+        raise ConfigError("--write-clean-csv: shard samples are not files a CSV list can name; write the shards "
+                          "out as files first, or audit without --write-clean-csv")
+    if a.drop_label_issues and not clean_csv:
+        raise ConfigError("--drop-label-issues (audit.drop_label_issues) only shapes --write-clean-csv FILE; "
+                          "pass both")
+    if a.drop_label_issues and a.folds == 0 and not checkpoint:
+        raise ConfigError("--drop-label-issues needs a label-issue search: --folds K (K >= 2) or --checkpoint CKPT")
+    if checkpoint and not Path(checkpoint).exists():
+        raise ConfigError(f"--checkpoint {checkpoint}: no such file or folder")
+    if clean_csv:
+        lists = {os.path.realpath(p) for p in (d.train_csv, d.val_csv) if p}
+        if os.path.realpath(clean_csv) in lists:
+            raise ConfigError(f"--write-clean-csv {clean_csv} is one of the data's own lists; the audit never "
+                              f"changes the data: name a new file")

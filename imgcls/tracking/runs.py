@@ -94,7 +94,7 @@ def run_identity(run_dir: Path, checkpoint_run_id: Optional[str], resumed: bool)
     write_run_record(run_dir, run_key, run_id)
     return run_key, run_id
 
-CODE_DIR = Path(__file__).resolve().parent.parent
+CODE_DIR = Path(__file__).resolve().parents[2]  # the checkout holding imgcls/ (no .git for an installed copy)
 
 
 # set by tune.py --search for its trials: the study's run, which each trial's run is nested under

@@ -306,7 +306,10 @@ def test_serve_answers_tiff_and_npy_uploads_with_infer_s_rows(four_band_run, tmp
         as_npy = npy_bytes(tifffile.imread(path))  # the same bands as an (H, W, 4) array upload
         for body in (path.read_bytes(), as_npy):
             row = served.classify([served.decode(body)], [path.name])[0]
-            assert (row["label"], row["prob"]) == (inferred[path.name]["label"], inferred[path.name]["prob"])
+            # one image a batch here, 32 padded in infer: oneDNN may pick another kernel per batch shape (an AMD
+            # EPYC with AVX-512 gave probabilities 2e-7 apart), so the probability agrees to 1e-6, the label exactly
+            assert row["label"] == inferred[path.name]["label"]
+            assert row["prob"] == pytest.approx(inferred[path.name]["prob"], abs=1e-6)
 
 
 @pytest.mark.slow

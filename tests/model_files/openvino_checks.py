@@ -189,7 +189,7 @@ def test_help_and_other_formats_never_import_openvino(exported):
     code = ("import contextlib, io, sys, export, infer, eval, serve\n"
             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
             "    export.main(['--help'])\n"
-            "from imgcls.model_files.formats import load_model_file\n"
+            "from imgcls.model_files.loading import load_model_file\n"
             "from imgcls.model_files.export import check_export\n"
             "import imgcls.commands.export, imgcls.commands.infer, imgcls.commands.evaluate, imgcls.serving.model\n"
             f"load_model_file({str(checkpoint)!r})\n"

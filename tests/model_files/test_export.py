@@ -322,7 +322,7 @@ def test_an_export_that_disagrees_fails(trained, monkeypatch):
 
 @pytest.mark.slow
 def test_training_and_checkpoint_inference_never_import_onnx():
-    code = ("import sys, train, training_run.trainer, commands.infer, commands.evaluation.evaluate, model_files.loading; "
+    code = ("import sys, train, imgcls.training.trainer, imgcls.commands.infer, imgcls.commands.evaluate, imgcls.model_files.loading; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'onnxruntime', 'onnxscript', 'onnx_ir'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""serve.py without torch (serving.onnx_only, the slim serving image's path): its PIL/NumPy preprocessing
+"""serve.py without torch (imgcls/serving/slim.py, the slim serving image's path): its PIL/NumPy preprocessing
 against the torch path's on the same images, and its rows against serve.py's torch path on the same
 exports (fp32, int8, multi-label), with the calibrated probability and the reject option; the server
 itself (--onnx-only) over HTTP; its usage errors."""

@@ -1,4 +1,4 @@
-"""The CPU tuning lives in one room (runtime/cpu_tuning.py): chosen once at process start by
+"""The CPU tuning lives in one room (imgcls/compute/cpu_tuning.py): chosen once at process start by
 run_main, applied once at runtime set-up, and passed through no signature."""
 from __future__ import annotations
 

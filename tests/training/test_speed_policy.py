@@ -244,7 +244,7 @@ def test_entry_scripts_choose_the_wait_before_torch_loads(tmp_path):
     from conftest import REPO
 
     probe = ("import os, sys; sys.argv = ['train.py', '--help']; from imgcls.cli import run_main; "
-             "from runtime import cpu_tuning; import train; real = train.main; seen = []; "
+             "from imgcls.compute import cpu_tuning; import train; real = train.main; seen = []; "
              "train.main = lambda: seen.append(cpu_tuning.process_start()) or real(); "
              "import atexit; atexit.register(lambda: print('chosen', seen[0] is not None, "
              "os.environ.get('GOMP_SPINCOUNT') in (None, cpu_tuning.SHORT_OMP_SPIN), 'torch' in sys.modules)); "
