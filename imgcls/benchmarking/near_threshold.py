@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image, ImageEnhance
 
 from imgcls.auditing.duplicates import hash_array, image_facts, near_pairs
-from imgcls.benchmarking.photos import photo
+from imgcls.benchmarking.modes import photo
 
 THRESHOLDS = (2, 4, 6, 8, 10, 12, 14)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from imgcls.benchmarking.photos import photo
+from imgcls.benchmarking.modes import photo
 from imgcls.compute.device import DeviceInput
 from imgcls.data.build import build_eval_loader_for, scan_splits
 from imgcls.data.listing import ImageIndex, ensure_builtin

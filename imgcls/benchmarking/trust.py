@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from imgcls.benchmarking.photos import photo, sample_photo_crop
+from imgcls.benchmarking.modes import photo, sample_photo_crop
 from imgcls.compute.device import DeviceInput
 from imgcls.data.build import build_eval_loader_for, scan_splits
 from imgcls.data.listing import ImageIndex

@@ -7,8 +7,8 @@ python audit.py --config CONFIG [KEY=VALUE ...] [--checkpoint CKPT] [--folds K] 
                 [--near-threshold D] [--json FILE] [--html FILE] [--write-clean-csv FILE [--drop-label-issues N]]
 """
 import argparse
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional

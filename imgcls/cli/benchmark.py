@@ -36,7 +36,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.make_photos:
-        from imgcls.benchmarking.photos import write_photo_tree
+        from imgcls.benchmarking.modes import write_photo_tree
 
         write_photo_tree(args.make_photos, args.photos, max(1, args.photos // 5), source=args.photo_source)
         print(json.dumps({"photos": args.make_photos, "train_images": args.photos, "source": args.photo_source}))

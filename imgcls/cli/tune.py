@@ -114,7 +114,7 @@ def search_main(args) -> int:
     from imgcls.config import load_config
     from imgcls.data.settings import check_data_root
     from imgcls.tasks import metric_named
-    from imgcls.tracking.store_location import check_tracking_client
+    from imgcls.tracking.tracker import check_tracking_client
     from imgcls.tuning.search import load_space
 
     check_search_arguments(args)
@@ -197,7 +197,7 @@ def check_arguments(args) -> None:
 
 def sweep_main(args) -> int:
     from imgcls.config import load_config
-    from imgcls.tracking.store_location import check_tracking_client
+    from imgcls.tracking.tracker import check_tracking_client
 
     check_arguments(args)
     args.steps = args.steps or DEFAULT_STEPS
@@ -205,7 +205,7 @@ def sweep_main(args) -> int:
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
     check_tracking_client(cfg.tracking)
-    from imgcls.tracking.store_location import check_store_apart
+    from imgcls.tracking.tracker import check_store_apart
 
     check_store_apart(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

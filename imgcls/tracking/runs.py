@@ -54,8 +54,7 @@ from typing import Optional
 
 from imgcls.config import flatten
 from imgcls.core.files import write_json
-from imgcls.tracking.store_location import check_store_apart_from
-from imgcls.tracking.tracker import NullTracker, Tracker, finite_numbers, open_tracker
+from imgcls.tracking.tracker import NullTracker, Tracker, check_store_apart_from, finite_numbers, open_tracker
 
 RECORD_NAME = "tracking_run.json"
 
@@ -296,7 +295,7 @@ def asked_tracking(overrides: list[str]):
 def check_eval_tracking(overrides: list[str], checkpoint: str, data: Optional[str]) -> None:
     """Before any work (exit 2): the client is installed and can open the store asked for, which lies apart
     from the checkpoint and the data."""
-    from imgcls.tracking.store_location import check_tracking_client
+    from imgcls.tracking.tracker import check_tracking_client
 
     tracking = asked_tracking(overrides)
     if tracking is None:

@@ -46,7 +46,7 @@ from imgcls.config import Config
 from imgcls.core.errors import CheckpointError, DiskFullError, NonFiniteError
 from imgcls.model_files.checkpoint_files import preprocessing_record
 from imgcls.tasks import task_of
-from imgcls.training.resume import continue_command
+from imgcls.training.rundir import continue_command
 from imgcls.training.state import TrainState
 
 

@@ -38,15 +38,14 @@ from imgcls.models.factory import (BackboneFreeze, build_model, check_grad_check
 from imgcls.objectives.base import Objective
 from imgcls.objectives.registry import build_objective, check_objective, check_resume_objective
 from imgcls.tracking.runs import RUN_ID_KEY as TRACKING_RUN_ID_KEY, TrainingTracking, open_training_tracking
-from imgcls.tracking.store_location import check_store_apart, check_tracking_client
+from imgcls.tracking.tracker import check_store_apart, check_tracking_client
 from imgcls.training.batch_finder import resolve_batch_size
 from imgcls.training.checkpoints import Checkpointer, ModuleWeights, RandomState, Recorded, RunRecord
 from imgcls.training.optim import check_optimizer, describe_groups
 from imgcls.training.reporter import RunReporter
-from imgcls.training.resume import (RUN_ID_KEY as ELASTIC_RUN_ID_KEY, apply_finetune, check_own_checkpoint,
-                                    check_resume_compatible, claim_run_dir, load_finetune_source, plan_resume,
-                                    resolve_resume, run_inputs)
-from imgcls.training.rundir import check_shared_checkpoint, open_run_dir
+from imgcls.training.rundir import (RUN_ID_KEY as ELASTIC_RUN_ID_KEY, apply_finetune, check_own_checkpoint,
+                                    check_resume_compatible, check_shared_checkpoint, claim_run_dir,
+                                    load_finetune_source, open_run_dir, plan_resume, resolve_resume, run_inputs)
 from imgcls.training.runlog import RunLog, setup_logging
 from imgcls.training.schedule import RunPlan, plan_run
 from imgcls.training.state import TrainState

@@ -23,7 +23,7 @@ from imgcls.training.calibrate import KeptOutputs, best_is_calibrated, calibrate
 from imgcls.training.loop import EpochParts, train_one_epoch
 from imgcls.training.optim import base_lr
 from imgcls.training.parts import Run, build_run
-from imgcls.training.resume import continue_command
+from imgcls.training.rundir import continue_command
 from imgcls.training.schedule import validation_due
 from imgcls.training.state import EpochCounters, TrainState
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from imgcls.benchmarking.figures import (BEGIN, CSV_PATH, END, FIELDS, PAGE_PATH, WRITE_COMMAND, main, read_rows,
-                                render_tables, replace_block)
+                                         render_tables, replace_block)
 
 HEX_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")

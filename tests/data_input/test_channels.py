@@ -380,7 +380,7 @@ def test_three_channel_weights_are_adapted_into_an_n_channel_stem_as_timm_does()
     from timm.models import adapt_input_conv
 
     from imgcls.models.factory import create_model, load_matching_weights, stem_conv
-    from imgcls.training.resume import apply_finetune
+    from imgcls.training.rundir import apply_finetune
 
     rgb = create_model("resnet10t", 3).state_dict()
     for channels in (1, 4):

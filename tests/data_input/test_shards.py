@@ -24,7 +24,7 @@ from imgcls.core.errors import BadDataError, DataTreeError
 from imgcls.data.listing import scan_split
 from imgcls.data.shards import ShardEvalStream, ShardIndex, ShardTrainStream, expand_shards, shard_index
 from imgcls.data.transforms import EvalTransform, TrainTransform
-from imgcls.training.resume import check_resume_compatible
+from imgcls.training.rundir import check_resume_compatible
 
 METRIC_KEYS = ("top1", "top5", "loss", "mean_class_acc", "num_samples")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -9,7 +9,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
-from imgcls.benchmarking.photos import photo
+from imgcls.benchmarking.modes import photo
 from imgcls.data.datasets import TrainDataset
 from imgcls.data.images import ImageDecodeError, load_rgb, open_image, oriented_size
 from imgcls.data.listing import scan_split

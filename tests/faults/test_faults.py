@@ -22,8 +22,7 @@ import imgcls.training.checkpoints as checkpoint
 from imgcls.config import ConfigError
 from imgcls.core.safe_load import load_checkpoint
 from imgcls.training.checkpoints import save_atomic
-from imgcls.training.resume import resolve_resume
-from imgcls.training.rundir import open_run_dir
+from imgcls.training.rundir import open_run_dir, resolve_resume
 from imgcls.training.state import TrainState
 from imgcls.training.trainer import Trainer, run
 

@@ -287,7 +287,7 @@ def test_launch_info_reads_torchelastics_restart_count_and_run_id():
 
 def test_a_restart_plans_auto_resume_only_when_a_last_pt_is_there(tmp_path):
     from imgcls.compute.distributed import LaunchInfo
-    from imgcls.training.resume import check_own_checkpoint, plan_resume, run_id_fields
+    from imgcls.training.rundir import check_own_checkpoint, plan_resume, run_id_fields
 
     first, again = LaunchInfo(0, "r1"), LaunchInfo(1, "r1")
     assert plan_resume(None, tmp_path, first).resume is None            # a first start: as typed

@@ -8,7 +8,7 @@ import torch
 
 from imgcls.config import config_from_checkpoint, load_config
 from imgcls.core.errors import ConfigError
-from imgcls.training.resume import continue_command
+from imgcls.training.rundir import continue_command
 
 
 def test_the_recorded_config_with_the_overrides_on_top(tmp_path):

@@ -133,7 +133,7 @@ def test_a_cut_short_backlog_line_is_left_out(tmp_path):
 
 def test_the_client_is_needed_to_log_but_not_to_read_a_tracked_config(monkeypatch):
     import imgcls.config as config
-    import imgcls.tracking.store_location as store_location
+    import imgcls.tracking.tracker as store_location
 
     cfg = load_config("base", ["tracking.backend=mlflow"])
     monkeypatch.setattr(store_location, "tracking_client_installed", lambda: False)
@@ -354,7 +354,7 @@ def test_eval_with_an_unreachable_store_says_the_figures_were_not_added(tmp_path
 
 @pytest.mark.parametrize("where", ["data root", "CSV folder", "shards", "teacher", "sqlite in data"])
 def test_a_local_store_inside_an_input_is_refused(tmp_path, where):
-    from imgcls.tracking.store_location import check_store_apart
+    from imgcls.tracking.tracker import check_store_apart
 
     data = tmp_path / "data"
     (data / "train" / "cat").mkdir(parents=True)
@@ -394,7 +394,7 @@ def test_train_with_a_store_inside_the_data_exits_2_and_leaves_the_data_alone(tm
 
 
 def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
-    import imgcls.tracking.store_location as config
+    import imgcls.tracking.tracker as config
 
     cfg = load_config("base", ["tracking.backend=mlflow", "tracking.uri=runs/mlruns"])
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
@@ -409,7 +409,7 @@ def test_a_folder_store_the_installed_mlflow_refuses_is_exit_2(monkeypatch):
 def test_the_installed_mlflow_refuses_a_folder_store_unless_allowed(monkeypatch):
     import mlflow.store.tracking.file_store as file_store
 
-    from imgcls.tracking.store_location import folder_store_allowed
+    from imgcls.tracking.tracker import folder_store_allowed
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     refused = "MLFLOW_ALLOW_FILE_STORE" in open(file_store.__file__).read()

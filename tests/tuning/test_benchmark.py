@@ -8,7 +8,7 @@ import pytest
 from conftest import run_script
 from PIL import Image
 
-from imgcls.benchmarking.photos import photo
+from imgcls.benchmarking.modes import photo
 
 SETTINGS_KEYS = {"model", "img_size", "batch", "amp", "channels_last", "workers", "device"}
 TINY = ["model.name=resnet10t", "data.img_size=16", "train.batch_size=4", "train.device=cpu", "train.amp=none"]
