@@ -128,3 +128,50 @@ def test_each_command_says_what_it_does_before_importing_torch(case, tmp_path):
     lines = done.stderr.splitlines()
     assert done.returncode == 99, done.stderr[-2000:]
     assert lines[0] == f"{first} (loading torch...)" and lines[-1].startswith("importing "), lines
+
+
+# A command's end, as `python SCRIPT` runs it (run_main at the script's top level) and under a wrapper: the exit
+# status, the exit handlers and the log file are the same; only the outermost caller ends with os._exit.
+ENDING = """
+import atexit, logging, os, sys
+sys.path.insert(0, {repo!r})
+from imgcls.cli import run_main
+log = logging.getLogger("ending")
+log.addHandler(logging.FileHandler(sys.argv[1]))
+log.setLevel(logging.INFO)
+atexit.register(lambda: open(sys.argv[2], "w").write("handler ran"))
+class TornDown:  # freed by the interpreter's teardown of sys.modules, which os._exit skips
+    def __del__(self, write=os.write):
+        write(2, b"torn down")
+sys.modules["teardown_probe"] = TornDown()
+def main():
+    log.info("the last line")
+    print("stdout line", end="")   # no newline: the stream still holds it when the command ends
+    return 3
+if __name__ == "__main__":
+    run_main(main)
+"""
+
+
+def test_the_outermost_command_ends_fast_and_loses_nothing(tmp_path):
+    from imgcls.cli import _called_from_top_level
+
+    script = tmp_path / "command.py"
+    script.write_text(ENDING.format(repo=str(REPO)))
+    profile = tmp_path / "profile.out"
+    for wrapper in ([], ["-m", "cProfile", "-o", str(profile)]):
+        log, handler = tmp_path / f"log{len(wrapper)}.txt", tmp_path / f"handler{len(wrapper)}.txt"
+        done = subprocess.run([sys.executable, *wrapper, str(script), str(log), str(handler)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == (0 if wrapper else 3), done.stderr     # cProfile exits 0 after SystemExit
+        assert done.stdout == "stdout line" and log.read_text() == "the last line\n"
+        assert handler.read_text() == "handler ran"
+        assert done.stderr.endswith("torn down") == bool(wrapper)   # the teardown: skipped only when outermost
+    assert profile.stat().st_size > 0    # cProfile wrote its profile after the command: it was not cut short
+    # under a wrapper (runpy, cProfile, a test) the wrapper's code after the command still runs
+    wrapped = subprocess.run([sys.executable, "-c", f"import runpy, sys; sys.argv = ['c', {str(tmp_path / 'l')!r}, "
+                              f"{str(tmp_path / 'h')!r}]\ntry:\n    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+                              "except SystemExit as e:\n    print('after', e.code)"],
+                             capture_output=True, text=True, timeout=120)
+    assert wrapped.returncode == 0 and wrapped.stdout.rstrip().endswith("after 3"), wrapped.stderr
+    assert not _called_from_top_level(sys._getframe())   # pytest's own frames lie beneath this test
