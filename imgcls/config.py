@@ -1,14 +1,11 @@
-"""The config machinery: the tree composed of the sections their owners declare, YAML loading, dotted KEY=VALUE
-overrides, typed coercion and validation.
+"""The config tree, assembled here from the sections their owners declare (so core/ imports nothing above it):
+YAML loading, dotted KEY=VALUE overrides, typed coercion and validation, and the config a --resume PATH
+recorded.
 
 Each section is declared once, beside the code that reads it, in a torch-free `settings` module (core/settings.py
-says how): its keys with their defaults, one-line help, allowed values and ranges, and its own checks.
-`configs/base.yaml` and docs/configuration.md are written from those declarations (python -m
-core.config_reference --write; a test fails when they differ). Errors raise `ConfigError`, which the entry
-scripts turn into exit status 2 before any work starts.
-
-Write configs/base.yaml and docs/configuration.md from the sections' declarations (the settings modules that
-core/config.py composes), so a key is written once: in its `setting(default, help, ...)`.
+says how): its keys with their defaults, one-line help, allowed values and ranges, and its own checks. Errors
+raise `ConfigError`, which the commands turn into exit status 2 before any work starts. configs/base.yaml and
+docs/configuration.md are written from those declarations, so a key is written once:
 
 python -m imgcls.config --write   # rewrite both files
 python -m imgcls.config --check   # exit 1 naming each file that differs from what --write would write

@@ -267,7 +267,7 @@ def make_cfg(data_root: Path, out: Path, **extra):
 
 
 def exit_code(fn) -> int:
-    """The exit status of `fn` run as an entry script's main (commands.cli.run_main's mapping)."""
+    """The exit status of `fn` run as an entry script's main (cli.run_main's mapping)."""
     from imgcls.cli import run_main
 
     with pytest.raises(SystemExit) as info:

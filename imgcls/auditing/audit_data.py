@@ -1,6 +1,6 @@
 """The labelled images an audit reads, named as training names them.
 
-The splits come from `data.listing.sources.registry.scan_sources` (the training and validation indexes of every
+The splits come from `data.sources.scan_sources` (the training and validation indexes of every
 `data.format`, with the same hidden-file rules, file checks and class list), plus `<data.root>/test/` when a
 class-folder tree has one. Files are named by their path relative to the data root (or, for CSV lists without
 one, to the list's folder); shard samples as training names them, "SHARD (sample N)". Shard samples are

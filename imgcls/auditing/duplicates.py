@@ -26,14 +26,14 @@ A flat thumbnail (no contrast: NCC undefined) matches another flat one of nearly
 Per-image facts for the audit, computed in DataLoader workers: the SHA-256 of the file's bytes (exact
 copies), a 64-bit perceptual hash (imagehash's pHash of the image decoded exactly as training decodes it:
 EXIF orientation, 16-bit and alpha handling, by `data.images`), a 32x32 grayscale thumbnail that confirms
-near matches pixel by pixel (auditing.pixel_match), and the stored size, mode and format.
+near matches pixel by pixel (auditing.duplicates), and the stored size, mode and format.
 
 A file that cannot be opened or decoded gets its reason instead (the message training would log).
 
 Groups of copies among the images: pure functions of the hashes (and a confirmation callback).
 
 Near means a perceptual-hash Hamming distance up to a threshold, confirmed pixel by pixel
-(auditing.pixel_match); exact means the same SHA-256 of the file's bytes. Candidates are found by
+(auditing.duplicates); exact means the same SHA-256 of the file's bytes. Candidates are found by
 comparing every hash with every other in blocks (XOR and a bit count over uint64 arrays): exact and fast up
 to some 10^5 images.
 
@@ -201,9 +201,9 @@ class ImageFacts:
     mode: str = ""          # as stored ('RGB', 'L', 'RGBA', 'I;16', ...)
     format: str = ""
     error: Optional[str] = None
-    thumb: bytes = b""      # auditing.pixel_match.thumbnail: confirms a pHash candidate pixel by pixel
-    reencode: float = 1.0   # auditing.pixel_match.reencode_score: what a harmless copy of it scores
-    chroma: float = 0.0     # auditing.colour.chroma: 0 for a grayscale image, however stored
+    thumb: bytes = b""      # auditing.duplicates.thumbnail: confirms a pHash candidate pixel by pixel
+    reencode: float = 1.0   # auditing.duplicates.reencode_score: what a harmless copy of it scores
+    chroma: float = 0.0     # auditing.duplicates.chroma: 0 for a grayscale image, however stored
 
 
 def image_facts(path: str, channels: int = 3, value_range=None) -> ImageFacts:
@@ -382,7 +382,7 @@ def find_copies(items, facts, splits: dict[str, list[int]], threshold: int, pixe
     first); leaks [{<split>: [paths] for every split, "exact", "distance", "splits", "count"}] (one entry per
     group that spans two or more splits, exact first); label_conflicts [{"paths", "labels", "splits"}] (a
     group whose members carry different labels). A pHash candidate counts only when its thumbnails' score reaches
-    what auditing.pixel_match requires of the pair at `pixel_threshold` (None: pHash alone)."""
+    what auditing.duplicates requires of the pair at `pixel_threshold` (None: pHash alone)."""
     positions = [i for members in splits.values() for i in members]
     if pixel_threshold is None:
         confirm = None

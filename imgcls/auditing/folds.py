@@ -16,7 +16,7 @@ or the predictions of a checkpoint the user already has.
 Fold assignment is stratified and a pure function of (seed, content hash): within each class the distinct
 contents are ordered by SHA-256(seed, content hash) and dealt to the folds in turn, so byte-identical copies
 share a fold (a copy in the training folds would teach the model the held-out image's own label). Fold k is
-trained by `training_run.trainer.run` on the other folds, written as CSV lists (absolute paths, the class list
+trained by `training.trainer.run` on the other folds, written as CSV lists (absolute paths, the class list
 fixed by `data.classes`, so a fold that lacks a class keeps the label order), then predicts its own images."""
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def open_model(path: Path, device_setting: str, amp_setting: Optional[str] = Non
 
 
 def copy_keys(names: list[str], digests: list[str], duplicates: list[dict], leaks: list[dict]) -> list[str]:
-    """A fold key per image: near copies (one duplicate or leak group, by auditing.findings) share one, the
+    """A fold key per image: near copies (one duplicate or leak group, by auditing.duplicates) share one, the
     group's first name, so that they land in one fold; any other image keeps its content hash. A near copy in
     the training folds teaches the model the held-out image's own (possibly wrong) label, and makes a foreign
     image look familiar."""

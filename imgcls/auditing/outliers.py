@@ -5,7 +5,7 @@ within the fold and within the class each image is filed under, by that class's 
 deviation (robust to the outliers themselves); an image below -OUTLIER_Z is flagged: a cat, a retina scan or a
 logo filed among photos of another kind. Per class because classes spread differently in feature space: over
 the pooled fold, the ordinary images of a varied class were most of the flags (19 of 21 in a user's audit).
-Grayscale images in a class of colour ones are flagged too (auditing/colour.py), with or without a model."""
+Grayscale images in a class of colour ones are flagged too (auditing/duplicates.py), with or without a model."""
 from __future__ import annotations
 
 import math

@@ -40,7 +40,7 @@ SHAPES = ("circle", "square", "triangle", "hstripes", "vstripes", "cross", "ring
 
 
 def shape_photo(rng: np.random.Generator, kind: str, size: int = 48) -> Image.Image:
-    """A photo-like background (benchmarking/photos.py) with one object of `kind` in a random colour, place and
+    """A photo-like background (benchmarking/modes.py) with one object of `kind` in a random colour, place and
     size: a 7-class photos-like task."""
     img = Image.fromarray(photo(rng, size, size))
     draw = ImageDraw.Draw(img)

@@ -1,7 +1,7 @@
 """Measure the trust figures of a checkpoint: ECE before and after temperature scaling on its validation
 split, and for each reject score (msp, energy, knn, mahalanobis, and the default mahalanobis_layers) the share of out-of-distribution images
 rejected at the threshold that keeps `calibration.coverage` of the validation images. The
-out-of-distribution sets are crops of scikit-learn's two sample photos and benchmarking/photos.py's
+out-of-distribution sets are crops of scikit-learn's two sample photos and benchmarking/modes.py's
 generated photos. Prints one JSON object: the figures that chose the reject score checkpoints use.
 
 python -m imgcls.benchmarking.trust --checkpoint runs/quickstart/best.pt [--images 200] [--coverage 0.95]

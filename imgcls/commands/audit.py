@@ -115,7 +115,7 @@ def label_search(cfg, data, facts, checkpoint: Optional[str], opened, work: Path
 
 
 def grayscale_of(cfg, data, facts) -> list[dict]:
-    """auditing.colour's grayscale images among colour ones, of the readable single-label images."""
+    """auditing.duplicates's grayscale images among colour ones, of the readable single-label images."""
     rows = [(item, f) for item, f in zip(data.items, facts) if f.error is None and not isinstance(item.label, tuple)]
     return grayscale_outliers([i.name for i, _ in rows], [i.split for i, _ in rows],
                               [data.classes[i.label] for i, _ in rows], [f.chroma for _, f in rows])

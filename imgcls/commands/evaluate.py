@@ -10,7 +10,7 @@ What eval.py draws and prints beside the task's report (tasks/): the calibration
 
 eval.py --knn K / --linear-probe: the model's pooled pre-logits features of the training split (the
 memory bank, the probe's fit set) and of the evaluated split, through the evaluation loader and
-preprocessing, scored without the classifier head (embedding/representation.py).
+preprocessing, scored without the classifier head (embedding/embedder.py).
 
 eval.py's work: evaluate a checkpoint on a split exactly as training validated it."""
 from __future__ import annotations
@@ -302,8 +302,8 @@ class EvalResult:
     reliability: list = None    # the reliability diagram's bins (calibrated probabilities)
     rows: list = None           # the Predictor's rows of every evaluated image (infer.py's, with `target`)
     delimiter: str = " "        # between tags in a multi-label row
-    errors: list = None         # the misclassified images, worst first (commands/evaluation/eval_errors.py); None: not the task's
-    representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluation/eval_representation.py)
+    errors: list = None         # the misclassified images, worst first (commands/evaluate.py); None: not the task's
+    representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluate.py)
 
 
 def amp_override(overrides: list[str]) -> str | None:

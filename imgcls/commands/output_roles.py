@@ -1,4 +1,4 @@
-"""Each command's outputs and inputs, named for core.outputs.check_outputs_apart: no command writes over a
+"""Each command's outputs and inputs, named for core.files.check_outputs_apart: no command writes over a
 file it reads or into a folder it reads from (exit 2 before any work, naming both roles)."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Running what `tune.py` asked for, after its arguments were checked: set-up (devi
 the sweep or the LR range test from tuning/sweep.py, and the report.
 
 `tune.py --search SPACE.yaml`'s glue: check the arguments, the config and the space (every mistake exits 2
-before any trial), then run the study (tuning/search_study.py), each trial a train.py run.
+before any trial), then run the study (tuning/search.py), each trial a train.py run.
 
 `tune.py`'s glue: check the arguments, run the batch-size sweep or the LR range test (tuning/sweep.py),
 and report: the table on stdout, the verdict, the memory breakdown, JSON and a PNG plot."""
@@ -143,7 +143,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     world = ctx.dist.world_size
     sizes = sizes or default_sizes(cfg, images, world)
     check_sizes(sizes, images, world, cfg.model.norm)
-    steps = args.steps  # commands/tuning/tune.py resolved the default
+    steps = args.steps  # commands/tune.py resolved the default
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     # the memory probe's two batches: BatchNorm refuses a batch of one where a feature map is 1x1
     memory = MemoryCheck(cfg, ctx, classes, memory_budget_bytes(cfg, ctx.device),
@@ -274,7 +274,7 @@ def run_lr_test(cfg, args, lr_range: tuple[float, float]) -> int:
                           "benchmark.py --mode find-batch pick one)")
     ctx, images, _ = prepare(cfg)
     check_sizes([cfg.train.batch_size * ctx.dist.world_size], images, ctx.dist.world_size, cfg.model.norm)
-    steps = args.steps  # commands/tuning/tune.py resolved the default
+    steps = args.steps  # commands/tune.py resolved the default
     low, high = lr_range
     say(ctx, f"LR range test: LR {low:g} -> {high:g} over {steps} optimizer steps at batch {cfg.train.batch_size} "
              f"x accum {cfg.train.accum_steps} x {ctx.dist.world_size} process(es)")

@@ -3,11 +3,11 @@ and whether freed host memory is kept. docs/performance.md ("CPU tuning") has wh
 
 Two moments, both once per process:
 
-- `tune_process_start`, which `commands.cli.run_main` calls before any command imports torch (OpenMP
+- `tune_process_start`, which `cli.run_main` calls before any command imports torch (OpenMP
   reads its wait settings once, when torch loads it): the cores' load is probed and the wait chosen by it.
   The choice and the load stay in this module (`process_start`); no command passes them on.
 - `apply_cpu_policy`, once the config (and a resumed checkpoint's thread count) is known
-  (`runtime.runtime.Runtime.apply_cpu_policy`): the thread count (`train.threads`), and with
+  (`compute.device.Runtime.apply_cpu_policy`): the thread count (`train.threads`), and with
   `train.reuse_host_memory` glibc's malloc keeps freed memory.
 
 Nothing here imports torch at module level, so the entry scripts can import it before torch loads."""
@@ -142,7 +142,7 @@ def keep_freed_memory() -> bool:
     is not trimmed back. By default a CPU training step's activations are mapped afresh each step, and
     the kernel zeroes every page again on its first touch (thousands of page faults per step, most of
     the step's system time). Other processes get the memory back when this one ends; the batch finder
-    still measures what is live (it releases the heap explicitly, `runtime.memory.release_freed_heap`).
+    still measures what is live (it releases the heap explicitly, `compute.memory.release_freed_heap`).
     Large requests glibc cannot serve from the heap still get their own mapping. Returns False where
     the C library is not glibc."""
     try:

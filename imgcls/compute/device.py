@@ -271,7 +271,7 @@ class Runtime:
 
     def apply_cpu_policy(self, threads_setting, reuse_host_memory: bool, saved_threads: Optional[int] = None,
                          agree_over_ranks: bool = False) -> None:
-        """Set the thread count (`runtime.cpu_tuning.apply_cpu_policy`); with `agree_over_ranks`, every
+        """Set the thread count (`compute.cpu_tuning.apply_cpu_policy`); with `agree_over_ranks`, every
         rank takes the fewest any rank chose (the checkpoint records one count). A resume whose recorded
         count (`saved_threads`) cannot be kept warns: sums over another count round differently."""
         threads, source = apply_cpu_policy(threads_setting, reuse_host_memory, saved_threads)

@@ -1,5 +1,5 @@
 """Facts about the machine that need no torch: usable cores, their load, this process's age. The policy built on
-them (threads, OpenMP's wait, malloc) is runtime/cpu_tuning.py."""
+them (threads, OpenMP's wait, malloc) is compute/cpu_tuning.py."""
 from __future__ import annotations
 
 import math

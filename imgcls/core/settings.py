@@ -1,8 +1,8 @@
 """How a package declares its config section: a dataclass in its own torch-free `settings` module whose fields
 are `setting(default, help, ...)`. The field carries everything said about the key: its default, the one-line
-help that configs/base.yaml and the configuration reference print (core/config_reference.py writes both), the
+help that configs/base.yaml and the configuration reference print (config.py writes both), the
 allowed range, and whether the key may change on --resume. A section class may define `check(self, cfg)`: its
-own validation, which may read other sections; core/config.py composes the sections and runs the checks.
+own validation, which may read other sections; config.py composes the sections and runs the checks.
 
 Settings modules import only the standard library, core and other settings modules (tests/config_cli/
 test_layers.py), so loading and validating a config never imports torch.
@@ -78,7 +78,7 @@ def reject_threshold_problem(value) -> Optional[str]:
 
 def check_calibration_record(record: Optional[dict], path) -> None:
     """A stored calibration record's numbers (CheckpointError, exit 2, naming the file): the temperature
-    None or a finite number in core.temperature's range, each reject threshold a finite number."""
+    None or a finite number in core.settings's range, each reject threshold a finite number."""
     if not record:
         return
     t = record.get("temperature")

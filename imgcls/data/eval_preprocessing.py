@@ -2,7 +2,7 @@
 `img_size / crop_pct` (antialiased, the recorded interpolation), a centre crop of `img_size`, then
 (x / 255 - mean) / std. `EvalPreprocessing` is the description a model file records (`preprocessing`, read
 back through model_files.stored_metadata's checks); the torch path (data.transforms.EvalTransform,
-normalize_batch) reads its numbers from it, and the slim server (serving.onnx_only) runs this module's
+normalize_batch) reads its numbers from it, and the slim server (serving.slim) runs this module's
 PIL / NumPy implementation of it.
 
 Pixels: both decode through the same PIL calls (`centre_region`: the draft decode that keeps the crop, the
@@ -74,7 +74,7 @@ def normalise(batch: np.ndarray, mean, std) -> np.ndarray:
 
 @dataclass(frozen=True)
 class EvalPreprocessing:
-    """A model's eval preprocessing (checked where it is read: core.config for a config, the model file's
+    """A model's eval preprocessing (checked where it is read: config for a config, the model file's
     checks for a file)."""
 
     img_size: int

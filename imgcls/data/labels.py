@@ -16,7 +16,7 @@ iterative stratification (Sechidis et al. 2011, the `iterative-stratification` p
 tag's share of positives close to the fraction on both sides, rarest tags first.
 
 The split is a pure function of the files' relative paths, their tags, the fraction and the seed: the
-files are first ordered by a SHA-256 of (seed, relative path), as data/listing/split.py orders them, and the
+files are first ordered by a SHA-256 of (seed, relative path), as data/listing.py orders them, and the
 stratifier's own tie-breaking draws come from a numpy RandomState seeded with the seed (a generator whose
 stream numpy keeps fixed). The input order therefore never depends on the listing order or the machine.
 
@@ -122,7 +122,7 @@ def unknown_tag_message(csv_path, line: int, tag: str, classes: list[str], known
 def tag_csv_index(csv_path, base: Path, rows, classes: list[str], known_as: str, delimiter: str
                   ) -> tuple[TagIndex, list[str]]:
     """(the index of the rows whose file exists, the resolved paths of those that do not); as
-    `data.listing.csv_list.csv_index` with tag lists for labels."""
+    `data.listing.csv_index` with tag lists for labels."""
     position = {name: i for i, name in enumerate(classes)}
     paths, labels, missing = [], [], []
     for row in rows:
@@ -262,7 +262,7 @@ class TagLabels(ClassLabels):
         return tag_classes(rows, self.delimiter, where)
 
     def check_class_names(self, names: list[str], where: str) -> list[str]:
-        """No control character, none of infer.py's own CSV columns (data.listing.labelling.tags.check_tag_names)."""
+        """No control character, none of infer.py's own CSV columns (data.labels.check_tag_names)."""
         return check_tag_names(names, where)
 
     def csv_index(self, csv_path, base: Path, rows, classes: list[str], known_as: str):

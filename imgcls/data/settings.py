@@ -1,8 +1,8 @@
-"""The keys of data.format=csv (data/listing/sources/source_csv.py): CSV lists of image paths and labels.
+"""The keys of data.format=csv (data/sources/source_csv.py): CSV lists of image paths and labels.
 
-The keys of data.format=folder (data/listing/sources/source_folder.py): class-folder trees under data.root.
+The keys of data.format=folder (data/sources/source_folder.py): class-folder trees under data.root.
 
-The keys of data.format=webdataset (data/listing/sources/source_webdataset.py): tar shards read as a stream.
+The keys of data.format=webdataset (data/sources/source_webdataset.py): tar shards read as a stream.
 
 The `data` section: where the samples come from (data.format and the keys each source declares beside it,
 data/listing/source_*_settings.py), how images are decoded, augmented and loaded. Also the checks of the data
@@ -106,7 +106,7 @@ class WebDatasetSourceKeys:
             raise ConfigError(f"'data.train_shards' / 'data.val_shards' are set but 'data.format' = {self.format}; "
                               f"set data.format=webdataset to train from shards")
 
-# the data sources' keys, in the order data.format lists them (data/listing/sources/registry.py registers the sources)
+# the data sources' keys, in the order data.format lists them (data/sources/__init__.py registers the sources)
 SOURCE_KEYS = (FolderSourceKeys, CsvSourceKeys, WebDatasetSourceKeys)
 
 
@@ -120,7 +120,7 @@ MAX_IMG_SIZE = 4096
 RANDAUGMENT_MAX_MAGNITUDE = 30
 
 
-MAX_CHANNELS = 1024  # data.bands.MAX_BANDS: a file with more bands is refused before decoding
+MAX_CHANNELS = 1024  # data.images.MAX_BANDS: a file with more bands is refused before decoding
 
 
 MIN_STD = 1e-6  # data.std's floor (auto measures bands whose spread is below one 8-bit step: 0.0039)

@@ -24,7 +24,7 @@ Every transform takes a file path or the file's bytes (a WebDataset sample's ima
 and pixel policy either way.
 
 `data.channels` other than 3 (or a declared `data.value_range`): files are read as N float bands on the 0..255
-scale (`data.bands`), cropped, resized and flipped in torch with the same draws, and returned as float32 CHW
+scale (`data.images`), cropped, resized and flipped in torch with the same draws, and returned as float32 CHW
 tensors; `normalize_batch` treats both sample types alike. With 3 channels nothing here changes.
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ class TrainTransform:
 
 
 def reads_bands(channels: int, value_range) -> bool:
-    """Whether files are read as float bands (`data.bands`) rather than as today's 8-bit RGB."""
+    """Whether files are read as float bands (`data.images`) rather than as today's 8-bit RGB."""
     return channels != 3 or value_range is not None
 
 

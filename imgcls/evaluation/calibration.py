@@ -17,7 +17,7 @@ import torch
 from imgcls.core.settings import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 ECE_BINS = 15
-# the fitted temperature stays within core.temperature's bounds (log-space search); a split too small or too
+# the fitted temperature stays within core.settings's bounds (log-space search); a split too small or too
 # easy to pin it down (every sample right with any confidence) ends at a bound rather than at 0 or infinity
 # below this many validation images the fitted temperature is reported as uncertain
 MIN_CALIBRATION_SAMPLES = 100

@@ -38,7 +38,7 @@ from imgcls.evaluation.rejection import (BANK_SIZE, COMBINED_OF, DEFAULT_METHOD,
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str], str]:
     """calibration.temperature: `auto` fits on the validation outputs (`calibrated_temperature`'s rule, with
-    its notes and its decision), `none` is None, a number is itself; either way within core.temperature's
+    its notes and its decision), `none` is None, a number is itself; either way within core.settings's
     range (the config's check and the fit's clamp keep to it; a stored record is checked too)."""
     if setting == "none":
         return None, [], "calibration.temperature=none: the plain softmax"

@@ -125,7 +125,7 @@ class ScoreRecorder:
 
 
 def apply_reject(rows: list[dict], scores: torch.Tensor, rejector: Rejector) -> int:
-    """The reject option on the rows (tasks.single_label_rows.reject_rows, the slim server's too): `predicted`
+    """The reject option on the rows (tasks.rows.reject_rows, the slim server's too): `predicted`
     and `score` on every classified row, `label` = unknown below the threshold; returns how many."""
     return reject_rows(rows, scores.numpy(), rejector.threshold)
 
@@ -143,7 +143,7 @@ def explain_items(rows: list[dict], classes: list[str], task) -> list[tuple[int,
 
 def overlay_name(position: int, path: str, tag: Optional[str]) -> str:
     """`00007_stem.png`, or `00007_stem.tag.png` for one of several tags (the tag's unsafe characters as _):
-    the position keeps two inputs of one name apart; the folder holds no input (core.outputs)."""
+    the position keeps two inputs of one name apart; the folder holds no input (core.files)."""
     stem = Path(path).stem
     if tag is None:
         return f"{position:05d}_{stem}.png"

@@ -1,10 +1,10 @@
 """What a model file stores beside its weights (the class names, the eval preprocessing, the training config,
 the calibration, a multi-label model's thresholds), read back and checked one way for every path that opens a
 model file: a checkpoint, an ONNX export, a torch.export program, a timm folder, and the slim server
-(serving.onnx_only), which copies this module: it imports no torch.
+(serving.slim), which copies this module: it imports no torch.
 
 A value the file cannot mean is a CheckpointError (exit 2) naming the file, the field, its value and what is
-allowed; the preprocessing goes through the config's own declarations and checks (core.config), so a file
+allowed; the preprocessing goes through the config's own declarations and checks (config), so a file
 is held to exactly what `data.*` allows in a config."""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ and resized to the teacher's input size where it differs.
 The teacher on the validation split: its validation before the first step, and the agreement of student
 and teacher at each validation. The teacher is frozen and the validation transform deterministic, so the
 teacher's prediction for a validation image never changes: `TeacherPredictions` keeps it from the first pass
-over the split (`objectives.distillation.teacher.TeacherPredictions`), and later validations count the agreement
+over the split (`objectives.teacher.TeacherPredictions`), and later validations count the agreement
 without running the teacher (on the quickstart digits that was 40% of each validation's time).
 
 `Distiller`, the distillation objective: the frozen teacher, the conversion of the student's batch to the teacher's input, and the loss

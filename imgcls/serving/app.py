@@ -1,5 +1,5 @@
 """What a request body can be refused for, without torch: the JSON error's `kind` and its detail. Shared by
-serve.py's torch path (serving.model) and its ONNX-only path (serving.onnx_only).
+serve.py's torch path (serving.model) and its ONNX-only path (serving.slim).
 
 The padded batch sizes a served model sees (both serve.py paths: torch, and ONNX only).
 

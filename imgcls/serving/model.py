@@ -31,7 +31,7 @@ def decode_image(body: bytes, transform: EvalTransform, max_pixels: Optional[int
         raise BadImage("empty_body", "the request carried no image bytes")
     try:
         if getattr(transform, "channels", 3) != 3 or getattr(transform, "value_range", None) is not None:
-            return transform(body)  # N bands (TIFF, .npy, PNG): data.bands refuses a hostile shape before decoding
+            return transform(body)  # N bands (TIFF, .npy, PNG): data.images refuses a hostile shape before decoding
         width, height = read_source(body).size
         if max_pixels is not None and width * height > max_pixels:
             raise BadImage("decompression_bomb", f"{width}x{height} = {width * height} pixels, above the limit of "

@@ -14,7 +14,7 @@ serving.app calls on serving.model.ServedModel (`decode`, `classify`, `warm_up`,
 preprocessing is data.eval_preprocessing's description of the export's record, run in PIL and NumPy; the
 rows and the reject option are the task's own (tasks/*_rows.py), which the torch path makes its rows with.
 
-serve.py without torch: the ONNX-only model (serving.onnx_only.model) behind the same app and server
+serve.py without torch: the ONNX-only model (serving.slim) behind the same app and server
 (warm-up before the port opens, SIGTERM drains and exits 0)."""
 from __future__ import annotations
 

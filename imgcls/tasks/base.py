@@ -84,9 +84,9 @@ class Task:
     name: str = ""                       # the data.task value
     title: str = ""                      # the kind of model in messages: single-label | multi-label
     explains_each_label: bool = False    # --explain draws one overlay per called label (named by it)
-    label_format: str = ""               # how samples carry labels (data/listing/labelling/labels.py): class | tags
+    label_format: str = ""               # how samples carry labels (data/labels.py): class | tags
     activation: str = ""                 # what turns its logits into probabilities: softmax | sigmoid
-    metrics: tuple[Metric, ...] = ()     # every validation number, declared once (tasks/metric.py)
+    metrics: tuple[Metric, ...] = ()     # every validation number, declared once (tasks/base.py)
     default_metric: str = ""             # early_stop.metric when left at another task's default
     # features this kind of label does not have, with what to say when one is asked for ("--reject", ...)
     unsupported: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """The training loss (`train.loss`): cross-entropy or binary cross-entropy, on int labels or on the (batch,
 classes) soft targets of mixup / CutMix. Label smoothing composes with mixing as in timm (smoothing the
 mixed distribution: targets x (1 - s) + s / classes). Validation always uses plain cross-entropy on hard
-labels (tasks/single_label_metrics.py)."""
+labels (tasks/metrics.py)."""
 from __future__ import annotations
 
 from typing import Optional

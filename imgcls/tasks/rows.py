@@ -1,7 +1,7 @@
 """infer.py's and serve.py's rows for a single-label model: `path`, `label`, `prob`, the top-k labels and
 probabilities, `error`; the reject option on them (`predicted`, `score`, `unknown`); the table on stdout and
 the CSV / JSON files. NumPy only: the torch path hands its logits over as NumPy, and the slim server
-(serving.onnx_only) makes its rows here too.
+(serving.slim) makes its rows here too.
 
 infer.py's and serve.py's rows for a multi-label model (NumPy only: the slim server's too): the tags whose probability reaches the class's
 threshold (the thresholds tuned in training, or `--threshold X` for every class), and every class's

@@ -2,13 +2,13 @@
 
 The key is made when a run starts tracking and kept across --resume, so every record of every job of the run
 can be put into one tracking run, even when the store was down the whole time: the run is created with the
-tag `imgcls.run_key` (tracking.mlflow_store), and a later job or replay finds it again by that tag or by the
+tag `imgcls.run_key` (tracking.tracker), and a later job or replay finds it again by that tag or by the
 run id written here. Written atomically (a reader never sees half a file).
 
 What a tracked run records about itself: the config as parameters, and tags naming the code, the data,
 the processes and the command line.
 
-A training run's tracking: a listener of the run log (`rundir.runlog.RunLog`), told what it records where
+A training run's tracking: a listener of the run log (`training.runlog.RunLog`), told what it records where
 it writes TensorBoard, metrics.csv and summary.json. Steps are optimizer steps.
 
 - per logged step (output.log_interval): the step line's numbers (`train/loss`, `train/lr`, `train/grad_norm`,
@@ -124,7 +124,7 @@ def git_commit(code_dir: Path = CODE_DIR) -> Optional[str]:
 
 
 def fingerprint_digest(fingerprint: Optional[dict]) -> Optional[str]:
-    """A short digest of the splits' fingerprint (data.listing.fingerprint): equal digests, equal files."""
+    """A short digest of the splits' fingerprint (data.listing): equal digests, equal files."""
     if not fingerprint:
         return None
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,12 +1,12 @@
 """Where a local tracking store writes (a folder store, a SQLite file), kept apart from what the job reads:
 MLflow writes `.trash` and experiment folders into a folder store, which among class folders breaks the next
-run. The outputs-apart rule (core.outputs.check_outputs_apart), with the store as the output.
+run. The outputs-apart rule (core.files.check_outputs_apart), with the store as the output.
 
 The backlog: records that could not be sent, one JSON object a line in `<run dir>/tracking_backlog.jsonl`.
 
 A record is a plain dict with an `op`: `start` (open or create the run), `params`, `tags`, `metrics` (`step`,
 `timestamp` in ms, `metrics`: name -> value), `artifact` (`path`, `artifact_path`) or `end` (`status`). Each
-carries `run_key`: the run it belongs to, as the client knows it (tracking.run_record; the same across the
+carries `run_key`: the run it belongs to, as the client knows it (tracking.runs; the same across the
 jobs of a resumed run), `run_id`: the store's id of that run when known, or null when the run had not been
 created yet (then it belongs to the run that its `start` record creates or finds on replay), and `session`:
 the job (one tracker) it came from.
@@ -17,7 +17,7 @@ counts as down for a while (records meanwhile go straight to the backlog), and a
 once a minute. A run that could not be created at all sends nothing more: its records all go to the backlog,
 which creates the run on replay.
 
-Records (tracking.backlog) applied to an MLflow tracking store through `MlflowClient`: the one place that
+Records (tracking.tracker) applied to an MLflow tracking store through `MlflowClient`: the one place that
 calls MLflow. Used by the sender thread during a job and by `python -m imgcls.tracking.replay` after it.
 
 The narrow interface jobs report to (`Tracker`), its no-op form for `tracking.backend: none` and for
@@ -417,7 +417,7 @@ PARAM_VALUE_MAX = 6000    # MLflow's longest param value
 TAG_VALUE_MAX = 8000
 
 
-RUN_KEY_TAG = "imgcls.run_key"            # the client-side key of the run (tracking.run_record)
+RUN_KEY_TAG = "imgcls.run_key"            # the client-side key of the run (tracking.runs)
 
 
 PREVIOUS_RUN_TAG = "imgcls.previous_run_id"  # the run id last.pt named, which this store did not hold
@@ -645,7 +645,7 @@ class MlflowTracker:
                  reopen: Optional[bool] = None, on_started=None, attempts: int = ATTEMPTS):
         """`run_id`: reopen that run (--resume: its status goes back to RUNNING and close() ends it again);
         with `attach_only` only add to it (eval.py: the run's status stays as it is). `run_key`: the run's
-        client-side key (tracking.run_record), which finds the run again when `run_id` is unknown; `reopen`
+        client-side key (tracking.runs), which finds the run again when `run_id` is unknown; `reopen`
         (default: given a run id): a resumed job's run goes back to RUNNING. `on_started(run_id)` is called
         once the store created or opened the run; `attempts`: tries per record."""
 

@@ -256,7 +256,7 @@ def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tup
     diverging (`rise_lr`, the highest loss after it `rise_loss`), `confidence` (with `confidence_reasons`, see
     `lr_confidence`) and `rerun`: for a low confidence, the --lr-range and --steps to try instead of
     `requested` (low, high, steps asked; default: the LRs tested, which end early at a divergence).
-    `floor`: the lowest loss the objective can reach (tuning.loss_floor: label smoothing, mixing); the
+    `floor`: the lowest loss the objective can reach (tuning.sweep: label smoothing, mixing); the
     divergence's 4x and the confidence's 10% fall are measured above it (`loss_floor` in the result)."""
     skip = min(len(lrs) // 10, 10)
     losses_above = above_floor(losses, floor)

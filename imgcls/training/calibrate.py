@@ -150,7 +150,7 @@ def calibrate_best(cfg: Config, run_dir: Path, eval_model: torch.nn.Module, val_
     """Load best.pt's weights into `eval_model` (training is over), gather its outputs, and on rank 0 add
     the `calibration` record to best.pt. Call on every rank. Returns the record (rank 0) or None.
     `val_outputs`: this rank's outputs of best.pt's model on `val_loader`, kept from the validation pass that
-    saved it (training_run.kept_outputs); the validation split is then not passed over again (when every rank
+    saved it (training.calibrate); the validation split is then not passed over again (when every rank
     has them)."""
     best_path = run_dir / "best.pt"
     task = task_of(cfg)
@@ -213,7 +213,7 @@ def input_channels(model: torch.nn.Module) -> int:
 
 def probe_record(record: dict, model: torch.nn.Module, device_input: DeviceInput, size: int, seed: int) -> None:
     """Add to `record` how much of each generated far-off kind its reject option rejects (`reject_probe`,
-    kind -> percent) and, when that is weak, `reject_notes` (evaluation.reject_probe). The thresholds and
+    kind -> percent) and, when that is weak, `reject_notes` (evaluation.rejection). The thresholds and
     fits are not touched: a separate pass fits the same ones."""
     rejector = usable_rejector(record, have_features=record.get("feature_bank") is not None,
                                have_layers=bool(record.get("layer_names")))

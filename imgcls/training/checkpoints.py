@@ -1,5 +1,5 @@
 """Crash-safe checkpoint files, plain-data RNG state and bare state_dicts (the file level; what goes into
-last.pt and best.pt is `rundir.checkpoints`'s).
+last.pt and best.pt is `training.checkpoints`'s).
 
 Writes go to a temp file in the same folder (named after its host and process, so that a later save
 removes only the temp files of writers that are gone), are flushed and fsynced, then `os.replace`d over
@@ -9,7 +9,7 @@ is a DiskFullError saying how much was needed. Loading is `core.safe_load.load_c
 
 The checkpoint format of a training run, written and restored: what goes into last.pt and best.pt, and
 loading last.pt's state back into the run. (What may change on resume, and the run directory's policy:
-`rundir.resume`; reading a checkpoint back for eval.py / infer.py:
+`training.rundir`; reading a checkpoint back for eval.py / infer.py:
 `model_files.checkpoint_files`.)
 
 last.pt: `model` (the trained weights, a bare state_dict), `classes`, `config`, `preprocessing`, `epoch`,
@@ -283,7 +283,7 @@ class RunRecord:
     classes: list[str]
     world_size: int
     data_source: Optional[dict] = None
-    fingerprint: Optional[dict] = None  # data.listing.fingerprint.data_fingerprint of the run's splits
+    fingerprint: Optional[dict] = None  # data.listing.data_fingerprint of the run's splits
 
 
 class Checkpointer:
@@ -458,5 +458,5 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def data_source_fields(data_source: Optional[dict]) -> dict:
-    """The checkpoint's record of where its samples came from (data.listing.sources.registry.DataSources.identity)."""
+    """The checkpoint's record of where its samples came from (data.sources.DataSources.identity)."""
     return {"data_source": dict(data_source)} if data_source else {}

@@ -1,6 +1,6 @@
 """Pieces of a training run's set-up that need no Trainer state: the built-in data written once per node,
 the model with its starting weights, its training wrappers, and the files a run directory starts with.
-`training_run.trainer.Trainer` calls them in its set-up phases.
+`training.trainer.Trainer` calls them in its set-up phases.
 
 A training run's parts, built once: `build_run` returns a frozen `Run` whose every part is finished (runtime,
 run directory, data, models, objective, optimisation, checkpointing, logging and tracking); nothing waits

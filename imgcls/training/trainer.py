@@ -1,4 +1,4 @@
-"""The training run, as a table of contents: build the run (`training_run.run.build_run`: every part finished,
+"""The training run, as a table of contents: build the run (`training.parts.build_run`: every part finished,
 restored from last.pt on --resume), then for each epoch train (`training.loop.train_one_epoch`), validate and
 save, then calibrate best.pt and finish. `run` is the one entry: train.py, tune.py's search and the tests call it."""
 from __future__ import annotations

@@ -14,7 +14,7 @@ train.py retrains the best trial with), Optuna's plots as PNGs, the closing line
 is, and (`--keep best`) the checkpoints of every trial but the best one deleted.
 
 `tune.py --search`: an Optuna study (TPE sampler, median or Hyperband pruner) in `DIR/study.db` whose trials
-are train.py runs in `DIR/trials/<number>/` (tuning/search_trial.py). The study is resumable: the same command
+are train.py runs in `DIR/trials/<number>/` (tuning/search.py). The study is resumable: the same command
 continues it, taking up a trial that an earlier process left running (killed, or stopped by a signal) from its
 last.pt, so no trial is lost or counted twice, until N trials are finished (complete or pruned)."""
 from __future__ import annotations

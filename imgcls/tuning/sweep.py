@@ -1,5 +1,5 @@
 """The lowest training loss a recipe's objective can reach, from the recipe alone: the LR range test's rules
-(a 4x divergence, a 10% fall) are measured above it (tuning.arithmetic.lr_suggestion).
+(a 4x divergence, a 10% fall) are measured above it (training.arithmetic.lr_suggestion).
 
 Cross entropy against a soft target t is H(t) + KL(t || p) >= H(t): with label smoothing s over C classes
 the loss cannot fall below the smoothed one-hot's entropy (0.50 nats for s = 0.1, C = 10), and mixup / CutMix
@@ -222,7 +222,7 @@ class RangeTest:
     losses: list[float]           # raw, averaged over ranks
     smoothed: list[float]
     effective_batch: int
-    floor: float = 0.0            # the objective's lowest reachable loss (tuning.loss_floor)
+    floor: float = 0.0            # the objective's lowest reachable loss (tuning.sweep)
     floor_reason: str = ""
 
 
@@ -230,8 +230,8 @@ def run_lr_range(cfg, ctx: Runtime, low: float, high: float, steps: int,
                  on_step: Optional[Callable[[int, float], None]] = None) -> RangeTest:
     """The LR range test at `cfg`'s batch: LR from `low` to `high` exponentially over `steps` optimizer
     steps (the same on every rank), the loss averaged over ranks at every step; it stops early once the
-    smoothed loss diverges (tuning.arithmetic.divergence_index) (every rank sees the same averages, so all stop
-    together; both measured above the objective's floor, tuning.loss_floor). `on_step(step, seconds since the
+    smoothed loss diverges (training.arithmetic.divergence_index) (every rank sees the same averages, so all stop
+    together; both measured above the objective's floor, tuning.sweep). `on_step(step, seconds since the
     start)` after every step."""
     lrs = exponential_lrs(low, high, steps)
     step, data = build_run(cfg, ctx, low, 0, None)

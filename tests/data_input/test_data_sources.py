@@ -194,7 +194,7 @@ def test_csv_config_mistakes_exit_2(csv_data):
 
 
 def test_each_registered_source_declares_its_keys_and_no_key_twice():
-    """data.format's values are the sources data/listing/sources/registry.py registers; each source's keys come from its own
+    """data.format's values are the sources data/sources/__init__.py registers; each source's keys come from its own
     settings class, and a key of another source set away from its default is refused."""
     import dataclasses
 

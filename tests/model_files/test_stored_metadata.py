@@ -129,6 +129,6 @@ def spoil_timm_folder(folder, target, changes: dict):
 def test_timm_folder_metadata_is_checked(tmp_path, timm_folder, case, changes, named):
     folder = spoil_timm_folder(timm_folder, tmp_path / "spoilt", changes)
     said = refusal(folder)
-    if case == "fewer classes than outputs":  # models.timm_folder's own check of config.json
+    if case == "fewer classes than outputs":  # models.factory's own check of config.json
         named = "num_classes 3 but 2 label_names"
     assert named in said and str(folder) in said

@@ -51,7 +51,7 @@ def write_squares(root: Path, per_class: int, seed: int) -> list[tuple[str, str,
 
 
 def write_photos(root: Path, count: int) -> list[str]:
-    """Out-of-distribution images: benchmarking/photos.py's generated photos at other sizes."""
+    """Out-of-distribution images: benchmarking/modes.py's generated photos at other sizes."""
     from imgcls.benchmarking.modes import photo
 
     root.mkdir(parents=True, exist_ok=True)

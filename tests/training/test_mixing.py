@@ -1,4 +1,4 @@
-"""Random erasing, mixup and CutMix on the device (training/mixing.py) and the training losses (tasks/losses.py):
+"""Random erasing, mixup and CutMix on the device (training/step.py) and the training losses (tasks/losses.py):
 label mass, the lambda distribution, CutMix boxes and their corrected lambda, erasing boxes like torchvision's,
 draws as a function of (seed, step, micro-batch), and the loss math against timm's."""
 import math
