@@ -159,7 +159,7 @@ def finite_float(text: str) -> float:
 EXTRAS = {
     "export": ("onnx", "onnxscript", "onnxruntime"),
     "openvino": ("openvino", "nncf"),
-    "serve": ("fastapi", "uvicorn", "python_multipart"),
+    "serve": ("fastapi", "uvicorn", "python_multipart|multipart"),  # python-multipart's name before 0.0.13: multipart
     "tune": ("optuna",),
     "audit": ("imagehash", "cleanlab"),
     "embed": ("faiss",),
@@ -168,21 +168,28 @@ EXTRAS = {
 }
 
 
-def module_available(name: str) -> bool:
-    """Whether `import name` would find the module, without importing it (a None in sys.modules: blocked)."""
+def module_available(names: str) -> bool:
+    """Whether `import name` would find the module (one of `a|b`), without importing it (a None in sys.modules:
+    blocked)."""
     import importlib.util
 
-    if name in sys.modules:
-        return sys.modules[name] is not None
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    for name in names.split("|"):
+        if name in sys.modules:
+            if sys.modules[name] is not None:
+                return True
+            continue
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            pass
+    return False
 
 
-def require_extra(extra: str, what: str) -> None:
-    """ConfigError (exit 2) naming the extra to install when one of its modules is missing."""
-    missing = [name for name in EXTRAS[extra] if not module_available(name)]
+def require_extra(extra: str, what: str, modules: tuple[str, ...] | None = None) -> None:
+    """ConfigError (exit 2) naming the extra to install when one of its modules (or of `modules`, the part of
+    it `what` needs) is missing."""
+    missing = [name.split("|")[0] for name in modules or EXTRAS[extra] if not module_available(name)]
     if missing:
         raise ConfigError(f"{what} needs imgcls's optional dependencies [{extra}] ({', '.join(missing)} not "
                           f"installed): pip install \"imgcls[{extra}]\" (or \"imgcls[all]\")")
@@ -194,10 +201,10 @@ def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
     if not path:
         return
     lowered = path.lower()
-    if lowered.endswith(".onnx"):
-        require_extra("export", f"{flag} {path} (an ONNX file)")
+    if lowered.endswith(".onnx"):  # running one takes onnxruntime alone (the slim serving image's case)
+        require_extra("export", f"{flag} {path} (an ONNX file)", ("onnxruntime",))
     elif lowered.endswith(".xml") or os.path.isfile(os.path.join(path, "model.xml")):
-        require_extra("openvino", f"{flag} {path} (an OpenVINO IR)")
+        require_extra("openvino", f"{flag} {path} (an OpenVINO IR)", ("openvino",))
 
 
 # ---------------------------------------------------------------- imgcls COMMAND
