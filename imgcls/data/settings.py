@@ -1,11 +1,7 @@
-"""The keys of data.format=csv (data/sources/source_csv.py): CSV lists of image paths and labels.
-
-The keys of data.format=folder (data/sources/source_folder.py): class-folder trees under data.root.
-
-The keys of data.format=webdataset (data/sources/source_webdataset.py): tar shards read as a stream.
-
-The `data` section: where the samples come from (data.format and the keys each source declares beside it,
-data/listing/source_*_settings.py), how images are decoded, augmented and loaded. Also the checks of the data
+"""The `data` section: where the samples come from (data.format, and the keys of each source: data.format=folder,
+class-folder trees under data.root, data/sources/source_folder.py; data.format=csv, CSV lists of image paths and
+labels, data/sources/source_csv.py; data.format=webdataset, tar shards read as a stream,
+data/sources/source_webdataset.py), how images are decoded, augmented and loaded. Also the checks of the data
 paths that run before any work (the data root, the files the keys name)."""
 from __future__ import annotations
 

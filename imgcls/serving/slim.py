@@ -1,7 +1,7 @@
 """serve.py for ONNX exports without torch or torchvision (the slim serving image: onnxruntime, Pillow,
 NumPy, FastAPI/uvicorn): onnxruntime's session and the HTTP glue only. The metadata checks
 (model_files.stored_metadata), the eval preprocessing (data.eval_preprocessing) and the rows (the tasks'
-tasks/*_rows.py: calibrated `prob`, the energy reject option, multi-label tags) are the ones the torch path
+tasks/rows.py: calibrated `prob`, the energy reject option, multi-label tags) are the ones the torch path
 uses; served by the same HTTP app (serving.app) and server (serving.server.GracefulServer).
 
 An ONNX model written by export.py, opened without torch: onnxruntime's session (set up as
@@ -12,7 +12,7 @@ that opens a model file makes.
 The model behind serve.py without torch: an ONNX export run by onnxruntime on the CPU, with the methods
 serving.app calls on serving.model.ServedModel (`decode`, `classify`, `warm_up`, `health`, `max_batch`). The
 preprocessing is data.eval_preprocessing's description of the export's record, run in PIL and NumPy; the
-rows and the reject option are the task's own (tasks/*_rows.py), which the torch path makes its rows with.
+rows and the reject option are the task's own (tasks/rows.py), which the torch path makes its rows with.
 
 serve.py without torch: the ONNX-only model (serving.slim) behind the same app and server
 (warm-up before the port opens, SIGTERM drains and exits 0)."""
