@@ -355,12 +355,17 @@ def test_freed_host_memory_is_reused_without_page_faults():
              "x = torch.randn(16, 3, 64, 64); step = lambda: net(x).square().mean().backward(); [step() for _ in range(3)]; "
              "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; [step() for _ in range(10)]; "
              "print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)")
+    # the fewest of three processes per mode: a kept heap still faults in a 16-48 MB chunk now and then (AMD
+    # EPYC: 1 to 12287 faults a process, against 61000-90000 without), and one such outlier is not the policy
     results = {}
     for mode in ("keep", "default"):
-        out = subprocess.run([sys.executable, "-c", probe, mode], cwd=REPO, capture_output=True, text=True,
-                             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}).stdout
-        kept, faults = out.split()
-        results[mode] = (kept, int(faults))
+        runs = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-c", probe, mode], cwd=REPO, capture_output=True, text=True,
+                                 env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}).stdout
+            kept, faults = out.split()
+            runs.append(int(faults))
+        results[mode] = (kept, min(runs))
     assert results["keep"][0] == "True"
     # malloc's default maps each large activation afresh and the kernel zeroes its pages on first touch
     assert results["keep"][1] * 5 < results["default"][1], results
