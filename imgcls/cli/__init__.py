@@ -209,7 +209,7 @@ def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
 
 # ---------------------------------------------------------------- imgcls COMMAND
 
-# each command's module is imgcls.cli.<name>; its help line is the first line of that module's docstring
+# each command is the `main` of imgcls.cli.<name>; `imgcls --help` lists it with its line here
 COMMANDS = ("train", "eval", "infer", "export", "serve", "tune", "audit", "embed", "search", "benchmark")
 SUMMARIES = {
     "train": "train a classifier from a config (--config NAME|FILE, KEY=VALUE overrides, --resume)",
