@@ -162,11 +162,9 @@ class ImageRequests:
             found = await asyncio.get_running_loop().run_in_executor(None, neighbours, self.index, vector, k)
             return {"neighbours": found}
 
-if TYPE_CHECKING:
-    from imgcls.embedding.index import LoadedIndex
-
 
 if TYPE_CHECKING:  # the torch path's model; the ONNX-only one (serving/slim.py) has the same methods
+    from imgcls.embedding.index import LoadedIndex
     from imgcls.serving.model import ServedModel
 
 log = logging.getLogger("serve")
