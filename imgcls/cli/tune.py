@@ -111,6 +111,7 @@ def launcher(nproc_per_node: int) -> tuple:
 
 
 def search_main(args) -> int:
+    from imgcls.commands.output_roles import check_tune_outputs
     from imgcls.config import load_config
     from imgcls.data.settings import check_data_root
     from imgcls.tasks import metric_named
@@ -119,6 +120,7 @@ def search_main(args) -> int:
 
     check_search_arguments(args)
     cfg = load_config(args.config, args.overrides)
+    check_tune_outputs(cfg, args.config, args.search, args.study)
     dims = load_space(args.search, args.config, args.overrides)
     check_data_root(cfg)
     check_tracking_client(cfg.tracking)
@@ -129,14 +131,14 @@ def search_main(args) -> int:
 
     for name in next((d.choices for d in dims if d.key == "model.name"), None) or (cfg.model.name,):
         check_model_name(name)
-    from imgcls.tuning.search import SearchPlan, run_search
+    from imgcls.tuning.search import SearchPlan, resolved_record, run_search
 
     metric = cfg.early_stop.metric
     plan = SearchPlan(config=args.config, overrides=list(args.overrides), dims=dims, trials=args.trials,
                       study_dir=Path(args.study), metric=metric, higher_is_better=metric_named(metric).higher_is_better,
                       epochs=cfg.train.epochs, seed=cfg.train.seed, pruner=args.pruner,
                       startup_trials=args.startup_trials, keep=args.keep, launcher=launcher(args.nproc_per_node),
-                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls")
+                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls", resolved=resolved_record(cfg, dims))
     for dim in dims:
         logging.getLogger(__name__).info("search: %s", dim.describe())
     return run_search(plan)

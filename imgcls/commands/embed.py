@@ -15,27 +15,28 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from imgcls.commands.infer import fixed_batch_size
+from imgcls.commands.output_roles import check_embed_outputs, check_search_outputs
 from imgcls.core.errors import ConfigError
-from imgcls.core.files import check_outputs_apart, write_json
+from imgcls.core.files import write_json
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.embedding.embedder import Embedder
-from imgcls.embedding.index import (METRIC, IndexInfo, PathRow, VectorWriter, check_index_model, load_index,
-                                    neighbour_rows, read_info, read_rows, read_vectors, update_index, write_rows)
+from imgcls.embedding.index import (INDEX_FILE, METRIC, IndexInfo, PathRow, VectorWriter, check_index_file,
+                                    check_index_model, load_index, neighbour_rows, read_info, read_rows, read_vectors,
+                                    update_index, write_rows)
 
 log = logging.getLogger(__name__)
 
 
 def check_embed_output(output: str, inputs: list[str], paths: list[str], checkpoint: str) -> Path:
-    """The output folder: not a file, holding no input and apart from the input folders and the model."""
+    """The output folder: not a file, holding no input (image, list, model) and apart from the input folders."""
     folder = Path(output)
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--output {output}: is a file; name a folder (embed.py writes embeddings.npy, paths.csv "
                           f"and index.* into it)")
-    check_outputs_apart({}, {"input image": paths, "checkpoint": [checkpoint] if os.path.isfile(checkpoint) else []},
-                        {"input folder": [p for p in inputs if os.path.isdir(p)],
-                         "checkpoint folder": [checkpoint] if os.path.isdir(checkpoint) else []},
-                        {"--output": output})
+    check_embed_outputs(inputs, paths, checkpoint, output)
     return folder
 
 
@@ -60,23 +61,66 @@ def check_kept_vectors(folder: Path, previous: Optional[IndexInfo]):
     return kept
 
 
+def fingerprint(path: str) -> Optional[tuple[int, int]]:
+    """(size, mtime_ns) of a file, None when it is gone."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+def current_rows(folder: Path, previous: Optional[IndexInfo]) -> list[PathRow]:
+    """The folder's vector rows whose files are still there, unchanged since they were embedded: the row of a
+    file deleted, moved away or rewritten is dropped (a search must not answer it)."""
+    if previous is None:
+        return []
+    rows, seen = [], set()
+    for row in read_rows(folder):
+        if row.index is None:
+            continue
+        if row.index >= previous.count or row.index in seen:
+            raise ConfigError(f"--output {folder}: paths.csv gives row {row.index} to {row.path!r}, but "
+                              f"embeddings.npy holds rows 0 to {previous.count - 1}, each once; write to a new folder")
+        seen.add(row.index)
+        now = fingerprint(row.path)
+        if now is not None and (row.size is None or now == (row.size, row.mtime_ns)):
+            rows.append(row)
+    return rows
+
+
+def distinct_files(paths: list[str]) -> list[str]:
+    """Each file once: `0/../0/x.png`, `./0/x.png` and a link to it are one file (the first spelling kept)."""
+    seen, out = set(), []
+    for path in paths:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            out.append(path)
+    return out
+
+
 def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optional[int], amp: Optional[str],
               num_workers: int, device_setting: str = "auto") -> int:
     """Embed every input file not yet in `output`; returns the exit status (0: the folder holds vectors,
     1: no file could be read)."""
-    paths = expand_inputs(inputs)
+    paths = distinct_files(expand_inputs(inputs))
     folder = check_embed_output(output, inputs, paths, checkpoint)
-    embedder = Embedder.open(checkpoint, device_setting, amp)
     previous = read_info(folder)
-    check_same_model(previous, embedder, folder)
     kept = check_kept_vectors(folder, previous)
-    kept_rows = [r for r in read_rows(folder) if r.index is not None] if previous is not None else []
-    known = {os.path.abspath(r.path) for r in kept_rows}
-    new = [p for p in paths if os.path.abspath(p) not in known]
+    if previous is not None and (folder / INDEX_FILE).is_file():
+        check_index_file(folder, previous)
+    kept_rows = current_rows(folder, previous)
+    embedder = Embedder.open(checkpoint, device_setting, amp)
+    check_same_model(previous, embedder, folder)
+    dropped = 0 if previous is None else previous.count - len(kept_rows)
+    known = {os.path.realpath(r.path) for r in kept_rows}
+    new = [p for p in paths if os.path.realpath(p) not in known]
     if previous is not None:
-        print(f"{folder}: {previous.count} vector(s) already; {len(new)} of {len(paths)} input file(s) are new",
-              file=sys.stderr)
-    if not new:
+        print(f"{folder}: {previous.count} vector(s) already" +
+              (f", {dropped} of files gone or changed dropped" if dropped else "") +
+              f"; {len(new)} of {len(paths)} input file(s) are new", file=sys.stderr)
+    if not new and not dropped:
         print(f"nothing to embed: every input file is in {folder}", file=sys.stderr)
         return 0 if previous.count else 1
     batch_size = fixed_batch_size(embedder.model_file, batch_size)
@@ -86,14 +130,17 @@ def run_embed(inputs: list[str], checkpoint: str, output: str, batch_size: Optio
     writer = VectorWriter(folder, len(new))
     try:
         embedder.run(loader, writer)
-        vectors, rows = writer.finish(kept)
+        vectors, rows = writer.finish(kept, np.array([r.index for r in kept_rows], dtype=np.int64)
+                                      if kept is not None else None)
     finally:
         writer.discard()
-    new_rows = [PathRow(p, row, writer.errors.get(i, "")) for i, (p, row) in enumerate(zip(new, rows))]
+    kept_rows = [PathRow(r.path, i, "", r.size, r.mtime_ns) for i, r in enumerate(kept_rows)]
+    new_rows = [PathRow(p, row, writer.errors.get(i, ""), *(fingerprint(p) or (None, None)))
+                for i, (p, row) in enumerate(zip(new, rows))]
     write_rows(folder, kept_rows + new_rows)
     info = IndexInfo(embedder.name, int(vectors.shape[1]), METRIC, len(vectors), "", str(embedder.model_file.path),
                      embedder.digest)
-    update_index(folder, vectors, info, previous)
+    update_index(folder, vectors, info, None if dropped else previous)
     failed = [r for r in new_rows if r.index is None]
     for r in failed:
         log.warning("could not read %s: %s", r.path, r.error)
@@ -119,9 +166,11 @@ def run_search(queries: list[str], index_dir: str, top_k: int, output: Optional[
                batch_size: Optional[int], num_workers: int, device_setting: str = "auto") -> int:
     """Exit 0 when at least one query was read, 1 when none could be."""
     folder = Path(index_dir)
-    index = load_index(folder)
     paths = expand_inputs(queries)
+    check_search_outputs(queries, paths, index_dir, checkpoint, output)
+    index = load_index(folder)
     model_path = query_model(folder, index.info.checkpoint, checkpoint)
+    check_search_outputs(queries, paths, index_dir, model_path, output)
     embedder = Embedder.open(model_path, device_setting)
     check_index_model(index, folder, model_path, embedder.digest)
     loader = inference_batches(paths, embedder.transform, fixed_batch_size(embedder.model_file, batch_size),

@@ -68,6 +68,38 @@ def check_export_outputs(checkpoint: str, output: str, folder_output: bool) -> N
                         {"checkpoint folder": _dirs(checkpoint)}, {"--output": output} if folder_output else None)
 
 
+def check_embed_outputs(inputs: list[str], paths: list[str], checkpoint: str, output: str) -> None:
+    """embed.py: the output folder holds no input image, input list or model file and overlaps no input
+    folder (`embed.py lst/paths.csv --output lst` would replace the list it reads)."""
+    check_outputs_apart({}, {"input image": paths, "input list": _files(*inputs), "checkpoint": _files(checkpoint)},
+                        {"input folder": _dirs(*inputs), "checkpoint folder": _dirs(checkpoint)}, {"--output": output})
+
+
+def check_search_outputs(queries: list[str], paths: list[str], index_dir: str, checkpoint: Optional[str],
+                         output: Optional[str]) -> None:
+    """search.py: --output is no query image, query list or model file and lies outside the index folder
+    (its paths.csv and index.json are what the next search reads) and the query folders."""
+    check_outputs_apart({"--output": output}, {"query image": paths, "query list": _files(*queries),
+                                               "checkpoint": _files(checkpoint)},
+                        {"index folder": [index_dir], "query folder": _dirs(*queries),
+                         "checkpoint folder": _dirs(checkpoint)})
+
+
+def check_tune_outputs(cfg, config: Optional[str], space: str, study: str) -> None:
+    """tune.py --search: --study DIR (study.db, best.yaml, trials.csv, plots, trials/) holds none of the files
+    the study reads (the config file, the space, the data lists) and lies outside the class-folder tree the
+    trials train on (`--config N1/best.yaml --study N1` would replace the config with best.yaml)."""
+    from imgcls.config import resolve_config_path
+    from imgcls.data.settings import check_outside_data
+
+    d = cfg.data
+    config_file = str(resolve_config_path(config)) if config else None
+    check_outputs_apart({}, {"--config file": _files(config_file), "--search space": _files(space),
+                             "data list": _files(d.train_csv, d.val_csv), "classes file": _files(d.classes)},
+                        None, {"--study": study})
+    check_outside_data(cfg, "--study", study)
+
+
 def errors_paths(json_path: str | Path) -> tuple[Path, Path]:
     json_path = Path(json_path)
     return json_path.with_name(f"{json_path.stem}_errors.csv"), json_path.with_name(f"{json_path.stem}_errors.html")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from imgcls.core.errors import ConfigError
-from imgcls.core.files import not_a_regular_file
+from imgcls.core.files import check_outputs_apart, not_a_regular_file
 from imgcls.core.settings import setting
 
 
@@ -276,6 +276,24 @@ def check_data_root(cfg) -> Optional[Path]:
             raise ConfigError(f"'data.root' = {cfg.data.root}: missing split folder '{split}/' (data.train_split / "
                               f"data.val_split)")
     return root
+
+
+def scanned_folders(cfg) -> list[Path]:
+    """The folders whose files data.format=folder lists as images: the split folders under data.root (the
+    root itself with data.val_fraction); none for CSV lists and shards."""
+    d = cfg.data
+    if d.format != "folder" or not d.root:
+        return []
+    root = Path(d.root).expanduser()
+    return [root] if d.val_fraction is not None else [root / d.train_split, root / d.val_split]
+
+
+def check_outside_data(cfg, flag: str, path) -> None:
+    """ConfigError (exit 2) before any work when an output folder lies inside a folder the data is scanned
+    from (scanned_folders): the plots and files written there would be listed as images of a class the next
+    time (embed.py refuses the same for its folder)."""
+    if path:
+        check_outputs_apart({flag: str(path)}, {}, {"data folder": [str(p) for p in scanned_folders(cfg)]})
 
 
 def not_a_folder(path: Path) -> str:

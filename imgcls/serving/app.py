@@ -147,11 +147,13 @@ class ImageRequests:
             return vector if isinstance(vector, JSONResponse) else {"embedding": [float(v) for v in vector]}
 
         @app.post("/similar")
-        async def similar(request: Request, k: int = 5):
+        async def similar(request: Request):
             if self.index is None:
                 return _error(404, "no_index", "start serve.py with --index DIR (a folder written by embed.py)")
+            text = request.query_params.get("k", "5")
+            k = int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else 0  # our error shape for k=abc, not FastAPI's 422
             if not 1 <= k <= MAX_K:
-                return _error(400, "bad_k", f"k={k}: must be between 1 and {MAX_K}")
+                return _error(400, "bad_k", f"k={text}: must be a whole number between 1 and {MAX_K}")
             vector = await self.vector(request)
             if isinstance(vector, JSONResponse):
                 return vector

@@ -59,6 +59,18 @@ def check_served_index(served, index, index_dir: Optional[str]) -> None:
     check_index_model(index, Path(index_dir), served.model_file.path, served.embedder.digest)
 
 
+def check_served_index_dim(served, index, index_dir: Optional[str]) -> None:
+    """ConfigError (exit 2) at start-up when the served model's vectors are not of --index's length (an
+    index.json whose digest names this model over another model's vectors), not at the first /similar."""
+    if index is None:
+        return
+    from imgcls.data.transforms import blank_for
+    from imgcls.embedding.index import check_index_dim
+
+    blank = blank_for(served.predictor.transform, served.predictor.transform.img_size)
+    check_index_dim(index, Path(index_dir), served.model_file.path, served.embed([blank]).shape[1])
+
+
 def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: int, device: str,
           trust=None, index_dir: Optional[str] = None) -> int:
     from imgcls.serving.model import ServedModel  # torch: imported here, so the ONNX-only server can use GracefulServer
@@ -68,6 +80,7 @@ def serve(checkpoint: str, host: str, port: int, settings: ServeSettings, topk: 
     check_served_index(served, index, index_dir)
     settings.max_batch = served.max_batch
     served.warm_up()
+    check_served_index_dim(served, index, index_dir)
     log.info("%s (%s, %d classes) on %s, batches of up to %d (shapes %s), waiting up to %g ms for a batch, "
              "%d decode threads%s", served.model_file.path, served.model_file.cfg.model.name, len(served.classes),
              served.device_input.device, served.max_batch, served.shapes, settings.max_wait_ms,

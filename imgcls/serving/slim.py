@@ -262,6 +262,11 @@ def serve_onnx(checkpoint: str, host: str, port: int, settings: ServeSettings, t
         check_index_model(index, Path(index_dir), checkpoint, served.digest)
     settings.max_batch = served.max_batch
     served.warm_up()
+    if index is not None:
+        from imgcls.embedding.index import check_index_dim
+
+        blank = np.zeros((3, served.preprocess.img_size, served.preprocess.img_size), np.uint8)
+        check_index_dim(index, Path(index_dir), checkpoint, served.embed([blank]).shape[1])
     log.info("%s (%s, %d classes) on the CPU with onnxruntime (no torch), batches of up to %d (shapes %s), "
              "waiting up to %g ms for a batch, %d decode threads%s", served.export.path, served.export.model_name,
              len(served.classes), served.max_batch, served.shapes, settings.max_wait_ms, settings.decode_workers,

@@ -30,7 +30,7 @@ from imgcls.core.errors import ConfigError
 from imgcls.data.build import RunData, build_run_data, prepare_root, resolve_normalisation
 from imgcls.data.listing import data_fingerprint, write_split_lists
 from imgcls.data.loaders import shutdown_workers
-from imgcls.data.settings import check_data_root
+from imgcls.data.settings import check_data_root, check_outside_data
 from imgcls.model_files.checkpoint_files import recorded_threads
 from imgcls.models.ema import create_ema
 from imgcls.models.factory import (BackboneFreeze, build_model, check_grad_checkpointing, check_model_name,
@@ -203,6 +203,7 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     """Checks that need no work, the runtime, the run directory (locked by rank 0), the checkpoint to
     resume or fine-tune from, the CPU threads, the pretrained weights and the built-in data."""
     check_data_root(cfg)
+    check_outside_data(cfg, "output.dir", run_dir)
     check_tracking_client(cfg.tracking)
     check_store_apart(cfg, finetune)
     check_model_name(cfg.model.name)

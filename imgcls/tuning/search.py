@@ -38,8 +38,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from imgcls.config import (CONFIG_DIR, Config, _did_you_mean, all_keys, load_config, nest, parse_override, read_yaml,
-                           resolve_config_path)
+from imgcls.config import (CONFIG_DIR, Config, _did_you_mean, all_keys, check_expanded_size, flatten, load_config, nest,
+                           parse_override, read_yaml, resolve_config_path, resume_free_keys)
 from imgcls.core.errors import ConfigError
 from imgcls.tasks import metric_named
 
@@ -77,13 +77,53 @@ def override_text(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
+SPACE_MAX_BYTES = 64 * 1024  # a space names a few keys; a larger file is refused before YAML parses it
+
+
+MAX_CHOICES = 100  # per key: Optuna's TPE keeps a weight per choice; a study runs tens of trials
+
+
+class _SpaceLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"the key '{key}' is given twice (line {key_node.start_mark.line + 1}); give each "
+                                  f"key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_space(path: Path, source: str) -> dict:
+    """SPACE.yaml as a mapping: at most SPACE_MAX_BYTES, plain YAML, no key twice (ConfigError, exit 2)."""
+    size = path.stat().st_size
+    if size > SPACE_MAX_BYTES:
+        raise ConfigError(f"{source}: {size} bytes; a space names a few keys (at most {SPACE_MAX_BYTES} bytes, "
+                          f"{MAX_CHOICES} choices a key): search a range {{low, high}} instead of listing values")
+    try:
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_SpaceLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{source}: not plain YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: must hold a mapping of config keys at the top level")
+    check_expanded_size(loaded, source)
+    return loaded
+
+
 def load_space(path: str, config: Optional[str], overrides: list[str]) -> list[Dimension]:
     """SPACE.yaml as dimensions, each checked against the config (`config` with `overrides`)."""
     source = f"--search {path}"
     if not Path(path).is_file():
         raise ConfigError(f"{source}: no such file (a YAML mapping of dotted config keys to {{low, high}} or a "
                           f"list of choices)")
-    entries = read_yaml(Path(path))
+    entries = read_space(Path(path), source)
     if not entries:
         raise ConfigError(f"{source}: the space is empty; give at least one key, e.g. "
                           f"optim.lr: {{low: 0.001, high: 1.0, log: true}}")
@@ -105,6 +145,9 @@ def load_space(path: str, config: Optional[str], overrides: list[str]) -> list[D
 def _choices(key: str, entry: list, source: str) -> Dimension:
     if not entry:
         raise ConfigError(f"{source}: '{key}': the list of choices is empty")
+    if len(entry) > MAX_CHOICES:
+        raise ConfigError(f"{source}: '{key}': {len(entry)} choices, more than {MAX_CHOICES}; search a range "
+                          f"{{low, high}} instead of listing values")
     texts = [json.dumps(choice, sort_keys=True) for choice in entry]
     if len(set(texts)) != len(texts):
         raise ConfigError(f"{source}: '{key}': a choice is repeated in {entry}")
@@ -495,11 +538,34 @@ class SearchPlan:
     launcher: tuple = ()  # the train.py command before its arguments (python train.py, or torchrun ... train.py)
     tracking: object = None  # the config's TrackingConfig: tracking.backend=mlflow opens a run for the study
     experiment: str = "imgcls"  # the tracking experiment when tracking.experiment is null (the config's name)
+    resolved: dict = field(default_factory=dict)  # the config's content (resolved_record): matched, not its path
 
     def identity(self) -> dict:
-        """What makes two commands the same study (the trial count and pruner settings may change)."""
+        """What makes two commands the same study (the trial count and pruner settings may change): the
+        config named the same way and holding the same values."""
         return json.loads(json.dumps({"config": self.config, "overrides": self.overrides, "metric": self.metric,
-                                      "space": space_record(self.dims)}))
+                                      "space": space_record(self.dims), "resolved": self.resolved}))
+
+
+def resolved_record(cfg: Config, dims: list[Dimension]) -> dict:
+    """The study's resolved config (file and overrides) as flat key -> value, without what each trial sets
+    itself (the searched keys, output.dir) or may change on a resume: an edit of the config file between two
+    runs of one study shows here, where the file's path does not."""
+    skip = {*STUDY_OWNED_KEYS, *(d.key for d in dims), *resume_free_keys()}
+    return json.loads(json.dumps({k: v for k, v in flatten(cfg.to_dict()).items() if k not in skip}, default=str))
+
+
+def identity_differences(recorded: dict, wanted: dict) -> list[str]:
+    """What differs between a study's recorded identity and this command's, as `name value` texts; a study
+    recorded before the resolved config was kept is matched on the rest."""
+    differ = [f"its {k} {recorded.get(k)!r}" for k in wanted if k != "resolved" and recorded.get(k) != wanted[k]]
+    if "resolved" in recorded and recorded["resolved"] != wanted["resolved"]:
+        old, new = recorded["resolved"], wanted["resolved"]
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k)]
+        differ.append(f"its config's content changed since the study began ({'; '.join(changed[:8])}"
+                      f"{' ...' if len(changed) > 8 else ''})")
+    return differ
 
 
 def lock_study(study_dir: Path) -> int:
@@ -543,13 +609,13 @@ def open_study(plan: SearchPlan):
     if drawn:  # a continued study: the sampler's random draws go on from where they were, not again from the seed
         study.sampler = optuna.samplers.TPESampler(seed=plan.seed + drawn)
     recorded, wanted = study.user_attrs.get("search"), plan.identity()
-    if recorded is None:
+    differ = [] if recorded is None else identity_differences(recorded, wanted)
+    if differ:
+        raise ConfigError(f"--study {plan.study_dir} holds a study of another search ({'; '.join(differ)}): its "
+                          f"trials and these would be ranked against each other. Re-run its own command with its own "
+                          f"config to continue it, or pass a new --study DIR")
+    if recorded != wanted:
         study.set_user_attr("search", wanted)
-    elif recorded != wanted:
-        differ = [k for k in wanted if recorded.get(k) != wanted[k]]
-        raise ConfigError(f"--study {plan.study_dir} holds a study of another search (its {', '.join(differ)} "
-                          f"differ: {', '.join(f'{k} {recorded.get(k)!r}' for k in differ)}); re-run its own "
-                          f"command to continue it, or pass a new --study DIR")
     return study
 
 

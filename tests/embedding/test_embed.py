@@ -206,9 +206,10 @@ def test_eval_knn_and_linear_probe_add_their_top1_to_the_json(trained, tmp_path)
 
 def test_the_index_turns_approximate_above_the_exact_limit_and_grows_by_add(tmp_path, monkeypatch):
     import imgcls.embedding.index as index_module
-    from imgcls.embedding.index import IndexInfo, load_index, update_index
+    from imgcls.embedding.index import IndexInfo, PathRow, load_index, update_index, write_rows
 
     monkeypatch.setattr(index_module, "EXACT_LIMIT", 50)
+    write_rows(tmp_path, [PathRow(f"{i}.png", i) for i in range(80)])
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((80, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)

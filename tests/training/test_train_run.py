@@ -183,3 +183,26 @@ def test_early_stopping_and_a_limited_dry_run(data_root, tmp_path):
     assert "early stopping" in (run_dir / "train.log").read_text()
     line = next(l for l in (run_dir / "train.log").read_text().splitlines() if "effective batch" in l)
     assert re.search(r"steps/epoch 2\b", line) and re.search(r"total steps 10\b", line)
+
+
+def test_an_output_dir_inside_a_scanned_data_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Its plots would be listed as images of the class the next time (curves.png as a class-0 image)."""
+    from conftest import run_train_in_process
+
+    data = make_tree(tmp_path / "data", {"a": (2, 2), "b": (2, 2)})
+    (tmp_path / "pool").mkdir()
+    for name in ("a", "b"):  # one class-folder tree, split by data.val_fraction
+        for image in (data / "train" / name).iterdir():
+            (tmp_path / "pool" / name).mkdir(exist_ok=True)
+            image.rename(tmp_path / "pool" / name / image.name)
+    cases = [(data, data / "train" / "a" / "run", []), (data, f"{data}/val/../train/run", []),
+             (tmp_path / "pool", tmp_path / "pool" / "b" / "run", ["data.val_fraction=0.5"])]
+    for root, run_dir, extra in cases:
+        code, err = run_train_in_process(monkeypatch, capsys, "--config", "base",
+                                         *tiny_overrides(root, run_dir, **{"train.epochs": 1}), *extra)
+        assert code == 2 and "lies inside the data folder" in err, err[-2000:]
+    assert sorted(p.name for p in (data / "train").rglob("*") if p.is_dir()) == ["a", "b"]
+    assert sorted(p.name for p in (tmp_path / "pool").rglob("*") if p.is_dir()) == ["a", "b"]
+    from imgcls.data.settings import check_outside_data
+
+    check_outside_data(load_config("base", tiny_overrides(data, tmp_path)), "output.dir", data / "runs")  # beside

@@ -256,3 +256,88 @@ def test_a_trial_stopped_by_a_signal_stays_running_and_is_continued_not_replaced
     assert trial.user_attrs["wall_s"] == 3.0
     assert commands[0] == commands[1] and commands[0][-2:] == ["--resume", "auto"]
     assert f"output.dir={plan.study_dir / 'trials' / '0'}" in commands[0]
+
+
+def stand_in_trials(monkeypatch):
+    """Trials that finish at once with a value (the slow tests train for real)."""
+    import json
+
+    import imgcls.tuning.search as search_study
+    from imgcls.tuning.search import TrialOutcome
+
+    def run_trial(command, run_dir, column, on_epoch, stop, env=None):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        assert not on_epoch(1, 50.0)
+        (run_dir / "summary.json").write_text(json.dumps({"best": {"top1": 50.0}}))
+        return TrialOutcome(exit_code=0, seconds=1.0)
+
+    monkeypatch.setattr(search_study, "run_trial", run_trial)
+
+
+def tune_run(monkeypatch, *argv) -> int:
+    from conftest import exit_code
+
+    import tune
+
+    monkeypatch.setattr(sys, "argv", ["tune.py", *argv])
+    return exit_code(tune.main)
+
+
+def test_a_study_continued_after_its_config_file_changed_is_refused(tmp_path, monkeypatch, capsys):
+    stand_in_trials(monkeypatch)
+    data = make_tree(tmp_path / "data", {"a": (2, 2), "b": (2, 2)})
+    config, space, study = tmp_path / "my.yaml", tmp_path / "space.yaml", tmp_path / "E"
+    config.write_text("train:\n  label_smoothing: 0.0\n")
+    space.write_text("optim.lr: {low: 0.001, high: 1.0, log: true}\n")
+    command = ["--config", str(config), "--search", str(space), "--study", str(study), *search_overrides(data)]
+    assert tune_run(monkeypatch, *command, "--trials", "1") == 0
+    best = (study / "best.yaml").read_text()
+    config.write_text("train:\n  label_smoothing: 0.3\n")
+    capsys.readouterr()
+    assert tune_run(monkeypatch, *command, "--trials", "2") == 2
+    assert "train.label_smoothing: 0.0 -> 0.3" in capsys.readouterr().err
+    assert len(study_trials(study)) == 1 and (study / "best.yaml").read_text() == best
+
+
+def test_a_study_folder_holding_its_inputs_or_inside_the_data_is_refused(tmp_path, capsys, monkeypatch):
+    data = make_tree(tmp_path / "data", {"a": (2, 2), "b": (2, 2)})
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {low: 0.001, high: 1.0, log: true}\n")
+    for name in ("N1", "N2", "N3"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "N1" / "best.yaml").write_text("train:\n  label_smoothing: 0.1\n")
+    (tmp_path / "N2" / "best.yaml").write_text(space.read_text())
+    (tmp_path / "N3" / "trials.csv").write_text(space.read_text())
+    os.symlink(tmp_path / "N1", tmp_path / "link")
+    cases = [(tmp_path / "N1" / "best.yaml", space, tmp_path / "N1", "--config file"),
+             (tmp_path / "N1" / "best.yaml", space, tmp_path / "link", "--config file"),
+             (tmp_path / "N1" / "best.yaml", space, f"{tmp_path}/N2/../N1", "--config file"),
+             ("base", tmp_path / "N2" / "best.yaml", tmp_path / "N2", "--search space"),
+             ("base", tmp_path / "N3" / "trials.csv", tmp_path / "N3", "--search space"),
+             ("base", space, data / "train" / "a" / "st", "data folder"),
+             ("base", space, f"{data}/val/../train/b/st", "data folder")]
+    before = {p: p.read_text() for p in tmp_path.glob("N*/*")}
+    for config, search, study, role in cases:
+        capsys.readouterr()
+        assert tune_run(monkeypatch, "--config", str(config), "--search", str(search), "--study", str(study), "--trials", "1",
+                        *search_overrides(data)) == 2
+        assert role in capsys.readouterr().err
+    assert {p: p.read_text() for p in tmp_path.glob("N*/*")} == before
+    assert not (data / "train" / "a" / "st").exists() and not (data / "train" / "b" / "st").exists()
+
+
+SPACE_FILE_ERRORS = {  # SPACE.yaml text -> what the message must name
+    "optim.lr: {low: 0.001, high: 1.0}\noptim.lr: {low: 0.1, high: 0.5}\n": "'optim.lr' is given twice",
+    "optim.lr: {low: 0.001, low: 0.1, high: 0.5}\n": "'low' is given twice",
+    "train.seed: [" + ", ".join(map(str, range(101))) + "]\n": "101 choices, more than 100",
+    "train.seed: [" + ", ".join(map(str, range(10 ** 6))) + "]\n": "a space names a few keys",
+}
+
+
+@pytest.mark.parametrize("text", SPACE_FILE_ERRORS)
+def test_a_repeated_key_or_a_space_of_too_many_choices_is_refused_at_once(tmp_path, text):
+    space = tmp_path / "space.yaml"
+    space.write_text(text)
+    with pytest.raises(ConfigError, match="--search") as info:
+        load_space(str(space), "base", [])
+    assert SPACE_FILE_ERRORS[text] in str(info.value)
