@@ -138,7 +138,8 @@ def search_main(args) -> int:
                       study_dir=Path(args.study), metric=metric, higher_is_better=metric_named(metric).higher_is_better,
                       epochs=cfg.train.epochs, seed=cfg.train.seed, pruner=args.pruner,
                       startup_trials=args.startup_trials, keep=args.keep, launcher=launcher(args.nproc_per_node),
-                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls", resolved=resolved_record(cfg, dims))
+                      tracking=cfg.tracking, experiment=cfg.source_name or "imgcls",
+                      resolved=resolved_record(cfg, dims))
     for dim in dims:
         logging.getLogger(__name__).info("search: %s", dim.describe())
     return run_search(plan)

@@ -151,7 +151,8 @@ class ImageRequests:
             if self.index is None:
                 return _error(404, "no_index", "start serve.py with --index DIR (a folder written by embed.py)")
             text = request.query_params.get("k", "5")
-            k = int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else 0  # our error shape for k=abc, not FastAPI's 422
+            # parsed here, not by FastAPI, so k=abc is answered in our error shape (not FastAPI's 422)
+            k = int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else 0
             if not 1 <= k <= MAX_K:
                 return _error(400, "bad_k", f"k={text}: must be a whole number between 1 and {MAX_K}")
             vector = await self.vector(request)

@@ -197,3 +197,55 @@ def test_help_and_other_formats_never_import_openvino(exported):
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def _copy_ir(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _refused(model: Path, data: Path, out: Path, capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_main(lambda: infer.main([str(data / "val"), "--checkpoint", str(model), "--output", str(out),
+                                     "--num-workers", "0"]))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and not out.exists(), err[-2000:]
+    return err
+
+
+@pytest.mark.slow
+def test_an_ir_whose_weights_were_replaced_or_grown_is_refused(exported, tmp_path, capsys):
+    """The IR records its model.bin's sha256: another model's weights of the same size (here: the same file
+    with other values), or a longer file, run with this IR's classes and calibration otherwise."""
+    import numpy as np
+
+    data, _, fp32, int8, _ = exported
+    assert openvino_format.WEIGHTS_DIGEST in (fp32 / "model.xml").read_text()
+    assert openvino_format.WEIGHTS_DIGEST in (int8 / "model.xml").read_text()
+    swapped, grown = _copy_ir(fp32, tmp_path / "swapped"), _copy_ir(fp32, tmp_path / "grown")
+    weights = np.fromfile(swapped / "model.bin", dtype=np.uint8).copy()
+    weights[len(weights) // 2:len(weights) // 2 + 4096] ^= 0x21  # other weights, the same length
+    weights.tofile(swapped / "model.bin")
+    with open(grown / "model.bin", "ab") as f:
+        f.write(bytes(4096))
+    for model in (swapped, grown / "model.xml"):
+        assert "is not the weights this IR was exported with" in _refused(model, data, tmp_path / "rows.json", capsys)
+    assert load_model_file(fp32).classes == CLASSES  # the untouched IR opens
+
+
+@pytest.mark.slow
+def test_an_ir_whose_input_channels_disagree_with_its_metadata_is_refused_when_opened(exported, tmp_path, capsys):
+    import openvino as ov
+
+    data, _, fp32, _, _ = exported
+    model = ov.Core().read_model(str(fp32 / "model.xml"))
+    metadata = openvino_format.ir_metadata(model, fp32)
+    metadata["config"]["data"].update(channels=1, mean=[0.5], std=[0.25])
+    metadata["preprocessing"].update(mean=[0.5], std=[0.25])
+    openvino_format.set_ir_metadata(model, metadata)
+    openvino_format.save_ir(model, tmp_path / "one_band")
+    err = _refused(tmp_path / "one_band", data, tmp_path / "rows.json", capsys)
+    assert "channel(s)" in err and "[?,3,32,32]" in err.replace(" ", "")

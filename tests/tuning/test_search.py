@@ -319,8 +319,8 @@ def test_a_study_folder_holding_its_inputs_or_inside_the_data_is_refused(tmp_pat
     before = {p: p.read_text() for p in tmp_path.glob("N*/*")}
     for config, search, study, role in cases:
         capsys.readouterr()
-        assert tune_run(monkeypatch, "--config", str(config), "--search", str(search), "--study", str(study), "--trials", "1",
-                        *search_overrides(data)) == 2
+        assert tune_run(monkeypatch, "--config", str(config), "--search", str(search), "--study", str(study),
+                        "--trials", "1", *search_overrides(data)) == 2
         assert role in capsys.readouterr().err
     assert {p: p.read_text() for p in tmp_path.glob("N*/*")} == before
     assert not (data / "train" / "a" / "st").exists() and not (data / "train" / "b" / "st").exists()

@@ -17,12 +17,15 @@ import torch
 from imgcls.core.errors import CheckpointError, ConfigError, ExportError
 from imgcls.model_files.formats.base import ModelFormat, shorten_export_error, traced_model
 from imgcls.model_files.metadata import OPENVINO_RT_INFO_KEY
-from imgcls.model_files.model_file import FunctionModel, ModelFile
+from imgcls.model_files.model_file import FunctionModel, ModelFile, file_sha256
 from imgcls.model_files.stored_metadata import check_output_count, read_metadata
 
 log = logging.getLogger(__name__)
 
 IR_FILES = ("model.xml", "model.bin")
+# rt_info key (under imgcls) holding the sha256 of model.bin: the weights travel beside model.xml, where the
+# other formats keep their metadata in the file that holds the weights
+WEIGHTS_DIGEST = "weights_sha256"
 # infer.py, eval.py and serve.py run one padded batch at a time: LATENCY keeps one stream with every thread
 # on it, where THROUGHPUT splits the threads over streams that only parallel requests would fill
 PERFORMANCE_HINT = "LATENCY"
@@ -88,16 +91,48 @@ def ir_metadata(model, path: Path) -> dict:
         raise CheckpointError(f"{path}: its imgcls metadata is not valid JSON ({err})") from err
 
 
-def open_openvino(path: Path, overrides: list[str]) -> ModelFile:
-    model = read_ir(path)
-    metadata = ir_metadata(model, path)
-    stored = read_metadata(metadata, path, overrides)
-    cfg, classes, saved_val_limit = stored.cfg, stored.classes, stored.saved_val_limit
+def check_weights(metadata: dict, path: Path) -> None:
+    """model.bin is the file the IR was exported with (its sha256, recorded in model.xml): another IR's
+    weights copied over it, or a grown file, would run with this IR's classes and calibration
+    (CheckpointError, exit 2). An IR written before the digest was recorded is opened with a warning."""
+    weights = ir_xml(path).with_suffix(".bin")
+    recorded = metadata.get(WEIGHTS_DIGEST)
+    if recorded is None:
+        log.warning("%s: the IR records no digest of %s (exported before imgcls recorded one); its weights are "
+                    "not checked: export it again", path, weights.name)
+        return
+    found = file_sha256(weights)
+    if found != recorded:
+        raise CheckpointError(f"{path}: {weights.name} (sha256 {found[:16]}) is not the weights this IR was exported "
+                              f"with (sha256 {str(recorded)[:16]}): it was replaced or altered; export the model "
+                              f"again from its checkpoint")
+
+
+def check_input_shape(model, cfg, path: Path) -> None:
+    """One [N, C, H, W] input whose fixed channels and size are those of the metadata's preprocessing
+    (data.channels, the eval size): else the first batch would fail inside OpenVINO (CheckpointError)."""
     shape = model.inputs[0].get_partial_shape()
-    outputs = model.outputs[0].get_partial_shape()
     if len(model.inputs) != 1 or shape.rank.is_dynamic or shape.rank.get_length() != 4:
         raise CheckpointError(f"{path}: the IR takes {len(model.inputs)} input(s) of shape {shape}; an image "
                               f"classifier takes one [N, C, H, W]")
+    wanted = {1: ("channel(s)", cfg.data.channels), 2: ("px high", cfg.data.img_size),
+              3: ("px wide", cfg.data.img_size)}
+    for axis, (what, value) in wanted.items():
+        if shape[axis].is_static and shape[axis].get_length() != value:
+            raise CheckpointError(f"{path}: the IR takes inputs of shape {shape}, its metadata images of {value} "
+                                  f"{what} (data.channels {cfg.data.channels}, size {cfg.data.img_size}): the IR or "
+                                  f"its metadata was altered; export the model again from its checkpoint")
+
+
+def open_openvino(path: Path, overrides: list[str]) -> ModelFile:
+    model = read_ir(path)
+    metadata = ir_metadata(model, path)
+    check_weights(metadata, path)
+    stored = read_metadata(metadata, path, overrides)
+    cfg, classes, saved_val_limit = stored.cfg, stored.classes, stored.saved_val_limit
+    check_input_shape(model, cfg, path)
+    shape = model.inputs[0].get_partial_shape()
+    outputs = model.outputs[0].get_partial_shape()
     if outputs[-1].is_static:
         check_output_count(classes, outputs[-1].get_length(), str(path))
     fixed_batch = shape[0].get_length() if shape[0].is_static else None
@@ -123,9 +158,14 @@ def save_ir(model, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         ov.save_model(model, str(folder / IR_FILES[0]), compress_to_fp16=False)
+        digest = file_sha256(folder / IR_FILES[1])  # then recorded in model.xml, whose save rewrites the same bin
+        model.set_rt_info(json.dumps(digest), [OPENVINO_RT_INFO_KEY, WEIGHTS_DIGEST])
+        ov.save_model(model, str(folder / IR_FILES[0]), compress_to_fp16=False)
     except Exception as err:  # a full disk or an unwritable folder: OpenVINO's RuntimeError
         reason = " ".join(str(err).split())[:300]
         raise ExportError(f"openvino export to {folder} failed ({type(err).__name__}: {reason})") from err
+    if file_sha256(folder / IR_FILES[1]) != digest:
+        raise ExportError(f"openvino export to {folder} failed: OpenVINO wrote other weights on a second save")
 
 
 def write_openvino(loaded: ModelFile, folder: Path, batch: Optional[int], metadata: dict) -> None:
