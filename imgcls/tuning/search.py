@@ -104,7 +104,11 @@ def read_space(path: Path, source: str) -> dict:
         raise ConfigError(f"{source}: {size} bytes; a space names a few keys (at most {SPACE_MAX_BYTES} bytes, "
                           f"{MAX_CHOICES} choices a key): search a range {{low, high}} instead of listing values")
     try:
-        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_SpaceLoader)
+        loader = _SpaceLoader(path.read_text(encoding="utf-8"))  # yaml.safe_load's loader, with the check above
+        try:
+            loaded = loader.get_single_data()
+        finally:
+            loader.dispose()
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
