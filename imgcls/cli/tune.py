@@ -200,6 +200,7 @@ def check_arguments(args) -> None:
 
 def sweep_main(args) -> int:
     from imgcls.config import load_config
+    from imgcls.data.settings import check_outside_data
     from imgcls.tracking.tracker import check_tracking_client
 
     check_arguments(args)
@@ -207,6 +208,8 @@ def sweep_main(args) -> int:
     sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     lr_range = parse_lr_range(args.lr_range) if args.lr_range else None
     cfg = load_config(args.config, args.overrides)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):  # a PNG there would be a training image
+        check_outside_data(cfg, flag, path)
     check_tracking_client(cfg.tracking)
     from imgcls.tracking.tracker import check_store_apart
 

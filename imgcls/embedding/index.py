@@ -92,7 +92,7 @@ def _whole(text: Optional[str]) -> Optional[int]:
 def write_rows(folder: Path, rows: list[PathRow]) -> None:
     target = folder / PATHS
     tmp = partial_path(target)
-    with open(tmp, "w", newline="") as f:
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["index", "path", "error", "size", "mtime_ns"])
         writer.writerows(["" if r.index is None else r.index, r.path, r.error, "" if r.size is None else r.size,

@@ -324,6 +324,11 @@ def test_a_study_folder_holding_its_inputs_or_inside_the_data_is_refused(tmp_pat
         assert role in capsys.readouterr().err
     assert {p: p.read_text() for p in tmp_path.glob("N*/*")} == before
     assert not (data / "train" / "a" / "st").exists() and not (data / "train" / "b" / "st").exists()
+    for flag, name in (("--plot", "sweep.png"), ("--json", "sweep.json")):  # the batch-size sweep's outputs too
+        capsys.readouterr()
+        assert tune_run(monkeypatch, "--config", "base", "--batch-sizes", "2", "--steps", "2", flag,
+                        str(data / "train" / "a" / name), *search_overrides(data)) == 2
+        assert "data folder" in capsys.readouterr().err and not (data / "train" / "a" / name).exists()
 
 
 SPACE_FILE_ERRORS = {  # SPACE.yaml text -> what the message must name
