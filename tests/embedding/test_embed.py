@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shutil
 
 import numpy as np
@@ -259,3 +260,73 @@ def test_a_pretrained_timm_folder_with_another_head_gets_the_feature_figures_alo
         split[name] = (np.stack([by_path[p] for p in paths]),
                        np.array([CLASSES.index(p.split("/")[-2]) for p in paths]))
     assert doc["knn_top1"] == pytest.approx(numpy_knn_top1(*split["train"], *split["val"], k=3))
+
+
+def rows_by_path(folder) -> dict[str, int]:
+    with open(folder / "paths.csv", newline="") as f:
+        return {r["path"]: int(r["index"]) for r in csv.DictReader(f) if r["index"]}
+
+
+@pytest.mark.slow
+def test_rows_of_deleted_or_changed_files_are_dropped_and_one_file_is_indexed_once(trained, tmp_path, capsys,
+                                                                                  monkeypatch):
+    data, checkpoint = trained
+    images = tmp_path / "images"
+    shutil.copytree(data / "train", images)
+    monkeypatch.chdir(tmp_path)
+    spelled_twice = ["images/a/../a/" + sorted(os.listdir(images / "a"))[0], "./images/" + "a/" +
+                     sorted(os.listdir(images / "a"))[0]]
+    out = tmp_path / "vectors"
+    assert embed_run("images", *spelled_twice, "--checkpoint", str(checkpoint), "--output", str(out)) == 0
+    assert len(rows_by_path(out)) == 24 and json.loads((out / "index.json").read_text())["count"] == 24
+    deleted, changed = sorted((images / "a").iterdir())[1], sorted((images / "b").iterdir())[0]
+    deleted.unlink()
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(changed)
+    os.utime(changed, ns=(1, 1))
+    assert embed_run("images", "--checkpoint", str(checkpoint), "--output", str(out)) == 0
+    rows = rows_by_path(out)
+    assert len(rows) == 23 and sorted(rows.values()) == list(range(23))
+    assert not any(path.endswith(deleted.name) and "/a/" in path for path in rows)
+    assert json.loads((out / "index.json").read_text())["count"] == 23
+    found = tmp_path / "found.csv"
+    assert search_run(str(changed), "--index", str(out), "--top-k", "23", "--output", str(found)) == 0
+    answered = list(csv.DictReader(open(found)))
+    assert len(answered) == 23 and answered[0]["path"].endswith(changed.name)
+    assert float(answered[0]["score"]) == pytest.approx(1, abs=1e-5)  # the new content, not the old vector
+    assert len({os.path.realpath(r["path"]) for r in answered}) == 23
+
+
+@pytest.mark.slow
+def test_a_forged_digest_over_vectors_of_another_length_and_a_bad_k_are_refused(trained, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from imgcls.core.errors import ConfigError
+    from imgcls.embedding.index import IndexInfo, PathRow, load_index, update_index, write_rows
+    from imgcls.serving.app import ServeSettings, create_app
+    from imgcls.serving.model import ServedModel
+    from imgcls.serving.server import check_served_index_dim
+
+    data, checkpoint = trained
+    folder = tmp_path / "v"  # a 1024-d index whose index.json names this model's digest
+    folder.mkdir()
+    vectors = np.eye(4, 1024, dtype=np.float32)
+    np.save(folder / "embeddings.npy", vectors)
+    write_rows(folder, [PathRow(f"{i}.png", i) for i in range(4)])
+    update_index(folder, vectors, IndexInfo("resnet10t", 1024, "cosine", 0, "", str(checkpoint),
+                                            hashlib.sha256(checkpoint.read_bytes()).hexdigest()), None)
+    query = sorted((data / "train" / "a").iterdir())[0]
+    capsys.readouterr()
+    assert search_run(str(query), "--index", str(folder), "--checkpoint", str(checkpoint)) == 2
+    message = capsys.readouterr().err
+    assert "1024" in message and "512" in message and "Traceback" not in message
+    served = ServedModel.load(str(checkpoint), 5, 4, "cpu")
+    with pytest.raises(ConfigError, match="1024"):
+        check_served_index_dim(served, load_index(folder), str(folder))
+
+    good = tmp_path / "good"
+    assert embed_run(str(data / "train"), "--checkpoint", str(checkpoint), "--output", str(good)) == 0
+    with TestClient(create_app(served, ServeSettings(max_batch=4), load_index(good))) as client:
+        for k in ("abc", "1.5", "-1", "99999999999"):
+            answer = client.post(f"/similar?k={k}", content=query.read_bytes())
+            assert answer.status_code == 400 and answer.json()["error"] == "bad_k", answer.text
+        assert client.post("/similar?k=2", content=query.read_bytes()).status_code == 200

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import exit_code, train_tiny
+from conftest import exit_code
 from PIL import Image
 
 import embed
@@ -180,77 +179,3 @@ def test_growing_a_folder_whose_embeddings_are_damaged_is_refused(damage, tmp_pa
     assert embed_run(str(query), "--checkpoint", "none.pt", "--output", str(folder)) == 2
     message = capsys.readouterr().err
     assert "embeddings.npy" in message and "Traceback" not in message
-
-
-CLASSES = ["a", "b"]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_tiny(tmp_path_factory.mktemp("index_files"), {name: (4, 2) for name in CLASSES})
-
-
-def rows_by_path(folder: Path) -> dict[str, int]:
-    with open(folder / "paths.csv", newline="") as f:
-        return {r["path"]: int(r["index"]) for r in csv.DictReader(f) if r["index"]}
-
-
-@pytest.mark.slow
-def test_rows_of_deleted_or_changed_files_are_dropped_and_one_file_is_indexed_once(trained, tmp_path, capsys,
-                                                                                  monkeypatch):
-    data, checkpoint = trained
-    images = tmp_path / "images"
-    shutil.copytree(data / "train", images)
-    monkeypatch.chdir(tmp_path)
-    spelled_twice = ["images/a/../a/" + sorted(os.listdir(images / "a"))[0], "./images/" + "a/" +
-                     sorted(os.listdir(images / "a"))[0]]
-    out = tmp_path / "vectors"
-    assert embed_run("images", *spelled_twice, "--checkpoint", str(checkpoint), "--output", str(out)) == 0
-    assert len(rows_by_path(out)) == 8 and json.loads((out / "index.json").read_text())["count"] == 8
-    deleted, changed = sorted((images / "a").iterdir())[1], sorted((images / "b").iterdir())[0]
-    deleted.unlink()
-    Image.new("RGB", (32, 32), (255, 0, 0)).save(changed)
-    os.utime(changed, ns=(1, 1))
-    assert embed_run("images", "--checkpoint", str(checkpoint), "--output", str(out)) == 0
-    rows = rows_by_path(out)
-    assert len(rows) == 7 and sorted(rows.values()) == list(range(7))
-    assert not any(path.endswith(deleted.name) and "/a/" in path for path in rows)
-    assert json.loads((out / "index.json").read_text())["count"] == 7
-    found = tmp_path / "found.csv"
-    assert search_run(str(changed), "--index", str(out), "--top-k", "7", "--output", str(found)) == 0
-    answered = list(csv.DictReader(open(found)))
-    assert len(answered) == 7 and answered[0]["path"].endswith(changed.name)
-    assert float(answered[0]["score"]) == pytest.approx(1, abs=1e-5)  # the new content, not the old vector
-    assert len({os.path.realpath(r["path"]) for r in answered}) == 7
-
-
-@pytest.mark.slow
-def test_a_forged_digest_over_vectors_of_another_length_and_a_bad_k_are_refused(trained, tmp_path, capsys):
-    from fastapi.testclient import TestClient
-
-    from imgcls.core.errors import ConfigError
-    from imgcls.embedding.index import load_index
-    from imgcls.serving.app import ServeSettings, create_app
-    from imgcls.serving.model import ServedModel
-    from imgcls.serving.server import check_served_index_dim
-
-    data, checkpoint = trained
-    import hashlib
-
-    folder = make_folder(tmp_path / "v", dim=1024, digest=hashlib.sha256(checkpoint.read_bytes()).hexdigest())
-    query = sorted((data / "train" / "a").iterdir())[0]
-    capsys.readouterr()
-    assert search_run(str(query), "--index", str(folder), "--checkpoint", str(checkpoint)) == 2
-    message = capsys.readouterr().err
-    assert "1024" in message and "512" in message and "Traceback" not in message
-    served = ServedModel.load(str(checkpoint), 5, 4, "cpu")
-    with pytest.raises(ConfigError, match="1024"):
-        check_served_index_dim(served, load_index(folder), str(folder))
-
-    good = tmp_path / "good"
-    assert embed_run(str(data / "train"), "--checkpoint", str(checkpoint), "--output", str(good)) == 0
-    with TestClient(create_app(served, ServeSettings(max_batch=4), load_index(good))) as client:
-        for k in ("abc", "1.5", "-1", "99999999999"):
-            answer = client.post(f"/similar?k={k}", content=query.read_bytes())
-            assert answer.status_code == 400 and answer.json()["error"] == "bad_k", answer.text
-        assert client.post("/similar?k=2", content=query.read_bytes()).status_code == 200
