@@ -80,7 +80,9 @@ class FileListDataset(Dataset):
 
 
 def describe_failure(path: str, err: Exception) -> str:
-    """Why a file could not be read, without repeating its path."""
+    """Why a file could not be read, without repeating its path (an image's bytes: the reason alone)."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        return str(err).removeprefix("<image bytes>: ")
     try:
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             return "empty file"

@@ -336,7 +336,17 @@ def _read_pil(buf, name) -> np.ndarray:
         img.load()
     except Exception as err:
         raise ImageDecodeError(f"{name}: {type(err).__name__}: {err}") from err
-    ImageOps.exif_transpose(img, in_place=True)
+    return pil_bands(img)
+
+
+def pil_bands(img: Image.Image, in_place: bool = True) -> np.ndarray:
+    """A loaded PIL image's samples as the N-band reading takes them: upright, palette and 1-bit expanded, other
+    colour spaces as RGB, every other mode (grayscale, 16-bit, float, RGBA, CMYK) at its depth. `in_place`: the
+    orientation may be applied to `img` itself (a caller's image: not)."""
+    if in_place:
+        ImageOps.exif_transpose(img, in_place=True)
+    else:
+        img = ImageOps.exif_transpose(img)
     if img.mode in ("P", "PA"):
         img = img.convert("RGBA" if "transparency" in img.info or img.mode == "PA" else "RGB")
     elif img.mode == "1":
