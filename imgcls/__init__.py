@@ -79,7 +79,8 @@ def train(config: Union[str, Path, dict, None] = None, overrides: Union[dict, It
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise InputTypeError(f"{name} = {value!r}: a checkpoint path (or 'auto' for resume), or None")
     cfg = load_config(config, overrides)
-    code = run(cfg, resume=None if resume is None else str(resume), finetune=None if finetune is None else str(finetune))
+    code = run(cfg, resume=None if resume is None else str(resume),
+               finetune=None if finetune is None else str(finetune))
     summary_path = Path(cfg.output.dir) / "summary.json"
     if code != 0:
         raise RuntimeError(f"training stopped with exit status {code}; see {Path(cfg.output.dir) / 'train.log'}")
@@ -181,7 +182,8 @@ class Classifier:
                                    p.runtime.device)
         return p.predict_rows(loader, names)
 
-    def embed(self, images, batch_size: Optional[int] = None, num_workers: int = 0) -> tuple[list[str], "numpy.ndarray"]:
+    def embed(self, images, batch_size: Optional[int] = None,
+              num_workers: int = 0) -> tuple[list[str], "numpy.ndarray"]:
         """embed.py's vectors: (the names read, an [N, D] float32 array of L2-normalised pre-logits features
         in that order); unreadable images are left out. Takes what `predict` takes."""
         import numpy
