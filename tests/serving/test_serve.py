@@ -380,6 +380,28 @@ def test_batcher_groups_waiting_requests_and_isolates_a_failed_batch():
     assert after == "yy"
 
 
+def test_a_request_that_fails_the_model_fails_alone_not_its_batch_neighbours():
+    """main: every request batched with the failing one got its exception (a 500)."""
+    calls = []
+
+    def run(items):
+        calls.append(list(items))
+        if "nan" in items:
+            raise RuntimeError("outputs are not finite")
+        return [item * 2 for item in items]
+
+    async def scenario():
+        batcher = DynamicBatcher(run, max_batch=4, max_wait_s=0.2)
+        batcher.start()
+        answers = await asyncio.gather(*(batcher.submit(x) for x in ("x", "nan", "y")), return_exceptions=True)
+        await batcher.stop()
+        return answers, batcher.items_run
+
+    answers, items_run = asyncio.run(scenario())
+    assert answers[0] == "xx" and answers[2] == "yy" and isinstance(answers[1], RuntimeError)
+    assert calls == [["x", "nan", "y"], ["x"], ["nan"], ["y"]] and items_run == 2
+
+
 def test_serve_refuses_keys_headers_cannot_carry_and_unbounded_batches():
     for key in ("caf\u00e9", " key", "key ", "tab\tkey"):
         with pytest.raises(ConfigError, match="--api-key"):
