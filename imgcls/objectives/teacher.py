@@ -218,8 +218,9 @@ def check_teacher(cfg, classes: Optional[list[str]] = None) -> Teacher:
 def teacher_mismatch(teacher: Teacher, cfg, classes: Optional[list[str]]) -> Optional[str]:
     """Why the teacher cannot teach the student of `cfg` (None when it can): other input channels, another task,
     or (with `classes` known) other classes."""
-    if teacher.channels != cfg.data.channels:
-        return (f"it reads {teacher.channels}-channel images and the student's data.channels={cfg.data.channels}: "
+    channels = getattr(cfg.data, "channels", 3)  # a data section without the key reads RGB
+    if teacher.channels != channels:
+        return (f"it reads {teacher.channels}-channel images and the student's data.channels={channels}: "
                 f"the teacher sees the student's batches, so both read the same bands")
     theirs, ours = get_task(teacher.task), task_of(cfg)
     if theirs is not ours:
