@@ -574,6 +574,7 @@ def test_a_non_finite_training_file_is_skipped_named_and_kept_out_of_the_auto_no
     assert 0.3 < mean < 0.5 and 0.1 < std < 0.4  # the finite files' values (uniform 0..0.9)
 
 
+@pytest.mark.slow
 def test_bands_that_do_not_match_data_channels_stop_an_auto_normalisation_naming_the_key(tmp_path):
     data = write_band_tree(tmp_path / "data", "tif", counts=(2, 1))
     result = _train(data, tmp_path / "run", **{"data.channels": 2, "train.batch_size": 2})
