@@ -227,6 +227,10 @@ def figures_of(embedder: Embedder, bank_index, bank_described: str, evaluated_in
     queries, labels = features(evaluated_index)
     figures = {"memory_bank": bank_described, "memory_bank_size": len(train), "num_samples": len(queries)}
     if knn:
+        if knn > len(train):  # a vote of more neighbours than the bank holds is a vote of the whole bank: say so
+            print(f"--knn {knn}: the memory bank holds {len(train)} image(s); k clipped to {len(train)} "
+                  f"(knn_k in the report)", file=sys.stderr)
+            knn = len(train)
         figures.update(knn_top1=knn_top1(train, train_labels, queries, labels, knn, num_classes), knn_k=knn)
     if linear_probe:
         figures["linear_probe_top1"] = linear_probe_top1(train, train_labels, queries, labels)

@@ -21,6 +21,11 @@ class ConfigError(Exception):
     """A usage or config mistake; the entry scripts exit 2 with this message."""
 
 
+class InputTypeError(ConfigError, TypeError):
+    """The Python API was given a value of a type it does not take (None, a number, ...): a usage error, and a
+    TypeError for callers that catch those."""
+
+
 class DataTreeError(Exception):
     """A data tree that cannot be used as it is (exit 2)."""
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from imgcls.core.errors import ConfigError
-from imgcls.data.datasets import EvalDataset, TrainDataset
+from imgcls.core.errors import BadDataError, ConfigError, ImageDecodeError
+from imgcls.data.datasets import EvalDataset, TrainDataset, describe_failure
 from imgcls.data.labels import TagIndex, describe_tags
 from imgcls.data.listing import ImageIndex, ensure_builtin
 from imgcls.data.loaders import (TrainSampler, build_eval_loader, build_stream_eval_loader, build_stream_train_loader,
@@ -167,16 +167,19 @@ def wants_measuring(data_cfg) -> bool:
     return data_cfg.mean == AUTO or data_cfg.std == AUTO
 
 
-def measure_channels(index, data_cfg, batch_size: int, num_workers: int) -> tuple[list[float], list[float], int]:
-    """(mean, std, images) per channel of the split `index` on the [0, 1] scale, over every pixel of each
-    readable image's evaluation crop; float64 sums, so memory is one batch whatever the split's size."""
+def measure_channels(index, data_cfg, batch_size: int, num_workers: int) -> tuple[list[float], list[float], int, str]:
+    """(mean, std, images, why the first unreadable file is) per channel of the split `index` on the [0, 1] scale,
+    over every pixel of each readable image's evaluation crop; float64 sums, so memory is one batch whatever the
+    split's size. Unreadable files (a band count other than data.channels, non-finite samples) are left out."""
     loader = build_eval_loader_for(index, eval_transform(data_cfg), eval_size(data_cfg), batch_size, num_workers,
                                    pin_memory=False)
     total = torch.zeros(data_cfg.channels, dtype=torch.float64)
     squares = torch.zeros(data_cfg.channels, dtype=torch.float64)
-    pixels, images = 0, 0
+    pixels, images, first_unreadable = 0, 0, None
     try:
         for batch in loader:
+            if first_unreadable is None and not bool(batch[2].all()):
+                first_unreadable = int(batch[3][~batch[2]][0])
             x = batch[0][batch[2]].to(torch.float64) / 255.0
             total += x.sum(dim=(0, 2, 3))
             squares += (x * x).sum(dim=(0, 2, 3))
@@ -184,11 +187,33 @@ def measure_channels(index, data_cfg, batch_size: int, num_workers: int) -> tupl
             images += x.shape[0]
     finally:
         shutdown_workers(loader)
+    problem = "" if first_unreadable is None else unreadable_reason(index, data_cfg, first_unreadable)
     if not pixels:
-        return [0.5] * data_cfg.channels, [0.25] * data_cfg.channels, 0
+        return [0.5] * data_cfg.channels, [0.25] * data_cfg.channels, 0, problem
     mean = total / pixels
     std = (squares / pixels - mean * mean).clamp_min(0).sqrt()
-    return ([float(m) for m in mean], [max(MIN_STD, float(s)) for s in std], images)
+    return ([float(m) for m in mean], [max(MIN_STD, float(s)) for s in std], images, problem)
+
+
+def unreadable_reason(index, data_cfg, position: int) -> str:
+    """Why sample `position` of `index` did not read: the file read again (a shard keeps no file to read again)."""
+    if isinstance(index, ShardIndex):
+        return "a broken sample in the training shards"
+    path = index.paths[position]
+    try:
+        eval_transform(data_cfg)(path)
+    except (ImageDecodeError, OSError) as err:
+        return f"{path}: {describe_failure(path, err)}"
+    return f"{path}: could not be read (it reads now)"
+
+
+def no_image_measured(data_cfg, problem: str) -> Exception:
+    """The error for an `auto` normalisation that found not one readable training image: a ConfigError naming
+    data.channels when the files hold another number of bands, else a BadDataError."""
+    text = (f"data.mean / data.std = auto: not one training image could be read with data.channels="
+            f"{data_cfg.channels}, so there is nothing to measure; the first: {problem or 'no files'}")
+    return ConfigError(text + " (set data.channels to the files' band count)") if "data.channels asks" in problem \
+        else BadDataError(text)
 
 
 def resolve_normalisation(cfg, index, resume_ckpt, batch_size: int, is_main_fn):
@@ -203,7 +228,12 @@ def resolve_normalisation(cfg, index, resume_ckpt, batch_size: int, is_main_fn):
         log.info("data.mean / data.std = auto: the resumed run's measured values, mean %s, std %s",
                  _short(mean), _short(std))
     else:
-        mean, std, images = is_main_fn(lambda: measure_channels(index, d, batch_size, d.num_workers))
+        mean, std, images, problem = is_main_fn(lambda: measure_channels(index, d, batch_size, d.num_workers))
+        if not images:
+            raise no_image_measured(d, problem)
+        if problem:
+            log.warning("data.mean / data.std = auto: unreadable training files were left out of the measurement, "
+                        "the first: %s", problem)
         log.info("data.mean / data.std = auto: measured per channel on %d training images (evaluation crops): "
                  "mean %s, std %s", images, _short(mean), _short(std))
     data = dataclasses.replace(d, mean=mean if d.mean == AUTO else d.mean, std=std if d.std == AUTO else d.std)

@@ -80,7 +80,9 @@ class FileListDataset(Dataset):
 
 
 def describe_failure(path: str, err: Exception) -> str:
-    """Why a file could not be read, without repeating its path."""
+    """Why a file could not be read, without repeating its path (an image's bytes: the reason alone)."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        return str(err).removeprefix("<image bytes>: ")
     try:
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             return "empty file"
@@ -155,12 +157,12 @@ class TrainDataset(Dataset):
                     torch.default_generator.manual_seed(seed)
                     image = self.transform(self.index.paths[index], seed)
                 return image, self.index.target(label), first_unreadable
-            except ImageDecodeError:
+            except ImageDecodeError as err:
                 if first_unreadable < 0:
-                    first_unreadable = index
+                    first_unreadable, reason = index, describe_failure(self.index.paths[index], err)
                 index = redraw.choice(self.by_class[label])
         raise ImageDecodeError(f"{MAX_REDRAWS} files of class '{self.index.label_name(label)}' in a row could "
-                               f"not be read, starting with {self.index.paths[first_unreadable]}")
+                               f"not be read, starting with {self.index.paths[first_unreadable]} ({reason})")
 
     def failure_reason(self, index: int) -> str:
         """Why file `index` could not be read, in infer.py's words ("empty file", "truncated", ...): read

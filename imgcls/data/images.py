@@ -185,8 +185,10 @@ def decode_rgb(img: Image.Image, name, min_size: tuple[int, int] | None = None) 
         img.load()
         ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the whole image when upright
         return to_rgb(img)
-    except ImageDecodeError:
-        raise
+    except ImageDecodeError as err:
+        if str(err).startswith(f"{name}: "):
+            raise
+        raise ImageDecodeError(f"{name}: {err}") from err
     except Exception as err:
         raise ImageDecodeError(f"{name}: {type(err).__name__}: {err}") from err
 
@@ -216,6 +218,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
 def _wide_to_uint8(array: np.ndarray, mode: str) -> np.ndarray:
     array = array.astype(np.float64)
     if mode == "F":
+        if array.size and not math.isfinite(float(array.min()) + float(array.max())):
+            raise ImageDecodeError(not_finite(array))
         scale = 255.0 if array.size and array.max() <= 1.0 else 1.0
         return np.clip(array * scale, 0, 255).round().astype(np.uint8)
     if mode == "I" and array.size and array.max() <= 255 and array.min() >= 0:
@@ -273,7 +277,9 @@ def read_bands(buf, name, channels: int, value_range=None) -> np.ndarray:
             array, planes_first = _read_tiff(buf, name)
         else:
             array = _read_pil(buf, name)
-        return scale_to_255(to_hwc(array, name, channels, planes_first), value_range)
+        scaled = scale_to_255(to_hwc(array, name, channels, planes_first), value_range)
+        check_finite(scaled, array, name, value_range)
+        return scaled
     except ImageDecodeError:
         raise
     except Exception as err:  # a corrupt header or payload, whatever the reader raises
@@ -330,7 +336,17 @@ def _read_pil(buf, name) -> np.ndarray:
         img.load()
     except Exception as err:
         raise ImageDecodeError(f"{name}: {type(err).__name__}: {err}") from err
-    ImageOps.exif_transpose(img, in_place=True)
+    return pil_bands(img)
+
+
+def pil_bands(img: Image.Image, in_place: bool = True) -> np.ndarray:
+    """A loaded PIL image's samples as the N-band reading takes them: upright, palette and 1-bit expanded, other
+    colour spaces as RGB, every other mode (grayscale, 16-bit, float, RGBA, CMYK) at its depth. `in_place`: the
+    orientation may be applied to `img` itself (a caller's image: not)."""
+    if in_place:
+        ImageOps.exif_transpose(img, in_place=True)
+    else:
+        img = ImageOps.exif_transpose(img)
     if img.mode in ("P", "PA"):
         img = img.convert("RGBA" if "transparency" in img.info or img.mode == "PA" else "RGB")
     elif img.mode == "1":
@@ -353,8 +369,8 @@ def to_hwc(array: np.ndarray, name, channels: int, planes_first: bool = False) -
     if array.shape[0] == channels and (array.shape[2] != channels or planes_first):
         array = array.transpose(1, 2, 0)
     if array.shape[2] != channels:
-        if planes_first:
-            array = array.transpose(1, 2, 0)  # say the bands the file stores as pages
+        if planes_first and array.shape[0] <= array.shape[2]:
+            array = array.transpose(1, 2, 0)  # say the bands the file stores as pages (the shorter end axis)
         raise ImageDecodeError(f"{name}: has {array.shape[2]} channel(s) (shape {array.shape}), data.channels asks "
                                f"{channels}")
     if min(array.shape[:2]) < 1:
@@ -375,12 +391,48 @@ def scale_to_255(array: np.ndarray, value_range=None) -> np.ndarray:
     else:
         info = np.iinfo(dtype)
         low, high = float(info.min), float(info.max)
-    out = array.astype(np.float32)  # a copy: the in-place steps below never touch the caller's array
-    if low:
-        out -= np.float32(low)
-    if high - low != 255.0:
-        out *= np.float32(255.0 / (high - low))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow becomes inf, which check_finite refuses
+        out = array.astype(np.float32)  # a copy: the in-place steps below never touch the caller's array
+        if low:
+            out -= np.float32(low)
+        if high - low != 255.0:
+            out *= np.float32(255.0 / (high - low))
     return out
+
+
+def not_finite(original: np.ndarray) -> str:
+    bad = int(original.size - np.count_nonzero(np.isfinite(original)))
+    return f"{bad} of {original.size} samples are not finite (NaN or infinity): an image holds finite numbers"
+
+
+# How far outside its declared range (data.value_range; [0, 1] for floats without one) a sample may lie, in widths
+# of that range: a float file on the 0..255 scale still reads as [0, 1] (auto normalisation absorbs the scale), a
+# value of 1e30, or floats on a 16-bit scale, are refused as a range the file is not on.
+RANGE_SLACK = 256
+
+
+# On the pipeline's 0..255 scale: the samples a file may hold
+LOWEST_SAMPLE, HIGHEST_SAMPLE = -255.0 * RANGE_SLACK, 255.0 * (RANGE_SLACK + 1)
+
+
+def check_finite(scaled: np.ndarray, original: np.ndarray, name="image", value_range=None) -> None:
+    """ImageDecodeError when an image's samples (`scaled`, on the 0..255 scale; `original`, as the file holds
+    them) are NaN or infinite, or lie more than RANGE_SLACK widths outside the declared range: such a file is a
+    bad input, refused where it is read (skipped and counted), never a batch's or a run's failure. Two reductions
+    (min, max) on an array already decoded; no copy."""
+    if not scaled.size:
+        return
+    low, high = float(scaled.min()), float(scaled.max())  # NaN and inf propagate through both
+    if math.isfinite(low) and math.isfinite(high) and LOWEST_SAMPLE <= low and high <= HIGHEST_SAMPLE:
+        return
+    declared = f"data.value_range={list(value_range)}" if value_range is not None else (
+        "floats are taken to lie in [0, 1]; data.value_range declares another range" if original.dtype.kind == "f"
+        else f"the {original.dtype} range")
+    if original.dtype.kind == "f" and not np.isfinite(original).all():
+        raise ImageDecodeError(f"{name}: {not_finite(original)}")
+    raw_low, raw_high = float(original.min()), float(original.max())
+    raise ImageDecodeError(f"{name}: samples from {raw_low:.6g} to {raw_high:.6g} lie more than {RANGE_SLACK} times "
+                           f"its width outside the declared range ({declared}): not an image on that scale")
 
 
 def first_band_view(array: np.ndarray) -> Image.Image:

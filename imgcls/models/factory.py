@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -365,8 +366,6 @@ def stem_conv(model: torch.nn.Module) -> tuple[str, torch.nn.Conv2d]:
 def replace_stem(model: torch.nn.Module, in_chans: int, name: str) -> None:
     """A torchvision model's first convolution rebuilt for `in_chans` channels (torchvision has no channel
     argument), its weights adapted from the 3-channel ones as timm adapts a pretrained stem."""
-    from timm.models import adapt_input_conv
-
     path, conv = stem_conv(model)
     if conv.groups != 1:
         raise ModelError(f"'model.name' = {name}: its first convolution is grouped; data.channels={in_chans} "
@@ -374,7 +373,7 @@ def replace_stem(model: torch.nn.Module, in_chans: int, name: str) -> None:
     new = torch.nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                           bias=conv.bias is not None, padding_mode=conv.padding_mode)
     with torch.no_grad():
-        new.weight.copy_(adapt_input_conv(in_chans, conv.weight))
+        new.weight.copy_(adapt_channels(in_chans, conv.weight))
         if conv.bias is not None:
             new.bias.copy_(conv.bias)
     parent_path, _, attr = path.rpartition(".")
@@ -383,19 +382,28 @@ def replace_stem(model: torch.nn.Module, in_chans: int, name: str) -> None:
 
 def adapt_stem_weights(model: torch.nn.Module, state: dict) -> dict:
     """`state` with its stem weight adapted to the model's input channels when they differ (a 3-channel
-    pretrained model or checkpoint into N channels: timm's adapt_input_conv, summed for one channel, repeated
-    and scaled for more). Says so in the log."""
-    from timm.models import adapt_input_conv
-
+    pretrained model or a checkpoint of any channel count into N channels: `adapt_channels`). Says so in the
+    log."""
     path, conv = stem_conv(model)
     key = f"{path}.weight"
     weight = state.get(key)
     if (weight is None or weight.ndim != 4 or weight.shape[1] == conv.in_channels
             or weight.shape[0] != conv.out_channels or weight.shape[2:] != conv.weight.shape[2:]):
         return state
-    log.info("%s: %d-channel weights adapted to %d input channels (timm's adapt_input_conv)", key,
+    log.info("%s: %d-channel weights adapted to %d input channels (timm's adapt_input_conv rule)", key,
              weight.shape[1], conv.in_channels)
-    return {**state, key: adapt_input_conv(conv.in_channels, weight.float()).to(weight.dtype)}
+    return {**state, key: adapt_channels(conv.in_channels, weight.float()).to(weight.dtype)}
+
+
+def adapt_channels(in_chans: int, weight: torch.Tensor) -> torch.Tensor:
+    """A stem weight (O, I, kH, kW) for `in_chans` input channels, by timm's adapt_input_conv rule for any I:
+    one channel sums the I filters; N channels repeat them cyclically, scaled by I / N (a 3-channel weight gives
+    exactly timm's; timm itself refuses, or keeps as it is, a source of other than 3 channels)."""
+    sources = weight.shape[1]
+    if in_chans == 1:
+        return weight.sum(dim=1, keepdim=True)
+    repeated = weight.repeat(1, math.ceil(in_chans / sources), 1, 1)[:, :in_chans]
+    return repeated * (sources / in_chans)
 
 
 def _groups_for(channels: int, wanted: int) -> int:

@@ -40,6 +40,7 @@ class Teacher:
     identity: dict              # {"source", "kind", "sha256"[, "config_sha256"]}: what --resume compares
     task: str = "multiclass"    # the data.task it was trained for (a timm model name: ImageNet's, multiclass)
     activation_bytes: int = 0   # its largest activation for one image at `size` (what a batch of it costs)
+    channels: int = 3           # the input channels it reads (its data.channels; a timm model's input_size)
 
     @property
     def num_outputs(self) -> int:
@@ -104,8 +105,8 @@ def named_as_teacher(source: str):
                         f"own record)") from err
 
 
-def forward_profile(model: torch.nn.Module, size: int, device: torch.device) -> tuple[int, int]:
-    """(its output count, its largest activation's bytes) for one RGB image at `size` px."""
+def forward_profile(model: torch.nn.Module, size: int, device: torch.device, channels: int = 3) -> tuple[int, int]:
+    """(its output count, its largest activation's bytes) for one image of `channels` bands at `size` px."""
     largest = [0]
 
     def keep(module, args, output):
@@ -115,7 +116,7 @@ def forward_profile(model: torch.nn.Module, size: int, device: torch.device) -> 
     handles = [m.register_forward_hook(keep) for m in model.modules() if not any(True for _ in m.children())]
     try:
         with torch.no_grad():
-            outputs = model(torch.zeros(1, 3, size, size, device=device))
+            outputs = model(torch.zeros(1, channels, size, size, device=device))
     finally:
         for handle in handles:
             handle.remove()
@@ -150,7 +151,8 @@ def open_teacher(source: str, device: torch.device) -> Teacher:
         check_model_name(source)
         model = load_pretrained(SimpleNamespace(name=source))
         preprocessing = pretrained_preprocessing(source, model)
-        size = int(model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]) if hasattr(model, "pretrained_cfg") else 224
+        input_size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))
+        size, channels = int(input_size[-1]), int(input_size[0])
         labels = list((getattr(model, "pretrained_cfg", None) or {}).get("label_names") or []) or None
         mean, std, classes, task = preprocessing["data.mean"], preprocessing["data.std"], labels, "multiclass"
         model = model.to(device)
@@ -163,17 +165,18 @@ def open_teacher(source: str, device: torch.device) -> Teacher:
         opened = load_model_file(path)
         model = opened.build_model(device, channels_last=False)
         mean, std, size = list(opened.cfg.data.mean), list(opened.cfg.data.std), eval_size(opened.cfg.data)
+        channels = int(opened.cfg.data.channels)
         classes, task = list(opened.classes), opened.task.name
         digests = folder_digests(path) if kind == "timm folder" else {"sha256": file_sha256(path)}
     freeze(model)
     try:
-        outputs, activation = forward_profile(model, size, device)
+        outputs, activation = forward_profile(model, size, device, channels)
     except RuntimeError as err:
-        raise ConfigError(f"'distill.teacher' = {source}: the teacher does not run on a 3-channel {size} px image "
-                          f"({str(err).splitlines()[0]})") from err
+        raise ConfigError(f"'distill.teacher' = {source}: the teacher does not run on a {channels}-channel {size} px "
+                          f"image ({str(err).splitlines()[0]})") from err
     identity = {"source": source, "kind": kind, **digests, "num_outputs": outputs}
     return Teacher(model, classes, [float(m) for m in mean], [float(s) for s in std], int(size), identity, task,
-                   activation)
+                   activation, channels)
 
 
 def folder_digests(folder: Path) -> dict:
@@ -213,8 +216,12 @@ def check_teacher(cfg, classes: Optional[list[str]] = None) -> Teacher:
 
 
 def teacher_mismatch(teacher: Teacher, cfg, classes: Optional[list[str]]) -> Optional[str]:
-    """Why the teacher cannot teach the student of `cfg` (None when it can): another task, or (with `classes`
-    known) other classes."""
+    """Why the teacher cannot teach the student of `cfg` (None when it can): other input channels, another task,
+    or (with `classes` known) other classes."""
+    channels = getattr(cfg.data, "channels", 3)  # a data section without the key reads RGB
+    if teacher.channels != channels:
+        return (f"it reads {teacher.channels}-channel images and the student's data.channels={channels}: "
+                f"the teacher sees the student's batches, so both read the same bands")
     theirs, ours = get_task(teacher.task), task_of(cfg)
     if theirs is not ours:
         return (f"it was trained for data.task={theirs.name} and the student trains for data.task={ours.name}: "

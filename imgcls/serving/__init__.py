@@ -22,6 +22,10 @@ def classify_decode_error(message: str) -> str:
         return "truncated_image"
     if "cannot identify image file" in message or "UnidentifiedImageError" in message:
         return "not_an_image"
+    if "are not finite (NaN or infinity)" in message:
+        return "non_finite_image"
+    if "outside the declared range" in message:
+        return "out_of_range_image"
     return "unreadable_image"
 
 def batch_shapes(max_batch: int) -> list[int]:

@@ -6,7 +6,7 @@ The padded batch sizes a served model sees (both serve.py paths: torch, and ONNX
 Dynamic batching for an asyncio server: requests wait in a queue; the first one waiting opens a batch,
 which closes when it holds `max_batch` items or `max_wait_s` after it opened, then runs on one model
 thread while the next batch gathers. Only decoded images enter the queue, so a bad upload never reaches
-a batch; an exception in a batch's run fails that batch's requests only.
+a batch; when a batch's run raises, its requests run one by one, so only one that fails alone fails.
 
 serve.py's embedding endpoints: `POST /embed` answers the image's L2-normalised pooled pre-logits
 vector (`{"embedding": [...]}`); with --index DIR, `POST /similar?k=K` answers its K nearest indexed images
@@ -105,17 +105,38 @@ class DynamicBatcher:
                 continue
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [item for item, _ in live])
-            except Exception as err:  # the model failed on this batch: its requests get a 500, the server goes on
-                log.exception("a batch of %d failed", len(live))
-                for _, future in live:
-                    if not future.done():
-                        future.set_exception(err)
+            except Exception as err:  # the model failed on this batch: each request runs alone, the server goes on
+                if len(live) == 1:
+                    log.exception("a batch of 1 failed")
+                    if not live[0][1].done():
+                        live[0][1].set_exception(err)
+                    continue
+                log.warning("a batch of %d failed (%s: %s): its requests run one by one, so only a failing one "
+                            "fails", len(live), type(err).__name__, err)
+                await self._run_alone(live)
                 continue
             self.batches_run += 1
             self.items_run += len(live)
             for (_, future), result in zip(live, results):
                 if not future.done():
                     future.set_result(result)
+
+    async def _run_alone(self, live: list) -> None:
+        """Each request of a failed batch as a batch of its own: one request's input that makes the model fail (a
+        non-finite output) gets its 500 without failing the requests it was batched with."""
+        loop = asyncio.get_running_loop()
+        for item, future in live:
+            try:
+                result = (await loop.run_in_executor(self._executor, self.run_batch, [item]))[0]
+            except Exception as err:
+                log.exception("a request failed on its own")
+                if not future.done():
+                    future.set_exception(err)
+                continue
+            self.batches_run += 1
+            self.items_run += 1
+            if not future.done():
+                future.set_result(result)
 
 MAX_K = 1000
 

@@ -497,3 +497,88 @@ def test_a_four_band_run_under_ddp_measures_the_same_normalisation_once(four_ban
     # the whole split, once (other batch sizes: float64 sums in another order)
     assert ddp["preprocessing"]["mean"] == pytest.approx(first["preprocessing"]["mean"], rel=1e-12)
     assert ddp["preprocessing"]["std"] == pytest.approx(first["preprocessing"]["std"], rel=1e-9)
+
+
+# ---------------------------------------------------------------- non-finite and out-of-range samples
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("case", ["inf_npy", "one_nan_npy", "nan_tiff", "huge_npy", "overflowing_float64"])
+def test_a_non_finite_or_off_scale_sample_is_unreadable_on_every_path(channels, case):
+    shape = (20, 20, channels)
+    one_nan = np.random.default_rng(0).random(shape).astype(np.float32)
+    one_nan[3, 4, 0] = np.nan
+    body = {"inf_npy": lambda: npy_bytes(np.full(shape, np.inf, np.float32)),
+            "one_nan_npy": lambda: npy_bytes(one_nan),
+            "nan_tiff": lambda: tiff_bytes(np.full((20, 20), np.nan, np.float32)),
+            "huge_npy": lambda: npy_bytes(np.full(shape, 1e30, np.float32)),
+            "overflowing_float64": lambda: npy_bytes(np.full(shape, 1e300))}[case]()
+    want = "outside the declared range" if case in ("huge_npy", "overflowing_float64") else "not finite"
+    if case == "nan_tiff" and channels == 3:  # the 8-bit RGB path reads a one-band float TIFF through PIL
+        with pytest.raises(ImageDecodeError, match=want):
+            EvalTransform(16, 0.875, "bilinear")(body)
+        return
+    for transform in (EvalTransform(16, 0.875, "bilinear", channels), TrainTransform(
+            16, (0.5, 1.0), (0.75, 1.33), 0.5, 0.0, "bilinear", channels=channels)):
+        with pytest.raises(ImageDecodeError, match=want):
+            transform(body) if isinstance(transform, EvalTransform) else transform(body, 0)
+
+
+def test_finite_floats_on_the_0_255_scale_still_read_and_value_range_widens_the_bound():
+    array = np.random.default_rng(0).random((20, 20, 1)).astype(np.float32) * 255
+    assert read_bands(npy_bytes(array), "x", 1).max() == pytest.approx(array.max() * 255)
+    with pytest.raises(ImageDecodeError, match=r"data.value_range=\[0.0, 1.0\]"):
+        read_bands(npy_bytes(array * 1000), "x", 1, (0.0, 1.0))
+    assert read_bands(npy_bytes(array * 1000), "x", 1, (0.0, 255000.0)).max() <= 255.0
+
+
+def test_serve_refuses_a_non_finite_upload_as_a_bad_image_on_the_band_path():
+    from imgcls.serving import BadImage
+    from imgcls.serving.model import decode_image
+
+    transform = EvalTransform(16, 0.875, "bilinear", 1)
+    with pytest.raises(BadImage) as info:
+        decode_image(npy_bytes(np.full((20, 20), np.inf, np.float32)), transform, None)
+    assert info.value.kind == "non_finite_image" and "400 of 400 samples" in info.value.detail
+    with pytest.raises(BadImage) as info:
+        decode_image(tiff_bytes(np.full((20, 20), 1e30, np.float32)), transform, None)
+    assert info.value.kind == "out_of_range_image"
+
+
+def _one_band_npy_tree(root, bad: dict):
+    """root/{train,val}/{a,b}/*.npy one-band float images in [0, 1], plus `bad` (name -> array) in train/a."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 12), ("val", 4)):
+        for label, name in enumerate("ab"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                np.save(folder / f"{name}_{i}.npy", (rng.random((20, 20)) * 0.5 + 0.4 * label).astype(np.float32))
+    for name, array in bad.items():
+        np.save(root / "train" / "a" / name, array)
+    return root
+
+
+@pytest.mark.slow
+def test_a_non_finite_training_file_is_skipped_named_and_kept_out_of_the_auto_normalisation(tmp_path):
+    data = _one_band_npy_tree(tmp_path / "data", {"inf.npy": np.full((20, 20), np.inf, np.float32)})
+    result = _train(data, tmp_path / "run", **{"data.channels": 1, "train.epochs": 1, "data.max_bad_fraction": 0.1})
+    assert result.returncode == 0, result.stderr[-2000:]
+    bad = str(data / "train" / "a" / "inf.npy")
+    assert f"unreadable training files were left out of the measurement, the first: {bad}" in result.stderr
+    assert "measured per channel on 24 training images" in result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["skipped_files"] == [bad]
+    saved = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=True)
+    mean, std = saved["preprocessing"]["mean"][0], saved["preprocessing"]["std"][0]
+    assert 0.3 < mean < 0.5 and 0.1 < std < 0.4  # the finite files' values (uniform 0..0.9)
+
+
+@pytest.mark.slow
+def test_bands_that_do_not_match_data_channels_stop_an_auto_normalisation_naming_the_key(tmp_path):
+    data = write_band_tree(tmp_path / "data", "tif", counts=(2, 1))
+    result = _train(data, tmp_path / "run", **{"data.channels": 2, "train.batch_size": 2})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "not one training image could be read with data.channels=2" in result.stderr
+    assert "has 4 channel(s) (shape (20, 20, 4)), data.channels asks 2" in result.stderr
+    assert "measured on 0" not in result.stderr

@@ -205,6 +205,17 @@ def test_eval_knn_and_linear_probe_add_their_top1_to_the_json(trained, tmp_path)
     assert doc["knn_top1"] == pytest.approx(numpy_knn_top1(*split["train"], *split["val"], k=3))
 
 
+@pytest.mark.slow
+def test_eval_knn_above_the_memory_bank_is_clipped_to_it_and_says_so(trained, tmp_path, capsys):
+    data, checkpoint = trained
+    report = tmp_path / "eval.json"
+    assert exit_code(lambda: eval_script.main(["--checkpoint", str(checkpoint), "--knn", "1000000", "--json",
+                                               str(report), "train.device=cpu", "data.num_workers=0"])) == 0
+    doc = json.loads(report.read_text())
+    assert doc["knn_k"] == doc["memory_bank_size"] == 24  # main: knn_k 1000000
+    assert "--knn 1000000: the memory bank holds 24 image(s); k clipped to 24" in capsys.readouterr().err
+
+
 def test_the_index_turns_approximate_above_the_exact_limit_and_grows_by_add(tmp_path, monkeypatch):
     import imgcls.embedding.index as index_module
     from imgcls.embedding.index import IndexInfo, PathRow, load_index, update_index, write_rows

@@ -199,6 +199,25 @@ def test_broken_files_get_error_rows_and_the_run_goes_on(checkpoint, images, tmp
 
 
 @pytest.mark.slow
+def test_a_non_finite_file_is_an_error_row_naming_it_and_its_neighbours_are_classified(checkpoint, images, tmp_path,
+                                                                                      capsys, caplog):
+    np.save(images / "inf.npy", np.full((20, 28, 3), np.inf, np.float32))
+    Image.fromarray(np.full((20, 28), np.nan, np.float32)).save(images / "nan.tif")
+    np.save(images / "huge.npy", np.full((20, 28, 3), 1e30, np.float32))
+    out = tmp_path / "rows.csv"
+    assert infer.main([str(images), "--checkpoint", str(checkpoint), "--output", str(out), "--batch-size", "8"]) == 0
+    with open(out, newline="") as f:
+        rows = _by_name(list(csv.DictReader(f)))
+    assert "samples are not finite (NaN or infinity)" in rows["inf.npy"]["error"]
+    assert "samples are not finite (NaN or infinity)" in rows["nan.tif"]["error"]
+    assert "outside the declared range" in rows["huge.npy"]["error"]
+    assert all(rows[f"img{i}.png"]["error"] == "" and rows[f"img{i}.png"]["label"] in CLASSES for i in range(7))
+    err = capsys.readouterr().err + caplog.text
+    assert "classified 7 of 10" in err and f"could not read {images / 'inf.npy'}" in err
+    assert "not finite (NaN or infinity) for" not in err  # the model is not blamed
+
+
+@pytest.mark.slow
 def test_all_broken_input_exits_1(checkpoint, tmp_path, capsys):
     folder = tmp_path / "broken"
     folder.mkdir()

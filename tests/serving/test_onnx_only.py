@@ -244,3 +244,21 @@ def test_onnx_only_serves_good_metadata_as_the_torch_path(tmp_path):
     want = torch_model.classify([torch_model.decode(bodies[n]) for n in names], names)
     assert got == want  # one rows path: the same NumPy code on the same logits
     assert slim.health()["preprocessing"] == torch_model.health()["preprocessing"]
+
+
+@pytest.mark.slow
+def test_a_non_finite_upload_is_a_bad_image_for_an_onnx_file_on_both_paths(exports):
+    """main: a NaN float TIFF decoded to a black image (a row, not a 400); an inf .npy to a white one."""
+    from imgcls.serving import BadImage
+    from imgcls.serving.model import ServedModel
+
+    tiff, npy = io.BytesIO(), io.BytesIO()
+    Image.fromarray(np.full((20, 20), np.nan, np.float32)).save(tiff, format="TIFF")
+    np.save(npy, np.full((20, 20, 3), np.inf, np.float32))
+    path = str(exports["files"]["fp32"])
+    for model, bodies in ((ServedModel.load(path, 5, 4, "cpu"), (tiff, npy)), (OnnxServedModel.load(path, 5, 4),
+                                                                              (tiff,))):
+        for body in bodies:
+            with pytest.raises(BadImage) as caught:
+                model.decode(body.getvalue())
+            assert caught.value.kind == "non_finite_image", caught.value.detail

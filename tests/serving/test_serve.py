@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 from conftest import REPO, class_image, run_script, train_tiny, wait_for
@@ -166,6 +167,41 @@ def test_every_bad_body_gets_a_400_naming_it_and_a_batch_neighbour_is_unaffected
             assert response.json()["detail"]
         for future in goods:
             assert future.result().status_code == 200
+            assert_same_row(future.result().json(), served["expected"][str(good)])
+    assert health(url)["status"] == "ok"
+
+
+def non_finite_bodies() -> dict[str, bytes]:
+    """Uploads whose samples are not finite numbers, or far off their scale: bad input, never a model failure."""
+    def saved(array, **kwargs) -> bytes:
+        buf = io.BytesIO()
+        if kwargs:
+            Image.fromarray(array).save(buf, **kwargs)
+        else:
+            np.save(buf, array)
+        return buf.getvalue()
+
+    return {"non_finite_image": saved(np.full((20, 20, 3), np.inf, np.float32)),
+            "non_finite_image_tiff": saved(np.full((20, 20), np.nan, np.float32), format="TIFF"),
+            "out_of_range_image": saved(np.full((20, 20, 3), 1e30, np.float32))}
+
+
+@pytest.mark.slow
+def test_a_non_finite_upload_gets_a_400_alone_and_never_fails_its_batch_neighbours(served):
+    url, good = served["url"], served["images"][0]
+    bodies = non_finite_bodies()
+    with ThreadPoolExecutor(12) as pool:  # --max-wait-ms 100: they share batches
+        bad = {name: pool.submit(post, url, body) for name, body in bodies.items()}
+        embeds = {name: pool.submit(requests.post, f"{url}/embed", data=body, timeout=TIMEOUT,
+                                    headers={"Authorization": f"Bearer {API_KEY}"}) for name, body in bodies.items()}
+        goods = [pool.submit(post, url, good.read_bytes()) for _ in range(6)]
+        for name, future in [*bad.items(), *embeds.items()]:
+            response = future.result()
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"] == name.removesuffix("_tiff"), response.text
+            assert "finite" in response.json()["detail"] or "declared range" in response.json()["detail"]
+        for future in goods:
+            assert future.result().status_code == 200, future.result().text
             assert_same_row(future.result().json(), served["expected"][str(good)])
     assert health(url)["status"] == "ok"
 
@@ -342,6 +378,28 @@ def test_batcher_groups_waiting_requests_and_isolates_a_failed_batch():
     assert [len(c) for c in calls[:2]] == [4, 2]   # max_batch, then the rest when the wait ends
     assert isinstance(failed[0], RuntimeError)
     assert after == "yy"
+
+
+def test_a_request_that_fails_the_model_fails_alone_not_its_batch_neighbours():
+    """main: every request batched with the failing one got its exception (a 500)."""
+    calls = []
+
+    def run(items):
+        calls.append(list(items))
+        if "nan" in items:
+            raise RuntimeError("outputs are not finite")
+        return [item * 2 for item in items]
+
+    async def scenario():
+        batcher = DynamicBatcher(run, max_batch=4, max_wait_s=0.2)
+        batcher.start()
+        answers = await asyncio.gather(*(batcher.submit(x) for x in ("x", "nan", "y")), return_exceptions=True)
+        await batcher.stop()
+        return answers, batcher.items_run
+
+    answers, items_run = asyncio.run(scenario())
+    assert answers[0] == "xx" and answers[2] == "yy" and isinstance(answers[1], RuntimeError)
+    assert calls == [["x", "nan", "y"], ["x"], ["nan"], ["y"]] and items_run == 2
 
 
 def test_serve_refuses_keys_headers_cannot_carry_and_unbounded_batches():

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -547,3 +548,38 @@ def test_the_teachers_time_share_is_over_training_time_only():
     assert share is not None and 0 <= share <= 1
     timer.pause()  # a validation pass follows: its time is not in the next share
     assert timer.take_share() is None
+
+
+def test_the_input_conversion_takes_the_runs_channel_count():
+    student = torch.randn(2, 1, 12, 12)
+    conversion = InputConversion([0.5], [0.2], [0.4], [0.25], 12, 12)
+    assert torch.allclose(conversion(student), (student * 0.2 + 0.5 - 0.4) / 0.25, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_one_channel_teacher_teaches_a_one_channel_student_and_another_count_is_refused(tmp_path):
+    """main: exit 2, 'the teacher does not run on a 3-channel 16 px image' (the probe always had 3 channels)."""
+    from PIL import Image
+
+    from imgcls.core.errors import ConfigError
+    from imgcls.objectives.teacher import check_teacher
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("val", 3)):
+        for label, name in enumerate("ab"):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(n):
+                pixels = np.clip(rng.normal(70 + 110 * label, 20, (20, 20)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / name / f"{i}.png")
+    grey = {"data.channels": 1, "train.epochs": 1, "model.name": "test_resnet"}
+    teacher = run_script("train.py", "--config", "base", *tiny_overrides(tmp_path / "data", tmp_path / "t", **grey))
+    assert teacher.returncode == 0, teacher.stderr[-2000:]
+    source = str(tmp_path / "t" / "best.pt")
+    for channels in (1, 2, 3):
+        cfg = load_config("base", tiny_overrides(tmp_path / "data", tmp_path / "x", **{
+            "data.channels": channels, "distill.teacher": source}))
+        if channels == 1:  # the probe runs the teacher on a 1-channel image: it can teach
+            assert check_teacher(cfg).channels == 1
+            continue
+        with pytest.raises(ConfigError, match=f"it reads 1-channel images and the student's data.channels={channels}"):
+            check_teacher(cfg)

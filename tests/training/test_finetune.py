@@ -165,3 +165,32 @@ def test_the_pretrained_classifier_is_kept_only_for_our_classes(tmp_path, caplog
     assert torch.equal(model.fc.weight, source["fc.weight"] if kept else fresh)
     assert torch.equal(model.conv1[0].weight, source["conv1.0.weight"])
     assert ("classifier loaded too" if kept else "new classifier initialised for our 3 classes") in caplog.text
+
+
+@pytest.mark.parametrize("source, target", [(4, 1), (4, 2), (4, 3), (1, 2)])
+def test_finetuning_across_channel_counts_adapts_the_stem_and_loads_every_tensor(source, target, caplog):
+    """A checkpoint of `source` input channels into a run of data.channels=`target`: the stem is adapted by timm's
+    rule for any count (one channel sums the filters, N repeat them scaled by source / N) and nothing starts from
+    random (main: AssertionError for 4 -> 1, NotImplementedError for 4 -> 2 and 1 -> 2, a random stem for 4 -> 3)."""
+    from imgcls.models.factory import stem_conv
+    from imgcls.training.rundir import apply_finetune
+
+    cfg = load_config("base", ["model.name=test_resnet"])
+    trained = build_model(cfg.model, 2, source)
+    ckpt = {"model": trained.state_dict(), "config": {"model": {"name": "test_resnet"}}}
+    model = build_model(cfg.model, 2, target)
+    with caplog.at_level("INFO"):
+        assert apply_finetune(model, ckpt, "four.pt") == 1.0
+    assert f"{source}-channel weights adapted to {target} input channels" in caplog.text
+    assert "starting from random" not in caplog.text
+    (stem, stem_in), (_, stem_out) = stem_conv(trained), stem_conv(model)
+    assert stem_out.weight.shape[1] == target
+    for j in range(target):  # band j takes source band j mod source (all of them summed for one channel)
+        want = stem_in.weight.sum(1) if target == 1 else stem_in.weight[:, j % source] * (source / target)
+        assert torch.allclose(stem_out.weight[:, j], want)
+    if target == 1 or target % source == 0:  # then a constant image gives the source model's stem response
+        flat_in, flat_out = torch.full((1, source, 8, 8), 0.5), torch.full((1, target, 8, 8), 0.5)
+        with torch.no_grad():
+            assert torch.allclose(stem_out(flat_out), stem_in(flat_in), atol=1e-5)
+    others = {k for k in ckpt["model"] if k != f"{stem}.weight"}
+    assert all(torch.equal(model.state_dict()[k], ckpt["model"][k]) for k in others)
