@@ -258,3 +258,19 @@ def test_a_pretrained_timm_folder_with_another_head_gets_the_feature_figures_alo
         split[name] = (np.stack([by_path[p] for p in paths]),
                        np.array([CLASSES.index(p.split("/")[-2]) for p in paths]))
     assert doc["knn_top1"] == pytest.approx(numpy_knn_top1(*split["train"], *split["val"], k=3))
+
+
+def test_search_table_header_sits_over_its_columns():
+    """Issue 64: query paths longer than the 40-character column pushed every row right of its header."""
+    from imgcls.commands.embed import format_table
+
+    rows = [{"query": "short.png", "rank": 1, "score": 0.5, "path": "a.png", "error": None},
+            {"query": "/data/a/very/long/folder/name/of/queries/" + "q" * 30 + ".png", "rank": 10, "score": 0.25,
+             "path": "b.png", "error": None},
+            {"query": "broken.png", "rank": None, "score": None, "path": None, "error": "cannot identify image"}]
+    header, *lines = format_table(rows).splitlines()
+    rank_end, score_end, path_at = header.index("rank") + 4, header.index("score") + 5, header.index("path")
+    for line in lines[:2]:
+        assert line[rank_end - 1] != " " and line[rank_end] == " " and line[score_end - 1] != " "
+        assert line[path_at:].endswith(".png") and line[path_at - 1] == " "
+    assert lines[2].index("error:") == header.index("rank")
