@@ -340,3 +340,33 @@ def test_the_architecture_page_names_rooms_and_files_that_exist_and_every_room()
     assert missing == []
     actual = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()} | {"config.py"}
     assert actual == set(rooms)
+
+
+def test_the_multilabel_page_shows_both_csv_forms_and_the_shown_keys_read_them(tmp_path):
+    """Issue 64: the page showed `path,label` only and never named data.csv_label_column; a list in the
+    `image_name,labels` form (many Kaggle and fastai lists) needs the two column keys, shown with it."""
+    from conftest import class_image
+
+    from imgcls.data.listing import DataTreeError
+    from imgcls.data.sources.source_csv import scan_csv
+
+    page = (REPO / "docs" / "multilabel.md").read_text()
+    block = FENCE.findall(page)[0]
+    assert "# train.csv:            path,label" in block and "# train.csv:            image_name,labels" in block
+    shown = [words for name, words in shown_commands() if name == "multilabel.md" and words[0] == "train.py"]
+    kaggle = next(words for words in shown if "data.csv_label_column=labels" in words)
+    overrides = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in kaggle if "=" in w}
+    assert overrides["data.csv_path_column"] == "image_name"
+    rows = []
+    for i in range(8):
+        class_image(i % 2, size=(8, 8)).save(tmp_path / f"train_{i}.jpg")
+        rows.append(f"train_{i}.jpg,{'haze primary' if i % 2 else 'clear'}")
+    (tmp_path / "train.csv").write_text("image_name,labels\n" + "\n".join(rows) + "\n")
+    overrides.update({"data.root": str(tmp_path), "data.train_csv": str(tmp_path / "train.csv")})
+    cfg = load_config(kaggle[kaggle.index("--config") + 1], [f"{k}={v}" for k, v in overrides.items()])
+    sources = scan_csv(cfg.data)
+    assert len(sources.train_index.paths) + len(sources.val_index.paths) == 8
+    assert sources.classes == ["clear", "haze", "primary"]
+    with pytest.raises(DataTreeError, match="no column 'path'.*image_name, labels"):
+        scan_csv(load_config("multilabel", [f"data.root={tmp_path}", f"data.train_csv={tmp_path / 'train.csv'}",
+                                            "data.val_fraction=0.25"]).data)
