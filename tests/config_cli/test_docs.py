@@ -52,13 +52,20 @@ def test_every_page_is_in_the_nav_the_index_and_the_readme_in_one_order():
     Pages table and in the README's Documentation table, in the nav's order."""
     nav = [page for entry in yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"] for page in entry.values()
            if page != "index.md"]
-    index = (REPO / "docs" / "index.md").read_text()
-    index_list = re.findall(r"^\| \[[^\]]+\]\(([a-z_]+\.md)\) \|", index.split("## Pages", 1)[1], re.M)
-    readme = (REPO / "README.md").read_text()
-    readme_list = re.findall(r"\]\(docs/([a-z_]+\.md)\) \|$", readme.split("## Documentation", 1)[1], re.M)
+    index_rows = page_rows((REPO / "docs" / "index.md").read_text().split("## Pages", 1)[1], "")
+    readme_rows = page_rows((REPO / "README.md").read_text().split("## Documentation", 1)[1], "docs/")
     assert sorted(nav) == sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name != "index.md")
-    assert index_list == nav, "docs/index.md's Pages table: the nav's pages, in its order"
-    assert readme_list == nav, "the README's Documentation table: the nav's pages, in its order"
+    assert [page for page, _ in index_rows] == nav, "docs/index.md's Pages table: the nav's pages, in its order"
+    # one list (issue 64: the two had drifted apart): the README's table is docs/index.md's, row for row
+    assert readme_rows == index_rows, "the README's Documentation table is docs/index.md's Pages table"
+
+
+def page_rows(text: str, prefix: str) -> list[tuple[str, str]]:
+    """(page, the whole row with its link made relative to docs/) of the first page table in `text`, whose
+    links start with `prefix`."""
+    rows = re.findall(rf"^\| \[[^\]]+\]\({prefix}([a-z_]+\.md)\) \|.*\|$", text.split("\n\n#", 1)[0], re.M)
+    lines = re.findall(rf"^\| \[[^\]]+\]\({prefix}[a-z_]+\.md\) \|.*\|$", text.split("\n\n#", 1)[0], re.M)
+    return [(page, line.replace(f"]({prefix}{page})", f"]({page})", 1)) for page, line in zip(rows, lines)]
 
 
 def test_readme_links_point_at_files_and_headings():
