@@ -331,8 +331,13 @@ def format_lr_result(doc: dict) -> str:
     """The printed result. Only a medium or high confidence ends in a `use: optim.lr=...` line; a low one says
     that the recipe's LR stands and which test to run for a confident suggestion."""
     if doc["optim_lr"] is None:
-        return (f"LR range test: too few steps before the loss reached its minimum to suggest an LR (divergence at "
-                f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
+        rerun = doc.get("rerun")
+        again = f"; run again with --lr-range {rerun['low']:.3g},{rerun['high']:.3g} --steps {rerun['steps']}" \
+            if rerun else ""
+        recipe = f"optim.lr={doc['recipe_lr']:g}" if doc.get("recipe_lr") is not None else "optim.lr"
+        diverged = "no divergence" if doc["divergence_lr"] is None else f"divergence at LR {doc['divergence_lr']:.3g}"
+        return (f"LR range test: no LR to suggest ({'; '.join(doc['confidence_reasons'])}; {diverged}): the "
+                f"recipe's {recipe} stands{again}")
     if doc["divergence_lr"] is not None:
         diverged = f"; the loss diverges from LR {doc['divergence_lr']:.3g}"
     elif doc.get("rise_lr") is not None:

@@ -222,11 +222,31 @@ def rise_index(losses: list[float], minimum: Optional[int], skip_start: int = 0,
     return None
 
 
-def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
+def largest_fall(losses: list[float], skip_start: int = 0) -> Optional[tuple[int, int]]:
+    """(top, bottom) of the largest fall of the smoothed loss before any divergence, from a point to a later,
+    lower one (the maximum drawdown; fastai's `valley` takes the longest falling run); None when it never falls.
+    Noise in a flat stretch makes small falls; a network that rose first and then learned makes a large one."""
+    end = divergence_index(losses)
+    best, drop, top = None, 0.0, skip_start
+    for i in range(skip_start, len(losses) if end is None else end):
+        if losses[i] > losses[top]:
+            top = i
+        if losses[top] - losses[i] > drop:
+            best, drop = (top, i), losses[top] - losses[i]
+    return best
+
+
+def fell_enough(losses: list[float], top: int, bottom: int) -> bool:
+    """Whether the smoothed loss fell at least LR_MIN_DROP of its height at `top` by `bottom`."""
+    return bool(losses[top]) and (losses[top] - losses[bottom]) / abs(losses[top]) >= LR_MIN_DROP
+
+
+def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0,
+                           end: Optional[int] = None) -> Optional[int]:
     """Where the smoothed loss falls fastest against log(LR) on the way down to its minimum (fastai's `steep`
-    suggestion): only points before the minimum count, so a brief dip after the loss has blown up (a spike
-    falling back) is never taken; None with fewer than 3 points before the minimum."""
-    end = minimum_index(losses)
+    suggestion): only points before the minimum (or `end`) count, so a brief dip after the loss has blown up
+    (a spike falling back) is never taken; None with fewer than 3 points before the minimum."""
+    end = minimum_index(losses) if end is None else end
     if end is None or end - skip_start < 2:
         return None
     slopes = [(losses[i + 1] - losses[i - 1]) / (math.log(lrs[i + 1]) - math.log(lrs[i - 1]))
@@ -241,6 +261,9 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
     a range that never diverged (a better LR may lie beyond it), or too few points lead down to it. Medium:
     the loss never diverged nor rose back (`rise_index`): how far above the suggestion a run still survives is
     unknown."""
+    if minimum is not None and minimum <= skip_start:
+        return "low", ["the smoothed loss never fell below its start (nor back to it after a rise) within these "
+                       "steps: give more --steps (each LR is then held longer)"]
     if steep is None or minimum is None:
         return "low", ["too few points before the loss reached its minimum"]
     start = losses[skip_start]
@@ -282,15 +305,30 @@ def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tup
     divergence's 4x and the confidence's 10% fall are measured above it (`loss_floor` in the result)."""
     skip = min(len(lrs) // 10, 10)
     losses_above = above_floor(losses, floor)
-    steep = steepest_descent_index(lrs, losses_above, skip_start=skip)
-    minimum = minimum_index(losses_above)
+    start, minimum = skip, minimum_index(losses_above)
+    fall = rose_first = None
+    if minimum is not None and (minimum <= skip or not fell_enough(losses_above, skip, minimum)):
+        fall = largest_fall(losses_above, skip)
+    # the loss rose first, then fell back to its start's level: the fall is the curve to read (a fall that ends
+    # well above the start is a network still recovering, not learning)
+    if fall is not None and fall[0] > skip and fell_enough(losses_above, *fall) and \
+            losses_above[fall[1]] <= (1 + LR_MIN_DROP) * losses_above[skip]:
+        start, minimum = rose_first = fall
+    steep = steepest_descent_index(lrs, losses_above, skip_start=start, end=minimum)
     diverged = divergence_index(losses_above)
-    rose = rise_index(losses_above, minimum, skip) if diverged is None else None
+    rose = rise_index(losses_above, minimum, start) if diverged is None else None
     suggested = None
     if steep is not None:
         suggested = min(lrs[steep], lrs[minimum] / MINIMUM_DIVISOR)
-    confidence, reasons = lr_confidence(losses_above, steep, minimum, diverged, skip, rose)
+    confidence, reasons = lr_confidence(losses_above, steep, minimum, diverged, start, rose)
+    if rose_first is not None and confidence == "high":
+        confidence = "medium"
+    if rose_first is not None and confidence != "low":
+        reasons.append(f"the loss first rose, from {losses[skip]:.3g} to {losses[start]:.3g} at LR {lrs[start]:.3g}, "
+                       f"and the suggestion reads the fall after it, to {losses[minimum]:.3g} at LR "
+                       f"{lrs[minimum]:.3g}: the lower LRs moved the loss less than the noise within these steps")
     return {"suggested_lr": suggested, "loss_floor": floor, "steepest_lr": lrs[steep] if steep is not None else None,
+            "fall_start_lr": lrs[start] if rose_first is not None else None,
             "minimum_lr": lrs[minimum] if minimum is not None else None,
             "divergence_lr": lrs[diverged] if diverged is not None else None,
             "rise_lr": lrs[rose] if rose is not None else None,
@@ -309,7 +347,8 @@ def rerun_settings(requested: tuple[float, float, int], reasons: list[str]) -> d
         high *= 100
     if any("points lead down" in r or "too few points" in r for r in reasons):
         low = low / 10
-    if any("fell only" in r or "points lead down" in r or "too few points" in r for r in reasons):
+    if any("fell only" in r or "points lead down" in r or "too few points" in r or "never fell" in r
+           for r in reasons):
         steps = steps * 2
     return {"low": low, "high": high, "steps": steps}
 
