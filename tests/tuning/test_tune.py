@@ -20,8 +20,8 @@ from imgcls.compute.device import Runtime
 from imgcls.compute.distributed import DistInfo
 from imgcls.config import load_config
 from imgcls.core.errors import ConfigError
-from imgcls.training.arithmetic import (Curve, exponential_lrs, loss_after_samples, loss_at_seconds, lr_suggestion,
-                                        learning_failure, smooth, sweep_rows, sweep_verdict, throughput_knee,
+from imgcls.training.arithmetic import (Curve, exponential_lrs, learning_failure, loss_after_samples, loss_at_seconds,
+                                        lr_suggestion, smooth, sweep_rows, sweep_verdict, throughput_knee,
                                         time_to_target_noise)
 from imgcls.tuning.sweep import MemoryCheck, attempts_for, chance_loss, sweep_batch_sizes
 
