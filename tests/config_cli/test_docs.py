@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, class_image
 
 from imgcls.config import ConfigError, all_keys, load_config
 
@@ -354,8 +354,6 @@ def test_the_architecture_page_names_rooms_and_files_that_exist_and_every_room()
 def test_the_multilabel_page_shows_both_csv_forms_and_the_shown_keys_read_them(tmp_path):
     """Issue 64: the page showed `path,label` only and never named data.csv_label_column; a list in the
     `image_name,labels` form (many Kaggle and fastai lists) needs the two column keys, shown with it."""
-    from conftest import class_image
-
     from imgcls.data.listing import DataTreeError
     from imgcls.data.sources.source_csv import scan_csv
 

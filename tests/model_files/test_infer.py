@@ -7,11 +7,13 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import class_image, exit_code, run_script, train_tiny
+from conftest import REPO, class_image, exit_code, run_script, train_tiny
 from PIL import Image
 
 import infer
@@ -399,11 +401,6 @@ def test_a_reader_that_closes_the_pipe_early_ends_nothing(checkpoint, images, tm
     """Issue 64: `infer.py ... | head -4` ended with BrokenPipeError when head left before the table was
     written. Here the reader closes its end before infer.py writes anything, every time: the table goes
     nowhere, the --output file and the summary are still written, exit 0, no traceback."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     out = tmp_path / "rows.csv"
     proc = subprocess.Popen([sys.executable, str(REPO / "infer.py"), str(images), "--checkpoint", str(checkpoint),
                              "--output", str(out), "--num-workers", "0"], stdout=subprocess.PIPE,
@@ -417,11 +414,6 @@ def test_a_reader_that_closes_the_pipe_early_ends_nothing(checkpoint, images, tm
 
 def test_run_main_ends_a_closed_pipe_as_cat_would(tmp_path):
     """Any other command whose stdout reader leaves: exit 141 (128 + SIGPIPE), one quiet end."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     script = ("from imgcls.cli import run_main\n"
               "def main():\n    while True:\n        print('row ' * 100)\n"
               "run_main(main)\n")
