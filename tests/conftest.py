@@ -15,6 +15,15 @@ from PIL import Image
 REPO = Path(__file__).resolve().parent.parent
 # A small, fast model for tests that train; nothing is downloaded (pretrained tests write local-dir: folders).
 TEST_MODEL = "resnet10t"
+def source_files(root: Path = REPO, tests: bool = True) -> list[Path]:
+    """The project's Python files: the package, the top-level entry shims, docs/'s examples and (`tests`) the
+    test suite; never a working copy's leftovers (`pip install .` leaves build/lib/; venvs, runs/, datasets/).
+    Every test that reads the code walks this list."""
+    files = [*sorted((root / "imgcls").rglob("*.py")), *sorted(root.glob("*.py")),
+             *sorted((root / "docs").glob("*.py"))]
+    return files + (sorted((root / "tests").rglob("*.py")) if tests else [])
+
+
 # The preprocessing a test's pretrained folder declares (none of it is our default)
 PRETRAINED_PREPROCESSING = {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3], "interpolation": "bicubic",
                             "crop_pct": 0.9}

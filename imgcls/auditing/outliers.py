@@ -107,14 +107,18 @@ def merge_outliers(by_model: Optional[list[dict]], grayscale: list[dict]) -> Opt
     return rows
 
 
-def outliers_summary(outliers: Optional[list]) -> str:
-    if outliers is None:
-        return ("out-of-distribution images: not searched by a model (fold training only; a --checkpoint audit does "
-                "not); no grayscale image among colour ones")
-    gray = sum(o.get("score") is None for o in outliers)
-    return (f"{len(outliers)} out-of-distribution image(s) (unlike the rest of their class to the fold models: "
-            f"{len(outliers) - gray}; grayscale among colour images: {gray}"
-            + ("; look at them: another kind of image filed under a class)" if outliers else ")"))
+def outliers_summary(outliers: Optional[list], searched: bool = True) -> str:
+    """One line for the report's summary, of the merged list (`merge_outliers`, what `outliers` holds): the
+    fold models' rows and the grayscale ones. `searched`: whether a model looked (False: the grayscale rule
+    alone ran)."""
+    gray = sum(o.get("score") is None for o in outliers or [])
+    by_model = (f"unlike the rest of their class to the fold models: {len(outliers or []) - gray}" if searched else
+                "not searched by a model (fold training only; a --checkpoint audit does not)")
+    if not outliers:
+        return (f"out-of-distribution images: {by_model}; no grayscale image among colour ones" if not searched else
+                f"0 out-of-distribution image(s) ({by_model}; no grayscale image among colour ones)")
+    return (f"{len(outliers)} out-of-distribution image(s) ({by_model}; grayscale among colour images: {gray}; "
+            f"look at them: another kind of image filed under a class)")
 
 
 def outliers_section(report: dict, figure) -> str:

@@ -11,6 +11,7 @@ import atexit
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Callable, NoReturn
@@ -75,6 +76,9 @@ def run_main(main: Callable[[], int], outermost: bool | None = None) -> None:
         code = _report("terminated", 143)
     except KeyboardInterrupt:
         code = _report("interrupted", 130)
+    except BrokenPipeError:  # stdout's reader left (`| head`): nothing more can reach it; end as `cat` would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
     except JOB_FAILURES as err:  # the message says why (the torchrun variables, the exporter's reason)
         code = _report(f"error: {err}", 1)
     except Exception as err:  # the job failed: the traceback (a bug to report), then one line saying why

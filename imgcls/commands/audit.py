@@ -250,7 +250,8 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
                    "label_search_s": round(label_s, 3), "loader_workers": cfg.data.num_workers}
         report = build_report(cfg, data, facts, failed, issues, source, note, timings, copies)
         report["outliers"] = merge_outliers(outliers, grayscale_of(cfg, data, facts))
-        report["summary"].append(outliers_summary(outliers))
+        # the merged list, as the JSON and the HTML section list it: grayscale rows are found without a model
+        report["summary"].append(outliers_summary(report["outliers"], searched=outliers is not None))
         if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
                                        f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "

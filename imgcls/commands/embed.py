@@ -20,7 +20,7 @@ import numpy as np
 from imgcls.commands.infer import fixed_batch_size
 from imgcls.commands.output_roles import check_embed_outputs, check_search_outputs
 from imgcls.core.errors import ConfigError
-from imgcls.core.files import write_json
+from imgcls.core.files import print_table, write_json
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.embedding.embedder import Embedder
 from imgcls.embedding.index import (INDEX_FILE, METRIC, IndexInfo, PathRow, VectorWriter, check_index_file,
@@ -190,7 +190,7 @@ def run_search(queries: list[str], index_dir: str, top_k: int, output: Optional[
     failed = [r for r in rows if r["error"] is not None]
     for r in failed:
         log.warning("could not read %s: %s", r["query"], r["error"])
-    print(format_table(rows))
+    print_table(format_table(rows))
     if output:
         write_search_rows(rows, output)
     print(f"searched {len(paths) - len(failed)} of {len(paths)} query file(s) in {index.info.count} vector(s) "
@@ -199,12 +199,14 @@ def run_search(queries: list[str], index_dir: str, top_k: int, output: Optional[
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'query':<40} {'rank':>4} {'score':>8}  path"]
+    """search.py's table: the query column as wide as its longest path, so the header sits over its rows."""
+    width = max([40] + [len(r["query"]) for r in rows])
+    lines = [f"{'query':<{width}} {'rank':>4} {'score':>8}  path"]
     for r in rows:
         if r["error"] is not None:
-            lines.append(f"{r['query']:<40} error: {r['error']}")
+            lines.append(f"{r['query']:<{width}} error: {r['error']}")
         else:
-            lines.append(f"{r['query']:<40} {r['rank']:>4} {r['score']:>8.4f}  {r['path']}")
+            lines.append(f"{r['query']:<{width}} {r['rank']:>4} {r['score']:>8.4f}  {r['path']}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 from imgcls.commands.output_roles import check_infer_outputs
 from imgcls.compute.device import precision_name
+from imgcls.core.files import print_table
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.model_files.checkpoint_files import find_newest_checkpoint
 from imgcls.model_files.predictor import Predictor, TrustOptions, explain_rows, extra_columns
@@ -50,7 +51,7 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     report_trust(predictor, paths, rows, trust)
 
     task = predictor.task
-    print(task.format_rows(rows, predictor.delimiter))
+    print_table(task.format_rows(rows, predictor.delimiter))
     failed = [r for r in rows if r["error"] is not None]
     for r in failed:
         log.warning("could not read %s: %s", r["path"], r["error"])

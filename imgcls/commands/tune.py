@@ -31,7 +31,7 @@ from imgcls.training.arithmetic import format_sweep_table, lr_suggestion, sweep_
 from imgcls.training.batch_finder import format_breakdown, memory_budget_bytes
 from imgcls.training.optim import check_optimizer
 from imgcls.training.schedule import scaled_lr
-from imgcls.tuning.sweep import MemoryCheck, run_lr_range, sweep_batch_sizes
+from imgcls.tuning.sweep import MemoryCheck, chance_loss, run_lr_range, sweep_batch_sizes
 
 
 def _pyplot():
@@ -162,7 +162,7 @@ def run_sweep(cfg, args, sizes: Optional[list[int]]) -> int:
     except KeyboardInterrupt:
         interrupted = True
     interrupted = interrupted or any(r["interrupted"] for r in results)
-    rows, target, common = sweep_rows(results, args.target_loss)
+    rows, target, common = sweep_rows(results, args.target_loss, chance_loss(cfg, classes))
     verdict = sweep_verdict(rows)
     if ctx.dist.is_main:
         print(format_sweep_table(rows, common, target))
@@ -191,7 +191,7 @@ def entry_result(entry) -> dict:
             "fits": entry.fits, "curve": run.curve if run else None, "img_per_s": run.img_per_s if run else 0.0,
             "seconds_per_step": run.seconds_per_step if run else 0.0,
             "peak_memory_mb": mib(run.peak_memory_bytes) if run else None, "peak_lr": run.peak_lr if run else None,
-            "interrupted": bool(run and run.interrupted)}
+            "interrupted": bool(run and run.interrupted), "diverged": bool(run and run.diverged)}
 
 
 def curve_document(result: dict) -> dict:
@@ -208,6 +208,12 @@ def format_verdict(verdict: dict, target: Optional[float], rows: Optional[list] 
         return "-" if value is None else str(value)
 
     rows = rows or []
+    failed = [r for r in rows if r.get("not_learning")]
+    why = "; ".join(f"batch {r['effective_batch']}: {r['not_learning']}" for r in failed)
+    if failed and all(r.get("not_learning") or r.get("final_loss") is None for r in rows):
+        return (f"verdict: no batch size learned within the sweep's steps ({why}); nothing is ranked (img/s and "
+                f"peak memory in the table still hold). Lower optim.lr (tune.py --lr-range shows where the loss "
+                f"falls) or check the data, then sweep again")
     close = verdict.get("within_noise") or []
     fastest = (f"batch {' and '.join(map(str, close))} are within the measurement noise of each other: no clear "
                f"winner (time->tgt ± in the table)" if len(close) > 1 else
@@ -226,6 +232,8 @@ def format_verdict(verdict: dict, target: Optional[float], rows: Optional[list] 
     parts += [f"least time to loss {target if target is None else format(target, '.4g')}: {fastest}",
               f"throughput knee: batch {name(verdict['throughput_knee'])}",
               f"largest that fits as it is: batch {name(verdict['largest_that_fits'])}"]
+    if failed:
+        parts.insert(0, f"left out of every comparison of losses, as they did not learn: {why}")
     return "verdict: " + "; ".join(parts)
 
 
@@ -323,8 +331,13 @@ def format_lr_result(doc: dict) -> str:
     """The printed result. Only a medium or high confidence ends in a `use: optim.lr=...` line; a low one says
     that the recipe's LR stands and which test to run for a confident suggestion."""
     if doc["optim_lr"] is None:
-        return (f"LR range test: too few steps before the loss reached its minimum to suggest an LR (divergence at "
-                f"{doc['divergence_lr']}); lower the low end of --lr-range or give more --steps")
+        rerun = doc.get("rerun")
+        again = f"; run again with --lr-range {rerun['low']:.3g},{rerun['high']:.3g} --steps {rerun['steps']}" \
+            if rerun else ""
+        recipe = f"optim.lr={doc['recipe_lr']:g}" if doc.get("recipe_lr") is not None else "optim.lr"
+        diverged = "no divergence" if doc["divergence_lr"] is None else f"divergence at LR {doc['divergence_lr']:.3g}"
+        return (f"LR range test: no LR to suggest ({'; '.join(doc['confidence_reasons'])}; {diverged}): the "
+                f"recipe's {recipe} stands{again}")
     if doc["divergence_lr"] is not None:
         diverged = f"; the loss diverges from LR {doc['divergence_lr']:.3g}"
     elif doc.get("rise_lr") is not None:

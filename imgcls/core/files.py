@@ -59,6 +59,20 @@ def follow_umask(path: Path) -> None:
 RUN_DIR_MARKERS = ("config.yaml", "last.pt", "best.pt", "summary.json")
 
 
+def print_table(text: str) -> bool:
+    """`text` on stdout, flushed. A reader that closed the pipe early (`infer.py ... | head -4`) has what it
+    wanted: stdout then goes to os.devnull (the interpreter's last flush would raise again, see the Python
+    docs' note on SIGPIPE), the command carries on with its files and stderr, and this returns False."""
+    import sys
+
+    try:
+        print(text, flush=True)
+        return True
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+
+
 def finite_or_null(value):
     """Strict JSON for dashboards: a non-finite float (a NaN loss, the loss of an empty split) becomes null."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -136,24 +136,46 @@ def throughput_knee(rates: dict[int, float], tolerance: float = KNEE_TOLERANCE) 
     return min(b for b, rate in rates.items() if rate >= (1.0 - tolerance) * best)
 
 
+def learning_failure(losses: list[float], chance: Optional[float], diverged: bool = False) -> Optional[str]:
+    """Why a sweep's curve shows no learning, or None when it learned: a non-finite loss ended it, its smoothed
+    loss ended above where it began, or (`chance`: what a model predicting every class alike scores, ln C for
+    single-label cross entropy) it never fell below chance. Such a curve ranks nothing: the least time to a
+    loss it reached by climbing, or the lowest loss among climbing ones, says which size broke more slowly."""
+    if diverged:
+        return "the loss became non-finite"
+    if not losses:
+        return None
+    if not all(math.isfinite(v) for v in losses):
+        return "the loss became non-finite"
+    if losses[-1] > losses[0]:
+        return f"the smoothed loss rose from {losses[0]:.4g} to {losses[-1]:.4g}"
+    if chance is not None and min(losses) >= chance:
+        return f"the smoothed loss stayed above chance ({min(losses):.4g}, chance {chance:.4g})"
+    return None
+
+
 def sweep_verdict(rows: list[dict]) -> dict:
     """From the sweep's rows (`effective_batch`, `img_per_s`, `time_to_target_s`, `time_to_target_noise_s`,
     `loss_at_common_seconds`, `fits`): the batch with the lowest smoothed loss at equal wall time (what the
     plot of loss against wall time shows at the shortest run's end), the batch with the least time to target, the batches whose time is within the measurement noise of
     it (`within_noise`, the fastest included: more than one means no clear winner), the throughput knee, and the
-    largest that fits as it is (no accumulation)."""
-    reached = [r for r in rows if r.get("time_to_target_s") is not None]
+    largest that fits as it is (no accumulation). Rows whose curve did not learn (`not_learning`, see
+    `learning_failure`) are named and take part in no comparison of losses."""
+    failed = [r["effective_batch"] for r in rows if r.get("not_learning")]
+    rows_learning = [r for r in rows if not r.get("not_learning")]
+    reached = [r for r in rows_learning if r.get("time_to_target_s") is not None]
     best = min(reached, key=lambda r: (r["time_to_target_s"], r["effective_batch"])) if reached else None
     close = [r["effective_batch"] for r in reached if best is not None and
              r["time_to_target_s"] - best["time_to_target_s"] <=
              r.get("time_to_target_noise_s", 0.0) + best.get("time_to_target_noise_s", 0.0)]
     knee = throughput_knee({r["effective_batch"]: r["img_per_s"] for r in rows if r.get("img_per_s")})
     fitting = [r["effective_batch"] for r in rows if r.get("fits")]
-    timed = [r for r in rows if r.get("loss_at_common_seconds") is not None]
+    timed = [r for r in rows_learning if r.get("loss_at_common_seconds") is not None]
     at_time = min(timed, key=lambda r: (r["loss_at_common_seconds"], r["effective_batch"])) if timed else None
     return {"lowest_loss_at_equal_time": at_time["effective_batch"] if at_time else None,
-            "not_reaching_target": [r["effective_batch"] for r in rows
+            "not_reaching_target": [r["effective_batch"] for r in rows_learning
                                     if r.get("final_loss") is not None and r.get("time_to_target_s") is None],
+            "not_learning": failed,
             "least_time_to_target": best["effective_batch"] if best else None, "within_noise": sorted(close),
             "throughput_knee": knee, "largest_that_fits": max(fitting) if fitting else None}
 
@@ -200,11 +222,31 @@ def rise_index(losses: list[float], minimum: Optional[int], skip_start: int = 0,
     return None
 
 
-def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0) -> Optional[int]:
+def largest_fall(losses: list[float], skip_start: int = 0) -> Optional[tuple[int, int]]:
+    """(top, bottom) of the largest fall of the smoothed loss before any divergence, from a point to a later,
+    lower one (the maximum drawdown; fastai's `valley` takes the longest falling run); None when it never falls.
+    Noise in a flat stretch makes small falls; a network that rose first and then learned makes a large one."""
+    end = divergence_index(losses)
+    best, drop, top = None, 0.0, skip_start
+    for i in range(skip_start, len(losses) if end is None else end):
+        if losses[i] > losses[top]:
+            top = i
+        if losses[top] - losses[i] > drop:
+            best, drop = (top, i), losses[top] - losses[i]
+    return best
+
+
+def fell_enough(losses: list[float], top: int, bottom: int) -> bool:
+    """Whether the smoothed loss fell at least LR_MIN_DROP of its height at `top` by `bottom`."""
+    return bool(losses[top]) and (losses[top] - losses[bottom]) / abs(losses[top]) >= LR_MIN_DROP
+
+
+def steepest_descent_index(lrs: list[float], losses: list[float], skip_start: int = 0,
+                           end: Optional[int] = None) -> Optional[int]:
     """Where the smoothed loss falls fastest against log(LR) on the way down to its minimum (fastai's `steep`
-    suggestion): only points before the minimum count, so a brief dip after the loss has blown up (a spike
-    falling back) is never taken; None with fewer than 3 points before the minimum."""
-    end = minimum_index(losses)
+    suggestion): only points before the minimum (or `end`) count, so a brief dip after the loss has blown up
+    (a spike falling back) is never taken; None with fewer than 3 points before the minimum."""
+    end = minimum_index(losses) if end is None else end
     if end is None or end - skip_start < 2:
         return None
     slopes = [(losses[i + 1] - losses[i - 1]) / (math.log(lrs[i + 1]) - math.log(lrs[i - 1]))
@@ -219,6 +261,9 @@ def lr_confidence(losses: list[float], steep: Optional[int], minimum: Optional[i
     a range that never diverged (a better LR may lie beyond it), or too few points lead down to it. Medium:
     the loss never diverged nor rose back (`rise_index`): how far above the suggestion a run still survives is
     unknown."""
+    if minimum is not None and minimum <= skip_start:
+        return "low", ["the smoothed loss never fell below its start (nor back to it after a rise) within these "
+                       "steps: give more --steps (each LR is then held longer)"]
     if steep is None or minimum is None:
         return "low", ["too few points before the loss reached its minimum"]
     start = losses[skip_start]
@@ -260,15 +305,30 @@ def lr_suggestion(lrs: list[float], losses: list[float], requested: Optional[tup
     divergence's 4x and the confidence's 10% fall are measured above it (`loss_floor` in the result)."""
     skip = min(len(lrs) // 10, 10)
     losses_above = above_floor(losses, floor)
-    steep = steepest_descent_index(lrs, losses_above, skip_start=skip)
-    minimum = minimum_index(losses_above)
+    start, minimum = skip, minimum_index(losses_above)
+    fall = rose_first = None
+    if minimum is not None and (minimum <= skip or not fell_enough(losses_above, skip, minimum)):
+        fall = largest_fall(losses_above, skip)
+    # the loss rose first, then fell back to its start's level: the fall is the curve to read (a fall that ends
+    # well above the start is a network still recovering, not learning)
+    if fall is not None and fall[0] > skip and fell_enough(losses_above, *fall) and \
+            losses_above[fall[1]] <= (1 + LR_MIN_DROP) * losses_above[skip]:
+        start, minimum = rose_first = fall
+    steep = steepest_descent_index(lrs, losses_above, skip_start=start, end=minimum)
     diverged = divergence_index(losses_above)
-    rose = rise_index(losses_above, minimum, skip) if diverged is None else None
+    rose = rise_index(losses_above, minimum, start) if diverged is None else None
     suggested = None
     if steep is not None:
         suggested = min(lrs[steep], lrs[minimum] / MINIMUM_DIVISOR)
-    confidence, reasons = lr_confidence(losses_above, steep, minimum, diverged, skip, rose)
+    confidence, reasons = lr_confidence(losses_above, steep, minimum, diverged, start, rose)
+    if rose_first is not None and confidence == "high":
+        confidence = "medium"
+    if rose_first is not None and confidence != "low":
+        reasons.append(f"the loss first rose, from {losses[skip]:.3g} to {losses[start]:.3g} at LR {lrs[start]:.3g}, "
+                       f"and the suggestion reads the fall after it, to {losses[minimum]:.3g} at LR "
+                       f"{lrs[minimum]:.3g}: the lower LRs moved the loss less than the noise within these steps")
     return {"suggested_lr": suggested, "loss_floor": floor, "steepest_lr": lrs[steep] if steep is not None else None,
+            "fall_start_lr": lrs[start] if rose_first is not None else None,
             "minimum_lr": lrs[minimum] if minimum is not None else None,
             "divergence_lr": lrs[diverged] if diverged is not None else None,
             "rise_lr": lrs[rose] if rose is not None else None,
@@ -287,24 +347,31 @@ def rerun_settings(requested: tuple[float, float, int], reasons: list[str]) -> d
         high *= 100
     if any("points lead down" in r or "too few points" in r for r in reasons):
         low = low / 10
-    if any("fell only" in r or "points lead down" in r or "too few points" in r for r in reasons):
+    if any("fell only" in r or "points lead down" in r or "too few points" in r or "never fell" in r
+           for r in reasons):
         steps = steps * 2
     return {"low": low, "high": high, "steps": steps}
 
 
-def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict], Optional[float], int]:
+def sweep_rows(results: list[dict], target: Optional[float],
+               chance: Optional[float] = None) -> tuple[list[dict], Optional[float], int]:
     """The sweep's table. `results`: per size `size`, `how`, `fits`, `curve` (a Curve, or None when nothing
-    fitted), `img_per_s`, `seconds_per_step`, `peak_memory_mb`. Returns (rows, the target used: the given
-    one, else `default_target`, the samples at which all losses are compared: what the shortest run saw)."""
+    fitted), `img_per_s`, `seconds_per_step`, `peak_memory_mb`, `diverged` (optional). Returns (rows, the target
+    used: the given one, else `default_target` of the curves that learned (`learning_failure` against
+    `chance`), the samples at which all losses are compared: what the shortest run saw)."""
     curves = [r["curve"] for r in results if r["curve"] is not None and r["curve"].losses]
-    target = target if target is not None else default_target(curves)
+    failures = [learning_failure(r["curve"].losses, chance, r.get("diverged", False)) if r["curve"] is not None
+                else None for r in results]
+    learned = [r["curve"] for r, failure in zip(results, failures)
+               if failure is None and r["curve"] is not None and r["curve"].losses]
+    target = target if target is not None else default_target(learned)
     common = min(c.samples[-1] for c in curves) if curves else 0
     at_seconds = common_seconds(curves)
     rows = []
-    for r in results:
+    for r, failure in zip(results, failures):
         curve = r["curve"]
         ran = curve is not None and bool(curve.losses)
-        steps = steps_to_target(curve, target) if ran and target is not None else None
+        steps = steps_to_target(curve, target) if ran and target is not None and failure is None else None
         seconds = None if steps is None else time_to_target(steps, r["seconds_per_step"])
         rows.append({
             "effective_batch": r["size"], "batch": curve.batch if curve else None,
@@ -318,7 +385,8 @@ def sweep_rows(results: list[dict], target: Optional[float]) -> tuple[list[dict]
             "steps_to_target": steps,
             "time_to_target_s": None if seconds is None else round(seconds, 3),
             "time_to_target_noise_s": None if seconds is None else
-            round(time_to_target_noise(curve, seconds, r["seconds_per_step"]), 3)})
+            round(time_to_target_noise(curve, seconds, r["seconds_per_step"]), 3),
+            "not_learning": failure})
     return rows, target, common
 
 

@@ -444,23 +444,64 @@ def write_plots(study, plan, complete: int) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from optuna.visualization import matplotlib as plots
 
-    drawings = {"history.png": plots.plot_optimization_history, "slice.png": plots.plot_slice}
-    if complete >= 2 and len(plan.dims) > 1:
-        drawings["importances.png"] = plots.plot_param_importances
-    # matplotlib says at INFO that a slice of numeric choices is drawn as categories, which is meant
-    logging.getLogger("matplotlib.category").setLevel(logging.WARNING)
-    for name, draw in drawings.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-            axes = draw(study, target_name=plan.metric) if name != "importances.png" else draw(study)
-        figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+    names = ["history.png", "slice.png"] + (["importances.png"] if complete >= 2 and len(plan.dims) > 1 else [])
+    for name in names:
+        figure = draw_plot(name, study, plan.metric)
         tmp = plan.study_dir / f".{name}.{os.getpid()}.tmp.png"
         figure.savefig(tmp, dpi=100, bbox_inches="tight")
         plt.close(figure)
         os.replace(tmp, plan.study_dir / name)
-    return [plan.study_dir / name for name in drawings]
+    return [plan.study_dir / name for name in names]
+
+
+def draw_plot(name: str, study, metric: str):
+    """The matplotlib figure of one of Optuna's plots (`history.png`, `slice.png`, `importances.png`), its x tick
+    labels readable (`readable_x_ticks`)."""
+    from optuna.visualization import matplotlib as plots
+
+    draw = {"history.png": plots.plot_optimization_history, "slice.png": plots.plot_slice,
+            "importances.png": plots.plot_param_importances}[name]
+    # matplotlib says at INFO that a slice of numeric choices is drawn as categories, which is meant
+    logging.getLogger("matplotlib.category").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+        axes = draw(study, target_name=metric) if name != "importances.png" else draw(study)
+    figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+    readable_x_ticks(figure)
+    return figure
+
+
+def readable_x_ticks(figure) -> None:
+    """A log axis spanning a decade or two (an LR in [0.01, 0.3]) gets its minor ticks labelled too
+    (2x10^-2, 3x10^-2, ...), which overlap in a slice plot's narrow panels: label log axes at 1-2-5 steps in
+    plain numbers (decades alone over two or more), then keep, left to right, only the labels clear of the one
+    kept before them."""
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, NullFormatter
+
+    for ax in figure.axes:
+        if ax.get_xscale() == "log":
+            low, high = sorted(ax.get_xlim())
+            # every tick asked for (matplotlib's own thinning of 1-2-5 steps can leave none); overlaps go below
+            subs = (1.0, 2.0, 5.0) if math.log10(high / low) < 2 else (1.0,)
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=100))
+            ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    for ax in figure.axes:
+        low, high = sorted(ax.get_xlim())
+        shown = sorted([(tick.get_loc(), tick.label1) for tick in ax.xaxis.get_major_ticks()
+                        if tick.label1.get_visible() and tick.label1.get_text() and low <= tick.get_loc() <= high],
+                       key=lambda pair: pair[0])
+        kept, last = [], None
+        for loc, label in shown:
+            box = label.get_window_extent(renderer)
+            if last is None or not box.overlaps(last):
+                kept.append(loc)
+                last = box
+        if len(kept) < len(shown):
+            ax.xaxis.set_major_locator(FixedLocator(kept))
 
 
 def drop_checkpoints(study, plan, keep: int) -> None:

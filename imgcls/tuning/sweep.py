@@ -103,6 +103,17 @@ def loss_floor(cfg, classes: int) -> tuple[float, str]:
             parts.append(f"x (1 - distill.alpha={teacher.alpha:g})")
     return (floor, ", ".join(parts)) if floor > 0 else (0.0, "")
 
+def chance_loss(cfg, classes: int) -> Optional[float]:
+    """What the training loss of a model that predicts every class alike scores: ln C for single-label cross
+    entropy, whatever the smoothing or mixing (the targets sum to 1); None where it is not that simple (other
+    losses, multi-label tasks, distillation's extra terms). A sweep's curve that never falls below it learned
+    nothing (training.arithmetic.learning_failure)."""
+    teacher = getattr(cfg, "distill", None)
+    if task_of(cfg).activation != "softmax" or cfg.train.loss != "ce" or classes < 2 or (teacher and teacher.teacher):
+        return None
+    return math.log(classes)
+
+
 log = logging.getLogger(__name__)
 
 

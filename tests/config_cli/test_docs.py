@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, class_image
 
 from imgcls.config import ConfigError, all_keys, load_config
 
@@ -52,13 +52,20 @@ def test_every_page_is_in_the_nav_the_index_and_the_readme_in_one_order():
     Pages table and in the README's Documentation table, in the nav's order."""
     nav = [page for entry in yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"] for page in entry.values()
            if page != "index.md"]
-    index = (REPO / "docs" / "index.md").read_text()
-    index_list = re.findall(r"^\| \[[^\]]+\]\(([a-z_]+\.md)\) \|", index.split("## Pages", 1)[1], re.M)
-    readme = (REPO / "README.md").read_text()
-    readme_list = re.findall(r"\]\(docs/([a-z_]+\.md)\) \|$", readme.split("## Documentation", 1)[1], re.M)
+    index_rows = page_rows((REPO / "docs" / "index.md").read_text().split("## Pages", 1)[1], "")
+    readme_rows = page_rows((REPO / "README.md").read_text().split("## Documentation", 1)[1], "docs/")
     assert sorted(nav) == sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name != "index.md")
-    assert index_list == nav, "docs/index.md's Pages table: the nav's pages, in its order"
-    assert readme_list == nav, "the README's Documentation table: the nav's pages, in its order"
+    assert [page for page, _ in index_rows] == nav, "docs/index.md's Pages table: the nav's pages, in its order"
+    # one list (issue 64: the two had drifted apart): the README's table is docs/index.md's, row for row
+    assert readme_rows == index_rows, "the README's Documentation table is docs/index.md's Pages table"
+
+
+def page_rows(text: str, prefix: str) -> list[tuple[str, str]]:
+    """(page, the whole row with its link made relative to docs/) of the first page table in `text`, whose
+    links start with `prefix`."""
+    rows = re.findall(rf"^\| \[[^\]]+\]\({prefix}([a-z_]+\.md)\) \|.*\|$", text.split("\n\n#", 1)[0], re.M)
+    lines = re.findall(rf"^\| \[[^\]]+\]\({prefix}[a-z_]+\.md\) \|.*\|$", text.split("\n\n#", 1)[0], re.M)
+    return [(page, line.replace(f"]({prefix}{page})", f"]({page})", 1)) for page, line in zip(rows, lines)]
 
 
 def test_readme_links_point_at_files_and_headings():
@@ -87,7 +94,9 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
     assert "python train.py --config quickstart" in text
     test_command = "python -m pytest -q -n 2 --dist loadfile"
     install = 'pip install -e ".[all]" -r requirements-dev.txt'
-    assert f"{install} && {test_command}" in text and 'pip install -e ".[all]" && python train.py' in text
+    # the quick subset first, then the whole suite as CI runs it (issue 64)
+    assert f'{install} && python -m pytest -q -m "not slow" -n 2 --dist loadfile\n{test_command}' in text
+    assert 'pip install -e ".[all]" && python train.py' in text
     ci = (REPO / ".ci" / "run").read_text()
     ci_runs = [line.split(" ||")[0] for line in ci.splitlines() if line.startswith("python -m pytest")]
     assert install.replace("pip install", "pip install -q") in ci and ci_runs[0] == test_command  # the README's
@@ -340,3 +349,31 @@ def test_the_architecture_page_names_rooms_and_files_that_exist_and_every_room()
     assert missing == []
     actual = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()} | {"config.py"}
     assert actual == set(rooms)
+
+
+def test_the_multilabel_page_shows_both_csv_forms_and_the_shown_keys_read_them(tmp_path):
+    """Issue 64: the page showed `path,label` only and never named data.csv_label_column; a list in the
+    `image_name,labels` form (many Kaggle and fastai lists) needs the two column keys, shown with it."""
+    from imgcls.data.listing import DataTreeError
+    from imgcls.data.sources.source_csv import scan_csv
+
+    page = (REPO / "docs" / "multilabel.md").read_text()
+    block = FENCE.findall(page)[0]
+    assert "# train.csv:            path,label" in block and "# train.csv:            image_name,labels" in block
+    shown = [words for name, words in shown_commands() if name == "multilabel.md" and words[0] == "train.py"]
+    kaggle = next(words for words in shown if "data.csv_label_column=labels" in words)
+    overrides = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in kaggle if "=" in w}
+    assert overrides["data.csv_path_column"] == "image_name"
+    rows = []
+    for i in range(8):
+        class_image(i % 2, size=(8, 8)).save(tmp_path / f"train_{i}.jpg")
+        rows.append(f"train_{i}.jpg,{'haze primary' if i % 2 else 'clear'}")
+    (tmp_path / "train.csv").write_text("image_name,labels\n" + "\n".join(rows) + "\n")
+    overrides.update({"data.root": str(tmp_path), "data.train_csv": str(tmp_path / "train.csv")})
+    cfg = load_config(kaggle[kaggle.index("--config") + 1], [f"{k}={v}" for k, v in overrides.items()])
+    sources = scan_csv(cfg.data)
+    assert len(sources.train_index.paths) + len(sources.val_index.paths) == 8
+    assert sources.classes == ["clear", "haze", "primary"]
+    with pytest.raises(DataTreeError, match="no column 'path'.*image_name, labels"):
+        scan_csv(load_config("multilabel", [f"data.root={tmp_path}", f"data.train_csv={tmp_path / 'train.csv'}",
+                                            "data.val_fraction=0.25"]).data)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, Payload, exit_code, make_tree, tiny_overrides
+from conftest import REPO, Payload, exit_code, make_tree, source_files, tiny_overrides
 
 from imgcls.config import ConfigError, load_config, parse_override
 from imgcls.core.errors import CheckpointError
@@ -210,8 +210,7 @@ def test_a_pt2_that_would_unpickle_is_refused_before_anything_in_it_runs(plain_p
 
 
 def python_files() -> list[Path]:
-    skip = {"venv", ".venv", ".git", "node_modules", "runs", "datasets", "build"}  # build/: what pip install . leaves
-    return [p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts)]
+    return source_files()
 
 
 def calls(tree: ast.AST, module: str, name: str):

@@ -4,6 +4,7 @@ their tests started."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, source_files
 
 # Two files, so that --dist loadfile gives each worker one.
 TINY_TESTS = {"test_held.py": '''
@@ -149,3 +150,39 @@ def test_ci_runs_both_pytest_invocations_and_fails_when_either_fails(tmp_path, s
     assert done.returncode == expected, done.stderr
     assert (tmp_path / "calls").read_text().splitlines() == [
         "-m pytest -q -n 2 --dist loadfile", "-m pytest -q -n 2 --dist loadfile -m container or slurm"]
+
+
+def test_tests_that_read_the_code_walk_the_project_not_the_working_copys_leftovers(tmp_path):
+    """Issue 64: after the README's `pip install .`, a test that walked every *.py under the working copy read
+    build/lib/ (an older copy of the package) and failed. `source_files` is the one list such tests walk."""
+    wanted = ["imgcls/__init__.py", "imgcls/models/factory.py", "train.py", "docs/example.py", "tests/test_x.py"]
+    leftovers = ["build/lib/imgcls/models/hub_access.py", "build/lib/models/hub_access.py", ".venv/lib/site.py",
+                 "venv/x.py", "runs/r/x.py", "datasets/d/x.py", "imgcls.egg-info/x.py", "node_modules/n/x.py"]
+    for name in wanted + leftovers:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("def can_connect(host):\n    pass\n")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in source_files(tmp_path)) == sorted(wanted)
+    assert "tests/test_x.py" not in [p.relative_to(tmp_path).as_posix() for p in source_files(tmp_path, tests=False)]
+    # and no test walks the working copy itself: each file list over the code comes from source_files
+    walks = re.compile(r"REPO\s*\)?\s*\.\s*(r?glob)\(\s*['\"](\*\*/)?\*\.py|os\.walk\(\s*(str\()?REPO\b")
+    offenders = [f"{p.relative_to(REPO)}:{n}" for p in source_files() if "tests" in p.relative_to(REPO).parts
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if walks.search(line)]
+    assert offenders == []
+
+
+def test_the_readme_s_suite_times_name_their_machine_and_match_the_recorded_figures():
+    """Issue 64: "under 15 minutes on a 2-core machine" did not say idle, and a newcomer's run beside other work
+    took 40. The README offers the quick subset first, and each time it gives for the suite names the machine and
+    the condition and is a figure of docs/performance.md's test-suite table."""
+    setup = (REPO / "README.md").read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in setup.splitlines() if "pytest" in line and not line.startswith(("`", " "))]
+    assert '-m "not slow"' in commands[0] and '-m "not slow"' not in commands[1], commands
+    claims = setup.split("```\n\n", 2)[2].split("\n\n", 1)[0]      # the paragraph under the test commands
+    assert "idle" in claims and "M4" in claims and "load" in claims, claims
+    table = (REPO / "docs" / "performance.md").read_text().split("### The test suite", 1)[1].split("\n### ", 1)[0]
+    figures = re.findall(r"(?:about|under) (\d+) (s|minutes)\b", claims)
+    assert len(figures) >= 3, claims
+    for number, unit in figures:
+        assert re.search(rf"\| (about )?{number} {'s' if unit == 's' else 'min'} \|", table), (number, unit)
+    machines = (REPO / "docs" / "performance.md").read_text().split("## Machines", 1)[1]
+    assert "| M4 |" in machines and "AMD EPYC" in machines.split("| M4 |", 1)[1].split("\n", 1)[0]

@@ -126,3 +126,24 @@ def test_audit_folds_are_quiet_and_flag_foreign_images(tmp_path):
     assert "train/c/planted.png" in issues and issues["train/c/planted.png"]["suggested"] == "b", issues
     assert any("out-of-distribution image(s)" in line for line in report["summary"])
     assert "Out-of-distribution images" in (out / "a.html").read_text()
+
+
+def test_the_summary_counts_the_grayscale_images_the_report_lists(tmp_path):
+    """Issue 64: with no model search (--folds 0) the grayscale rule still lists images, and the summary on
+    stderr and in the HTML header counted the model's list (none) and said "no grayscale image among colour ones"
+    beside a report listing them."""
+    data = make_tree(tmp_path / "data", {"a": (24, 4), "b": (24, 4)})
+    gray = [f"train/a/gray{i}.png" for i in range(2)]
+    for name in gray:
+        class_like(0).convert("L").save(data / name)
+    out = tmp_path / "out"
+    result = run_script("audit.py", "--config", "base", *tiny_overrides(data, tmp_path / "unused"), "--folds", "0",
+                        "--json", str(out / "a.json"), "--html", str(out / "a.html"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "a.json").read_text())
+    assert sorted(o["path"] for o in report["outliers"]) == gray
+    line = next(line for line in report["summary"] if "out-of-distribution" in line)
+    assert line.startswith("2 out-of-distribution image(s)") and "grayscale among colour images: 2" in line, line
+    assert "not searched by a model" in line and "no grayscale image" not in line
+    assert line in result.stderr and line in (out / "a.html").read_text()
+    assert outliers_summary(None, searched=False).endswith("no grayscale image among colour ones")

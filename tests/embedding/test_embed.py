@@ -341,3 +341,17 @@ def test_a_forged_digest_over_vectors_of_another_length_and_a_bad_k_are_refused(
             answer = client.post(f"/similar?k={k}", content=query.read_bytes())
             assert answer.status_code == 400 and answer.json()["error"] == "bad_k", answer.text
         assert client.post("/similar?k=2", content=query.read_bytes()).status_code == 200
+def test_search_table_header_sits_over_its_columns():
+    """Issue 64: query paths longer than the 40-character column pushed every row right of its header."""
+    from imgcls.commands.embed import format_table
+
+    rows = [{"query": "short.png", "rank": 1, "score": 0.5, "path": "a.png", "error": None},
+            {"query": "/data/a/very/long/folder/name/of/queries/" + "q" * 30 + ".png", "rank": 10, "score": 0.25,
+             "path": "b.png", "error": None},
+            {"query": "broken.png", "rank": None, "score": None, "path": None, "error": "cannot identify image"}]
+    header, *lines = format_table(rows).splitlines()
+    rank_end, score_end, path_at = header.index("rank") + 4, header.index("score") + 5, header.index("path")
+    for line in lines[:2]:
+        assert line[rank_end - 1] != " " and line[rank_end] == " " and line[score_end - 1] != " "
+        assert line[path_at:].endswith(".png") and line[path_at - 1] == " "
+    assert lines[2].index("error:") == header.index("rank")

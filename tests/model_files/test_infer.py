@@ -7,11 +7,13 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import class_image, exit_code, run_script, train_tiny
+from conftest import REPO, class_image, exit_code, run_script, train_tiny
 from PIL import Image
 
 import infer
@@ -412,3 +414,30 @@ def test_nan_weights_are_an_error_naming_the_model_file_in_infer_and_eval(checkp
     assert exit_code(lambda: eval_script.main(["--checkpoint", str(broken), "--data", str(data)])) == 1
     err = capsys.readouterr().err
     assert f"{broken}: the model's outputs are not finite" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_nothing(checkpoint, images, tmp_path):
+    """Issue 64: `infer.py ... | head -4` ended with BrokenPipeError when head left before the table was
+    written. Here the reader closes its end before infer.py writes anything, every time: the table goes
+    nowhere, the --output file and the summary are still written, exit 0, no traceback."""
+    out = tmp_path / "rows.csv"
+    proc = subprocess.Popen([sys.executable, str(REPO / "infer.py"), str(images), "--checkpoint", str(checkpoint),
+                             "--output", str(out), "--num-workers", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc.stdout.close()  # `head` that has left
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert "BrokenPipe" not in err and "Traceback" not in err and "Exception ignored" not in err
+    assert "classified 7 of 7 file(s)" in err and len(out.read_text().splitlines()) == 8
+
+
+def test_run_main_ends_a_closed_pipe_as_cat_would(tmp_path):
+    """Any other command whose stdout reader leaves: exit 141 (128 + SIGPIPE), one quiet end."""
+    script = ("from imgcls.cli import run_main\n"
+              "def main():\n    while True:\n        print('row ' * 100)\n"
+              "run_main(main)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err

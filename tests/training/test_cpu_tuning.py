@@ -6,7 +6,7 @@ import ast
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, source_files
 
 import imgcls.compute.cpu_tuning as cpu_tuning
 from imgcls.config import load_config
@@ -18,8 +18,7 @@ NETWORK_HOSTS = {("imgcls/serving/server.py", "serve"), ("imgcls/serving/slim.py
 
 def test_no_function_takes_the_cpu_tuning_as_a_parameter():
     carriers = []
-    # the package and the entry shims: not a working copy's leftovers (`pip install .` leaves build/lib/)
-    for path in [*(REPO / "imgcls").rglob("*.py"), *REPO.glob("*.py")]:
+    for path in source_files(tests=False):
         rel = path.relative_to(REPO).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

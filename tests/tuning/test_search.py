@@ -346,3 +346,42 @@ def test_a_repeated_key_or_a_space_of_too_many_choices_is_refused_at_once(tmp_pa
     with pytest.raises(ConfigError, match="--search") as info:
         load_space(str(space), "base", [])
     assert SPACE_FILE_ERRORS[text] in str(info.value)
+def test_slice_plot_tick_labels_do_not_overlap_on_a_log_axis():
+    """Issue 64: a log axis spanning a decade or two (an LR in [0.01, 0.3]) got its minor ticks labelled too
+    (2x10^-2, 3x10^-2, ...), overlapping in the slice plot's narrow panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna
+
+    from imgcls.tuning.search import draw_plot
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+
+    def objective(trial):
+        trial.suggest_float("optim.weight_decay", 1e-6, 1e-2, log=True)
+        trial.suggest_int("train.batch_size", 16, 256, log=True)
+        trial.suggest_float("train.label_smoothing", 0.0, 0.2)
+        return -abs(trial.suggest_float("optim.lr", 0.01, 0.3, log=True) - 0.05)
+
+    study.optimize(objective, n_trials=8)
+    figure = draw_plot("slice.png", study, "top1")
+    figure.canvas.draw()  # as savefig does: the ticks the locators give now
+    renderer = figure.canvas.get_renderer()
+    log_axes = 0
+    for ax in figure.axes:
+        low, high = sorted(ax.get_xlim())
+        labels = [t.label1 for t in ax.xaxis.get_major_ticks()
+                  if t.label1.get_visible() and t.label1.get_text() and low <= t.get_loc() <= high]
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), \
+            [label.get_text() for label in labels]
+        if ax.get_xscale() == "log":
+            log_axes += 1
+            assert len(labels) >= 2, [label.get_text() for label in labels]   # still a readable scale
+            assert not any(t.label1.get_visible() and t.label1.get_text() for t in ax.xaxis.get_minor_ticks()
+                           if low <= t.get_loc() <= high)
+    assert log_axes == 3
+    plt.close(figure)

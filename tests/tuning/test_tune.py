@@ -20,9 +20,10 @@ from imgcls.compute.device import Runtime
 from imgcls.compute.distributed import DistInfo
 from imgcls.config import load_config
 from imgcls.core.errors import ConfigError
-from imgcls.training.arithmetic import (Curve, exponential_lrs, loss_after_samples, loss_at_seconds, lr_suggestion,
-                                        smooth, sweep_rows, sweep_verdict, throughput_knee, time_to_target_noise)
-from imgcls.tuning.sweep import MemoryCheck, attempts_for, sweep_batch_sizes
+from imgcls.training.arithmetic import (Curve, exponential_lrs, learning_failure, loss_after_samples, loss_at_seconds,
+                                        lr_suggestion, smooth, sweep_rows, sweep_verdict, throughput_knee,
+                                        time_to_target_noise)
+from imgcls.tuning.sweep import MemoryCheck, attempts_for, chance_loss, sweep_batch_sizes
 
 
 def curve(batch, losses, seconds_per_step):
@@ -54,7 +55,7 @@ def test_time_to_target_on_known_step_times():
     assert rows[1]["loss_at_common_samples"] == pytest.approx(0.5)
     assert rows[2]["loss_at_common_samples"] == pytest.approx(1.0 - 0.5 * 2.5 / 5)
     verdict = sweep_verdict(rows)
-    assert verdict == {"lowest_loss_at_equal_time": 256, "not_reaching_target": [],
+    assert verdict == {"lowest_loss_at_equal_time": 256, "not_reaching_target": [], "not_learning": [],
                        "least_time_to_target": 256, "within_noise": [256], "throughput_knee": 1024,
                        "largest_that_fits": 1024}
     # no target given: the loss half of the sizes reached (the median of the minima), not the worst size's
@@ -233,7 +234,7 @@ def test_tune_computes_with_the_thread_count_train_py_would_take(tmp_path, tiny_
 @pytest.mark.slow
 def test_tune_py_end_to_end(tmp_path, tiny_tree):
     result = run_script("tune.py", "--config", "base", *tiny_overrides(tiny_tree, tmp_path / "run"),
-                        "--batch-sizes", "4,8", "--steps", "4", "--json", str(tmp_path / "t.json"),
+                        "--batch-sizes", "4,8", "--steps", "12", "--json", str(tmp_path / "t.json"),  # 4: no learning yet
                         "--plot", str(tmp_path / "t.png"),
                         env={"MPLCONFIGDIR": str(tmp_path / "mpl")})  # no font cache: matplotlib builds one
     assert result.returncode == 0, result.stderr[-3000:]
@@ -325,3 +326,54 @@ def test_tune_on_sigterm_writes_the_table_and_json_of_the_sizes_so_far(tiny_tree
     assert "verdict" in stdout and "(interrupted: the sizes so far)" in stdout
     doc = json.loads(out.read_text())
     assert doc["interrupted"] is True and [row["effective_batch"] for row in doc["rows"]] == [4]
+
+
+def test_a_sweep_whose_loss_climbs_or_stays_above_chance_ranks_nothing():
+    """Issue 64: a recipe whose smoothed loss climbed from 6.4 to 9-11 (chance for 7 classes: 1.95) still got
+    `least time to loss 6.217: batch 16`. Curves that rise, or never fall below ln C, are named and ranked
+    nowhere; when no size learned, the verdict says so and names no batch."""
+    from imgcls.commands.tune import format_verdict
+
+    chance = math.log(7)
+    climbing = {16: [6.4, 6.2, 7.5, 9.0, 10.5], 32: [6.4, 6.3, 6.8, 8.1, 9.2]}
+    results = [{"size": b, "how": "as is", "fits": True, "curve": curve(b, losses, 0.1 * b / 16),
+                "img_per_s": 160.0, "seconds_per_step": 0.1 * b / 16, "peak_memory_mb": 1.0}
+               for b, losses in climbing.items()]
+    rows, target, _ = sweep_rows(results, None, chance)
+    assert target is None and all(r["steps_to_target"] is None for r in rows)
+    assert rows[0]["not_learning"] == "the smoothed loss rose from 6.4 to 10.5"
+    verdict = sweep_verdict(rows)
+    assert verdict["not_learning"] == [16, 32] and verdict["least_time_to_target"] is None
+    assert verdict["lowest_loss_at_equal_time"] is None and verdict["within_noise"] == []
+    text = format_verdict(verdict, target, rows)
+    assert text.startswith("verdict: no batch size learned") and "nothing is ranked" in text
+    assert "least time" not in text and "lowest smoothed loss" not in text
+
+    # flat above chance, and one size that learns: only the learner is compared, the other is named
+    results[1]["curve"] = curve(32, [2.3, 2.2, 2.1, 2.05, 2.0], 0.2)
+    results.append({"size": 64, "how": "as is", "fits": True, "curve": curve(64, [2.0, 1.7, 1.4, 1.2, 1.0], 0.4),
+                    "img_per_s": 160.0, "seconds_per_step": 0.4, "peak_memory_mb": 1.0})
+    rows, target, _ = sweep_rows(results, None, chance)
+    assert "stayed above chance (2, chance 1.946)" in rows[1]["not_learning"]
+    assert target == 1.0 and sweep_verdict(rows)["least_time_to_target"] == 64
+    text = format_verdict(sweep_verdict(rows), target, rows)
+    assert "did not learn: batch 16: the smoothed loss rose" in text and "batch 32: the smoothed loss stayed" in text
+    assert learning_failure([1.0, float("nan")], None) == "the loss became non-finite"
+    assert learning_failure([2.0, 1.0], None, diverged=True) == "the loss became non-finite"
+    assert learning_failure([2.0, 1.9], None) is None and learning_failure([2.0, 1.9], 1.5) is not None
+
+
+def test_a_real_sweep_at_a_diverging_lr_says_so(tmp_path, capsys):
+    """The same at tune.py's level: a huge LR on real images, two batch sizes, a few steps."""
+    from imgcls.commands.tune import run_sweep
+
+    root = make_tree(tmp_path / "data", {"a": (8, 1), "b": (8, 1), "c": (8, 1)}, size=(16, 16))
+    cfg = load_config("base", tiny_overrides(root, tmp_path / "run", **{"optim.lr": 50.0, "train.nonfinite": "skip"}))
+    assert chance_loss(cfg, 3) == pytest.approx(math.log(3))
+    args = Namespace(steps=6, warmup_steps=1, target_loss=None, checkpointing=False, json=str(tmp_path / "t.json"),
+                     plot=None)
+    assert run_sweep(cfg, args, [4, 8]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["verdict"]["not_learning"] == [4, 8], doc["rows"]
+    assert "verdict: no batch size learned" in out and "least time" not in out
