@@ -29,7 +29,7 @@ IMG_SIZE = {"digits": 16, "shapes": 32}
 
 REPEATS = 6  # each labelled image 6 times per epoch: few epoch ends (checkpoints, the loader's start) per step
 
-MODEL = "test_resnet"  # timm's smallest ResNet: the loop trains (rounds + 1) x strategies x seeds models
+MODEL = "resnet10t"  # the tests' model: the loop trains 1 + rounds x strategies models per seed
 
 
 def dataset(name: str, root: Path) -> tuple[list[str], list[str], list[str], list[str]]:
