@@ -7,7 +7,7 @@ Prints one JSON object; with --markdown FILE, the mean table, and with --plot FI
 
 python -m imgcls.benchmarking.labelling_loop --out /tmp/loop [--datasets digits,shapes]
        [--strategies default,random,margin,entropy,coreset] [--seeds 0,1,2] [--rounds 4] [--start-per-class 2]
-       [--budget 20] [--epochs 4] [--markdown FILE] [--plot FILE.png]
+       [--budget 20] [--epochs 12] [--markdown FILE] [--plot FILE.png]
 """
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ from imgcls.labelling.picking import PickOptions, open_predictor, score_paths
 from imgcls.labelling.strategies import STRATEGIES, is_young, select
 
 IMG_SIZE = {"digits": 16, "shapes": 32}
-
-REPEATS = 6  # each labelled image 6 times per epoch: few epoch ends (checkpoints, the loader's start) per step
 
 MODEL = "resnet10t"  # the tests' model: the loop trains 1 + rounds x strategies models per seed
 
@@ -69,7 +67,7 @@ def train_round(out: Path, train_csv: Path, test_csv: Path, classes_file: Path, 
 
     values = {"data.format": "csv", "data.train_csv": train_csv, "data.val_csv": test_csv, "data.classes": classes_file,
               "output.dir": out, "model.name": MODEL, "data.img_size": img_size, "data.num_workers": 0,
-              "train.batch_size": 16, "train.epochs": epochs, "data.repeated_augment": REPEATS, "train.val_interval": epochs, "train.amp": "none",
+              "train.batch_size": 16, "train.epochs": epochs, "train.val_interval": epochs, "train.amp": "none",
               "train.device": "cpu", "train.seed": seed, "optim.lr": 0.03, "optim.lr_scaling": "none", "schedule.warmup_epochs": 1,
               "output.progress_bar": "off", "output.log_interval": 1000, "output.tensorboard": "false", "output.curves": "false", "calibration.temperature": "none"}
     cfg = load_config("base", [f"{k}={v}" for k, v in values.items()])
@@ -187,7 +185,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--start-per-class", type=int, default=2)
     parser.add_argument("--budget", type=int, default=20)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--markdown")
     parser.add_argument("--plot")
     args = parser.parse_args()
