@@ -68,8 +68,9 @@ def train_round(out: Path, train_csv: Path, test_csv: Path, classes_file: Path, 
     values = {"data.format": "csv", "data.train_csv": train_csv, "data.val_csv": test_csv, "data.classes": classes_file,
               "output.dir": out, "model.name": MODEL, "data.img_size": img_size, "data.num_workers": 0,
               "train.batch_size": 16, "train.epochs": epochs, "train.val_interval": epochs, "train.amp": "none",
-              "train.device": "cpu", "train.seed": seed, "optim.lr": 0.03, "optim.lr_scaling": "none", "schedule.warmup_epochs": 1,
-              "output.progress_bar": "off", "output.log_interval": 1000, "output.tensorboard": "false", "output.curves": "false", "calibration.temperature": "none"}
+              "train.device": "cpu", "train.seed": seed, "optim.lr": 0.03, "optim.lr_scaling": "none",
+              "schedule.warmup_epochs": 1, "output.progress_bar": "off", "output.log_interval": 1000,
+              "output.tensorboard": "false", "output.curves": "false", "calibration.temperature": "none"}
     cfg = load_config("base", [f"{k}={v}" for k, v in values.items()])
     if run(cfg) != 0:
         raise RuntimeError(f"training in {out} failed")

@@ -84,7 +84,7 @@ def pool_subset(paths: list[str], max_pool: int, seed: int) -> list[str]:
 def open_predictor(checkpoint: str, options: PickOptions) -> Predictor:
     predictor = Predictor.open(checkpoint, options.device, None, topk=1 << 20,
                                trust=TrustOptions(reject=options.skip_foreign), for_serving=False)
-    if predictor.task.name != "multiclass":
+    if predictor.task.label_format != "class":  # one class per image
         raise ConfigError(f"--checkpoint {checkpoint}: a {predictor.task.title} model; label pick chooses images "
                           f"for single-label models (data.task=multiclass)")
     return predictor
@@ -139,7 +139,8 @@ def candidates(scored: ScoredPool, labelled_vectors: np.ndarray, similarity: flo
     foreign = scored.foreign & scored.readable
     duplicate &= scored.readable
     keep = scored.readable & ~duplicate & ~foreign
-    counts = {"unreadable": int(unreadable.sum()), "near duplicates of labelled images": int(duplicate.sum()), "foreign (reject option)": int(foreign.sum())}
+    counts = {"unreadable": int(unreadable.sum()), "near duplicates of labelled images": int(duplicate.sum()),
+              "foreign (reject option)": int(foreign.sum())}
     return Candidates(np.flatnonzero(keep), counts)
 
 

@@ -118,7 +118,8 @@ def test_pick_push_annotate_pull_and_train(server, finished_run, faults_tree, tm
         rows = list(csv.DictReader(f))
     assert len(rows) == 11 and all(Path(tmp_path / r["path"]).parent.name == r["label"] for r in rows)
     val = tmp_path / "val.csv"
-    val.write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in sorted((faults_tree / "val").rglob("*.png"))))
+    val_images = sorted((faults_tree / "val").rglob("*.png"))
+    val.write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in val_images))
     cfg = make_cfg(tmp_path, tmp_path / "run", **{"data.format": "csv", "data.train_csv": str(labels),
                                                  "data.val_csv": str(val), "train.batch_size": 4, "train.epochs": 1})
     assert run(cfg) == 0 and (tmp_path / "run" / "best.pt").exists()

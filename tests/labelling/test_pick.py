@@ -110,3 +110,23 @@ def test_push_writes_tasks_and_pull_reads_an_export_back(pool, capsys, tmp_path)
     assert (tmp_path / rows[1]["path"]).resolve() == (root / "pool" / "a" / "a_0001.png").resolve()
     assert exit_code(lambda: label.main(argv)) == 2  # never over an existing file
     assert "1 conflicting" not in capsys.readouterr().err
+
+
+def test_audit_findings_become_review_tasks(tmp_path):
+    from imgcls.cli import label
+    from imgcls.labelling.label_studio import label_config
+
+    (tmp_path / "imgs").mkdir()
+    audit = tmp_path / "audit.json"
+    audit.write_text(json.dumps({"label_issues": [{"path": str(tmp_path / "imgs" / "x.png"), "given": "cat",
+                                                   "suggested": "dog", "score": 0.1, "rule": "r"}]}))
+    out = tmp_path / "review.json"
+    assert exit_code(lambda: label.main(["push", "--input", str(audit), "--output", str(out), "--image-root",
+                                         str(tmp_path)])) == 0
+    [review] = json.loads(out.read_text())
+    assert review["data"]["given"] == "cat" and review["data"]["image"] == "/data/local-files/?d=imgs/x.png"
+    assert review["predictions"][0]["result"][0]["value"]["choices"] == ["dog"]
+    assert review["predictions"][0]["score"] == pytest.approx(0.9)
+    assert exit_code(lambda: label.main(["push", "--input", str(audit), "--output", str(out), "--image-root",
+                                         str(tmp_path / "imgs" / "elsewhere")])) == 2  # the image is not under it
+    assert '<Choice value="a &amp; b"/>' in label_config(["a & b"])
