@@ -4,7 +4,9 @@ import csv
 import json
 import shutil
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import exit_code
 
@@ -59,8 +61,17 @@ def test_pick_leaves_out_counts_and_writes_the_same_picks_again(pool, capsys):
                   "--duplicate-similarity", "1.01", "--output", str(root / "all.csv")]
     assert pick(*everything) == 0
     assert str(root / "pool" / "b" / "odd, name\nhere.png") in {r["path"] for r in read_rows(root / "all.csv")}
+    # --skip-foreign: noise, which best.pt's reject threshold calls unknown, is left out and counted
+    foreign = root / "foreign"
+    foreign.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(foreign / "noise.png")
+    assert pick("--checkpoint", str(best), "--pool", str(root / "pool"), str(foreign), "--budget", "3",
+                "--skip-foreign", "--output", str(root / "known.csv")) == 0
+    assert "foreign (reject option)" in capsys.readouterr().err
+    assert str(foreign / "noise.png") not in {r["path"] for r in read_rows(root / "known.csv")}
 
 
+@pytest.mark.slow
 def test_pick_refuses_before_writing_anything(pool, capsys):
     root, best = pool
     labelled = root / "labelled.csv"
@@ -78,10 +89,10 @@ def test_pick_refuses_before_writing_anything(pool, capsys):
     assert not (root / "x.csv").exists() and not (root / "pool" / "picks.csv").exists()
 
 
-def test_push_writes_tasks_and_pull_reads_an_export_back(pool, capsys, tmp_path):
+def test_push_writes_tasks_and_pull_reads_an_export_back(capsys, tmp_path):
     from imgcls.cli import label
 
-    root, _ = pool
+    root = tmp_path / "root"
     picks = tmp_path / "picks.csv"
     picks.write_text(f'path,label,prob,score,reason\n"{root}/pool/a/a_0001.png",a,0.9,0.1,x\n'
                      f'"{root}/pool/b/odd, name\nhere.png",b,0.6,0.2,x\n{root}/pool/c/c_0001.png,c,0.7,0.3,x\n')
