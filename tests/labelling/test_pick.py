@@ -86,6 +86,12 @@ def test_pick_refuses_before_writing_anything(pool, capsys):
     assert pick(*base, "--budget", "2", "--exclude", str(other), "--output", str(root / "x.csv")) == 2
     assert "cat are not classes of the checkpoint" in capsys.readouterr().err
     assert pick(*base, "--budget", "2", "--output", str(root / "pool" / "picks.csv")) == 2
+    bands = root / "five_bands"  # images of another band count than the checkpoint's data.channels: unreadable
+    bands.mkdir(exist_ok=True)
+    for i in range(2):
+        np.save(bands / f"{i}.npy", np.zeros((16, 16, 5), np.uint8))
+    assert pick("--checkpoint", str(best), "--pool", str(bands), "--budget", "1", "--output", str(root / "x.csv")) == 2
+    assert "none of the 2 pool image(s) could be read" in capsys.readouterr().err
     assert not (root / "x.csv").exists() and not (root / "pool" / "picks.csv").exists()
 
 
