@@ -152,7 +152,8 @@ def cluster_picks(probs: np.ndarray, vectors: np.ndarray, budget: int, seed: int
     chosen = np.array(chosen, np.int64)[order]
     scores = np.array(scores)[order]
     if len(chosen) < budget:  # k-means left clusters empty (identical vectors): the rest by margin
-        rest = [i for i in np.argsort(margin, kind="stable") if i not in set(chosen.tolist())][:budget - len(chosen)]
+        taken = set(chosen.tolist())
+        rest = [i for i in np.argsort(margin, kind="stable") if i not in taken][:budget - len(chosen)]
         chosen = np.concatenate([chosen, np.array(rest, np.int64)])
         scores = np.concatenate([scores, margin[rest] if not young else np.zeros(len(rest))])
     if young:
