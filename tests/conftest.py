@@ -73,9 +73,10 @@ class HalfWriter:
 
 # ---------------------------------------------------------------- what a plain `pytest` runs, and Ctrl-C
 
-# Tests that need more than Python: left out unless `-m` names their marker (`-m container`, `-m "container or
-# slurm"`); `.ci/run` runs them in a second pytest invocation. Named in `-m`, the expression alone decides.
-OPT_IN_MARKERS = ("container", "slurm")
+# Tests that need more than Python (Docker, Slurm, a Label Studio server): left out unless `-m` names their marker
+# (`-m container`, `-m "container or slurm"`); `.ci/run` runs them in a second pytest invocation. Named in `-m`,
+# the expression alone decides.
+OPT_IN_MARKERS = ("container", "slurm", "labelstudio")
 
 
 def pytest_collection_modifyitems(config, items):

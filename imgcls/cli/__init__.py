@@ -214,7 +214,7 @@ def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
 # ---------------------------------------------------------------- imgcls COMMAND
 
 # each command is the `main` of imgcls.cli.<name>; `imgcls --help` lists it with its line here
-COMMANDS = ("train", "eval", "infer", "export", "serve", "tune", "audit", "embed", "search", "benchmark")
+COMMANDS = ("train", "eval", "infer", "export", "serve", "tune", "audit", "embed", "search", "benchmark", "label")
 SUMMARIES = {
     "train": "train a classifier from a config (--config NAME|FILE, KEY=VALUE overrides, --resume)",
     "eval": "evaluate a checkpoint or an export on a split (JSON report, per-class table)",
@@ -226,6 +226,7 @@ SUMMARIES = {
     "embed": "write embeddings and a similarity index for images",
     "search": "the nearest indexed images of query images",
     "benchmark": "measure the loader, training or inference rate (one JSON object)",
+    "label": "what to label next (pick), and the round trip through Label Studio (push, pull)",
 }
 
 
