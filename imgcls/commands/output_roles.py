@@ -38,6 +38,7 @@ def eval_output_files(outputs: dict) -> dict:
 
             errors_csv, errors_html = errors_paths(path)
             files.update({"--json's confusion matrix": str(confusion_png_path(path)),
+                          "--json's precision-recall curves": str(pr_png_path(path)),
                           "--json's misclassified list": str(errors_csv), "--json's misclassified page": str(errors_html)})
     return files
 
@@ -76,3 +77,8 @@ def errors_paths(json_path: str | Path) -> tuple[Path, Path]:
 def confusion_png_path(json_path: str | Path) -> Path:
     json_path = Path(json_path)
     return json_path.with_name(f"{json_path.stem}_confusion.png")
+
+
+def pr_png_path(json_path: str | Path) -> Path:
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_pr.png")
