@@ -76,16 +76,19 @@ class Classifier:
 
     def predict(self, images: Union[str, Path, Iterable[Union[str, Path]]], batch_size: Optional[int] = None,
                 num_workers: int = 0) -> list[dict]:
-        """infer.py's rows for image files, folders or globs (unreadable files get `error`)."""
+        """infer.py's rows for image files, folders, globs or image URLs (unreadable files and URLs that fail
+        get `error`)."""
         from imgcls.commands.infer import fixed_batch_size
         from imgcls.data.datasets import expand_inputs, inference_batches
+        from imgcls.data.urls import downloaded
 
         inputs = [str(images)] if isinstance(images, (str, Path)) else [str(p) for p in images]
-        paths = expand_inputs(inputs)
-        p = self.predictor
-        loader = inference_batches(paths, p.transform, fixed_batch_size(p.model_file, batch_size), num_workers,
-                                   p.runtime.device)
-        return p.predict_rows(loader, paths)
+        with downloaded(inputs) as fetched:
+            paths = expand_inputs(fetched.inputs)
+            p = self.predictor
+            loader = inference_batches(paths, p.transform, fixed_batch_size(p.model_file, batch_size), num_workers,
+                                       p.runtime.device)
+            return fetched.restore(p.predict_rows(loader, paths))
 
     def embed(self, images: Union[str, Path, Iterable[Union[str, Path]]], batch_size: Optional[int] = None,
               num_workers: int = 0) -> tuple[list[str], "numpy.ndarray"]:

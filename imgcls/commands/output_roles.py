@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from imgcls.core.errors import ConfigError
 from imgcls.core.files import check_outputs_apart
 
 
@@ -18,14 +19,18 @@ def _files(*paths: Optional[str]) -> list[str]:
 
 
 def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, classes_file: Optional[str],
-                        output: Optional[str], explain_dir: Optional[str]) -> None:
-    """infer.py: --output and --explain DIR apart from the input images, lists and folders, the model file
-    (or export folder) and the classes file."""
+                        output: Optional[str], explain_dir: Optional[str], save_images: Optional[str] = None) -> None:
+    """infer.py: --output, --explain DIR and --save-images DIR apart from the input images, lists and folders,
+    the model file (or export folder) and the classes file, and the two folders apart (their files share
+    names)."""
+    if explain_dir and save_images and os.path.realpath(explain_dir) == os.path.realpath(save_images):
+        raise ConfigError(f"--save-images {save_images}: is also the --explain folder, whose overlays take the same "
+                          f"names; name another folder")
     check_outputs_apart({"--output": output},
                         {"input image": paths, "input list": _files(*inputs), "checkpoint": _files(checkpoint),
                          "classes file": _files(classes_file)},
                         {"input folder": _dirs(*inputs), "checkpoint folder": _dirs(checkpoint)},
-                        {"--explain": explain_dir})
+                        {"--explain": explain_dir, "--save-images": save_images})
 
 
 def eval_output_files(outputs: dict) -> dict:

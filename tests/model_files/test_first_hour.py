@@ -45,3 +45,139 @@ def test_eval_json_has_sklearns_average_precision_and_a_pr_figure(trained, tmp_p
     with Image.open(tmp_path / "eval_pr.png") as img:
         img.load()
         assert img.format == "PNG" and img.width > 100 and img.height > 100
+
+
+# ---------------------------------------------------------------- infer.py --save-images
+
+
+def test_save_images_draws_each_label_and_never_writes_over_an_input(trained, tmp_path, capsys):
+    from imgcls.cli.infer import main as infer_main
+    from imgcls.core.errors import ConfigError
+
+    data, checkpoint = trained
+    inputs = tmp_path / "inputs"
+    for folder in ("x", "y"):  # one name in two folders: two files out
+        (inputs / folder).mkdir(parents=True)
+        Image.open(next((data / "val" / "a").iterdir())).save(inputs / folder / "same.png")
+    (inputs / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "annotated"
+    rows_path = tmp_path / "rows.json"
+    assert infer_main([str(inputs), "--checkpoint", str(checkpoint), "--save-images", str(out), "--output",
+                       str(rows_path), "--num-workers", "0", "--device", "cpu"]) == 0
+    rows = json.loads(rows_path.read_text())
+    written = sorted(out.iterdir())
+    assert len(written) == len([row for row in rows if row["error"] is None]) == 2
+    assert {p.name.split("_", 1)[1] for p in written} == {"same.png"}
+    for png in written:
+        with Image.open(png) as img:
+            assert img.mode == "RGB" and img.size == (24, 24)
+            top = np.asarray(img)[:3]  # the caption's dark band is drawn over the image's top rows
+            assert (top < 80).mean() > 0.5
+    assert f"wrote 2 annotated image(s) to {out}" in capsys.readouterr().err
+
+    with pytest.raises(ConfigError, match="--save-images .*input"):
+        infer_main([str(inputs), "--checkpoint", str(checkpoint), "--save-images", str(inputs / "x"),
+                    "--num-workers", "0", "--device", "cpu"])
+    assert sorted(p.name for p in (inputs / "x").iterdir()) == ["same.png"]
+
+
+def test_save_images_renders_many_bands_as_viewable_rgb(tmp_path):
+    from types import SimpleNamespace
+
+    from imgcls.commands.infer import save_annotated
+    from imgcls.data.settings import DataConfig
+
+    bands = np.zeros((20, 30, 4), dtype=np.uint16)
+    bands[..., 0] = np.arange(30, dtype=np.uint16)[None, :] * 2000
+    np.save(tmp_path / "bands.npy", bands)
+    loaded = SimpleNamespace(cfg=SimpleNamespace(data=DataConfig(channels=4, mean="auto", std="auto")))
+    rows = [{"path": str(tmp_path / "bands.npy"), "label": "a", "prob": 0.75, "error": None}]
+    out = tmp_path / "out"
+    assert save_annotated(loaded, [rows[0]["path"]], rows, str(out), [rows[0]["path"]]) == 1
+    with Image.open(out / "00000_bands.png") as img:
+        pixels = np.asarray(img)
+        assert img.mode == "RGB" and img.size == (30, 20)
+        assert pixels[-1, 0].max() < pixels[-1, -1].min()  # the first band's ramp, stretched to 8 bits
+
+
+# ---------------------------------------------------------------- image URLs
+
+
+@pytest.fixture
+def image_server(trained, tmp_path):
+    """A local HTTP server on 127.0.0.1 (a free port, a thread) serving a folder: (base URL, folder)."""
+    import functools
+    import http.server
+    import threading
+
+    folder = tmp_path / "site"
+    folder.mkdir()
+    data, _ = trained
+    image = next((data / "val" / "b").iterdir())
+    (folder / "cat.png").write_bytes(image.read_bytes())
+    (folder / "notes.txt").write_text("not an image")
+    (folder / "slow.png").write_bytes(image.read_bytes())
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/huge.png":  # claims more bytes than the limit
+                self.send_response(200)
+                self.send_header("Content-Length", str(10**9))
+                self.end_headers()
+                return
+            if self.path == "/slow.png":
+                import time
+
+                time.sleep(2)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", image
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_urls_are_classified_like_files_and_failures_are_error_rows(trained, image_server, monkeypatch):
+    import imgcls.data.urls as urls
+    from imgcls import Classifier
+
+    base, image = image_server
+    _, checkpoint = trained
+    monkeypatch.setattr(urls, "URL_TIMEOUT_S", 1.0)
+    inputs = [f"{base}/cat.png", f"{base}/missing.png", f"{base}/notes.txt", f"{base}/huge.png",
+              f"{base}/slow.png", str(image)]
+    with Classifier.load(checkpoint, device="cpu") as model:
+        rows = model.predict(inputs)
+    assert [row["path"] for row in rows] == inputs
+    by_url = dict(zip(inputs, rows))
+    assert by_url[inputs[0]]["error"] is None
+    assert by_url[inputs[0]]["label"] == by_url[str(image)]["label"]
+    assert by_url[inputs[0]]["prob"] == by_url[str(image)]["prob"]  # the same bytes, the same decoding
+    assert "HTTP 404" in by_url[f"{base}/missing.png"]["error"]
+    assert by_url[f"{base}/notes.txt"]["error"] and "imgcls-urls-" not in by_url[f"{base}/notes.txt"]["error"]
+    assert "over the limit of 10000000" in by_url[f"{base}/huge.png"]["error"]
+    assert "within 1 s" in by_url[f"{base}/slow.png"]["error"]
+
+
+def test_infer_py_takes_a_url_and_saves_it_annotated_by_its_name(trained, image_server, tmp_path, capsys):
+    from imgcls.cli.infer import main as infer_main
+    from imgcls.data.urls import MAX_URL_BYTES
+    from imgcls.serving.app import ServeSettings
+
+    assert MAX_URL_BYTES == ServeSettings().max_bytes  # one limit on an image from the network
+    base, _ = image_server
+    _, checkpoint = trained
+    out = tmp_path / "annotated"
+    assert infer_main([f"{base}/cat.png", f"{base}/missing.png", "--checkpoint", str(checkpoint), "--save-images",
+                       str(out), "--num-workers", "0", "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    assert f"{base}/cat.png" in printed.out and f"{base}/missing.png" in printed.out and "HTTP 404" in printed.out
+    assert [p.name for p in out.iterdir()] == ["00000_cat.png"]
