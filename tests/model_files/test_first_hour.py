@@ -1,14 +1,18 @@
-"""What users of other tools look for first: eval.py's precision-recall figures (per-class average precision,
-macro PR-AUC, the PR-curve PNG), infer.py --save-images, and image URLs classified like files."""
+"""What a newcomer's first hour asked for (issue 64): eval.py's precision-recall figures (per-class average
+precision, macro PR-AUC, the PR-curve PNG), infer.py --save-images, image URLs classified like files, and
+exports that reject as the checkpoint does (or refuse --reject)."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import train_tiny
 from PIL import Image
 from sklearn.metrics import average_precision_score
+
+from imgcls.cli import run_main
 
 CLASSES = ["a", "b", "c"]
 
@@ -28,6 +32,7 @@ def _probabilities(rows: list[dict]) -> np.ndarray:
     return probs
 
 
+@pytest.mark.slow
 def test_eval_json_has_sklearns_average_precision_and_a_pr_figure(trained, tmp_path):
     from imgcls.commands.evaluate import evaluate_checkpoint, report_evaluation
 
@@ -50,6 +55,7 @@ def test_eval_json_has_sklearns_average_precision_and_a_pr_figure(trained, tmp_p
 # ---------------------------------------------------------------- infer.py --save-images
 
 
+@pytest.mark.slow
 def test_save_images_draws_each_label_and_never_writes_over_an_input(trained, tmp_path, capsys):
     from imgcls.cli.infer import main as infer_main
     from imgcls.core.errors import ConfigError
@@ -145,6 +151,7 @@ def image_server(trained, tmp_path):
         thread.join()
 
 
+@pytest.mark.slow
 def test_urls_are_classified_like_files_and_failures_are_error_rows(trained, image_server, monkeypatch):
     import imgcls.data.urls as urls
     from imgcls import Classifier
@@ -167,6 +174,7 @@ def test_urls_are_classified_like_files_and_failures_are_error_rows(trained, ima
     assert "within 1 s" in by_url[f"{base}/slow.png"]["error"]
 
 
+@pytest.mark.slow
 def test_infer_py_takes_a_url_and_saves_it_annotated_by_its_name(trained, image_server, tmp_path, capsys):
     from imgcls.cli.infer import main as infer_main
     from imgcls.data.urls import MAX_URL_BYTES
@@ -181,3 +189,86 @@ def test_infer_py_takes_a_url_and_saves_it_annotated_by_its_name(trained, image_
     printed = capsys.readouterr()
     assert f"{base}/cat.png" in printed.out and f"{base}/missing.png" in printed.out and "HTTP 404" in printed.out
     assert [p.name for p in out.iterdir()] == ["00000_cat.png"]
+
+
+# ---------------------------------------------------------------- the reject option on exports
+
+
+@pytest.fixture(scope="module")
+def mixed(trained, tmp_path_factory):
+    """Foreign images (noise, a flat colour, upscaled grey blocks) and three validation images."""
+    data, _ = trained
+    images = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(images / "noise.png")
+    Image.new("RGB", (24, 24), (30, 200, 90)).save(images / "flat.png")
+    blocks = np.kron(rng.integers(0, 256, (8, 8), dtype=np.uint8), np.ones((3, 3), dtype=np.uint8))
+    Image.fromarray(blocks).save(images / "grey_blocks.png")
+    for i, path in enumerate(sorted((data / "val" / "b").iterdir())[:3]):
+        Image.open(path).save(images / f"val_{i}.png")
+    return images
+
+
+def _call(monkeypatch, capsys, module, *argv) -> tuple[int, str]:
+    import importlib
+    import sys
+
+    main = importlib.import_module(f"imgcls.cli.{module}").main
+    monkeypatch.setattr(sys, "argv", [f"{module}.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        run_main(main)
+    return info.value.code, capsys.readouterr().err
+
+
+def _rows(monkeypatch, capsys, tmp_path, model, images, name) -> list[dict]:
+    out = tmp_path / f"{name}.json"
+    code, err = _call(monkeypatch, capsys, "infer", str(images), "--checkpoint", str(model), "--reject", "--output",
+                      str(out), "--num-workers", "0", "--device", "cpu")
+    assert code == 0, err[-2000:]
+    assert "mahalanobis_layers score <" in err
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_onnx_export_rejects_what_the_checkpoint_rejects(trained, mixed, tmp_path, monkeypatch, capsys):
+    from imgcls.model_files.loading import load_model_file
+
+    (_, checkpoint), images = trained, mixed
+    onnx = tmp_path / "model.onnx"
+    code, err = _call(monkeypatch, capsys, "export", "--checkpoint", str(checkpoint), "--format", "onnx",
+                      "--output", str(onnx), "--dynamic-batch")
+    assert code == 0, err[-2000:]
+    record = torch.load(checkpoint, weights_only=True)["calibration"]
+    exported = load_model_file(onnx).calibration
+    assert record["method"] == exported["method"] == "mahalanobis_layers"
+    assert exported["thresholds"]["mahalanobis_layers"] == pytest.approx(record["thresholds"]["mahalanobis_layers"])
+
+    want = _rows(monkeypatch, capsys, tmp_path, checkpoint, images, "checkpoint")
+    got = _rows(monkeypatch, capsys, tmp_path, onnx, images, "onnx")
+    assert [r["path"] for r in got] == [r["path"] for r in want]
+    assert [r["label"] for r in got] == [r["label"] for r in want]
+    foreign = [r for r in want if "val_" not in r["path"]]
+    assert all(r["label"] == "unknown" for r in foreign)  # what the export used to keep (energy)
+    for a, b in zip(got, want):
+        assert a["score"] == pytest.approx(b["score"], rel=1e-3, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_a_format_without_the_score_refuses_reject(trained):
+    """pt2, OpenVINO, timm and int8 ONNX exports compute logits only: --reject exits 2 naming the checkpoint's
+    score; --reject-below X rejects by energy, asked for by name."""
+    from types import SimpleNamespace
+
+    from imgcls.core.errors import ConfigError
+    from imgcls.model_files.checkpoint_files import read_checkpoint
+    from imgcls.model_files.metadata import export_metadata
+    from imgcls.model_files.predictor import TrustOptions, build_rejector, check_trust_options
+
+    _, checkpoint = trained
+    record = export_metadata(read_checkpoint(str(checkpoint)), None, carries_reject=False)["calibration"]
+    assert record["method"] == "energy" and record["checkpoint_method"] == "mahalanobis_layers"
+    export = SimpleNamespace(calibration=record, path="model.pt2", kind="pt2")
+    with pytest.raises(ConfigError, match="--reject: model.pt2 .pt2 export. computes no mahalanobis_layers score"):
+        check_trust_options(export, TrustOptions(reject=True))
+    check_trust_options(export, TrustOptions(reject_below=0.5))
+    assert build_rejector(export, TrustOptions(reject_below=0.5), False, False).method == "energy"
