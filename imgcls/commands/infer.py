@@ -11,7 +11,8 @@ from imgcls.compute.device import precision_name
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.data.urls import downloaded, is_url, url_name
 from imgcls.model_files.checkpoint_files import find_newest_checkpoint
-from imgcls.model_files.predictor import Predictor, TrustOptions, explain_rows, extra_columns, overlay_base, overlay_name
+from imgcls.model_files.predictor import (Predictor, TrustOptions, explain_rows, extra_columns, overlay_base,
+                                          overlay_name)
 
 log = logging.getLogger(__name__)
 

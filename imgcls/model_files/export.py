@@ -121,8 +121,39 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
     if embedding:
         report.min_embedding_cosine = check_embedding_export(loaded, output)
     if carried:
+        check_reject_export(loaded, output)
         report.reject_method = LAYERS_METHOD
     return report
+
+
+MAX_REJECT_SCORE_DIFF = 1e-3  # relative, at least absolute: the graph scores in float32, the checkpoint in float64
+
+
+def check_reject_export(loaded: ModelFile, output: Path) -> None:
+    """The export's `reject_score` against the checkpoint's scorer (its stages tapped, float64) on the check
+    images and on generated far-off ones; ExportError (exit 1) when they differ by more than
+    MAX_REJECT_SCORE_DIFF."""
+    from imgcls.evaluation.rejection import LayerTap, rejector_from_record
+
+    images, source = check_images(loaded)
+    x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
+    x = torch.cat([x, torch.rand(x.shape, generator=torch.Generator().manual_seed(0)) * 4 - 2])  # far-off too
+    reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
+    rejector = rejector_from_record(loaded.calibration)
+    tap = LayerTap(reference, rejector.layer_names)
+    exported = load_model_file(output).build_model(torch.device("cpu"), channels_last=False)
+    try:
+        with torch.inference_mode():
+            want = rejector.scores(reference(x).float(), None, tap.take()).double()
+            exported(x)
+            got = exported.take_reject_score().double()
+    finally:
+        tap.close()
+    worst = float(((got - want).abs() / want.abs().clamp(min=1.0)).max())
+    if not worst <= MAX_REJECT_SCORE_DIFF:
+        raise ExportError(f"the reject score of the export at {output} disagrees with the checkpoint's: relative "
+                          f"difference {worst:.3g} > {MAX_REJECT_SCORE_DIFF:g} on {len(x)} images ({source} and "
+                          f"generated ones); the file is kept for inspection")
 
 
 def check_embedding_export(loaded: ModelFile, output: Path) -> float:

@@ -16,11 +16,11 @@ import torch
 
 from imgcls.config import Config
 from imgcls.core.errors import CheckpointError, ExportError
+from imgcls.evaluation.rejection import REJECT_SCORE_OUTPUT, LogitsAndRejectScore
 from imgcls.model_files.formats.base import ModelFormat, shorten_export_error, traced_model
 from imgcls.model_files.metadata import numbered_classes, onnx_metadata_props
 from imgcls.model_files.model_file import FunctionModel, ModelFile, ScoredFunctionModel
 from imgcls.model_files.stored_metadata import check_output_count, eval_config, metadata_from_onnx_props, read_metadata
-from imgcls.evaluation.rejection import REJECT_SCORE_OUTPUT, LogitsAndRejectScore
 from imgcls.models.feature_tap import features_and_logits
 
 log = logging.getLogger(__name__)
