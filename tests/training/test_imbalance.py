@@ -57,6 +57,21 @@ def test_class_weights_equal_torchs_weighted_cross_entropy_summed_over_the_batch
     torch.testing.assert_close(sum(halves) / len(labels), got)
 
 
+def test_ranks_and_accumulation_windows_average_to_the_whole_batchs_loss():
+    """DDP averages the ranks' gradients (each rank's loss over its own equal share), accumulation the windows':
+    the mean of the shares' losses is the whole batch's, also when the shares hold different classes. torch's
+    default weighted mean (divided by each share's weight sum) is not, which is why the loss divides by N."""
+    logits, _ = _batch(3, n=8)
+    labels = torch.tensor([0, 0, 0, 1, 2, 3, 3, 3])  # the two halves hold different classes
+    cfg = load_config("base", ["train.loss=focal", "train.class_weights=[1.0,2.0,8.0,0.5]"])
+    criterion = build_criterion(cfg.train)
+    halves = [criterion(logits[s], labels[s]) for s in (slice(0, 4), slice(4, 8))]
+    torch.testing.assert_close((halves[0] + halves[1]) / 2, criterion(logits, labels))
+    weight = torch.tensor([1.0, 2.0, 8.0, 0.5])
+    by_weight_sum = [F.cross_entropy(logits[s], labels[s], weight=weight) for s in (slice(0, 4), slice(4, 8))]
+    assert not torch.allclose((by_weight_sum[0] + by_weight_sum[1]) / 2, F.cross_entropy(logits, labels, weight=weight))
+
+
 def test_the_plain_loss_is_unchanged():
     assert type(build_criterion(load_config("base", []).train)) is torch.nn.CrossEntropyLoss
 
