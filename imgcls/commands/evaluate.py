@@ -535,3 +535,7 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
         t = result.trust
         png = draw_reliability(result.reliability, reliability_path, t["ece"], t["ece_uncalibrated"], t["temperature"])
         print(f"wrote {png}")
+        if result.scored is not None and not json_path:  # the precision-recall curves beside it, where no --json
+            pr_png = draw_precision_recall(*result.scored, result.classes, result.precision_recall,
+                                           pr_png_path(reliability_path))
+            print(f"wrote {pr_png}")

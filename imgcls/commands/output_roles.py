@@ -35,10 +35,13 @@ def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, cl
 
 def eval_output_files(outputs: dict) -> dict:
     """eval.py's outputs by flag, with the files it derives from --json's name (`<name>_confusion.png`,
-    `<name>_errors.csv`, `<name>_errors.html`) beside --json."""
+    `<name>_pr.png`, `<name>_errors.csv`, `<name>_errors.html`) beside --json; without --json, the
+    precision-recall curves beside the reliability diagram (`<name>_pr.png` of --reliability's name)."""
     files = {}
     for flag, path in outputs.items():
         files[flag] = path
+        if flag == "--reliability" and path and not outputs.get("--json"):
+            files["--reliability's precision-recall curves"] = str(pr_png_path(path))
         if flag == "--json" and path:
 
             errors_csv, errors_html = errors_paths(path)

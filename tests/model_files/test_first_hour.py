@@ -50,6 +50,10 @@ def test_eval_json_has_sklearns_average_precision_and_a_pr_figure(trained, tmp_p
     with Image.open(tmp_path / "eval_pr.png") as img:
         img.load()
         assert img.format == "PNG" and img.width > 100 and img.height > 100
+    # without --json, beside the reliability diagram
+    report_evaluation(evaluate_checkpoint(checkpoint, str(data)), None, str(tmp_path / "rel.png"), None)
+    with Image.open(tmp_path / "rel_pr.png") as img:
+        assert img.format == "PNG"
 
 
 # ---------------------------------------------------------------- infer.py --save-images
