@@ -11,7 +11,8 @@
 content; `Classifier` opens a checkpoint or an export through the one Predictor that infer.py, eval.py and
 serve.py use, so its rows equal infer.py's for the same images.
 
-What `predict` and `embed` take (docs/interface.md): a path (a file, a folder, a glob), an image's encoded
+What `predict` and `embed` take (docs/interface.md): a path (a file, a folder, a glob; `predict`: an http(s)
+URL too), an image's encoded
 bytes, a PIL image, a numpy array or torch tensor ((H, W), (H, W, C) or (C, H, W); (N, ...) is N images), or a
 list or tuple mixing them; an empty list gives no rows. In-memory images are named `<image I>` (I: the position
 in the list; `<image I.J>` for the J-th of a stacked array). Anything else raises InputTypeError (a ConfigError
@@ -170,17 +171,24 @@ class Classifier:
         return list(self.predictor.classes)
 
     def predict(self, images, batch_size: Optional[int] = None, num_workers: int = 0) -> list[dict]:
-        """infer.py's rows for `images` (the module says what it takes; unreadable ones get `error`), in order."""
+        """infer.py's rows for `images` (the module says what it takes: image URLs too; unreadable images and
+        URLs that fail get `error`), in order."""
         from imgcls.commands.infer import fixed_batch_size
         from imgcls.data.datasets import inference_batches
+        from imgcls.data.urls import downloaded
 
         p = self.predictor
-        sources, names = image_sources(images, p.transform, "Classifier.predict")
-        if not sources:
-            return []
-        loader = inference_batches(sources, p.transform, fixed_batch_size(p.model_file, batch_size), num_workers,
-                                   p.runtime.device)
-        return p.predict_rows(loader, names)
+        many = isinstance(images, (list, tuple))
+        items = list(images) if many else [images]
+        with downloaded([str(item) for item in items if isinstance(item, (str, os.PathLike))]) as fetched:
+            local = iter(fetched.inputs)
+            items = [next(local) if isinstance(item, (str, os.PathLike)) else item for item in items]
+            sources, names = image_sources(items if many else items[0], p.transform, "Classifier.predict")
+            if not sources:
+                return []
+            loader = inference_batches(sources, p.transform, fixed_batch_size(p.model_file, batch_size),
+                                       num_workers, p.runtime.device)
+            return fetched.restore(p.predict_rows(loader, names))
 
     def embed(self, images, batch_size: Optional[int] = None,
               num_workers: int = 0) -> tuple[list[str], "numpy.ndarray"]:

@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--split", help="split folder under the data root (default: the checkpoint's data.val_split)")
     parser.add_argument("--batch-size", type=int, help="default: the training batch size, which reproduces "
                                                        "training's validation numbers exactly")
-    parser.add_argument("--json", help="write the metrics here, the confusion matrix as <name>_confusion.png and the "
+    parser.add_argument("--json", help="write the metrics here, the confusion matrix as <name>_confusion.png, the "
+                                       "precision-recall curves as <name>_pr.png (single-label) and the "
                                        "misclassified images as <name>_errors.csv and <name>_errors.html beside it")
     parser.add_argument("--tta", action="store_true", help="average the predictions of the image and its mirror image")
     parser.add_argument("--classes", help="class names, one per line, for a model that records none (a foreign ONNX "

@@ -2,7 +2,10 @@
 
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
                 [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
-                [--reject] [--reject-below X] [--explain DIR] [--threshold X]
+                [--reject] [--reject-below X] [--explain DIR] [--threshold X] [--save-images DIR]
+
+PATH may be an image URL (http:// or https://): downloaded (at most 10 MB, within 30 s) and read like a file;
+a URL that fails (an HTTP error, a timeout, too large, not an image) gets a row with `error`.
 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
 FILE.pt2; an OpenVINO IR folder or its model.xml, run by OpenVINO; a timm folder). `prob` is calibrated: the
@@ -31,7 +34,8 @@ def default_workers() -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive) or globs")
+    parser.add_argument("inputs", nargs="+", metavar="PATH", help="image files, folders (recursive), globs or image "
+                                                                  "URLs (http(s)://...; at most 10 MB, 30 s each)")
     parser.add_argument("--checkpoint", help="best.pt or last.pt, or an export: FILE.onnx, FILE.pt2, an OpenVINO "
                         "IR folder or its .xml, a timm folder (default: the newest best.pt under ./runs/)")
     parser.add_argument("--batch-size", type=int, help="images per forward pass, the last batch padded (default 32; "
@@ -53,6 +57,8 @@ def main(argv=None) -> int:
                         "instead of the stored one")
     parser.add_argument("--explain", metavar="DIR", help="write a Grad-CAM overlay PNG per image into DIR and its "
                         "heatmap peak (original pixels) into the rows (checkpoints only)")
+    parser.add_argument("--save-images", metavar="DIR", help="write each classified image into DIR as a PNG with its "
+                        "label and probability drawn on it (00007_name.png: never over an input)")
     parser.add_argument("--threshold", type=float, help="multi-label models: call a tag at this probability for "
                                                         "every class (default: the per-class thresholds tuned "
                                                         "in training)")
@@ -67,6 +73,8 @@ def main(argv=None) -> int:
     if args.output and os.path.splitext(args.output)[1].lower() not in OUTPUT_FORMATS:
         raise ConfigError(f"--output {args.output}: the name must end in .csv or .json")
     check_output_file("--output", args.output)
+    if args.save_images and os.path.exists(args.save_images) and not os.path.isdir(args.save_images):
+        raise ConfigError(f"--save-images {args.save_images}: a file is there; name a folder for the annotated images")
     require_model_runtime(args.checkpoint)
     if args.explain:
         require_extra("explain", "--explain")
@@ -78,4 +86,5 @@ def main(argv=None) -> int:
 
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device, args.classes,
-                         TrustOptions(args.reject, args.reject_below, args.explain), args.threshold)
+                         TrustOptions(args.reject, args.reject_below, args.explain), args.threshold,
+                         args.save_images)

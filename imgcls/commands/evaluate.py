@@ -4,7 +4,9 @@ eval.py's misclassified images: every validation image whose top-1 prediction is
 lowest calibrated probability given to its true class), as a CSV and a self-contained HTML gallery of
 thumbnails (the audit's), written beside `--json` as <name>_errors.csv and <name>_errors.html.
 
-eval.py --reliability: the reliability diagram (matplotlib, no display).
+eval.py --reliability: the reliability diagram (matplotlib, no display). eval.py --json, single-label: each
+class's average precision and the macro PR-AUC in the JSON, and the precision-recall curves beside it as
+<name>_pr.png, from the probabilities infer.py would write for the split.
 
 What eval.py draws and prints beside the task's report (tasks/): the calibration line and the confusion PNG.
 
@@ -28,7 +30,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from imgcls.auditing.report import MAX_SHOWN, STYLE, thumbnail_uri
-from imgcls.commands.output_roles import check_eval_outputs, confusion_png_path, errors_paths
+from imgcls.commands.output_roles import check_eval_outputs, confusion_png_path, errors_paths, pr_png_path
 from imgcls.compute.device import DeviceInput, amp_setting, pin_memory_for
 from imgcls.core.errors import ConfigError
 from imgcls.data.build import build_eval_loader_for, prepare_root
@@ -42,6 +44,7 @@ from imgcls.model_files.formats import format_of
 from imgcls.model_files.loading import load_model_file
 from imgcls.model_files.predictor import Predictor, prediction_runtime
 from imgcls.tasks.base import Predictions, Task
+from imgcls.tasks.metrics import precision_recall_curve, single_label_precision_recall
 
 COLUMNS = ["path", "label", "predicted", "prob_predicted", "prob_label"]
 
@@ -131,6 +134,42 @@ def draw_reliability(bins: list[dict], path: str | Path, ece: float, ece_uncalib
     fig.savefig(path)
     plt.close(fig)
     return path
+
+def draw_precision_recall(probs: torch.Tensor, labels: torch.Tensor, classes: list[str], figures: dict,
+                          path: str | Path, max_named: int = 10) -> Path:
+    """Each class's one-vs-rest precision-recall curve (a step at each distinct threshold, as scikit-learn's),
+    its AP in the legend; beyond `max_named` classes the rest are drawn in grey, unnamed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5), dpi=100)
+    aps = figures["average_precision"]
+    named = sorted((c for c, name in enumerate(classes) if aps[name] is not None), key=lambda c: aps[classes[c]])
+    for rank, c in enumerate(named):
+        recall, precision = precision_recall_curve(probs[:, c], labels == c)
+        if rank < len(named) - max_named:
+            ax.step([0.0] + recall, precision[:1] + precision, where="pre", color="0.75", linewidth=0.8)
+        else:
+            ax.step([0.0] + recall, precision[:1] + precision, where="pre", linewidth=1.3,
+                    label=f"{classes[c]} (AP {aps[classes[c]]:.3f})")
+    macro = figures["pr_auc_macro"]
+    ax.set_title("precision-recall, one class against the rest" +
+                 (f"\nmacro PR-AUC {macro:.3f}" if macro is not None else ""), fontsize=10)
+    ax.set_xlabel("recall")
+    ax.set_ylabel("precision")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.02)
+    if named:
+        ax.legend(loc="lower left", fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
 
 def format_trust_line(trust: dict) -> str:
     """Calibration and selective-prediction figures in one line."""
@@ -308,6 +347,8 @@ class EvalResult:
     delimiter: str = " "        # between tags in a multi-label row
     errors: list = None         # the misclassified images, worst first (commands/evaluate.py); None: not the task's
     representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluate.py)
+    precision_recall: dict = None  # single-label: average_precision (per class), pr_auc_macro
+    scored: tuple = None         # single-label: ([N, C] probabilities as infer.py writes them, [N] labels)
 
 
 def amp_override(overrides: list[str]) -> str | None:
@@ -373,8 +414,22 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     metrics, per_class, confusion = task.evaluation_figures(sums, loaded.classes, loaded.thresholds)
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
     rows = prediction_rows(predictor, recorded, index.paths, tta)
+    scored = scored_outputs(predictor, recorded, tta) if calibrated and len(recorded) else None
+    if scored is not None:
+        pr = single_label_precision_recall(*scored, loaded.classes)
+        for name, entry in per_class.items():
+            entry["average_precision"] = pr["average_precision"][name]
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
-                      predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe))
+                      predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe),
+                      pr if scored is not None else None, scored)
+
+
+def scored_outputs(predictor: Predictor, outputs, log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A single-label evaluation's [N, C] float32 probabilities, the numbers infer.py writes (calibrated by the
+    stored temperature; --tta's are log-probabilities), and the [N] labels."""
+    temperature = None if log_probs else predictor.temperature
+    probs = predictor.task.probabilities(outputs.logits.float().numpy(), temperature)
+    return torch.from_numpy(probs), outputs.labels
 
 
 def set_eval_data_and_batch(loaded, data_root: str | None, batch_size: int | None, list_arg: bool) -> None:
@@ -463,11 +518,15 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
         print(f"features: {features_line(figures)}")
     if json_path:
         doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                                 skipped_files=result.skipped_files, **(result.trust or {}), **figures, **s)
+                                 skipped_files=result.skipped_files, **(result.precision_recall or {}),
+                                 **(result.trust or {}), **figures, **s)
         write_json(doc, json_path)
         written = [json_path]
         if result.confusion is not None:
             written.append(draw_confusion(result.confusion, result.classes, confusion_png_path(json_path)))
+        if result.scored is not None:
+            written.append(draw_precision_recall(*result.scored, result.classes, result.precision_recall,
+                                                 pr_png_path(json_path)))
         print(f"wrote {' and '.join(map(str, written))}")
         if result.errors is not None:
 
@@ -480,3 +539,7 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
         t = result.trust
         png = draw_reliability(result.reliability, reliability_path, t["ece"], t["ece_uncalibrated"], t["temperature"])
         print(f"wrote {png}")
+        if result.scored is not None and not json_path:  # the precision-recall curves beside it, where no --json
+            pr_png = draw_precision_recall(*result.scored, result.classes, result.precision_recall,
+                                           pr_png_path(reliability_path))
+            print(f"wrote {pr_png}")

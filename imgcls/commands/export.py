@@ -43,6 +43,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
     print(f"check: max |probability difference| {report.max_prob_diff:.2e} vs the checkpoint's PyTorch model "
           f"(limit 1e-04), top-1 agrees on {report.top1_agree}/{report.num_images} images from "
           f"{report.images_from}")
+    if report.reject_method:
+        print(f"reject option: {report.reject_method} score, as the checkpoint's")
     if report.min_embedding_cosine is not None:
         print(f"check: output 'embedding' vs the checkpoint's pre-logits features: least cosine "
               f"{report.min_embedding_cosine:.6f} (limit 0.999)")
@@ -76,7 +78,9 @@ def run_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibra
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fp32-") as work:
         fp32_path = Path(work) / "fp32.onnx"
-        fp32 = export_checkpoint(loaded, "onnx", fp32_path, batch)
+        # int8 stages move the reject score off the thresholds fit in fp32: the int8 file rejects by energy and
+        # refuses --reject (recording the checkpoint's method)
+        fp32 = export_checkpoint(loaded, "onnx", fp32_path, batch, reject_score=False)
         used = quantize_int8(fp32_path, path, spread(paths, calibration_images))
         checked = spread(list(zip(paths, labels)), CHECK_LIMIT)
         report = compare_int8(fp32_path, path, [p for p, _ in checked], [y for _, y in checked], described,

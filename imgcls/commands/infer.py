@@ -10,8 +10,10 @@ from imgcls.commands.output_roles import check_infer_outputs
 from imgcls.compute.device import precision_name
 from imgcls.core.files import print_table
 from imgcls.data.datasets import expand_inputs, inference_batches
+from imgcls.data.urls import downloaded, is_url, url_name
 from imgcls.model_files.checkpoint_files import find_newest_checkpoint
-from imgcls.model_files.predictor import Predictor, TrustOptions, explain_rows, extra_columns
+from imgcls.model_files.predictor import (Predictor, TrustOptions, explain_rows, extra_columns, overlay_base,
+                                          overlay_name)
 
 log = logging.getLogger(__name__)
 
@@ -21,17 +23,27 @@ DEFAULT_BATCH_SIZE = 32
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
                   device_setting: str = "auto", classes_file: Optional[str] = None,
-                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None) -> int:
-    """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
-    returns the exit status (0: at least one classified, 1: none)."""
-    paths = expand_inputs(inputs)
+                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None,
+                  save_images: Optional[str] = None) -> int:
+    """Classify every input file or image URL with a checkpoint or an exported model (ONNX, .pt2, timm folder);
+    returns the exit status (0: at least one classified, 1: none). `save_images`: a folder for each classified
+    image with its label drawn on it."""
+    with downloaded(inputs) as fetched:
+        return _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, compile_model,
+                              num_workers, device_setting, classes_file, trust, threshold, save_images)
+
+
+def _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, compile_model, num_workers,
+                   device_setting, classes_file, trust, threshold, save_images) -> int:
+    paths = expand_inputs(fetched.inputs)
     if checkpoint is None:
         checkpoint = find_newest_checkpoint("runs")
         print(f"checkpoint: {checkpoint} (the newest best.pt under runs/)", file=sys.stderr)
     else:
         print(f"checkpoint: {checkpoint}", file=sys.stderr)
     trust = trust or TrustOptions()
-    check_infer_outputs(inputs, paths, checkpoint, classes_file, output, trust.explain_dir)
+    local_files = [p for p in paths if p not in fetched.url_of]  # downloads sit in a private temporary folder
+    check_infer_outputs(inputs, local_files, checkpoint, classes_file, output, trust.explain_dir, save_images)
     predictor = Predictor.open(checkpoint, device_setting, amp, topk, trust, threshold, classes_file,
                                compile_model=compile_model)
     loaded = predictor.model_file
@@ -49,6 +61,11 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     finally:
         predictor.close()
     report_trust(predictor, paths, rows, trust)
+    if save_images:
+        written = save_annotated(predictor.model_file, paths, rows, save_images,
+                                 [fetched.url_of.get(p, p) for p in paths])
+        print(f"wrote {written} annotated image(s) to {save_images}", file=sys.stderr)
+    fetched.restore(rows)
 
     task = predictor.task
     print_table(task.format_rows(rows, predictor.delimiter))
@@ -89,3 +106,42 @@ def fixed_batch_size(loaded, asked: Optional[int]) -> int:
         log.warning("%s was exported for a fixed batch of %d: using --batch-size %d, not %d", loaded.path,
                     loaded.fixed_batch, loaded.fixed_batch, asked)
     return loaded.fixed_batch
+
+
+def caption(row: dict) -> str:
+    """What an annotated image says: `label 0.93`; a rejected image's would-be label beside `unknown`; a
+    multi-label row's called tags with their probabilities."""
+    if "labels" in row and isinstance(row["labels"], list):
+        probs = row.get("probs") or {}
+        return ", ".join(f"{tag} {probs.get(tag, 0.0):.2f}" for tag in row["labels"]) or "(no tag)"
+    if row.get("predicted") and row["label"] != row["predicted"]:
+        return f"{row['label']} (would be {row['predicted']} {row['prob']:.2f})"
+    return f"{row['label']} {row['prob']:.2f}"
+
+
+def save_annotated(loaded, paths: list[str], rows: list[dict], out_dir: str, names: list[str]) -> int:
+    """infer.py --save-images: each classified image as an 8-bit RGB PNG in `out_dir` (longer side at most
+    the overlays' limit; N-band and 16-bit images as --explain shows them) with its caption drawn on a dark
+    band at the top; named `00007_stem.png` (the position keeps equal names from different folders apart,
+    a URL's (`names`: the inputs as given) its path's). Returns how many were written."""
+    from pathlib import Path
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for i, (path, row) in enumerate(zip(paths, rows)):
+        if row.get("error") is not None:
+            continue
+        shown = overlay_base(path, loaded.cfg.data)[-1]
+        image = Image.fromarray(shown if shown.ndim == 3 else shown[..., None].repeat(3, 2)).convert("RGB")
+        text = caption(row)
+        font = ImageFont.load_default(size=max(10, min(image.size) // 12))
+        draw = ImageDraw.Draw(image)
+        left, top, right, bottom = draw.textbbox((4, 2), text, font=font)
+        draw.rectangle((0, 0, min(image.width, right + 4), bottom + 3), fill=(0, 0, 0))
+        draw.text((4, 2), text, fill=(255, 255, 255), font=font)
+        image.save(out / overlay_name(i, url_name(names[i]) if is_url(names[i]) else path, None))
+        written += 1
+    return written

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from imgcls.core.errors import ConfigError
 from imgcls.core.files import check_outputs_apart
 
 
@@ -18,26 +19,34 @@ def _files(*paths: Optional[str]) -> list[str]:
 
 
 def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, classes_file: Optional[str],
-                        output: Optional[str], explain_dir: Optional[str]) -> None:
-    """infer.py: --output and --explain DIR apart from the input images, lists and folders, the model file
-    (or export folder) and the classes file."""
+                        output: Optional[str], explain_dir: Optional[str], save_images: Optional[str] = None) -> None:
+    """infer.py: --output, --explain DIR and --save-images DIR apart from the input images, lists and folders,
+    the model file (or export folder) and the classes file, and the two folders apart (their files share
+    names)."""
+    if explain_dir and save_images and os.path.realpath(explain_dir) == os.path.realpath(save_images):
+        raise ConfigError(f"--save-images {save_images}: is also the --explain folder, whose overlays take the same "
+                          f"names; name another folder")
     check_outputs_apart({"--output": output},
                         {"input image": paths, "input list": _files(*inputs), "checkpoint": _files(checkpoint),
                          "classes file": _files(classes_file)},
                         {"input folder": _dirs(*inputs), "checkpoint folder": _dirs(checkpoint)},
-                        {"--explain": explain_dir})
+                        {"--explain": explain_dir, "--save-images": save_images})
 
 
 def eval_output_files(outputs: dict) -> dict:
     """eval.py's outputs by flag, with the files it derives from --json's name (`<name>_confusion.png`,
-    `<name>_errors.csv`, `<name>_errors.html`) beside --json."""
+    `<name>_pr.png`, `<name>_errors.csv`, `<name>_errors.html`) beside --json; without --json, the
+    precision-recall curves beside the reliability diagram (`<name>_pr.png` of --reliability's name)."""
     files = {}
     for flag, path in outputs.items():
         files[flag] = path
+        if flag == "--reliability" and path and not outputs.get("--json"):
+            files["--reliability's precision-recall curves"] = str(pr_png_path(path))
         if flag == "--json" and path:
 
             errors_csv, errors_html = errors_paths(path)
             files.update({"--json's confusion matrix": str(confusion_png_path(path)),
+                          "--json's precision-recall curves": str(pr_png_path(path)),
                           "--json's misclassified list": str(errors_csv), "--json's misclassified page": str(errors_html)})
     return files
 
@@ -108,3 +117,8 @@ def errors_paths(json_path: str | Path) -> tuple[Path, Path]:
 def confusion_png_path(json_path: str | Path) -> Path:
     json_path = Path(json_path)
     return json_path.with_name(f"{json_path.stem}_confusion.png")
+
+
+def pr_png_path(json_path: str | Path) -> Path:
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_pr.png")

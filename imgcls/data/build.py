@@ -240,6 +240,33 @@ def resolve_normalisation(cfg, index, resume_ckpt, batch_size: int, is_main_fn):
     return dataclasses.replace(cfg, data=data)
 
 
+def resolve_class_weights(cfg, index):
+    """`cfg` with `train.class_weights` checked against the training split's classes (a list of another length:
+    ConfigError, exit 2) and `balanced` replaced by its numbers, from the split's file list (not from batches:
+    the same on every rank and on a resume). Logs the weights."""
+    from imgcls.tasks.losses import balanced_class_weights
+
+    weights, classes = cfg.train.class_weights, index.classes
+    if weights == "none":
+        return cfg
+    if isinstance(weights, list):
+        if len(weights) != len(classes):
+            raise ConfigError(f"'train.class_weights' has {len(weights)} weights; the training split has "
+                              f"{len(classes)} classes ({_names(classes)}): one weight per class, in that order")
+    elif isinstance(index, ShardIndex):
+        raise ConfigError("'train.class_weights' = balanced counts the training split's labels, which shards hold "
+                          "only inside their samples; give a list of weights in class order instead")
+    else:
+        weights = balanced_class_weights(torch.bincount(torch.tensor(index.labels, dtype=torch.long),
+                                                        minlength=len(classes)).tolist())
+    log.info("train.class_weights: %s", ", ".join(f"{c} {w:.4g}" for c, w in zip(classes, weights)))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, class_weights=weights))
+
+
+def _names(classes: list[str]) -> str:
+    return ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+
+
 def for_timing(cfg):
     """`cfg` with `auto` mean / std replaced by 0.5 / 0.25 per channel: for runs that only measure what a step
     costs (the batch-size finder, benchmark.py), where the values change nothing."""

@@ -730,3 +730,64 @@ def probe_rejector(model: torch.nn.Module, device_input, rejector, size: int, ch
     counts = np.cumsum([0, *(len(batch[0]) for batch in batches)])
     return rejection_rates({kind: scores[counts[k]:counts[k + 1]] for k, kind in enumerate(PROBE_KINDS)},
                            rejector.threshold)
+
+
+REJECT_SCORE_OUTPUT = "reject_score"  # an export's second output: the checkpoint's multi-layer reject score
+
+
+class LogitsAndRejectScore(torch.nn.Module):
+    """The model's logits and its mahalanobis_layers reject score from one pass, as one traceable module, so an
+    export rejects as the checkpoint does: the stages' outputs are caught by forward hooks, pooled
+    (`_pooled_statistics`; the input's `_input_statistics`) and scored against the record's fits and validation
+    scales, which become constants of the exported graph. In float32 (the checkpoint scores in float64: the
+    scores agree to float32 rounding)."""
+
+    def __init__(self, model: torch.nn.Module, record: dict):
+        super().__init__()
+        self.model = model
+        self.names = list(record["layer_names"])
+        channels = {e["module"]: int(e["num_chs"]) for e in (getattr(model, "feature_info", None) or [])
+                    if isinstance(e, dict) and "module" in e}
+        for i, (means, precision) in enumerate(zip(record["layer_means"], record["layer_precisions"])):
+            self.register_buffer(f"means_{i}", torch.as_tensor(means).float())
+            self.register_buffer(f"precision_{i}", torch.as_tensor(precision).float())
+        self.scales = [(float(c), float(s)) for c, s in record["layer_scales"]]
+        weights = record.get("layer_weights") or [1.0 / len(self.names)] * len(self.names)
+        self.weights = [float(w) for w in weights]
+        self._taken: dict[str, torch.Tensor] = {}
+        for name in self.names:
+            if name != INPUT_STAGE:
+                model.get_submodule(name).register_forward_hook(self._recorder(name, channels.get(name)))
+
+    def _recorder(self, name: str, num_chs: Optional[int]):
+        def record(module, inputs, output) -> None:
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            if num_chs is not None and x.dim() > 2 and x.shape[1] != num_chs and x.shape[-1] == num_chs:
+                x = x.movedim(-1, 1)
+            self._taken[name] = _pooled_statistics(x, LAYER_CHANNELS)
+        return record
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._taken = {}
+        logits = self.model(images)
+        return logits, self.score(images)
+
+    def score(self, images: torch.Tensor) -> torch.Tensor:
+        """[N] the score of the pass just run on `images` (the stages' outputs its hooks caught)."""
+        total = None
+        for i, name in enumerate(self.names):
+            x = _input_statistics(images) if name == INPUT_STAGE else normalise(self._taken[name])
+            diff = x[:, None, :] - getattr(self, f"means_{i}")[None]                        # [N, C, D]
+            distance = (torch.matmul(diff, getattr(self, f"precision_{i}")) * diff).sum(-1)   # [N, C]
+            centre, spread = self.scales[i]
+            part = (-distance.min(dim=1).values - centre) / spread * self.weights[i]
+            total = part if total is None else total + part
+        self._taken = {}
+        return total
+
+
+def carries_layers_score(record: Optional[dict], model: torch.nn.Module) -> bool:
+    """Whether an export of `model` can carry the record's reject score (`LogitsAndRejectScore`): the record
+    rejects by mahalanobis_layers and the model has its stages."""
+    return bool(record and record.get("method") == LAYERS_METHOD and record.get("layer_names")
+                and record.get("layer_means") is not None and has_modules(model, record["layer_names"]))

@@ -29,11 +29,12 @@ from imgcls.core.settings import temperature_problem
 from imgcls.evaluation.calibration import (apply_temperature, calibrated_temperature, expected_calibration_error, nll,
                                            selective_report)
 from imgcls.evaluation.rejection import (BANK_SIZE, COMBINED_OF, DEFAULT_METHOD, DEGENERATE_VARIANCE, KNN_K,
-                                         LAYERS_METHOD, LOGITS_METHOD, MIN_SPREAD, Rejector, SplitOutputs,
-                                         combined_score, energy_score, joined_outputs, knn_score, layer_fits,
-                                         layer_scores, layer_view, layer_weights, mahalanobis_fit, mahalanobis_score,
-                                         msp_score, multilayer_score, normalise, rejector_from_record, score_scale,
-                                         seeded_subset, threshold_for_coverage, variance_share)
+                                         LAYERS_METHOD, LOGITS_METHOD, MIN_SPREAD, REJECT_SCORE_OUTPUT, Rejector,
+                                         SplitOutputs, combined_score, energy_score, joined_outputs, knn_score,
+                                         layer_fits, layer_scores, layer_view, layer_weights, mahalanobis_fit,
+                                         mahalanobis_score, msp_score, multilayer_score, normalise,
+                                         rejector_from_record, score_scale, seeded_subset, threshold_for_coverage,
+                                         variance_share)
 
 
 def resolve_temperature(setting: Union[str, float], val: SplitOutputs) -> tuple[Optional[float], list[str], str]:
@@ -212,16 +213,25 @@ def degenerate_notes(bank: SplitOutputs, classes: int, layer_names: list[str]) -
             f"the class means instead; the threshold keeps images like these and little else"]
 
 
-def export_record(record: Optional[dict]) -> Optional[dict]:
-    """What an export's metadata (JSON) carries: the numbers, with the logits-only reject score (an export
-    returns logits, not features)."""
+def export_record(record: Optional[dict], carried: bool = False) -> Optional[dict]:
+    """What an export's metadata (JSON) carries: the numbers. `carried`: the export computes the record's
+    multi-layer score itself (its `reject_score` output, rejection.LogitsAndRejectScore), so it rejects by
+    that method and threshold; else by the logits-only score, and `checkpoint_method` names the score the
+    checkpoint rejects by when that is another one (--reject then refuses rather than silently differ)."""
     if not record:
         return None
-    return {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
-            "coverage": record.get("coverage"), "method": LOGITS_METHOD,
-            "temperature_notes": list(record.get("temperature_notes", [])),
-            "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
-            "num_samples": record.get("num_samples")}
+    exported = {"temperature": record.get("temperature"), "temperature_setting": record.get("temperature_setting"),
+                "coverage": record.get("coverage"), "method": LOGITS_METHOD,
+                "temperature_notes": list(record.get("temperature_notes", [])),
+                "thresholds": {LOGITS_METHOD: record["thresholds"][LOGITS_METHOD]},
+                "num_samples": record.get("num_samples")}
+    if carried:
+        exported.update(method=LAYERS_METHOD, score_output=REJECT_SCORE_OUTPUT,
+                        reject_notes=list(record.get("reject_notes", [])))
+        exported["thresholds"][LAYERS_METHOD] = record["thresholds"][LAYERS_METHOD]
+    elif record.get("method", LOGITS_METHOD) != LOGITS_METHOD:
+        exported["checkpoint_method"] = record["method"]
+    return exported
 
 
 def trust_metrics(outputs: SplitOutputs, record: Optional[dict], threshold: Optional[float] = None,

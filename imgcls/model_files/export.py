@@ -21,6 +21,7 @@ from imgcls.core.errors import ConfigError, ExportError, ImageDecodeError
 from imgcls.core.files import follow_umask
 from imgcls.data.listing import list_images
 from imgcls.data.transforms import normalize_batch
+from imgcls.evaluation.rejection import LAYERS_METHOD, carries_layers_score
 from imgcls.model_files.checkpoint_files import build_eval_model
 from imgcls.model_files.formats import FORMATS
 from imgcls.model_files.formats.base import ModelFormat
@@ -80,6 +81,7 @@ class ExportReport:
     num_images: int
     images_from: str
     min_embedding_cosine: Optional[float] = None  # --embedding: the least cosine, export vs checkpoint vectors
+    reject_method: Optional[str] = None   # the checkpoint's reject score, where the export computes it
 
 
 def check_output_path(fmt: str, output: str | Path) -> Path:
@@ -97,16 +99,18 @@ def check_output_path(fmt: str, output: str | Path) -> Path:
 
 
 def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int],
-                      embedding: bool = False) -> ExportReport:
+                      embedding: bool = False, reject_score: bool = True) -> ExportReport:
     """Write `loaded` as `fmt` to `output` (batch None: any batch size), read it back and compare it with
     the checkpoint's model. ExportError (exit 1) when the exporter fails or the outputs disagree.
     `embedding`: the file also outputs the pooled pre-logits features (`embedding`) and records the
-    checkpoint's digest, which embed.py's index records. A folder is written and checked in a hidden folder
+    checkpoint's digest, which embed.py's index records. `reject_score`: a format that can carries the
+    checkpoint's multi-layer reject score (`carries_reject`). A folder is written and checked in a hidden folder
     beside `output` and moved there whole."""
     if FORMATS[fmt].folder:
         return export_folder(loaded, fmt, output, batch)
     output.parent.mkdir(parents=True, exist_ok=True)
-    metadata = export_metadata(loaded, batch)
+    carried = reject_score and carries_reject(loaded, fmt)
+    metadata = export_metadata(loaded, batch, carried)
     if embedding:
         from imgcls.model_files.model_file import file_sha256
 
@@ -116,7 +120,40 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
     report = check_export(loaded, fmt, output, batch)
     if embedding:
         report.min_embedding_cosine = check_embedding_export(loaded, output)
+    if carried:
+        check_reject_export(loaded, output)
+        report.reject_method = LAYERS_METHOD
     return report
+
+
+MAX_REJECT_SCORE_DIFF = 1e-3  # relative, at least absolute: the graph scores in float32, the checkpoint in float64
+
+
+def check_reject_export(loaded: ModelFile, output: Path) -> None:
+    """The export's `reject_score` against the checkpoint's scorer (its stages tapped, float64) on the check
+    images and on generated far-off ones; ExportError (exit 1) when they differ by more than
+    MAX_REJECT_SCORE_DIFF."""
+    from imgcls.evaluation.rejection import LayerTap, rejector_from_record
+
+    images, source = check_images(loaded)
+    x = normalize_batch(images, loaded.cfg.data.mean, loaded.cfg.data.std)
+    x = torch.cat([x, torch.rand(x.shape, generator=torch.Generator().manual_seed(0)) * 4 - 2])  # far-off too
+    reference = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
+    rejector = rejector_from_record(loaded.calibration)
+    tap = LayerTap(reference, rejector.layer_names)
+    exported = load_model_file(output).build_model(torch.device("cpu"), channels_last=False)
+    try:
+        with torch.inference_mode():
+            want = rejector.scores(reference(x).float(), None, tap.take()).double()
+            exported(x)
+            got = exported.take_reject_score().double()
+    finally:
+        tap.close()
+    worst = float(((got - want).abs() / want.abs().clamp(min=1.0)).max())
+    if not worst <= MAX_REJECT_SCORE_DIFF:
+        raise ExportError(f"the reject score of the export at {output} disagrees with the checkpoint's: relative "
+                          f"difference {worst:.3g} > {MAX_REJECT_SCORE_DIFF:g} on {len(x)} images ({source} and "
+                          f"generated ones); the file is kept for inspection")
 
 
 def check_embedding_export(loaded: ModelFile, output: Path) -> float:
@@ -158,6 +195,16 @@ def publish_folder(staged: Path, output: Path, work: Path) -> None:
     if output.exists():
         os.rename(output, work / "previous")
     os.rename(staged, output)
+
+
+def carries_reject(loaded: ModelFile, fmt: str) -> bool:
+    """Whether the `fmt` export of `loaded` computes the checkpoint's multi-layer reject score: the format can
+    and the checkpoint rejects by it (other exports reject by energy and record the checkpoint's method, so
+    --reject refuses them)."""
+    if not FORMATS[fmt].carries_reject or (loaded.calibration or {}).get("method") != LAYERS_METHOD:
+        return False
+    return carries_layers_score(loaded.calibration, build_eval_model(loaded, torch.device("cpu"),
+                                                                     channels_last=False))
 
 
 def export_folder(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:

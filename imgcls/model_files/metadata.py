@@ -26,14 +26,15 @@ def numbered_classes(count: int, path: Path) -> list[str]:
     return [f"class_{i}" for i in range(count)]
 
 
-def export_metadata(loaded: ModelFile, batch: Optional[int]) -> dict:
+def export_metadata(loaded: ModelFile, batch: Optional[int], carries_reject: bool = False) -> dict:
     """What an exported model carries: the class names, the eval preprocessing, the training config (so
-    eval.py finds the data and batch size as for the checkpoint), the epoch and the traced batch."""
+    eval.py finds the data and batch size as for the checkpoint), the epoch, the traced batch and the
+    calibration (`carries_reject`: the export computes the checkpoint's multi-layer reject score)."""
     config = loaded.cfg.to_dict()
     config["data"]["limit_val_batches"] = loaded.saved_val_limit
     return {"format_version": METADATA_VERSION, "classes": list(loaded.classes),
             "preprocessing": preprocessing_record(loaded.cfg), "config": config, "epoch": loaded.epoch,
-            "batch": batch, "calibration": export_record(loaded.calibration), "thresholds": loaded.thresholds}
+            "batch": batch, "calibration": export_record(loaded.calibration, carries_reject), "thresholds": loaded.thresholds}
 
 
 def onnx_metadata_props(metadata: dict) -> dict[str, str]:

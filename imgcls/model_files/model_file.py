@@ -84,6 +84,33 @@ class FunctionModel(torch.nn.Module):
             outputs.append(self.function(chunk)[:n])
         return torch.cat(outputs)
 
+class ScoredFunctionModel(FunctionModel):
+    """A batch -> (logits, reject score) function (an export that carries the checkpoint's `reject_method`
+    score) as a logits module; the scores of its last call wait for `take_reject_score`."""
+
+    def __init__(self, function: Callable, fixed_batch: Optional[int], reject_method: str):
+        super().__init__(function, fixed_batch)
+        self.reject_method = reject_method
+        self._scores: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self._scores = []
+        step = self.fixed_batch or len(images)
+        outputs = []
+        for chunk in images.split(max(1, step)):
+            n = len(chunk)
+            if self.fixed_batch is not None and n < self.fixed_batch:
+                chunk = torch.cat([chunk, chunk.new_zeros((self.fixed_batch - n, *chunk.shape[1:]))])
+            logits, scores = self.function(chunk)
+            outputs.append(logits[:n])
+            self._scores.append(scores[:n])
+        return torch.cat(outputs)
+
+    def take_reject_score(self) -> torch.Tensor:
+        scores, self._scores = self._scores, []
+        return torch.cat(scores)
+
+
 CHUNK_BYTES = 1 << 20
 
 

@@ -25,7 +25,7 @@ from imgcls.compute.device import DeviceInput, Runtime, build_runtime, inference
 from imgcls.core.errors import ConfigError
 from imgcls.data.transforms import EvalTransform
 from imgcls.evaluation.evaluate import check_finite_outputs, predict
-from imgcls.evaluation.rejection import LOGITS_METHOD, LayerTap, Rejector, has_modules
+from imgcls.evaluation.rejection import LOGITS_METHOD, LayerTap, Rejector, has_modules, rejector_from_record
 from imgcls.evaluation.trust import usable_rejector
 from imgcls.model_files.formats import FORMATS
 from imgcls.model_files.loading import load_model_file
@@ -70,6 +70,11 @@ def check_trust_options(loaded, options: TrustOptions) -> None:
     if options.explain_dir and Path(options.explain_dir).exists() and not Path(options.explain_dir).is_dir():
         raise ConfigError(f"--explain {options.explain_dir}: a file is there; name a folder for the overlay PNGs")
     record = loaded.calibration
+    if options.reject and options.reject_below is None and (record or {}).get("checkpoint_method"):
+        raise ConfigError(f"--reject: {loaded.path} ({loaded.kind} export) computes no {record['checkpoint_method']} "
+                          f"score, which its checkpoint rejects by, only the {LOGITS_METHOD} score of its logits; "
+                          f"export it again with --format onnx (which carries the checkpoint's score), use the "
+                          f"checkpoint, or reject by {LOGITS_METHOD} explicitly with --reject-below X")
     if options.reject and options.reject_below is None and not (record and record.get("thresholds")):
         raise ConfigError(f"--reject: {loaded.path} stores no reject threshold (train.py stores one in best.pt "
                           f"after training; last.pt and older files have none); pass --reject-below X "
@@ -83,7 +88,9 @@ def build_rejector(loaded, options: TrustOptions, model_has_features: bool,
     if not options.rejecting:
         return None
     record = loaded.calibration
-    if record and record.get("thresholds"):
+    if record and record.get("score_output"):  # an export that computes the checkpoint's score itself
+        rejector = rejector_from_record(record)
+    elif record and record.get("thresholds"):
         rejector = usable_rejector(record, model_has_features, have_layers=model_has_layers)
         if rejector.method != record["method"]:
             log.info("--reject: %s gives no penultimate features; using the %s score (threshold %.4g)",
@@ -100,11 +107,17 @@ class ScoreRecorder:
 
     def __init__(self, model: torch.nn.Module, rejector: Rejector, head_name: Optional[str] = None):
         self.rejector = rejector
-        self.tap = FeatureTap(model, head_name) if rejector.needs_features else None
-        self.layer_tap = LayerTap(model, rejector.layer_names) if rejector.needs_layers else None
+        # an export that computes the score itself (model_file.ScoredFunctionModel): its scores, no taps
+        self.scored_model = model if getattr(model, "reject_method", None) == rejector.method else None
+        tapped = self.scored_model is None
+        self.tap = FeatureTap(model, head_name) if rejector.needs_features and tapped else None
+        self.layer_tap = LayerTap(model, rejector.layer_names) if rejector.needs_layers and tapped else None
         self.scores: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, n: int) -> None:
+        if self.scored_model is not None:
+            self.scores.append(self.scored_model.take_reject_score()[:n].float().cpu())
+            return
         features = self.tap.take() if self.tap is not None else None
         features = features[:n].float() if features is not None else None
         layers = self.layer_tap.take() if self.layer_tap is not None else None
@@ -282,7 +295,7 @@ class Predictor:
         head_name = classifier_name(model)  # the penultimate features' tap, found before folding renames nothing
         stages = (loaded.calibration or {}).get("layer_names") or []
         rejector = build_rejector(loaded, trust, head_name is not None, has_modules(model, stages))
-        if for_serving and rejector is not None and rejector.needs_layers:
+        if for_serving and rejector is not None and rejector.needs_layers and loaded.kind == "checkpoint":
             # folding traces the stages into one graph, where their outputs cannot be tapped
             log.info("--reject: BatchNorm left unfolded (the %s score reads the model's stages)", rejector.method)
         elif for_serving:

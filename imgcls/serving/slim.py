@@ -67,6 +67,7 @@ def output_count(session, batch: int, img_size: int) -> int:
 
 
 EMBEDDING_OUTPUT = "embedding"  # as model_files/formats/onnx.py names it (torch is not imported here)
+REJECT_SCORE_OUTPUT = "reject_score"  # as evaluation/rejection.py names it: the checkpoint's reject score
 
 
 @dataclass
@@ -78,9 +79,11 @@ class OnnxExport:
     epoch: Optional[int]
     fixed_batch: Optional[int]
     temperature: Optional[float]                 # the calibration stored with the model (`prob`)
-    reject_threshold: Optional[float]            # the stored energy threshold (--reject)
+    reject_threshold: Optional[float]            # the stored threshold of `reject_method` (--reject)
     tag_thresholds: Optional[list[float]]        # a multi-label model's per-class thresholds
     source_digest: Optional[str] = None          # export.py --embedding: the checkpoint's sha256
+    reject_method: str = REJECT_METHOD           # the graph's own reject score (`reject_score`) or energy
+    checkpoint_method: Optional[str] = None      # the checkpoint's score where the export has only energy
 
     @classmethod
     def open(cls, path: str | Path) -> "OnnxExport":
@@ -108,9 +111,12 @@ class OnnxExport:
         check_output_count(stored.classes, output_count(session, fixed_batch or 1, stored.cfg.data.img_size),
                            str(path))
         calibration = stored.calibration or {}
+        scored = (calibration.get("score_output") == REJECT_SCORE_OUTPUT
+                  and REJECT_SCORE_OUTPUT in [o.name for o in session.get_outputs()])
+        method = calibration["method"] if scored else REJECT_METHOD
         return cls(path, session, stored.cfg, stored.classes, stored.epoch, fixed_batch,
-                   calibration.get("temperature"), (calibration.get("thresholds") or {}).get(REJECT_METHOD),
-                   stored.thresholds, metadata.get("source_digest"))
+                   calibration.get("temperature"), (calibration.get("thresholds") or {}).get(method),
+                   stored.thresholds, metadata.get("source_digest"), method, calibration.get("checkpoint_method"))
 
     @property
     def task(self) -> Task:
@@ -123,6 +129,14 @@ class OnnxExport:
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.session.get_inputs()[0].name: batch})[0]
+
+    def logits_and_scores(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The logits and the reject scores of `reject_method` (the graph's output, or energy)."""
+        if self.reject_method == REJECT_METHOD:
+            logits = self.logits(batch)
+            return logits, energy_score(logits)
+        logits, scores = self.session.run(["logits", REJECT_SCORE_OUTPUT], {self.session.get_inputs()[0].name: batch})
+        return logits, scores
 
     @property
     def embeds(self) -> bool:
@@ -147,7 +161,7 @@ class OnnxServedModel:
     topk: int
     max_batch: int
     shapes: list[int]
-    reject_threshold: Optional[float] = None   # --reject / --reject-below: the energy score threshold
+    reject_threshold: Optional[float] = None   # --reject / --reject-below: the export's reject score threshold
 
     @classmethod
     def load(cls, checkpoint: str, topk: int, max_batch: int, reject: bool = False,
@@ -157,6 +171,11 @@ class OnnxServedModel:
         rejecting = reject or reject_below is not None
         if rejecting:
             export.task.check_supported("--reject")
+        if reject and reject_below is None and export.checkpoint_method:
+            raise ConfigError(f"--reject: {export.path} computes no {export.checkpoint_method} score, which its "
+                              f"checkpoint rejects by, only the {REJECT_METHOD} score of its logits; export it again "
+                              f"with this version of export.py, or reject by {REJECT_METHOD} explicitly with "
+                              f"--reject-below X")
         if reject and reject_below is None and export.reject_threshold is None:
             raise ConfigError(f"--reject: {export.path} stores no reject threshold (train.py stores one in best.pt "
                               f"after training; last.pt and older files have none); pass --reject-below X "
@@ -195,19 +214,23 @@ class OnnxServedModel:
 
     def classify(self, images: list[np.ndarray], names: list[Optional[str]]) -> list[dict]:
         """serve.py's rows for decoded images, run as one batch padded with zero images to a fixed shape: the
-        task's rows of the calibrated probabilities, the reject option by energy where it is on."""
+        task's rows of the calibrated probabilities, the reject option where it is on (the export's own
+        score: the checkpoint's, or energy)."""
         n = len(images)
         batch = np.stack(images)
         pad = padded_size(n, self.shapes) - n
         if pad:
             batch = np.concatenate([batch, np.zeros((pad, *batch.shape[1:]), dtype=batch.dtype)])
-        logits = self.export.logits(self.preprocess.normalise(batch))[:n]
+        rejecting = self.reject_threshold is not None
+        inputs = self.preprocess.normalise(batch)
+        logits, scores = self.export.logits_and_scores(inputs) if rejecting else (self.export.logits(inputs), None)
+        logits = logits[:n]
         task, cfg = self.export.task, self.export.cfg
         preds = Predictions(task.outputs(logits, self.topk, self.export.temperature), np.ones(n, dtype=bool))
         thresholds = applied_thresholds(self.export.tag_thresholds, None, len(self.classes))
         rows = task.rows(names, preds, self.classes, thresholds, cfg.data.label_delimiter)
-        if self.reject_threshold is not None:
-            reject_rows(rows, energy_score(logits), self.reject_threshold)
+        if rejecting:
+            reject_rows(rows, scores[:n], self.reject_threshold)
         return rows
 
     @property

@@ -170,6 +170,26 @@ def average_precision(scores: torch.Tensor, positives: torch.Tensor) -> float:
     return float((recall_step * precision).sum())
 
 
+def precision_recall_curve(scores: torch.Tensor, positives: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(recall, precision) at each distinct threshold, highest first (scikit-learn's points)."""
+    total = float(positives.sum())
+    if total == 0:
+        return [], []
+    _, tp, fp = ranked_counts(scores, positives)
+    return (tp / total).tolist(), (tp / (tp + fp)).tolist()
+
+
+def single_label_precision_recall(probs: torch.Tensor, labels: torch.Tensor, classes: list[str]) -> dict:
+    """One-vs-rest average precision of each class from the [N, C] probabilities infer.py writes and the int
+    labels: `average_precision` (name -> AP as a fraction, sklearn.metrics.average_precision_score's number;
+    None for a class without an image in the split) and `pr_auc_macro`, their mean over the classes with one."""
+    positives = labels[:, None] == torch.arange(len(classes))[None, :]
+    aps = [average_precision(probs[:, c], positives[:, c]) for c in range(len(classes))]
+    present = [ap for ap in aps if not math.isnan(ap)]
+    return {"average_precision": {name: None if math.isnan(ap) else ap for name, ap in zip(classes, aps)},
+            "pr_auc_macro": sum(present) / len(present) if present else None}
+
+
 def best_f1_threshold(scores: torch.Tensor, positives: torch.Tensor) -> float:
     """The threshold that maximises the class's F1 (the highest such on a tie): half-way between the lowest
     score called positive and the next lower score, so a rounding difference in an exported model's scores

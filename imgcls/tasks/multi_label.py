@@ -52,6 +52,13 @@ class MultiLabel(Task):
         if not d.label_delimiter:
             raise ConfigError(f"'data.label_delimiter' = {d.label_delimiter!r}: one or more characters between tags, "
                               f"e.g. ' ' (the default), ',', ';' or '|'")
+        if t.loss == "focal":
+            raise ConfigError("'train.loss' = focal is the single-label (softmax) focal loss; with data.task=multilabel "
+                              "use train.loss=asl, the focal loss of per-tag sigmoids (train.asl_gamma_pos/neg)")
+        if t.class_weights != "none":
+            raise ConfigError(f"'train.class_weights' = {t.class_weights} weights the one label of a single-label "
+                              f"image; with data.task=multilabel use train.loss=asl for rare tags, or "
+                              f"train.class_weights=none")
         if t.loss == "ce":
             if "train.loss" in explicit:
                 raise ConfigError("'train.loss' = ce gives one softmax over the classes, one label per image; "

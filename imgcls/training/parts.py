@@ -27,7 +27,7 @@ from imgcls.compute.device import (DeviceInput, Runtime, memory_format, pin_memo
 from imgcls.compute.distributed import StopSignal, launch_info
 from imgcls.config import Config, dump_yaml
 from imgcls.core.errors import ConfigError
-from imgcls.data.build import RunData, build_run_data, prepare_root, resolve_normalisation
+from imgcls.data.build import RunData, build_run_data, prepare_root, resolve_class_weights, resolve_normalisation
 from imgcls.data.listing import data_fingerprint, write_split_lists
 from imgcls.data.loaders import shutdown_workers
 from imgcls.data.settings import check_data_root, check_outside_data
@@ -166,6 +166,7 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     data = build_run_data(cfg, cfg.train.batch_size, rt.dist.rank, rt.dist.world_size,
                           pin_memory_for(cfg.data.pin_memory, rt.device))
     closing.callback(shutdown_workers, data.train_loader, data.val_loader)
+    cfg = resolve_class_weights(cfg, data.train_index)
     cfg = resolve_normalisation(cfg, data.train_index, start.resume_ckpt, cfg.train.batch_size,
                                 lambda fn: dist_utils.run_on_main(rt.dist.is_main, fn, share_result=True))
     # rank 0 reads the file sizes, the others take its answer (one stat per file on a shared file system)

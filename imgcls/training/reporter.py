@@ -271,6 +271,10 @@ def recipe_lines(cfg, plan) -> list[str]:
             (f", targets thresholded at {t.bce_target_thresh:g}" if t.bce_target_thresh is not None else ""))
     if t.loss == "asl":
         loss = f"asymmetric loss (gamma_neg {t.asl_gamma_neg:g}, gamma_pos {t.asl_gamma_pos:g}, clip {t.asl_clip:g})"
+    if t.loss == "focal":
+        loss = f"focal loss (gamma {t.focal_gamma:g})"
+    if t.class_weights != "none":
+        loss += ", class weights (the train.class_weights line above)"
     options = ", ".join(f"{k} {list(v) if isinstance(v, tuple) else v}" for k, v in optimizer_options(o).items())
     ema = ("off" if m.ema_decay is None else f"decay {m.ema_decay:g} every {m.ema_every_steps} step(s)"
            + (", warmup" if m.ema_warmup else ""))

@@ -5,6 +5,7 @@ The sections of the run directory: `checkpoint` (when last.pt is written) and `o
 writes besides it)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -58,9 +59,15 @@ class TrainConfig:
                                           "CutMix", lo=0.0, hi=1.0)
     mix_off_epoch: Optional[int] = setting(None, "mix during the first N epochs only (timm --mixup-off-epoch; null: "
                                                  "the whole run)", lo=1)
-    loss: Literal["ce", "bce", "asl"] = setting(
-        "ce", "ce (cross-entropy, soft targets when mixed) | bce (binary cross-entropy on one-hot / mixed targets, "
-              "ResNet strikes back; the multilabel default) | asl (multilabel: asymmetric loss, Ridnik et al. 2021)")
+    loss: Literal["ce", "focal", "bce", "asl"] = setting(
+        "ce", "ce (cross-entropy, soft targets when mixed) | focal (single-label: softmax focal loss, Lin et al. "
+              "2017) | bce (binary cross-entropy on one-hot / mixed targets, ResNet strikes back; the multilabel "
+              "default) | asl (multilabel: asymmetric loss, Ridnik et al. 2021)")
+    focal_gamma: float = setting(2.0, "loss=focal: focusing exponent, (1 - p)^gamma per class of the (smoothed, mixed) "
+                                      "target; 0 is cross-entropy", lo=0.0, hi=100.0)
+    class_weights: Union[Literal["none", "balanced"], list[float]] = setting(
+        "none", "single-label ce / focal: none | balanced (n_samples / (n_classes x count) from the training split's "
+                "labels) | a list, one weight >= 0 per class in class order; the loss is the weighted sum / batch size")
     bce_target_thresh: Optional[float] = setting(None, "with loss=bce: targets above this count as 1, the rest 0 "
                                                        "(null: soft targets)", lo=0.0, hi=1.0)
     asl_gamma_neg: float = setting(4.0, "loss=asl: focusing exponent of the negatives (down-weights easy "
@@ -75,6 +82,22 @@ class TrainConfig:
         if self.bce_target_thresh is not None and self.loss != "bce":
             raise ConfigError(f"'train.bce_target_thresh' = {self.bce_target_thresh} applies to train.loss=bce only "
                               f"(train.loss is {self.loss}); set train.loss=bce or remove it")
+        if self.focal_gamma != 2.0 and self.loss != "focal":
+            raise ConfigError(f"'train.focal_gamma' = {self.focal_gamma} applies to train.loss=focal only "
+                              f"(train.loss is {self.loss}); set train.loss=focal or remove it")
+        self.check_class_weights()
+
+    def check_class_weights(self) -> None:
+        weights = self.class_weights
+        if weights == "none":
+            return
+        if self.loss not in ("ce", "focal"):
+            raise ConfigError(f"'train.class_weights' = {weights} applies to train.loss=ce or focal (train.loss is "
+                              f"{self.loss}); set one of them or train.class_weights=none")
+        if isinstance(weights, list):
+            if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or not any(weights):
+                raise ConfigError(f"'train.class_weights' = {weights}: one finite weight >= 0 per class, not all 0 "
+                                  f"(or none / balanced)")
 
 
 # keyword arguments of the optimizer that optim.options may not carry: the groups set lr and weight_decay, the

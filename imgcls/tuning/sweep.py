@@ -157,11 +157,12 @@ class SizeRun:
 
 def build_run(cfg, ctx: Runtime, peak_lr: float, warmup: int, steps: int):
     """(TrainStep, data) for `cfg`: a fresh model from the seed, wrapped in DDP under torchrun."""
-    from imgcls.data.build import build_run_data, resolve_normalisation
+    from imgcls.data.build import build_run_data, resolve_class_weights, resolve_normalisation
 
     torch.manual_seed(cfg.train.seed)
     data = build_run_data(cfg, cfg.train.batch_size, ctx.dist.rank, ctx.dist.world_size,
                           pin_memory_for(cfg.data.pin_memory, ctx.device))
+    cfg = resolve_class_weights(cfg, data.train_index)
     cfg = resolve_normalisation(cfg, data.train_index, None, cfg.train.batch_size,
                                 lambda fn: dist_utils.run_on_main(ctx.dist.is_main, fn, share_result=True))
     model = build_model(cfg.model, len(data.classes), cfg.data.channels)

@@ -237,12 +237,14 @@ def test_slim_image_holds_no_torch_and_is_under_600_mb(images):
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
 def test_slim_image_serves_the_full_images_rows(onnx_exports, workspace, kind):
-    """The same export served by both images, with --reject: the same rows (calibrated prob, reject score);
-    then the served img/s of each under the same bounded load from the host."""
+    """The same export served by both images, with --reject (the int8 file computes no multi-layer score and
+    refuses it: --reject-below by energy): the same rows (calibrated prob, reject score); then the served img/s
+    of each under the same bounded load from the host."""
     bodies = digit_bodies(workspace)
     rows, rates = {}, {}
+    reject = ["--reject"] if kind == "fp32" else ["--reject-below", "2.0"]
     for image in (IMAGE, SERVE_IMAGE):
-        name, url = start_server(workspace, onnx_exports[kind], image, "--reject")
+        name, url = start_server(workspace, onnx_exports[kind], image, *reject)
         try:
             rows[image] = [requests.post(f"{url}/predict", files={"file": (f, b)}, timeout=60).json()
                            for f, b in bodies]

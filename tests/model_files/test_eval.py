@@ -82,7 +82,10 @@ def test_constant_model_gives_hand_checked_metrics(trained, tmp_path):
     assert b["recall"] == 100.0 and b["count"] == 6
     assert b["precision"] == pytest.approx(100 * 6 / 19)
     assert b["f1"] == pytest.approx(100 * 2 * (6 / 19) / (1 + 6 / 19))
-    assert result.per_class["a"] == {"accuracy": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "count": 6}
+    # every score tied: one threshold, at which a class's precision is its share, its recall 1
+    assert result.per_class["a"] == {"accuracy": 0.0, "precision": 0.0, "recall": 0.0, "f1": 0.0, "count": 6,
+                                     "average_precision": pytest.approx(6 / 19)}
+    assert result.precision_recall["pr_auc_macro"] == pytest.approx((6 / 19 + 6 / 19 + 7 / 19) / 3)
 
     from imgcls.commands.evaluate import draw_confusion
 

@@ -214,7 +214,7 @@ def test_explain_peaks_land_on_the_square(trained, tmp_path, capsys):
     assert hits >= 0.75 * len(rows), hits
 
 
-def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, capsys):
+def test_exports_carry_the_temperature_and_the_checkpoints_reject_score(trained, tmp_path, capsys):
     _, data, best = trained
     onnx = tmp_path / "model.onnx"
     code, err = call("export", "--checkpoint", str(best), "--format", "onnx", "--output", str(onnx), capsys=capsys)
@@ -223,14 +223,16 @@ def test_exports_carry_the_temperature_and_reject_by_energy(trained, tmp_path, c
 
     record = torch.load(best, map_location="cpu", weights_only=True)["calibration"]
     exported = load_model_file(onnx).calibration
-    assert exported["temperature"] == pytest.approx(record["temperature"]) and exported["method"] == "energy"
-    assert exported["thresholds"] == {"energy": pytest.approx(record["thresholds"]["energy"])}
+    assert exported["temperature"] == pytest.approx(record["temperature"])
+    assert exported["method"] == "mahalanobis_layers" and exported["score_output"] == "reject_score"
+    assert exported["thresholds"] == {name: pytest.approx(record["thresholds"][name])
+                                      for name in ("energy", "mahalanobis_layers")}
     out = tmp_path / "rows.json"
     photos = write_photos(tmp_path / "photos", 4)
     code, err = call("infer", *photos, "--checkpoint", str(onnx), "--reject", "--output", str(out),
                      "--num-workers", "0", capsys=capsys)
     assert code == 0, err[-2000:]
-    assert "energy score <" in err
+    assert "mahalanobis_layers score <" in err
     assert all("predicted" in r for r in json.loads(out.read_text()))
     # the calibrated prob is the same from the export as from the checkpoint, and is the softmax of the
     # logits divided by the stored temperature

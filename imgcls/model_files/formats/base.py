@@ -30,6 +30,7 @@ class ModelFormat:
     folder_files: tuple = ()           # what a folder export holds: the only files --overwrite replaces there
     write: Optional[Callable] = None   # (loaded, output, batch, metadata) -> None; None: export.py does not write it
     recognises: Optional[Callable] = None  # (path) -> bool, where a name or folder alone does not tell the kind
+    carries_reject: bool = False       # computes the checkpoint's multi-layer reject score (a `reject_score` output)
 
     def names(self, path: Path) -> bool:
         """Whether `path` is a file of this kind by its name (a folder for folder formats)."""
@@ -38,15 +39,19 @@ class ModelFormat:
         return path.is_dir() if self.folder else self.suffix is not None and path.suffix.lower() == self.suffix
 
 
-def traced_model(loaded: ModelFile, batch: Optional[int],
-                 wrap: Optional[Callable] = None) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The checkpoint's eval model (inside `wrap(model)` where given) with BatchNorm folded, and an example
-    batch to trace it with (a dynamic batch is traced at 2: 1 would specialise)."""
+def traced_model(loaded: ModelFile, batch: Optional[int], wrap: Optional[Callable] = None,
+                 fold: bool = True) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The checkpoint's eval model (inside `wrap(model)` where given) with BatchNorm folded (`fold`: a model
+    whose stages are tapped by hooks keeps them, the runtime fuses BatchNorm itself), and an example batch to
+    trace it with (a dynamic batch is traced at 2: 1 would specialise)."""
     import logging
 
     model = build_eval_model(loaded, torch.device("cpu"), channels_last=False)
     if wrap is not None:
         model = wrap(model).eval()
+    if not fold:
+        return model, torch.zeros(batch or 2, loaded.cfg.data.channels, loaded.cfg.data.img_size,
+                                  loaded.cfg.data.img_size)
     folded, count = fold_batchnorm(model)
     logging.getLogger(__name__).info("folded %d BatchNorm layers into the preceding convolutions", count)
     size = loaded.cfg.data.img_size

@@ -16,9 +16,10 @@ import torch
 
 from imgcls.config import Config
 from imgcls.core.errors import CheckpointError, ExportError
+from imgcls.evaluation.rejection import REJECT_SCORE_OUTPUT, LogitsAndRejectScore
 from imgcls.model_files.formats.base import ModelFormat, shorten_export_error, traced_model
 from imgcls.model_files.metadata import numbered_classes, onnx_metadata_props
-from imgcls.model_files.model_file import FunctionModel, ModelFile
+from imgcls.model_files.model_file import FunctionModel, ModelFile, ScoredFunctionModel
 from imgcls.model_files.stored_metadata import check_output_count, eval_config, metadata_from_onnx_props, read_metadata
 from imgcls.models.feature_tap import features_and_logits
 
@@ -65,14 +66,16 @@ def _runtime_refusal(message: str) -> str:
     return " ".join(_RUNTIME_SOURCE.sub("", message).split())[:300]
 
 
-def _onnx_function(session, output: Optional[str] = None) -> Callable:
-    """images -> the session's first output (the logits), or the output named `output`."""
+def _onnx_function(session, output: Optional[str] = None, *more: str) -> Callable:
+    """images -> the session's first output (the logits), or the output named `output`; with `more` names,
+    the tuple of those outputs."""
     input_name = session.get_inputs()[0].name
-    wanted = None if output is None else [output]
+    wanted = None if output is None else [output, *more]
 
-    def run(images: torch.Tensor) -> torch.Tensor:
+    def run(images: torch.Tensor):
         array = images.detach().to("cpu", torch.float32).contiguous().numpy()
-        return torch.from_numpy(session.run(wanted, {input_name: array})[0]).to(images.device)
+        results = [torch.from_numpy(r).to(images.device) for r in session.run(wanted, {input_name: array})]
+        return tuple(results) if more else results[0]
     return run
 
 
@@ -137,12 +140,18 @@ def open_onnx(path: Path, overrides: list[str]) -> ModelFile:
         if device.type == "cpu":
             warn_if_int8_is_slow_here(path)
         run_session = session if device.type == "cpu" else onnx_session(path, device)
+        if scored:  # the checkpoint's reject score, computed by the graph beside the logits
+            return ScoredFunctionModel(_onnx_function(run_session, "logits", REJECT_SCORE_OUTPUT), fixed_batch,
+                                       calibration["method"])
         return FunctionModel(_onnx_function(run_session), fixed_batch)
 
     def build_embedding(device: torch.device, channels_last: bool) -> torch.nn.Module:
         run_session = session if device.type == "cpu" else onnx_session(path, device)
         return FunctionModel(_onnx_function(run_session, EMBEDDING_OUTPUT), fixed_batch)
-    embeds = EMBEDDING_OUTPUT in [o.name for o in session.get_outputs()]
+    outputs = [o.name for o in session.get_outputs()]
+    embeds = EMBEDDING_OUTPUT in outputs
+    calibration = (stored.calibration if stored else None) or {}
+    scored = calibration.get("score_output") == REJECT_SCORE_OUTPUT and REJECT_SCORE_OUTPUT in outputs
     return ModelFile("onnx", path, cfg, classes, stored.epoch if stored else None, build, fixed_batch,
                      saved_val_limit, calibration=stored.calibration if stored else None,
                      thresholds=stored.thresholds if stored else None,
@@ -174,33 +183,48 @@ def _onnx_class_count(session, batch: int, img_size: int, channels: int = 3) -> 
     return int(_onnx_function(session)(probe).shape[-1])
 
 
-class LogitsAndEmbedding(torch.nn.Module):
-    """The classifier's logits and its pooled pre-logits features, from one pass: the two outputs of an
-    export.py --embedding file."""
+class ExportOutputs(torch.nn.Module):
+    """What an export computes in one pass: the logits; with `embedding`, the pooled pre-logits features
+    (export.py --embedding); with a reject record, the checkpoint's multi-layer reject score
+    (rejection.LogitsAndRejectScore), in that order."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, embedding: bool, reject_record: Optional[dict]):
         super().__init__()
         self.model = model
+        self.embedding = embedding
+        self.scorer = LogitsAndRejectScore(model, reject_record) if reject_record else None
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features, logits = features_and_logits(self.model, images)
-        return logits, features
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.embedding:
+            features, logits = features_and_logits(self.model, images)
+            outputs = [logits, features]
+        else:
+            outputs = [self.model(images)]
+        if self.scorer is not None:
+            outputs.append(self.scorer.score(images))
+        return tuple(outputs)
 
 
 def write_onnx(loaded: ModelFile, path: Path, batch: Optional[int], metadata: dict) -> None:
-    """torch.onnx's recommended (torch.export-based) exporter at its default opset; metadata in metadata_props."""
+    """torch.onnx's recommended (torch.export-based) exporter at its default opset; metadata in metadata_props.
+    A checkpoint whose reject option the export carries (metadata's calibration `score_output`) is exported
+    with BatchNorm unfolded (the stages are tapped; onnxruntime fuses it into the convolutions itself)."""
     if importlib.util.find_spec("onnxscript") is None:
         raise ExportError("torch.onnx's exporter needs onnxscript: pip install -r requirements.txt")
 
     embedding = bool(metadata.get("embedding"))
-    model, example = traced_model(loaded, batch, LogitsAndEmbedding if embedding else None)
+    rejecting = bool((metadata.get("calibration") or {}).get("score_output"))
+    names = ["logits"] + [EMBEDDING_OUTPUT] * embedding + [REJECT_SCORE_OUTPUT] * rejecting
+    wrap = ((lambda model: ExportOutputs(model, embedding, loaded.calibration if rejecting else None))
+            if embedding or rejecting else None)
+    model, example = traced_model(loaded, batch, wrap, fold=not rejecting)
     quiet = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
         program = torch.onnx.export(model, (example,), dynamo=True, verbose=False, input_names=["images"],
-                                    output_names=["logits", EMBEDDING_OUTPUT] if embedding else ["logits"], dynamic_shapes=({0: "batch"},) if batch is None else None)
+                                    output_names=names, dynamic_shapes=({0: "batch"},) if batch is None else None)
     except Exception as err:  # the exporters raise many types; their messages name the failing code
         raise ExportError(f"onnx export failed: {shorten_export_error(err, model)}") from err
     finally:
@@ -211,4 +235,4 @@ def write_onnx(loaded: ModelFile, path: Path, batch: Optional[int], metadata: di
 
 
 FORMAT = ModelFormat("onnx", "an ONNX model", open_onnx, suffix=".onnx", traced=True,
-                    write=write_onnx)
+                    write=write_onnx, carries_reject=True)
