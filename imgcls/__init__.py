@@ -15,8 +15,7 @@ What `predict` and `embed` take (docs/interface.md): a path (a file, a folder, a
 too), an image's encoded bytes, a PIL image, a numpy array or torch tensor ((H, W), (H, W, C) or (C, H, W); (N, ...)
 is N images), or a list or tuple mixing them; an empty list gives no rows. In-memory images are named `<image I>`
 (I: the position in the list; `<image I.J>` for the J-th of a stacked array). Anything else raises InputTypeError (a
-ConfigError
-and a TypeError)."""
+ConfigError and a TypeError)."""
 from __future__ import annotations
 
 import io
