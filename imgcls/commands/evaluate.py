@@ -128,12 +128,19 @@ def draw_reliability(bins: list[dict], path: str | Path, ece: float, ece_uncalib
     bottom.set_xlabel("confidence (top-1 probability)")
     bottom.set_ylabel("share of samples")
     bottom.set_xlim(0, 1)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
 
 def draw_precision_recall(probs: torch.Tensor, labels: torch.Tensor, classes: list[str], figures: dict,
                           path: str | Path, max_named: int = 10) -> Path:
@@ -163,12 +170,7 @@ def draw_precision_recall(probs: torch.Tensor, labels: torch.Tensor, classes: li
     ax.set_ylim(0, 1.02)
     if named:
         ax.legend(loc="lower left", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_trust_line(trust: dict) -> str:
