@@ -21,6 +21,7 @@ import eval as eval_script
 import export
 import imgcls.model_files.formats.executorch as executorch_format
 import infer
+from imgcls import Classifier
 from imgcls.cli import run_main
 from imgcls.model_files.checkpoint_files import read_checkpoint
 from imgcls.model_files.formats import FORMATS
@@ -105,6 +106,13 @@ def test_infer_eval_and_serve_give_the_checkpoints_answers(exported, tmp_path):
     paths = sorted(want)[:3]
     rows = served.classify([served.decode(Path(p).read_bytes()) for p in paths], paths)
     assert [r["label"] for r in rows] == [want[p]["label"] for p in paths]
+    with Classifier.load(fp32, device="cpu") as model:  # the Python API
+        assert {r["path"]: r["label"] for r in model.predict(str(data / "val"))} == {
+            p: r["label"] for p, r in want.items()}
+    # the file carries the temperature and the logits reject threshold: --reject scores every row
+    assert infer.main([str(data / "val"), "--checkpoint", str(fp32), "--output", str(tmp_path / "reject.json"),
+                       "--num-workers", "0", "--reject"]) == 0
+    assert all(isinstance(r["score"], float) for r in json.loads((tmp_path / "reject.json").read_text()))
 
 
 def _exit_and_line(argv: list[str], capsys) -> tuple[int, str]:
