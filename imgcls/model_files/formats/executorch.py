@@ -94,30 +94,40 @@ def write_executorch_int8(loaded: ModelFile, path: Path, batch: Optional[int], m
     path.write_bytes(lower_to_pte(program, metadata, " in int8", model))
 
 
-def load_program(path: Path):
-    """The program and its forward method; a file the runtime refuses is a CheckpointError with its reason."""
-    _quiet()
-    from executorch.runtime import Runtime
+def runtime():
+    """ExecuTorch's compiled runtime (the module `executorch.runtime` wraps). Imported directly: the wrapper's
+    `portable_lib` first imports the whole exir compiler for one warning class, 8 s and more of every process
+    that opens a .pte here; the compiled module alone loads in 0.03 s."""
+    from executorch.extension.pybindings import _C
 
+    return _C
+
+
+def load_program(path: Path):
+    """The program, its method names and its forward method; a file the runtime refuses is a CheckpointError
+    with the runtime's reason."""
+    compiled = runtime()
     with native_messages() as said:
         try:
-            program = Runtime.get().load_program(path)
-            forward = program.load_method("forward") if "forward" in program.method_names else None
+            program = compiled._load_program(str(path), enable_etdump=False, debug_buffer_size=0, data_path=None,
+                                             program_verification=compiled.Verification.InternalConsistency)
+            names = {program.get_method_name(i) for i in range(program.num_methods())}
+            forward = program.load_method("forward") if "forward" in names else None
         except Exception as err:  # the runtime raises RuntimeError with an error code; its log names why
             reason = said() or str(err)
             raise CheckpointError(f"{path}: not an ExecuTorch program the runtime loads ({reason})") from err
     if forward is None:
         raise CheckpointError(f"{path}: the ExecuTorch program has no 'forward' method (methods: "
-                              f"{', '.join(sorted(program.method_names))})")
-    return program, forward
+                              f"{', '.join(sorted(names))})")
+    return program, names, forward
 
 
-def read_pte_metadata(program, path: Path) -> dict:
-    if METADATA_METHOD not in program.method_names:
+def read_pte_metadata(program, names: set, path: Path) -> dict:
+    if METADATA_METHOD not in names:
         raise CheckpointError(f"{path}: an ExecuTorch program without the {METADATA_METHOD} method (classes and "
                               f"preprocessing): not written by export.py")
     try:
-        blob = program.load_method(METADATA_METHOD).execute([])[0]
+        blob = program.load_method(METADATA_METHOD).call([])[0]
         metadata = json.loads(bytes(blob.to(torch.uint8).numpy()).decode())
     except (RuntimeError, ValueError, AttributeError, IndexError) as err:  # not bytes of JSON
         raise CheckpointError(f"{path}: its {METADATA_METHOD} is not JSON ({type(err).__name__})") from err
@@ -128,23 +138,22 @@ def read_pte_metadata(program, path: Path) -> dict:
 
 def _pte_function(forward, capacity: int) -> Callable:
     """images -> logits through the program, in calls of at most `capacity` images (its planned memory)."""
-    from executorch.extension.pybindings import portable_lib
-
+    compiled = runtime()
     threads = torch.get_num_threads()  # the Predictor has applied the thread policy by now
-    if portable_lib._threadpool_get_thread_count() != threads:
-        portable_lib._unsafe_reset_threadpool(threads)
+    if compiled._threadpool_get_thread_count() != threads:
+        compiled._unsafe_reset_threadpool(threads)
 
     def run(images: torch.Tensor) -> torch.Tensor:
         cpu = images.detach().to("cpu", torch.float32).contiguous()
-        outputs = [forward.execute([chunk.contiguous()])[0].clone() for chunk in cpu.split(capacity)]
+        outputs = [forward.call([chunk.contiguous()])[0].clone() for chunk in cpu.split(capacity)]
         return torch.cat(outputs).to(images.device)
     return run
 
 
 def open_executorch(path: Path, overrides: list[str]) -> ModelFile:
-    program, forward = load_program(path)
-    stored = read_metadata(read_pte_metadata(program, path), path, overrides)
-    meta = program.metadata("forward")
+    program, names, forward = load_program(path)
+    stored = read_metadata(read_pte_metadata(program, names, path), path, overrides)
+    meta = program.method_meta("forward")
     sizes = meta.input_tensor_meta(0).sizes() if meta.num_inputs() == 1 else ()
     if len(sizes) != 4 or meta.num_outputs() < 1:
         raise CheckpointError(f"{path}: the program takes {meta.num_inputs()} input(s) of shape {list(sizes)}; an "
