@@ -2,7 +2,7 @@
 among other files, and never into a run directory (its checkpoints, lock and logs are the run's own).
 
 Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
-torch.export program, an OpenVINO IR, a timm model folder). Each carries the class names and the eval
+torch.export program, an OpenVINO IR, an ExecuTorch program, a LiteRT model, a timm model folder). Each carries the class names and the eval
 preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before
 export.py reports success."""
 from __future__ import annotations

@@ -26,7 +26,8 @@ from imgcls.tasks.base import Task
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino | executorch | litert | timm
+    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino |
+                                    # executorch | litert | timm
     path: Path
     cfg: Config
     classes: list[str]
