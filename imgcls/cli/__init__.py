@@ -169,7 +169,12 @@ EXTRAS = {
     "embed": ("faiss",),
     "explain": ("pytorch_grad_cam",),
     "track": ("mlflow",),
+    "executorch": ("executorch",),
+    "litert": ("litert_torch", "ai_edge_litert"),
 }
+# extras that imgcls[all] leaves out: litert-torch pins older pydantic, anyio and typing_extensions and pulls JAX
+# and transformers (docs/edge.md)
+OUTSIDE_ALL = ("litert",)
 
 
 def module_available(names: str) -> bool:
@@ -195,13 +200,15 @@ def require_extra(extra: str, what: str, modules: tuple[str, ...] | None = None)
     it `what` needs) is missing."""
     missing = [name.split("|")[0] for name in modules or EXTRAS[extra] if not module_available(name)]
     if missing:
+        also = "" if extra in OUTSIDE_ALL else ' (or "imgcls[all]")'
         raise ConfigError(f"{what} needs imgcls's optional dependencies [{extra}] ({', '.join(missing)} not "
-                          f"installed): pip install \"imgcls[{extra}]\" (or \"imgcls[all]\")")
+                          f"installed): pip install \"imgcls[{extra}]\"{also}")
 
 
 def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
     """The extra that runs a model file of this kind: ONNX files need [export] (onnxruntime), OpenVINO IRs
-    [openvino]; checkpoints, .pt2 files and timm folders need nothing more."""
+    [openvino], .pte files [executorch], .tflite files [litert] (its runtime, ai-edge-litert); checkpoints, .pt2
+    files and timm folders need nothing more."""
     if not path:
         return
     lowered = path.lower()
@@ -209,6 +216,10 @@ def require_model_runtime(path: str | None, flag: str = "--checkpoint") -> None:
         require_extra("export", f"{flag} {path} (an ONNX file)", ("onnxruntime",))
     elif lowered.endswith(".xml") or os.path.isfile(os.path.join(path, "model.xml")):
         require_extra("openvino", f"{flag} {path} (an OpenVINO IR)", ("openvino",))
+    elif lowered.endswith(".pte"):
+        require_extra("executorch", f"{flag} {path} (an ExecuTorch program)", ("executorch",))
+    elif lowered.endswith(".tflite"):  # running one takes the runtime alone, not the converter
+        require_extra("litert", f"{flag} {path} (a LiteRT model)", ("ai_edge_litert",))
 
 
 # ---------------------------------------------------------------- imgcls COMMAND
@@ -219,7 +230,8 @@ SUMMARIES = {
     "train": "train a classifier from a config (--config NAME|FILE, KEY=VALUE overrides, --resume)",
     "eval": "evaluate a checkpoint or an export on a split (JSON report, per-class table)",
     "infer": "classify images, folders or globs (table, CSV or JSON rows)",
-    "export": "export a checkpoint to ONNX, int8 ONNX, pt2, a timm folder or OpenVINO, checked before it is done",
+    "export": "export a checkpoint to ONNX, int8 ONNX, pt2, a timm folder, OpenVINO, ExecuTorch or LiteRT, checked "
+              "before it is done",
     "serve": "HTTP inference: POST /predict, /embed, /similar",
     "tune": "batch-size sweep, LR range test, or an Optuna search (--search)",
     "audit": "check a data set before training: unreadable files, duplicates, leaks, likely label errors",

@@ -3,6 +3,7 @@
 the fp32 one."""
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,8 @@ def run_export(checkpoint: str, fmt: str, output: str, batch: Optional[int], qua
         loaded.task.check_supported("--quantize int8")
         if fmt == "openvino":
             return run_openvino_int8_export(loaded, path, batch, calibration_images, min_agreement)
+        if fmt == "executorch":
+            return run_executorch_int8_export(loaded, path, batch, calibration_images, min_agreement)
         return run_int8_export(loaded, path, batch, calibration_images, min_agreement)
     report = export_checkpoint(loaded, fmt, path, batch, embedding)
     batch_text = "any batch" if report.batch is None else f"batch {report.batch}"
@@ -110,6 +113,48 @@ def run_openvino_int8_export(loaded: ModelFile, path: Path, batch: Optional[int]
     report.path = path
     print_int8_report(loaded, report, fp32, batch, "openvino int8, NNCF post-training quantization", described)
     check_agreement(report, min_agreement)
+    return 0
+
+
+def run_executorch_int8_export(loaded: ModelFile, path: Path, batch: Optional[int], calibration_images: int,
+                               min_agreement: float) -> int:
+    """fp32 .pte export (checked as always) in a hidden folder, PT2E int8 of the checkpoint's folded model to a
+    hidden file beside `path`, compared with the fp32 program; renamed to `path` only when the agreement holds
+    (below `min_agreement`: exit 1, nothing written)."""
+    import torch
+
+    from imgcls.core.errors import ExportError
+    from imgcls.core.files import follow_umask
+    from imgcls.model_files.export import staged_file, unpublished
+    from imgcls.model_files.formats.executorch import write_executorch_int8
+    from imgcls.model_files.metadata import export_metadata
+    from imgcls.model_files.quantize import (CALIBRATION_BATCH, CHECK_LIMIT, CalibrationBatches, check_agreement,
+                                             compare_int8, spread)
+
+    paths, labels, described = validation_files(loaded)
+    reader = CalibrationBatches(spread(paths, calibration_images), loaded, "images", batch or CALIBRATION_BATCH)
+
+    def calibration():
+        reader.rewind()
+        return (torch.from_numpy(item["images"]) for item in iter(reader.get_next, None))
+
+    with staged_file(path) as int8_path, tempfile.TemporaryDirectory(dir=path.parent, prefix=".fp32-") as work:
+        fp32_path = Path(work) / "fp32.pte"
+        fp32 = export_checkpoint(loaded, "executorch", fp32_path, batch)
+        write_executorch_int8(loaded, int8_path, batch, export_metadata(loaded, batch), calibration)
+        if reader.used == 0:
+            raise ExportError(f"int8 quantization: none of the {calibration_images} calibration images could be read")
+        follow_umask(int8_path)
+        checked = spread(list(zip(paths, labels)), CHECK_LIMIT)
+        report = compare_int8(fp32_path, int8_path, [p for p, _ in checked], [y for _, y in checked], described,
+                              fp32_path.stat().st_size, reader.used)
+        report.path = path
+        try:
+            check_agreement(report, min_agreement)
+        except ExportError as err:
+            raise unpublished(err, int8_path, path) from err
+        os.replace(int8_path, path)
+    print_int8_report(loaded, report, fp32, batch, "executorch int8, PT2E with XNNPACK's quantizer, XNNPACK", described)
     return 0
 
 

@@ -2,7 +2,7 @@
 among other files, and never into a run directory (its checkpoints, lock and logs are the run's own).
 
 Shipping a trained checkpoint in one of the export formats (model_files/formats/: ONNX, a
-torch.export program, an OpenVINO IR, a timm model folder). Each carries the class names and the eval
+torch.export program, an OpenVINO IR, an ExecuTorch program, a LiteRT model, a timm model folder). Each carries the class names and the eval
 preprocessing, and is read back and checked against the checkpoint's PyTorch model on a few images before
 export.py reports success."""
 from __future__ import annotations
@@ -108,6 +108,8 @@ def export_checkpoint(loaded: ModelFile, fmt: str, output: Path, batch: Optional
     beside `output` and moved there whole."""
     if FORMATS[fmt].folder:
         return export_folder(loaded, fmt, output, batch)
+    if FORMATS[fmt].staged:
+        return export_staged(loaded, fmt, output, batch)
     output.parent.mkdir(parents=True, exist_ok=True)
     carried = reject_score and carries_reject(loaded, fmt)
     metadata = export_metadata(loaded, batch, carried)
@@ -219,6 +221,44 @@ def export_folder(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int
             publish_folder(staged, output, work)
             raise ExportError(str(err).replace(str(staged), str(output))) from err
         publish_folder(staged, output, work)
+    report.path = output
+    return report
+
+
+@contextmanager
+def staged_file(output: Path) -> Iterator[Path]:
+    """A hidden file beside `output` (`.STEM-....SUFFIX`, the suffix that names its kind) to write and check an
+    export in; removed when the block ends unless it was renamed to `output` (also on an error or SIGTERM)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.stem}-", suffix=output.suffix)
+    os.close(handle)
+    staged = Path(name)
+    try:
+        yield staged
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+UNPUBLISHED = "nothing was written at {output}"
+
+
+def unpublished(err: ExportError, staged: Path, output: Path) -> ExportError:
+    """The check's error for a staged export, which is removed: the output named, no file kept."""
+    text = str(err).replace("the file is kept for inspection", UNPUBLISHED.format(output=output))
+    return ExportError(text.replace(str(staged), str(output)))
+
+
+def export_staged(loaded: ModelFile, fmt: str, output: Path, batch: Optional[int]) -> ExportReport:
+    """`export_checkpoint` for a format written under a hidden name and renamed to `output` only once its
+    check passed: a failed check or a refusal leaves nothing that looks finished."""
+    with staged_file(output) as staged:
+        FORMATS[fmt].write(loaded, staged, batch, export_metadata(loaded, batch))
+        follow_umask(staged)
+        try:
+            report = check_export(loaded, fmt, staged, batch)
+        except ExportError as err:
+            raise unpublished(err, staged, output) from err
+        os.replace(staged, output)
     report.path = output
     return report
 

@@ -26,7 +26,8 @@ from imgcls.tasks.base import Task
 class ModelFile:
     """A model file opened for evaluation or prediction."""
 
-    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino | timm
+    kind: str                       # its format's name (model_files/formats/): checkpoint | onnx | pt2 | openvino |
+                                    # executorch | litert | timm
     path: Path
     cfg: Config
     classes: list[str]
@@ -52,8 +53,9 @@ class ModelFile:
 
     @property
     def fp32_only(self) -> bool:
-        """onnxruntime / OpenVINO run the exported fp32 graph; autocast does not reach it."""
-        return self.kind in ("onnx", "openvino")
+        """onnxruntime / OpenVINO / ExecuTorch / LiteRT run the exported graph in their own runtime; autocast does
+        not reach it."""
+        return self.kind in ("onnx", "openvino", "executorch", "litert")
 
     def eval_transform(self) -> EvalTransform:
         return eval_transform(self.cfg.data)

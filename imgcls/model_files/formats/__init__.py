@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import imgcls.model_files.formats.base as checkpoint  # the checkpoint format lives beside the base
+import imgcls.model_files.formats.executorch as executorch
+import imgcls.model_files.formats.litert as litert
 import imgcls.model_files.formats.onnx as onnx
 import imgcls.model_files.formats.openvino as openvino
 import imgcls.model_files.formats.pt2 as pt2
@@ -13,7 +15,8 @@ import imgcls.model_files.formats.timm_folder as timm_folder
 from imgcls.model_files.formats.base import ModelFormat
 
 # a folder holding model.xml is an OpenVINO IR before it is taken for a timm folder (any other folder)
-FORMATS: dict[str, ModelFormat] = {m.FORMAT.name: m.FORMAT for m in (checkpoint, onnx, pt2, openvino, timm_folder)}
+FORMATS: dict[str, ModelFormat] = {m.FORMAT.name: m.FORMAT
+                                   for m in (checkpoint, onnx, pt2, openvino, executorch, litert, timm_folder)}
 DEFAULT = FORMATS["checkpoint"]  # a file no other kind names
 
 

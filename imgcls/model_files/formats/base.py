@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import inspect
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -31,6 +32,7 @@ class ModelFormat:
     write: Optional[Callable] = None   # (loaded, output, batch, metadata) -> None; None: export.py does not write it
     recognises: Optional[Callable] = None  # (path) -> bool, where a name or folder alone does not tell the kind
     carries_reject: bool = False       # computes the checkpoint's multi-layer reject score (a `reject_score` output)
+    staged: bool = False               # written under a hidden name and renamed only once checked (export.py)
 
     def names(self, path: Path) -> bool:
         """Whether `path` is a file of this kind by its name (a folder for folder formats)."""
@@ -56,6 +58,45 @@ def traced_model(loaded: ModelFile, batch: Optional[int], wrap: Optional[Callabl
     logging.getLogger(__name__).info("folded %d BatchNorm layers into the preceding convolutions", count)
     size = loaded.cfg.data.img_size
     return folded, torch.zeros(batch or 2, loaded.cfg.data.channels, size, size)
+
+
+@contextmanager
+def native_messages() -> Iterator[Callable[[], str]]:
+    """What native code writes to stderr inside the block, kept from the terminal and given as one line by the
+    yielded function: the edge runtimes log their reasons for refusing a file there (and CPU probing noise on
+    every load), not in their exceptions. Both routes are caught: file descriptor 2 (C's stderr) and Python's
+    sys.stderr (pybind11 forwards std::cerr to it)."""
+    import ctypes
+    import io
+    import os
+    import sys
+    import tempfile
+    from contextlib import redirect_stderr
+
+    sys.stderr.flush()
+    forwarded = io.StringIO()
+    with tempfile.TemporaryFile() as captured, redirect_stderr(forwarded):
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield lambda: _native_reason(captured, forwarded.getvalue())
+        finally:
+            ctypes.CDLL(None).fflush(None)  # what C's stdio still holds goes to the captured file
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+_NATIVE_SOURCE = re.compile(r"^\[[\w.]+:\d+\]\s*")  # ExecuTorch's `[program.cpp:114] ` prefix
+
+
+def _native_reason(captured, forwarded: str) -> str:
+    captured.flush()
+    captured.seek(0)
+    text = captured.read().decode(errors="replace") + "\n" + forwarded
+    lines = [_NATIVE_SOURCE.sub("", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and "cpuinfo" not in line.lower() and "midr" not in line.lower()
+             and not line.startswith(("Reading file", "INFO:", "CPU info"))]
+    return " ".join(lines)[-300:]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
