@@ -76,7 +76,7 @@ class HalfWriter:
 # Tests that need more than Python (Docker, Slurm, a Label Studio server): left out unless `-m` names their marker
 # (`-m container`, `-m "container or slurm"`); `.ci/run` runs them in a second pytest invocation. Named in `-m`,
 # the expression alone decides.
-OPT_IN_MARKERS = ("container", "slurm", "labelstudio")
+OPT_IN_MARKERS = ("container", "slurm", "labelstudio", "litert")
 
 
 def pytest_collection_modifyitems(config, items):

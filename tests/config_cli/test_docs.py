@@ -100,7 +100,7 @@ def test_readme_is_short_and_keeps_the_commands_ci_runs():
     ci = (REPO / ".ci" / "run").read_text()
     ci_runs = [line.split(" ||")[0] for line in ci.splitlines() if line.startswith("python -m pytest")]
     assert install.replace("pip install", "pip install -q") in ci and ci_runs[0] == test_command  # the README's
-    assert ci_runs[1] == f'{test_command} -m "container or slurm or labelstudio"'  # and what a plain run leaves out
+    assert ci_runs[1] == f'{test_command} -m "container or slurm or labelstudio or litert"'  # and what a plain run leaves out
     first_screen = "\n".join(text.splitlines()[:60])
     for command in ("python train.py", "python infer.py", "python serve.py"):
         assert command in first_screen

@@ -3,9 +3,8 @@ table, checked against the checkpoint before it is renamed into place; infer.py,
 with the checkpoint's rows; hostile and mismatched .tflite files are refused (exit 2); a failed check leaves
 nothing.
 
-Not collected by the suite: the [litert] extra is not in [all] (litert-torch pins older pydantic, anyio and
-typing_extensions). Run it where the extra is installed:
-    python -m pytest -q -p no:cacheprovider tests/model_files/litert_checks.py"""
+Run by test_edge_exports.py under the opt-in marker litert: the [litert] extra is not in [all] (litert-torch pins
+older pydantic, anyio and typing_extensions); .ci/run adds it before its second run."""
 from __future__ import annotations
 
 import contextlib
