@@ -304,6 +304,28 @@ class EvalResult:
     delimiter: str = " "        # between tags in a multi-label row
     errors: list = None         # the misclassified images, worst first (commands/evaluate.py); None: not the task's
     representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluate.py)
+    split: dict = None          # a class-incremental checkpoint: old_top1, new_top1, old_classes
+
+
+def class_split(confusion: Optional[torch.Tensor], old_classes: Optional[list[str]]) -> Optional[dict]:
+    """Top-1 over the evaluated images of the old classes and of the new ones (rows: true classes), for a
+    checkpoint that records which of its classes are old (a class-incremental run's best.pt)."""
+    if not old_classes or confusion is None:
+        return None
+    old = len(old_classes)
+    counts, hits = confusion.sum(dim=1).double(), confusion.diagonal().double()
+
+    def top1(part: slice) -> Optional[float]:
+        seen = float(counts[part].sum())
+        return 100.0 * float(hits[part].sum()) / seen if seen else None
+
+    return {"old_top1": top1(slice(0, old)), "new_top1": top1(slice(old, None)), "old_classes": list(old_classes)}
+
+
+def split_line(split: dict) -> str:
+    figures = [f"{name} classes top1 {'-' if split[key] is None else f'{split[key]:.2f}%'}"
+               for name, key in (("old", "old_top1"), ("new", "new_top1"))]
+    return f"class-incremental: {len(split['old_classes'])} old classes; " + ", ".join(figures)
 
 
 def amp_override(overrides: list[str]) -> str | None:
@@ -370,7 +392,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
     check_finite_outputs(int(getattr(sums, "nonfinite", 0)), metrics["num_samples"], loaded.path)
     rows = prediction_rows(predictor, recorded, index.paths, tta)
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
-                      predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe))
+                      predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe),
+                      class_split(confusion, loaded.old_classes))
 
 
 def set_eval_data_and_batch(loaded, data_root: str | None, batch_size: int | None, list_arg: bool) -> None:
@@ -457,9 +480,12 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
     figures = result.representation or {}
     if figures:
         print(f"features: {features_line(figures)}")
+    if result.split:
+        print(split_line(result.split))
     if json_path:
         doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
-                                 skipped_files=result.skipped_files, **(result.trust or {}), **figures, **s)
+                                 skipped_files=result.skipped_files, **(result.trust or {}), **figures,
+                                 **(result.split or {}), **s)
         write_json(doc, json_path)
         written = [json_path]
         if result.confusion is not None:

@@ -101,8 +101,8 @@ class InputConversion(torch.nn.Module):
         t_mean, t_std = torch.tensor(teacher_mean, dtype=torch.float64), torch.tensor(teacher_std, dtype=torch.float64)
         scale, shift = s_std / t_std, (s_mean - t_mean) / t_std
         self.identity_affine = bool(torch.allclose(scale, torch.ones_like(scale)) and torch.allclose(shift, torch.zeros_like(shift)))
-        self.register_buffer("scale", scale.float().view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("shift", shift.float().view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("scale", scale.float().view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("shift", shift.float().view(1, -1, 1, 1), persistent=False)
         self.size = int(teacher_size)
         self.resizes = int(teacher_size) != int(student_size)
 
