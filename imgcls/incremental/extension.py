@@ -13,7 +13,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -176,6 +175,3 @@ def imprint(weights: dict, head: str, extension: Extension, train_index: ImageIn
         bias[old:] = bias[:old].mean()
     log.info("incremental: %d new head row(s) imprinted from the new classes' mean embeddings", weight.shape[0] - old)
 
-
-def optional_summary(extension: Optional[Extension]) -> dict:
-    return extension.summary() if extension is not None else {}

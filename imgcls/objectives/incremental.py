@@ -145,8 +145,8 @@ class SplitProbe(torch.nn.Module):
         totals = self.sums.clone()
         dist_utils.all_reduce_sum(totals)
         old_right, old_seen, new_right, new_seen = totals.tolist()
-        return {"old_top1": 100.0 * old_right / old_seen if old_seen else float("nan"),
-                "new_top1": 100.0 * new_right / new_seen if new_seen else float("nan")}
+        return {"old_top1": 100.0 * old_right / old_seen if old_seen else None,  # None: no such image in the split
+                "new_top1": 100.0 * new_right / new_seen if new_seen else None}
 
 
 class BaseOnStudentInput(torch.nn.Module):
@@ -207,8 +207,9 @@ class IncrementalObjective(Objective):
             probe = SplitProbe(BaseOnStudentInput(self), self.old, None, device_input.device)
             evaluate(probe, val_loader, device_input, self.task, classes, on_outputs=probe.count)
             self.base_old_top1 = probe.read()["old_top1"]
-        log.info("incremental: base %s (%d classes) validated on the old classes: top-1 %.2f; %d new class(es): %s",
-                 self.base.identity["source"], self.old, self.base_old_top1, len(self.classes) - self.old,
+        figure = "-" if self.base_old_top1 is None else f"{self.base_old_top1:.2f}"
+        log.info("incremental: base %s (%d classes) validated on the old classes: top-1 %s; %d new class(es): %s",
+                 self.base.identity["source"], self.old, figure, len(self.classes) - self.old,
                  ", ".join(self.classes[self.old:][:10]))
 
     def validation_model(self, eval_model: torch.nn.Module):
