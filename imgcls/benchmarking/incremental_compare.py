@@ -1,7 +1,7 @@
 """Class-incremental training against the naive way and joint training (docs/incremental.md's table): a base
 run on the first half of the classes, then the second half added four ways (each run from the base's best.pt,
-the same epochs and recipe): `naive` (the new classes' images alone: no memory, no distillation, no aligning),
-`memory` (the exemplar memory alone), `ours` (memory, distillation, weight aligning: the defaults) and
+the same epochs and recipe): `naive` (the new classes' images alone: no memory, no distillation, no aligning), `distillation alone` (no memory: what
+a run whose base files are gone does), `memory` (the exemplar memory alone), `ours` (memory, distillation, weight aligning: the defaults) and
 `ours, no align`; `joint` trains on every class's training images from scratch for the base's epochs plus
 the extension's. Every model is evaluated by eval.py on the whole validation split (every class); old / new
 top-1 are over the old / new classes' validation images.
@@ -33,6 +33,7 @@ RECIPE = ["model.name=resnet10t", "data.img_size=32", "data.crop_pct=1.0", "data
 
 VARIANTS = {
     "naive": ["incremental.memory_per_class=0", "incremental.distill=false", "incremental.align=false"],
+    "distillation alone": ["incremental.memory_per_class=0", "incremental.align=false"],
     "memory": ["incremental.distill=false", "incremental.align=false"],
     "ours, no align": ["incremental.align=false"],
     "ours": [],

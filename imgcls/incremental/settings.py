@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from imgcls.core.errors import ConfigError
 from imgcls.core.settings import setting
@@ -22,8 +22,9 @@ class IncrementalConfig:
     distill: bool = setting(True, "distil the base model's outputs on the old classes (Learning without Forgetting)")
     distill_weight: float = setting(1.0, "weight of the distillation term, added to the task loss", lo=0.0, hi=100.0)
     temperature: float = setting(2.0, "softening temperature of the distillation term", lo=0.05, hi=100.0)
-    align: bool = setting(True, "after training, scale the new classes' head rows to the old rows' mean norm "
-                                "(weight aligning, Zhao et al. 2020)")
+    align: Union[bool, Literal["auto"]] = setting(
+        "auto", "scale best.pt's new head rows to the old rows' mean norm (weight aligning, Zhao et al. 2020): auto "
+                "(only when no old-class exemplar joins the training: measured in docs/incremental.md) | true | false")
 
     def check(self, cfg) -> None:
         if self.base is None:

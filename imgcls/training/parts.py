@@ -186,7 +186,7 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     models = build_models(cfg, data, start, finetune, finetune_partial, extension)
     objective = build_objective(cfg, data.classes, models.model, rt.device)
     if extension is not None:
-        objective.extras.update(extension.summary())
+        objective.use_memory(extension.summary())
     if start.resume_ckpt is not None:
         check_resume_objective(start.resume_ckpt, objective)
     plan = plan_run(cfg, cfg.train.batch_size, data.sampler.num_batches(), rt.dist.world_size)

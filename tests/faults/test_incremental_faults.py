@@ -39,7 +39,7 @@ def test_sigkill_mid_epoch_of_an_extension_then_resume_is_bitwise_equal(base, tm
     data = make_tree(tmp_path / "B", {"a": (1, 3), "b": (1, 3), "c": (1, 3), "d": (12, 3), "e": (12, 3)})
     for name in "abc":
         shutil.rmtree(data / "train" / name)
-    extend = [f"incremental.base={best}", "incremental.memory_per_class=4"]
+    extend = [f"incremental.base={best}", "incremental.memory_per_class=4", "incremental.align=true"]
     reference, run, marker = tmp_path / "reference", tmp_path / "run", tmp_path / "paused"
     run_to_end(train_cmd(data, reference, *extend))
     proc = start(train_cmd(data, run, *extend, script=paused(marker, f"after_save:{STEPS_PER_EPOCH + 2}")))

@@ -77,7 +77,8 @@ def extended(trees, base_run) -> tuple[Path, dict]:
     try:
         out = trees / "runAB"
         cfg = load_config("base", overrides(trees / "B", out, **{"incremental.memory_per_class": 4,
-                                                                 "incremental.base": base_run / "best.pt"}))
+                                                                 "incremental.base": base_run / "best.pt",
+                                                                 "incremental.align": "true"}))
         assert train_run(cfg) == 0
     finally:
         parts.initialise = real
@@ -152,6 +153,30 @@ def test_new_rows_are_imprinted_and_memory_carries_to_the_next_extension(trees, 
     rows = list(csv.DictReader((abc / "memory.csv").open()))
     assert [r["label"] for r in rows] == [n for n in NAMES[:5] for _ in range(2)]
     assert {r["path"] for r in rows if r["label"] in ("b", "c")} <= carried  # b, c exist only in A and A+B's memory
+    # incremental.align: auto, with exemplars: off (best.pt holds the trained rows)
+    assert json.loads((abc / "summary.json").read_text())["incremental"]["align"] is False
+    last = torch.load(abc / "last.pt", weights_only=True)
+    assert torch.equal(best["model"]["fc.weight"], last["model"]["fc.weight"])
+
+
+def test_weight_aligning_auto_is_on_only_without_exemplars():
+    from types import SimpleNamespace
+
+    from imgcls.objectives.incremental import IncrementalObjective
+
+    def objective(align):
+        keys = SimpleNamespace(distill=True, distill_weight=1.0, temperature=2.0, align=align)
+        base = SimpleNamespace(classes=["a", "b"], identity={"source": "a.pt", "sha256": "0" * 64})
+        return IncrementalObjective(base, None, None, ["a", "b", "c"], "fc", keys, None)
+
+    for align, exemplars, on in (("auto", 0, True), ("auto", 12, False), (True, 12, True), (False, 0, False)):
+        made = objective(align)
+        made.use_memory({"memory": {"exemplars": exemplars}})
+        assert made.align is on and made.summary()["incremental"]["align"] is on
+    weights = {"fc.weight": torch.tensor([[3.0, 4.0], [0.0, 5.0], [0.0, 10.0]]), "fc.bias": torch.tensor([1.0, 2.0, 4.0])}
+    aligned = objective(True).best_weights(weights)
+    assert torch.equal(aligned["fc.weight"][2], torch.tensor([0.0, 5.0])) and float(aligned["fc.bias"][2]) == 2.0
+    assert torch.equal(weights["fc.weight"][2], torch.tensor([0.0, 10.0])), "the trained weights are not changed"
 
 
 @pytest.fixture
