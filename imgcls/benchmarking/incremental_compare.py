@@ -1,8 +1,9 @@
 """Class-incremental training against the naive way and joint training (docs/incremental.md's table): a base
-run on the first half of the classes, then the second half added four ways (each run from the base's best.pt,
-the same epochs and recipe): `naive` (the new classes' images alone: no memory, no distillation, no aligning), `distillation alone` (no memory: what
-a run whose base files are gone does), `memory` (the exemplar memory alone), `ours` (memory, distillation, weight aligning: the defaults) and
-`ours, no align`; `joint` trains on every class's training images from scratch for the base's epochs plus
+run on the first half of the classes, then the second half added six ways (each run from the base's best.pt,
+the same epochs and recipe): `naive` (the new classes' images alone: no memory, no distillation, no aligning),
+`distillation alone` (no memory: what a run whose base files are gone does) with and without weight aligning, `memory` (the exemplar memory alone),
+and `memory + distillation` (the defaults: `incremental.align: auto` is off with exemplars) with and without
+weight aligning; `joint` trains on every class's training images from scratch for the base's epochs plus
 the extension's. Every model is evaluated by eval.py on the whole validation split (every class); old / new
 top-1 are over the old / new classes' validation images.
 
@@ -34,9 +35,10 @@ RECIPE = ["model.name=resnet10t", "data.img_size=32", "data.crop_pct=1.0", "data
 VARIANTS = {
     "naive": ["incremental.memory_per_class=0", "incremental.distill=false", "incremental.align=false"],
     "distillation alone": ["incremental.memory_per_class=0", "incremental.align=false"],
+    "distillation alone, aligned": ["incremental.memory_per_class=0", "incremental.align=true"],
     "memory": ["incremental.distill=false", "incremental.align=false"],
-    "ours, no align": ["incremental.align=false"],
-    "ours": [],
+    "memory + distillation": ["incremental.align=false"],
+    "memory + distillation, aligned": ["incremental.align=true"],
 }
 
 
