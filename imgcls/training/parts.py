@@ -163,6 +163,9 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     if resume and finetune:
         raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
                           f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
+    if finetune and cfg.incremental.base:
+        raise ConfigError(f"--finetune {finetune} and 'incremental.base' = {cfg.incremental.base} exclude each other: "
+                          f"an extension starts from its base's weights; pass one")
     cfg = copy.deepcopy(cfg)
     run_dir = Path(cfg.output.dir)
     start = start_run(cfg, run_dir, resume, finetune, closing)

@@ -216,6 +216,9 @@ def test_bases_that_cannot_be_extended_exit_2_before_any_work(trees, base_run, h
         assert code == 2 and message in err, (source, extra, err[-1500:])
         assert not (out / "last.pt").exists() and not (out / "memory.csv").exists()
     assert not marker.exists(), "the hostile file was unpickled"
+    code, err = run_train_in_process(monkeypatch, capsys, "--config", "base", *overrides(
+        trees / "B", tmp_path / "ft", **{"incremental.base": base}), "--finetune", str(base))
+    assert code == 2 and "exclude each other" in err
     before = digest(base)
     code, err = run_train_in_process(monkeypatch, capsys, "--config", "base", *overrides(trees / "B", base_run),
                                      "--extend", str(base))
