@@ -17,7 +17,10 @@ from pathlib import Path
 import torch
 
 import imgcls.compute.distributed as dist_utils
+import imgcls.data.sources.source_csv as source_csv
 from imgcls.core.errors import ConfigError, DataTreeError
+from imgcls.data.images import check_bad_fraction
+from imgcls.data.labels import label_format
 from imgcls.data.listing import ImageIndex, scan_split
 from imgcls.data.sources import DataSources, scan_sources
 from imgcls.incremental.memory import (MEMORY_FILE, Exemplar, changed, choose_memory, embeddings, read_memory,
@@ -96,7 +99,8 @@ def relabelled(index: ImageIndex, classes: list[str], split: str) -> ImageIndex:
     unknown = sorted(set(index.classes) - set(classes))
     if unknown:
         raise DataTreeError(f"the {split} split holds classes neither the base nor the training split has: "
-                            f"{', '.join(unknown[:10])}; every {split} class must be an old class or a new training class")
+                            f"{', '.join(unknown[:10])}; every {split} class must be an old class or a new training "
+                            f"class")
     position = {name: i for i, name in enumerate(classes)}
     return dataclasses.replace(index, classes=list(classes), labels=[position[index.classes[label]]
                                                                      for label in index.labels])
@@ -120,6 +124,8 @@ def scan_extended(extension: Extension):
             root = Path(d.root).expanduser()
             train, val = scan_split(root / d.train_split), scan_split(root / d.val_split)
             sources = DataSources(train, val, None, {"format": "folder"})
+        elif d.format == "csv" and d.val_fraction is None and not d.classes:
+            sources = scan_csv_lists(d, extension.old_classes)
         else:
             sources = scan_sources(cfg)
         classes = union_classes(extension.old_classes, sources.train_index.classes)
@@ -128,6 +134,23 @@ def scan_extended(extension: Extension):
                                    val_index=relabelled(sources.val_index, classes, "validation"))
 
     return scan
+
+
+def scan_csv_lists(d, old: list[str]) -> DataSources:
+    """data.format=csv: the training list's classes after the base's, and a validation list that may name
+    every class (an old class need not be in the training list)."""
+    rows = source_csv.read_list(d, d.train_csv)
+    classes = union_classes(old, label_format(d).classes_of(rows, f"CSV list {d.train_csv}"))
+    known_as = "the base's classes and the training list's labels"
+    train, missing = label_format(d).csv_index(d.train_csv, source_csv.csv_base(d, d.train_csv), rows, classes,
+                                               known_as)
+    if missing:
+        check_bad_fraction(missing, len(rows), f"training (missing, from {d.train_csv})", d.max_bad_fraction)
+    val = source_csv.load_csv_list(d, d.val_csv, source_csv.read_list(d, d.val_csv), classes, known_as, "validation")
+    digest = source_csv.index_digest
+    identity = {"format": "csv", "train_csv_sha256": digest(train, source_csv.csv_base(d, d.train_csv)),
+                "val_csv_sha256": digest(val, source_csv.csv_base(d, d.val_csv))}
+    return DataSources(train, val, None, identity)
 
 
 def initialise(model: torch.nn.Module, extension: Extension, train_index: ImageIndex, device: torch.device,

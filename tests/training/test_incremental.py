@@ -224,3 +224,24 @@ def test_bases_that_cannot_be_extended_exit_2_before_any_work(trees, base_run, h
                                      "--extend", str(base))
     assert code == 2 and "the base is never written" in err
     assert digest(base) == before
+
+
+def test_csv_lists_extend_with_a_validation_list_of_every_class(trees, base_run):
+    """data.format=csv: the training list holds the new classes only; the validation list every class."""
+    lists = {}
+    for split in ("train", "val"):
+        paths = sorted((trees / "B" / split).glob("*/*.png"))
+        lists[split] = trees / f"B_{split}.csv"
+        lists[split].write_text("path,label\n" + "".join(f"{p},{p.parent.name}\n" for p in paths
+                                                         if split == "val" or p.parent.name != "a"))
+    out = trees / "runCSV"
+    cfg = load_config("base", overrides(trees / "B", out, **{
+        "data.format": "csv", "data.train_csv": lists["train"], "data.val_csv": lists["val"], "data.root": "null",
+        "incremental.memory_per_class": 2, "incremental.base": base_run / "best.pt"}))
+    assert train_run(cfg) == 0
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert best["classes"] == ["a", "b", "c", "d", "e"]
+    assert json.loads((out / "summary.json").read_text())["best"]["num_samples"] == 20
+    from imgcls.commands.evaluate import evaluate_checkpoint
+
+    assert evaluate_checkpoint(out / "best.pt").split["old_classes"] == ["a", "b", "c"]
