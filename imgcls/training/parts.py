@@ -170,13 +170,13 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     run_dir = Path(cfg.output.dir)
     start = start_run(cfg, run_dir, resume, finetune, closing)
     rt = start.runtime
-    cfg = with_resolved_batch(cfg, start.resume_ckpt, rt, run_dir)
     extension = None
     if cfg.incremental.base:  # the base's normalisation, the exemplar memory (memory.csv)
         cfg, extension = prepare_extension(cfg, run_dir, rt, start.resume_ckpt is not None)
+    scan = scan_extended(extension) if extension is not None else None
+    cfg = with_resolved_batch(cfg, start.resume_ckpt, rt, run_dir, scan)
     data = build_run_data(cfg, cfg.train.batch_size, rt.dist.rank, rt.dist.world_size,
-                          pin_memory_for(cfg.data.pin_memory, rt.device),
-                          scan=scan_extended(extension) if extension is not None else None)
+                          pin_memory_for(cfg.data.pin_memory, rt.device), scan=scan)
     closing.callback(shutdown_workers, data.train_loader, data.val_loader)
     cfg = resolve_normalisation(cfg, data.train_index, start.resume_ckpt, cfg.train.batch_size,
                                 lambda fn: dist_utils.run_on_main(rt.dist.is_main, fn, share_result=True))
@@ -252,10 +252,10 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     return Start(runtime, resume_ckpt, finetune_ckpt, pretrained)
 
 
-def with_resolved_batch(cfg: Config, resume_ckpt: Optional[dict], rt: Runtime, run_dir: Path) -> Config:
+def with_resolved_batch(cfg: Config, resume_ckpt: Optional[dict], rt: Runtime, run_dir: Path, scan=None) -> Config:
     """`cfg` with the per-process batch and accumulation the run trains with (`train.batch_size: auto`
     resolved by the finder, or kept from the resumed run)."""
-    batch, accum = resolve_batch_size(cfg, resume_ckpt, rt.device, rt.amp_dtype, run_dir, rt.dist)
+    batch, accum = resolve_batch_size(cfg, resume_ckpt, rt.device, rt.amp_dtype, run_dir, rt.dist, scan)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, accum_steps=accum))
 
 
