@@ -33,6 +33,7 @@ from imgcls.core.files import not_a_regular_file, write_text_atomic
 from imgcls.core.settings import INT_LIMIT, range_text, section_help
 from imgcls.data.settings import DataConfig
 from imgcls.evaluation.settings import CalibrationConfig
+from imgcls.incremental.settings import IncrementalConfig
 from imgcls.models.settings import ModelConfig
 from imgcls.objectives.settings import DistillConfig
 from imgcls.tracking.settings import TrackingConfig
@@ -64,6 +65,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    incremental: IncrementalConfig = field(default_factory=IncrementalConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

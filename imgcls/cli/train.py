@@ -17,6 +17,8 @@ def main() -> int:
     parser.add_argument("--resume", help="last.pt to continue from (alone: with the config it recorded), or 'auto' "
                         "for the run directory's last.pt (with --config)")
     parser.add_argument("--finetune", help="start a new schedule from this checkpoint's weights")
+    parser.add_argument("--extend", metavar="CKPT", help="add the data's new classes to this trained best.pt, keeping "
+                        "its classes (sets incremental.base; docs/incremental.md)")
     parser.add_argument("--finetune-partial", action="store_true",
                         help="accept a --finetune checkpoint that matches under half of the model's parameters")
     parser.add_argument("--list-models", nargs="?", const="*", metavar="PATTERN",
@@ -25,6 +27,11 @@ def main() -> int:
                              "(e.g. mobilenet), one a line, and exit; docs/training.md has a guide for CPUs")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. train.epochs=3")
     args = parser.parse_intermixed_args()  # KEY=VALUE may come before and after --resume / --finetune
+    if args.extend is not None:
+        if args.finetune:
+            parser.error(f"--extend {args.extend} and --finetune {args.finetune} exclude each other: --extend starts "
+                         f"from the base's weights already")
+        args.overrides = [*args.overrides, f"incremental.base={args.extend}"]
     if args.list_models is not None:
         from imgcls.models.factory import list_model_names
 

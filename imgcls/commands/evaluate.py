@@ -351,6 +351,28 @@ class EvalResult:
     representation: dict = None  # --knn / --linear-probe: knn_top1, linear_probe_top1 (commands/evaluate.py)
     precision_recall: dict = None  # single-label: average_precision (per class), pr_auc_macro
     scored: tuple = None         # single-label: ([N, C] probabilities as infer.py writes them, [N] labels)
+    split: dict = None          # a class-incremental checkpoint: old_top1, new_top1, old_classes
+
+
+def class_split(confusion: Optional[torch.Tensor], old_classes: Optional[list[str]]) -> Optional[dict]:
+    """Top-1 over the evaluated images of the old classes and of the new ones (rows: true classes), for a
+    checkpoint that records which of its classes are old (a class-incremental run's best.pt)."""
+    if not old_classes or confusion is None:
+        return None
+    old = len(old_classes)
+    counts, hits = confusion.sum(dim=1).double(), confusion.diagonal().double()
+
+    def top1(part: slice) -> Optional[float]:
+        seen = float(counts[part].sum())
+        return 100.0 * float(hits[part].sum()) / seen if seen else None
+
+    return {"old_top1": top1(slice(0, old)), "new_top1": top1(slice(old, None)), "old_classes": list(old_classes)}
+
+
+def split_line(split: dict) -> str:
+    figures = [f"{name} classes top1 {'-' if split[key] is None else f'{split[key]:.2f}%'}"
+               for name, key in (("old", "old_top1"), ("new", "new_top1"))]
+    return f"class-incremental: {len(split['old_classes'])} old classes; " + ", ".join(figures)
 
 
 def amp_override(overrides: list[str]) -> str | None:
@@ -423,7 +445,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data_root: str | None = None, sp
             entry["average_precision"] = pr["average_precision"][name]
     return EvalResult(metrics, per_class, confusion, loaded.classes, skipped, settings, task, trust, reliability, rows,
                       predictor.delimiter, errors, representation_figures(predictor, index, knn, linear_probe),
-                      pr if scored is not None else None, scored)
+                      pr if scored is not None else None, scored, class_split(confusion, loaded.old_classes))
 
 
 def scored_outputs(predictor: Predictor, outputs, log_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,10 +540,13 @@ def report_evaluation(result: EvalResult, json_path: str | None, reliability_pat
     figures = result.representation or {}
     if figures:
         print(f"features: {features_line(figures)}")
+    if result.split:
+        print(split_line(result.split))
     if json_path:
         doc = task.eval_document(result.metrics, result.per_class, result.confusion, result.classes,
                                  skipped_files=result.skipped_files, **(result.precision_recall or {}),
-                                 **(result.trust or {}), **figures, **s)
+                                 **(result.trust or {}), **figures,
+                                 **(result.split or {}), **s)
         write_json(doc, json_path)
         written = [json_path]
         if result.confusion is not None:

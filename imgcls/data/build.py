@@ -117,8 +117,10 @@ def build_train_stream(cfg, index: ShardIndex, transform, batch_size: int, rank:
     return stream, build_stream_train_loader(stream, batch_size, d.num_workers, pin_memory, d.prefetch_factor)
 
 
-def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool) -> RunData:
-    sources = scan_sources(cfg)
+def build_run_data(cfg, batch_size: int, rank: int, world_size: int, pin_memory: bool, scan=None) -> RunData:
+    """`scan`: the config's scan of its data (`data.sources.scan_sources` unless a run labels its data itself: a
+    class-incremental run's union of classes)."""
+    sources = (scan or scan_sources)(cfg)
     train_index, val_index = sources.train_index, sources.val_index
     d = cfg.data
     transform = train_transform(d)

@@ -40,8 +40,18 @@ def read_checkpoint(path: str | Path, overrides: list[str] = ()) -> ModelFile:
                        saved_val_limit=saved_val_limit, threads=recorded_threads(ckpt),
                        data_source=ckpt.get("data_source"), state_dict=ckpt["model"],
                        calibration=ckpt.get("calibration") if isinstance(ckpt.get("calibration"), dict) else None,
-                       thresholds=check_thresholds(ckpt.get("thresholds"), len(classes), f"checkpoint {path}"))
+                       thresholds=check_thresholds(ckpt.get("thresholds"), len(classes), f"checkpoint {path}"),
+                       old_classes=recorded_old_classes(ckpt, classes))
     return opened
+
+
+def recorded_old_classes(ckpt: dict, classes: list[str]) -> Optional[list[str]]:
+    """The base classes a class-incremental checkpoint records (`incremental.old_classes`, the first of its
+    classes), or None: not an extension, or a record that does not match its classes."""
+    old = (ckpt.get("incremental") or {}).get("old_classes") if isinstance(ckpt.get("incremental"), dict) else None
+    if isinstance(old, list) and 0 < len(old) <= len(classes) and list(classes[:len(old)]) == old:
+        return list(old)
+    return None
 
 
 def recorded_threads(ckpt: Optional[dict]) -> Optional[int]:

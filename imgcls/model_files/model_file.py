@@ -43,6 +43,7 @@ class ModelFile:
     build_embedding: Optional[Callable] = None  # (device, channels_last) -> module: batch -> pre-logits features
                                                 # (an ONNX file exported with --embedding; None: from `build`)
     source_digest: Optional[str] = None  # the sha256 of the checkpoint an export was written from (--embedding)
+    old_classes: Optional[list] = None   # a class-incremental checkpoint's base classes (the first outputs)
 
     def __post_init__(self):
         check_calibration_record(self.calibration, self.path)

@@ -5,7 +5,7 @@ and restored with the run through `state_dict` / `load_state_dict`, like every o
 Besides the loss, an objective may train parameters of its own (`parameters`, an optimizer group), average
 their gradients at a window's end under DDP (`end_window`), add figures to the step line (`interval_logs`),
 look at the validation split before the first step (`prepare`), wrap the evaluated model during validation
-(`validation_model`, then `validation_metrics`), and add a record to summary.json (`summary`)."""
+(`validation_model`, then `validation_metrics`), and add a record to summary.json (`summary`), and adjust the weights best.pt holds (`best_weights`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -15,6 +15,7 @@ import torch
 
 class Objective:
     name = "task"
+    in_best_file = False  # its state_dict is also saved in best.pt (what eval.py reads of it)
 
     def __init__(self, criterion: torch.nn.Module):
         self.criterion = criterion
@@ -48,6 +49,10 @@ class Objective:
     def summary(self) -> dict:
         """More of summary.json."""
         return {}
+
+    def best_weights(self, weights: dict) -> dict:
+        """The weights best.pt holds, from the evaluated model's (a bare state_dict; not changed in place)."""
+        return weights
 
     def check_resume(self, ckpt: dict) -> None:
         """ConfigError (exit 2) when `ckpt` was trained with another objective."""

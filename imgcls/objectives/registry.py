@@ -8,6 +8,7 @@ import torch
 
 from imgcls.objectives.base import Objective
 from imgcls.objectives.distillation import build_distiller, check_no_teacher
+from imgcls.objectives.incremental import KEY as INCREMENTAL, build_incremental, check_not_extended, checked_base
 from imgcls.objectives.teacher import check_teacher
 from imgcls.tasks import task_of
 
@@ -17,10 +18,12 @@ def build_task_objective(cfg, classes: Optional[list[str]], model: torch.nn.Modu
     return Objective(task_of(cfg).criterion(cfg.train))
 
 
-OBJECTIVES = {"task": build_task_objective, "distill": build_distiller}
+OBJECTIVES = {"task": build_task_objective, "distill": build_distiller, INCREMENTAL: build_incremental}
 
 
 def objective_name(cfg) -> str:
+    if cfg.incremental.base:
+        return INCREMENTAL
     return "distill" if cfg.distill.teacher else "task"
 
 
@@ -28,6 +31,8 @@ def check_objective(cfg) -> None:
     """Before any work (exit 2): what the objective needs can be had (distillation: a teacher that can teach)."""
     if objective_name(cfg) == "distill":
         check_teacher(cfg)
+    if objective_name(cfg) == INCREMENTAL:
+        checked_base(cfg, fresh=True)
 
 
 def build_objective(cfg, classes: Optional[list[str]], model: torch.nn.Module, device: torch.device) -> Objective:
@@ -41,3 +46,5 @@ def check_resume_objective(ckpt: dict, objective: Objective) -> None:
     objective.check_resume(ckpt)
     if objective.name != "distill":
         check_no_teacher(ckpt)
+    if objective.name != INCREMENTAL:
+        check_not_extended(ckpt)

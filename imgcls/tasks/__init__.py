@@ -59,6 +59,7 @@ def deciding_metric(metrics: dict, metric: str) -> str:
 def best_record(metrics: dict) -> dict:
     """summary.json's and best.pt's `best`: the declared metrics of a validation that are kept there."""
     kept = [m.name for task in TASKS.values() for m in task.metrics if m.in_best]
+    kept += [m.name for m in SHARED_METRICS if m.in_best]
     return {name: metrics[name] for name in dict.fromkeys(kept) if name in metrics}
 
 

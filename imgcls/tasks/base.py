@@ -50,8 +50,9 @@ NUM_SAMPLES = Metric("num_samples", percent=False, selectable=False, scalar=Fals
 
 
 # metrics of any task, reported when a room provides them (objectives/distillation: the share of validation images on
-# which the student and its teacher agree)
-SHARED_METRICS = (Metric("teacher_agreement", selectable=False, in_best=False),)
+# which the student and its teacher agree; objectives/incremental: top-1 on the old and on the new classes' images)
+SHARED_METRICS = (Metric("teacher_agreement", selectable=False, in_best=False),
+                  Metric("old_top1", selectable=False), Metric("new_top1", selectable=False))
 
 
 def nonfinite_metrics(metrics: dict) -> list[str]:

@@ -531,8 +531,9 @@ def format_breakdown(memory: dict) -> str:
             f"{memory['other_mb']:.1f} = {memory['total_mb']:.1f} MiB")
 
 
-def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist) -> tuple[int, int]:
+def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist, scan=None) -> tuple[int, int]:
     """`train.batch_size: auto` -> (per-device batch, accum_steps); logs the table, saves batch_finder.json.
+    `scan`: the run's scan of its data where it labels it itself (build_run_data's).
 
     Every process measures its own device; all take the smallest batch any of them chose, so the
     effective batch is the same everywhere.
@@ -540,7 +541,7 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
     from imgcls.core.files import write_json
     from imgcls.data.build import scan_splits
 
-    train_index, _ = scan_splits(cfg)
+    train_index = scan(cfg).train_index if scan is not None else scan_splits(cfg)[0]
     if cfg.distill.teacher:  # a teacher that cannot teach is refused before the search (exit 2)
         check_teacher(cfg, train_index.classes)
     log.info("train.batch_size=auto: searching the largest batch that fits on %s (model %s, %d px)...", device,
@@ -565,7 +566,7 @@ def resolve_auto_batch(cfg, device: torch.device, amp_dtype, run_dir: Path, dist
 
 
 def resolve_batch_size(cfg, resume_ckpt: Optional[dict], device: torch.device, amp_dtype, run_dir: Path,
-                       dist) -> tuple[int, int]:
+                       dist, scan=None) -> tuple[int, int]:
     """(per-device batch, accum_steps) for the run: the configured ones, or for `train.batch_size: auto` the
     finder's choice. A resumed run keeps the batch the finder chose the first time: a new search could
     pick another one, which would change the math."""
@@ -576,4 +577,4 @@ def resolve_batch_size(cfg, resume_ckpt: Optional[dict], device: torch.device, a
         log.info("train.batch_size=auto: resuming with the batch chosen before, %d x accum %d",
                  saved_train["batch_size"], saved_train["accum_steps"])
         return saved_train["batch_size"], saved_train["accum_steps"]
-    return resolve_auto_batch(cfg, device, amp_dtype, run_dir, dist)
+    return resolve_auto_batch(cfg, device, amp_dtype, run_dir, dist, scan)

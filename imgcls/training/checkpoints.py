@@ -294,7 +294,8 @@ class Checkpointer:
     `best_states`, with no training state."""
 
     def __init__(self, run_dir: Path, is_main: bool, record: RunRecord, states: dict[str, Stateful],
-                 best_model: torch.nn.Module, best_states: tuple[str, ...] = (), optional: tuple[str, ...] = ()):
+                 best_model: torch.nn.Module, best_states: tuple[str, ...] = (), optional: tuple[str, ...] = (),
+                 best_weights: Callable[[dict], dict] = lambda weights: weights):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.record = record
@@ -302,6 +303,7 @@ class Checkpointer:
         self.best_model = best_model
         self.best_states = best_states
         self.optional = optional
+        self.best_weights = best_weights  # the objective's say in best.pt's weights (weight aligning)
         self.saved_state: Optional[TrainState] = None  # what last.pt on disk holds (restored or last saved)
 
     def _common(self, weights: dict, state: TrainState, metrics: Optional[dict]) -> dict:
@@ -331,7 +333,8 @@ class Checkpointer:
         return ckpt
 
     def best_contents(self, state: TrainState, metrics: dict) -> dict:
-        return (self._common(bare_state_dict(self.best_model), state, metrics) | self._parts(self.best_states)
+        weights = self.best_weights(bare_state_dict(self.best_model))
+        return (self._common(weights, state, metrics) | self._parts(self.best_states)
                 | task_of(self.record.cfg).model_file_extras(metrics))
 
     def save_last(self, state: TrainState) -> None:

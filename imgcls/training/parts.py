@@ -31,6 +31,7 @@ from imgcls.data.build import RunData, build_run_data, prepare_root, resolve_cla
 from imgcls.data.listing import data_fingerprint, write_split_lists
 from imgcls.data.loaders import shutdown_workers
 from imgcls.data.settings import check_data_root, check_outside_data
+from imgcls.incremental.extension import Extension, initialise, prepare_extension, scan_extended
 from imgcls.model_files.checkpoint_files import recorded_threads
 from imgcls.models.ema import create_ema
 from imgcls.models.factory import (BackboneFreeze, build_model, check_grad_checkpointing, check_model_name,
@@ -67,9 +68,11 @@ def prepare_data_once(cfg, dist) -> None:
 
 def build_starting_model(cfg, classes: list[str], device: torch.device, dist, resuming: bool,
                          pretrained: Optional[torch.nn.Module], finetune_ckpt: Optional[dict],
-                         finetune_source: Optional[str], finetune_partial: bool) -> torch.nn.Module:
-    """The bare model on `device` with its starting weights: `model.weights`, the pretrained source or a
-    --finetune checkpoint (a resume restores last.pt's instead), SyncBatchNorm under DDP when asked."""
+                         finetune_source: Optional[str], finetune_partial: bool,
+                         extension: Optional[Extension] = None, train_index=None) -> torch.nn.Module:
+    """The bare model on `device` with its starting weights: `model.weights`, the pretrained source, a
+    --finetune checkpoint or an extension's base (a resume restores last.pt's instead), SyncBatchNorm under DDP
+    when asked."""
     model = build_model(cfg.model, len(classes), cfg.data.channels)
     if cfg.model.weights and not resuming:
         load_local_weights(model, cfg.model.weights)
@@ -77,6 +80,8 @@ def build_starting_model(cfg, classes: list[str], device: torch.device, dist, re
         load_pretrained_weights(model, pretrained, cfg.model.name, classes)
     if finetune_ckpt is not None:
         apply_finetune(model, finetune_ckpt, finetune_source, finetune_partial)
+    if extension is not None and not resuming:
+        initialise(model, extension, train_index, device, cfg.data.num_workers)
     if cfg.model.sync_bn and dist.enabled:
         model, converted = dist_utils.convert_sync_bn(model)
         log.info("model.sync_bn: %d BatchNorm layers converted to SyncBatchNorm", converted)
@@ -158,13 +163,20 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     if resume and finetune:
         raise ConfigError(f"--resume {resume} and --finetune {finetune} exclude each other: --resume continues "
                           f"a run, --finetune starts a new one from a checkpoint's weights; pass one")
+    if finetune and cfg.incremental.base:
+        raise ConfigError(f"--finetune {finetune} and 'incremental.base' = {cfg.incremental.base} exclude each other: "
+                          f"an extension starts from its base's weights; pass one")
     cfg = copy.deepcopy(cfg)
     run_dir = Path(cfg.output.dir)
     start = start_run(cfg, run_dir, resume, finetune, closing)
     rt = start.runtime
-    cfg = with_resolved_batch(cfg, start.resume_ckpt, rt, run_dir)
+    extension = None
+    if cfg.incremental.base:  # the base's normalisation, the exemplar memory (memory.csv)
+        cfg, extension = prepare_extension(cfg, run_dir, rt, start.resume_ckpt is not None)
+    scan = scan_extended(extension) if extension is not None else None
+    cfg = with_resolved_batch(cfg, start.resume_ckpt, rt, run_dir, scan)
     data = build_run_data(cfg, cfg.train.batch_size, rt.dist.rank, rt.dist.world_size,
-                          pin_memory_for(cfg.data.pin_memory, rt.device))
+                          pin_memory_for(cfg.data.pin_memory, rt.device), scan=scan)
     closing.callback(shutdown_workers, data.train_loader, data.val_loader)
     cfg = resolve_class_weights(cfg, data.train_index)
     cfg = resolve_normalisation(cfg, data.train_index, start.resume_ckpt, cfg.train.batch_size,
@@ -175,8 +187,10 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     if start.resume_ckpt is not None:
         check_resume_compatible(start.resume_ckpt, cfg, data.classes, rt.dist.world_size, data.sources.identity,
                                 fingerprint)
-    models = build_models(cfg, data.classes, start, finetune, finetune_partial)
+    models = build_models(cfg, data, start, finetune, finetune_partial, extension)
     objective = build_objective(cfg, data.classes, models.model, rt.device)
+    if extension is not None:
+        objective.use_memory(extension.summary())
     if start.resume_ckpt is not None:
         check_resume_objective(start.resume_ckpt, objective)
     plan = plan_run(cfg, cfg.train.batch_size, data.sampler.num_batches(), rt.dist.world_size)
@@ -240,18 +254,19 @@ def start_run(cfg: Config, run_dir: Path, resume: Optional[str], finetune: Optio
     return Start(runtime, resume_ckpt, finetune_ckpt, pretrained)
 
 
-def with_resolved_batch(cfg: Config, resume_ckpt: Optional[dict], rt: Runtime, run_dir: Path) -> Config:
+def with_resolved_batch(cfg: Config, resume_ckpt: Optional[dict], rt: Runtime, run_dir: Path, scan=None) -> Config:
     """`cfg` with the per-process batch and accumulation the run trains with (`train.batch_size: auto`
     resolved by the finder, or kept from the resumed run)."""
-    batch, accum = resolve_batch_size(cfg, resume_ckpt, rt.device, rt.amp_dtype, run_dir, rt.dist)
+    batch, accum = resolve_batch_size(cfg, resume_ckpt, rt.device, rt.amp_dtype, run_dir, rt.dist, scan)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, accum_steps=accum))
 
 
-def build_models(cfg: Config, classes: list[str], start: Start, finetune: Optional[str],
-                 finetune_partial: bool) -> Models:
+def build_models(cfg: Config, data: RunData, start: Start, finetune: Optional[str], finetune_partial: bool,
+                 extension: Optional[Extension] = None) -> Models:
     rt = start.runtime
-    model = build_starting_model(cfg, classes, rt.device, rt.dist, start.resume_ckpt is not None,
-                                 start.pretrained, start.finetune_ckpt, finetune, finetune_partial)
+    model = build_starting_model(cfg, data.classes, rt.device, rt.dist, start.resume_ckpt is not None,
+                                 start.pretrained, start.finetune_ckpt, finetune, finetune_partial, extension,
+                                 data.train_index)
     m = cfg.model
     ema = create_ema(model, m.ema_decay, m.ema_every_steps, m.ema_warmup) if m.ema_decay else None
     return Models(model, ema.module if ema is not None else model,
@@ -281,4 +296,5 @@ def build_checkpointer(cfg: Config, run_dir: Path, rt: Runtime, data: RunData, f
               ELASTIC_RUN_ID_KEY: Recorded(lambda: launch_info().run_id or None)}
     record = RunRecord(cfg, data.classes, rt.dist.world_size, data.sources.identity, fingerprint)
     return Checkpointer(run_dir, rt.dist.is_main, record, states, models.eval_model,
-                        best_states=(TRACKING_RUN_ID_KEY,), optional=(TRACKING_RUN_ID_KEY, ELASTIC_RUN_ID_KEY))
+                        best_states=(TRACKING_RUN_ID_KEY, *([objective.name] if objective.in_best_file else [])),
+                        optional=(TRACKING_RUN_ID_KEY, ELASTIC_RUN_ID_KEY), best_weights=objective.best_weights)

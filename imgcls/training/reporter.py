@@ -149,6 +149,9 @@ class RunReporter:
             self.last_agreement = metrics["teacher_agreement"]
             log.info("epoch %d/%d  teacher agreement %.2f%% of validation images", epoch + 1, cfg.train.epochs,
                      metrics["teacher_agreement"])
+        if "old_top1" in metrics:
+            log.info("epoch %d/%d  top1 old classes %s  new classes %s  all %s", epoch + 1, cfg.train.epochs,
+                     *(self.task.metric("top1").format(metrics.get(k)) for k in ("old_top1", "new_top1", "top1")))
         if state.stopped_early:
             log.info("early stopping: %s has not improved by more than %g for %d validations; best epoch %d",
                      es.metric, es.min_delta, es.patience, state.best_epoch)

@@ -454,7 +454,7 @@ def run_inputs(cfg, finetune: Optional[str]) -> dict:
     """The files a new run starts from, by the key or flag that names them (what output.overwrite must keep)."""
     teacher = cfg.distill.teacher
     return {"distill.teacher": teacher.removeprefix("local-dir:") if teacher else None, "--finetune": finetune,
-            "model.weights": cfg.model.weights}
+            "model.weights": cfg.model.weights, "incremental.base": cfg.incremental.base}
 
 
 # Below this share of the model's parameters, a --finetune source is most likely another architecture.

@@ -14,7 +14,8 @@ from conftest import REPO
 
 # the rooms under imgcls/, lowest first; a module may import its own room and the ones before it
 LEVELS = ["core", "tasks", "config", "data", "models", "tracking", "compute", "evaluation", "model_files",
-          "embedding", "objectives", "training", "tuning", "auditing", "labelling", "commands", "benchmarking", "serving", "cli"]
+          "embedding", "objectives", "incremental", "training", "tuning", "auditing", "labelling", "commands",
+          "benchmarking", "serving", "cli"]
 PACKAGE = REPO / "imgcls"
 
 

@@ -1,0 +1,1 @@
+"""Class-incremental training: a run that adds classes to a trained model (docs/incremental.md)."""
