@@ -34,7 +34,7 @@ from imgcls.core.settings import INT_LIMIT, range_text, section_help
 from imgcls.data.settings import DataConfig
 from imgcls.evaluation.settings import CalibrationConfig
 from imgcls.models.settings import ModelConfig
-from imgcls.objectives.settings import DistillConfig
+from imgcls.objectives.settings import DistillConfig, SemiConfig
 from imgcls.tracking.settings import TrackingConfig
 from imgcls.training.settings import (CheckpointConfig, EarlyStopConfig, OptimConfig, OutputConfig, ScheduleConfig,
                                       TrainConfig)
@@ -64,6 +64,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    semi: SemiConfig = field(default_factory=SemiConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

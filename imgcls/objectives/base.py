@@ -4,7 +4,7 @@ and restored with the run through `state_dict` / `load_state_dict`, like every o
 
 Besides the loss, an objective may train parameters of its own (`parameters`, an optimizer group), average
 their gradients at a window's end under DDP (`end_window`), add figures to the step line (`interval_logs`),
-look at the validation split before the first step (`prepare`), wrap the evaluated model during validation
+look at the validation split before the first step (`prepare`), release what it holds (`close`), wrap the evaluated model during validation
 (`validation_model`, then `validation_metrics`), and add a record to summary.json (`summary`)."""
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ class Objective:
     def summary(self) -> dict:
         """More of summary.json."""
         return {}
+
+    def close(self) -> None:
+        """Release what the objective holds (loader workers) at the run's end, on every exit path."""
 
     def check_resume(self, ckpt: dict) -> None:
         """ConfigError (exit 2) when `ckpt` was trained with another objective."""

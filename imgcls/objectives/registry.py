@@ -8,6 +8,7 @@ import torch
 
 from imgcls.objectives.base import Objective
 from imgcls.objectives.distillation import build_distiller, check_no_teacher
+from imgcls.objectives.semi import build_semi, check_no_semi, check_semi
 from imgcls.objectives.teacher import check_teacher
 from imgcls.tasks import task_of
 
@@ -17,17 +18,23 @@ def build_task_objective(cfg, classes: Optional[list[str]], model: torch.nn.Modu
     return Objective(task_of(cfg).criterion(cfg.train))
 
 
-OBJECTIVES = {"task": build_task_objective, "distill": build_distiller}
+OBJECTIVES = {"task": build_task_objective, "distill": build_distiller, "semi": build_semi}
 
 
 def objective_name(cfg) -> str:
+    """semi.method and distill.teacher exclude each other (objectives/settings.py)."""
+    if cfg.semi.method != "none":
+        return "semi"
     return "distill" if cfg.distill.teacher else "task"
 
 
 def check_objective(cfg) -> None:
-    """Before any work (exit 2): what the objective needs can be had (distillation: a teacher that can teach)."""
+    """Before any work (exit 2): what the objective needs can be had (distillation: a teacher that can teach;
+    semi-supervised: a single-label task, unlabelled images that can be read)."""
     if objective_name(cfg) == "distill":
         check_teacher(cfg)
+    elif objective_name(cfg) == "semi":
+        check_semi(cfg)
 
 
 def build_objective(cfg, classes: Optional[list[str]], model: torch.nn.Module, device: torch.device) -> Objective:
@@ -41,3 +48,5 @@ def check_resume_objective(ckpt: dict, objective: Objective) -> None:
     objective.check_resume(ckpt)
     if objective.name != "distill":
         check_no_teacher(ckpt)
+    if objective.name != "semi":
+        check_no_semi(ckpt)

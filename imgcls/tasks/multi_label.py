@@ -41,6 +41,8 @@ class MultiLabel(Task):
                         "single-label data",
         "--knn": "the kNN vote picks one class per image; a multi-label model's features are evaluated by mAP",
         "--linear-probe": "the probe fits one class per image; a multi-label model's features are evaluated by mAP",
+        "semi.method": "pseudo-labels pick one class per unlabelled image (FixMatch / FlexMatch); pseudo-labels for "
+                       "tags are a different method: set semi.method=none for data.task=multilabel",
         "misclassified images": "eval.py --json's <name>_errors.csv / .html list images whose one top-1 label is "
                                 "wrong; a multi-label model's per-tag errors are the per_class figures",
     }

@@ -176,6 +176,7 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
                                 fingerprint)
     models = build_models(cfg, data.classes, start, finetune, finetune_partial)
     objective = build_objective(cfg, data.classes, models.model, rt.device)
+    closing.callback(objective.close)
     if start.resume_ckpt is not None:
         check_resume_objective(start.resume_ckpt, objective)
     plan = plan_run(cfg, cfg.train.batch_size, data.sampler.num_batches(), rt.dist.world_size)
