@@ -2,12 +2,17 @@
 batches, and write the task's rows (a table on stdout, CSV or JSON files)."""
 from __future__ import annotations
 
+import csv
+import io
 import logging
+import os
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 from imgcls.commands.output_roles import check_infer_outputs
 from imgcls.compute.device import precision_name
+from imgcls.core.files import write_text_atomic
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.model_files.checkpoint_files import find_newest_checkpoint
 from imgcls.model_files.predictor import Predictor, TrustOptions, explain_rows, extra_columns
@@ -17,10 +22,34 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32
 
 
+@dataclass(frozen=True)
+class PseudoLabels:
+    """--pseudo-labels FILE.csv --pseudo-threshold X: the confident rows as extra training data."""
+
+    path: str
+    threshold: float
+
+    def write(self, rows: list[dict], classes: list[str]) -> None:
+        """path (absolute), label, prob, threshold of every classified row whose calibrated prob is at least the
+        threshold (a rejected image's `unknown` is no label), with the spread over classes on stderr."""
+        kept = [r for r in rows if r["error"] is None and r["label"] in classes and r["prob"] >= self.threshold]
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["path", "label", "prob", "threshold"])
+        for r in kept:
+            writer.writerow([os.path.abspath(r["path"]), r["label"], float(r["prob"]), self.threshold])
+        write_text_atomic(out.getvalue(), self.path)
+        counts = {c: sum(1 for r in kept if r["label"] == c) for c in classes}
+        spread = ", ".join(f"{c} {n}" for c, n in counts.items() if n)
+        print(f"pseudo-labels: {len(kept)} of {len(rows)} image(s) at prob >= {self.threshold} ({spread or 'none'}); "
+              f"wrote {self.path} (train with data.extra_train_csv={self.path})", file=sys.stderr)
+
+
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
                   device_setting: str = "auto", classes_file: Optional[str] = None,
-                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None) -> int:
+                  trust: Optional[TrustOptions] = None, threshold: Optional[float] = None,
+                  pseudo: Optional[PseudoLabels] = None) -> int:
     """Classify every input file with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none)."""
     paths = expand_inputs(inputs)
@@ -30,9 +59,12 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
     else:
         print(f"checkpoint: {checkpoint}", file=sys.stderr)
     trust = trust or TrustOptions()
-    check_infer_outputs(inputs, paths, checkpoint, classes_file, output, trust.explain_dir)
+    check_infer_outputs(inputs, paths, checkpoint, classes_file, output, trust.explain_dir,
+                        pseudo.path if pseudo else None)
     predictor = Predictor.open(checkpoint, device_setting, amp, topk, trust, threshold, classes_file,
                                compile_model=compile_model)
+    if pseudo is not None:
+        predictor.task.check_supported("--pseudo-labels")
     loaded = predictor.model_file
     batch_size = fixed_batch_size(loaded, batch_size)
     log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
@@ -56,6 +88,8 @@ def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Opti
         log.warning("could not read %s: %s", r["path"], r["error"])
     if output:
         task.write_rows(rows, output, predictor.classes, predictor.topk, predictor.delimiter, extra_columns(trust))
+    if pseudo is not None:
+        pseudo.write(rows, predictor.classes)
     classified = len(rows) - len(failed)
     print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
           + (f"; wrote {output}" if output else ""), file=sys.stderr)

@@ -18,10 +18,10 @@ def _files(*paths: Optional[str]) -> list[str]:
 
 
 def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, classes_file: Optional[str],
-                        output: Optional[str], explain_dir: Optional[str]) -> None:
-    """infer.py: --output and --explain DIR apart from the input images, lists and folders, the model file
-    (or export folder) and the classes file."""
-    check_outputs_apart({"--output": output},
+                        output: Optional[str], explain_dir: Optional[str], pseudo_labels: Optional[str] = None) -> None:
+    """infer.py: --output, --pseudo-labels and --explain DIR apart from the input images, lists and folders, the
+    model file (or export folder) and the classes file."""
+    check_outputs_apart({"--output": output, "--pseudo-labels": pseudo_labels},
                         {"input image": paths, "input list": _files(*inputs), "checkpoint": _files(checkpoint),
                          "classes file": _files(classes_file)},
                         {"input folder": _dirs(*inputs), "checkpoint folder": _dirs(checkpoint)},

@@ -43,6 +43,8 @@ class MultiLabel(Task):
         "--linear-probe": "the probe fits one class per image; a multi-label model's features are evaluated by mAP",
         "semi.method": "pseudo-labels pick one class per unlabelled image (FixMatch / FlexMatch); pseudo-labels for "
                        "tags are a different method: set semi.method=none for data.task=multilabel",
+        "--pseudo-labels": "pseudo-label rows carry one class per image; a multi-label model's tags are not written "
+                           "as extra training data",
         "misclassified images": "eval.py --json's <name>_errors.csv / .html list images whose one top-1 label is "
                                 "wrong; a multi-label model's per-tag errors are the per_class figures",
     }
