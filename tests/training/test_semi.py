@@ -152,3 +152,16 @@ def test_pseudo_labels_from_infer_become_extra_training_rows(trees, tmp_path, fi
     assert len(extra.train_index) == len(plain.train_index) + len(rows)
     assert len(extra.val_index) == len(plain.val_index)  # never validated on
     assert "extra_train_csv_sha256" in extra.identity
+
+
+def test_tune_search_takes_the_semi_keys(tmp_path):
+    from imgcls.tuning.search import load_space
+
+    space = tmp_path / "space.yaml"
+    space.write_text("semi.threshold: {low: 0.7, high: 0.98}\nsemi.ratio: [3, 7]\nsemi.method: [fixmatch, flexmatch]\n")
+    dims = load_space(str(space), "base", [f"data.unlabeled={tmp_path}", "semi.method=fixmatch"])
+    assert [d.key for d in dims] == ["semi.threshold", "semi.ratio", "semi.method"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("semi.threshold: {low: 0.5, high: 1.5}\n")
+    with pytest.raises(ConfigError, match="semi.threshold"):
+        load_space(str(bad), "base", [f"data.unlabeled={tmp_path}", "semi.method=fixmatch"])
