@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, Sampler
 from torchvision.transforms import v2
 
 from imgcls.core.errors import ConfigError, ImageDecodeError
-from imgcls.data.images import IMAGE_EXTENSIONS
+from imgcls.data.images import IMAGE_EXTENSIONS, check_bad_fraction
 from imgcls.data.listing import csv_paths, list_images, relative_key, report_skipped
 from imgcls.data.loaders import Loader, mix_seed, seed_worker
 from imgcls.data.settings import not_a_folder
@@ -57,7 +57,13 @@ def list_unlabeled(d) -> tuple[list[str], str]:
     are none."""
     source = Path(d.unlabeled).expanduser()
     if source.is_file() and source.suffix.lower() == ".csv":
-        paths = csv_paths(source, d.csv_path_column)
+        named = csv_paths(source, d.csv_path_column)
+        paths = [p for p in named if os.path.isfile(p)]
+        if len(paths) < len(named):
+            missing = [p for p in named if not os.path.isfile(p)]
+            log.warning("data.unlabeled %s: %d of %d row(s) name files that do not exist, left out: %s", source,
+                        len(missing), len(named), ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""))
+            check_bad_fraction(missing, len(named), f"unlabelled (missing, from {source})", d.max_bad_fraction)
     elif source.is_dir():
         skipped: list[str] = []
         paths = list_images(source, skipped)

@@ -125,6 +125,10 @@ def test_unreadable_unlabelled_files_are_replaced_and_counted(tmp_path):
     assert weak.shape == strong.shape == (3, 16, 16) and not torch.equal(weak, strong)
     again = UnlabeledDataset(paths, TwoViews(d), seed=0)[(broken, 7)]
     assert all(torch.equal(a, b) for a, b in zip((weak, strong), again[:2]))  # a function of (seed, position)
+    listed = tmp_path / "unlabelled.csv"
+    listed.write_text("path\n" + "".join(f"{Path(p).relative_to(tmp_path)}\n" for p in paths) + "gone.png\n")
+    d = load_config("base", [f"data.unlabeled={listed}", "semi.method=fixmatch", "data.max_bad_fraction=0.5"]).data
+    assert list_unlabeled(d)[0] == [str(tmp_path / Path(p).relative_to(tmp_path)) for p in paths]  # gone.png left out
 
 
 def test_pseudo_labels_from_infer_become_extra_training_rows(trees, tmp_path, finished_run):
