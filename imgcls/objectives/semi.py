@@ -59,7 +59,15 @@ class ClassThresholds:
         return tau * beta / (2.0 - beta)
 
     def update(self, indices: torch.Tensor, predictions: torch.Tensor, above_tau: torch.Tensor) -> None:
-        self.labels[indices[above_tau]] = predictions[above_tau].int()
+        """The images above tau take their prediction; an image twice in the batch (a round's end and the next
+        one's start) takes its later one, on any device (a plain indexed write of repeated indices is not
+        deterministic on CUDA)."""
+        indices, predictions = indices[above_tau], predictions[above_tau]
+        unique, inverse = torch.unique(indices, return_inverse=True)
+        order = torch.arange(indices.numel(), device=indices.device)
+        last = torch.full((unique.numel(),), -1, dtype=order.dtype, device=indices.device)
+        last = last.scatter_reduce(0, inverse, order, reduce="amax")
+        self.labels[unique] = predictions[last].int()
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
