@@ -2,11 +2,12 @@
 labelled images, validation split and schedule for every row; the rest of the training split as `data.unlabeled`.
 
 python -m imgcls.benchmarking.semi_compare --data digits|generated --out DIR [--labels-per-class K] [--seed S]
-    [--methods supervised,fixmatch,flexmatch,self-training] [KEY=VALUE ...]
+    [--methods supervised,fixmatch,flexmatch,self-training] [--noise SD] [KEY=VALUE ...]
 
 digits: scikit-learn's handwritten digits (the quickstart's, written by data.builtin=digits), K labelled images
 per class from its train/ split, the rest unlabelled, its val/ split for validation. generated: 6 classes of
-noisy colour patterns (as the tests draw them, with more noise), 400 images per class. Rows: supervised-only;
+shapes (bars, diagonals, a cross, a ring) at random places in random colours under pixel noise (--noise), 300
+images per class. Rows: supervised-only;
 FixMatch; FlexMatch; self-training (the supervised best.pt labels the unlabelled images with infer.py
 --pseudo-labels at --pseudo-threshold, then a second supervised run takes them as data.extra_train_csv, same
 epochs). Runs go one at a time; each row has the best and last validation top-1 and the wall time. Writes
@@ -35,21 +36,43 @@ SHARED = {"model.name": "resnet10t", "data.img_size": 16, "data.crop_pct": 1.0, 
           "output.progress_bar": "off", "calibration.temperature": "none", "train.threads": 2}
 
 
-def write_generated(root: Path, classes: int = 6, per_class: int = 400, seed: int = 0) -> Path:
-    """root/train/<class>/ and root/val/<class>/ (3/4 and 1/4): colour patterns under heavy noise."""
+SHAPES = ("horizontal bar", "vertical bar", "diagonal", "anti-diagonal", "cross", "ring")
+
+
+def shape_mask(label: int, size: int = 16) -> np.ndarray:
+    """The class's shape, 8 px across, as a 0/1 mask."""
+    m = np.zeros((8, 8))
+    if label == 0:
+        m[3:5, :] = 1
+    elif label == 1:
+        m[:, 3:5] = 1
+    elif label in (2, 3):
+        m[np.arange(8), np.arange(8) if label == 2 else 7 - np.arange(8)] = 1
+    elif label == 4:
+        m[3:5, :] = m[:, 3:5] = 1
+    else:
+        m[[0, 7], :] = m[:, [0, 7]] = 1
+    return m
+
+
+def write_generated(root: Path, noise: float, per_class: int = 300, seed: int = 0) -> Path:
+    """root/train/<shape>/ and root/val/<shape>/ (3/4 and 1/4): one of 6 shapes at a random place, in a random
+    colour on a random background, under Gaussian pixel noise of sd `noise` (16 px)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    for label in range(classes):
+    for label, name in enumerate(SHAPES):
         for i in range(per_class):
             split = "train" if i < per_class * 3 // 4 else "val"
-            folder = root / split / f"c{label}"
+            folder = root / split / name.replace(" ", "_")
             folder.mkdir(parents=True, exist_ok=True)
-            base = np.zeros((16, 16, 3))
-            base[..., label % 3] = 150
-            if label >= 3:
-                base[:8, :, (label + 1) % 3] = 130
-            image = np.clip(base + rng.normal(0, 90, size=base.shape), 0, 255).astype(np.uint8)
+            image = np.ones((16, 16, 3)) * rng.uniform(0, 255, size=3)
+            top, left = rng.integers(0, 9, size=2)
+            colour = rng.uniform(0, 255, size=3)
+            mask = shape_mask(label)[:, :, None]
+            patch = image[top:top + 8, left:left + 8]
+            image[top:top + 8, left:left + 8] = patch * (1 - mask) + colour * mask
+            image = np.clip(image + rng.normal(0, noise, size=image.shape), 0, 255).astype(np.uint8)
             Image.fromarray(image).save(folder / f"{i:04d}.png")
     return root
 
@@ -113,6 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="supervised,fixmatch,flexmatch,self-training")
     parser.add_argument("--ratio", type=int, default=4, help="semi.ratio (mu)")
     parser.add_argument("--pseudo-threshold", type=float, default=0.9)
+    parser.add_argument("--noise", type=float, default=35.0, help="generated: the pixel noise's sd (0..255 scale)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -123,7 +147,7 @@ def main(argv=None) -> int:
 
         ensure_builtin("digits", root)
     elif not (root / "train").is_dir():
-        write_generated(root)
+        write_generated(root, args.noise)
     lists = split_lists(root, out, args.labels_per_class, args.seed)
     truth = {p: Path(p).parent.name for (p,) in list(csv.reader(lists["unlabeled"].open()))[1:]}
     seed = {"train.seed": args.seed}
