@@ -6,8 +6,8 @@ python -m imgcls.benchmarking.semi_compare --data digits|generated --out DIR [--
 
 digits: scikit-learn's handwritten digits (the quickstart's, written by data.builtin=digits), K labelled images
 per class from its train/ split, the rest unlabelled, its val/ split for validation. generated: 6 classes of
-shapes (bars, diagonals, a cross, a ring) at random places in random colours under pixel noise (--noise), 300
-images per class. Rows: supervised-only;
+6 classes, the top or bottom half of one colour channel brighter than the rest of an image of a
+random colour, under pixel noise (--noise), 300 images per class. Rows: supervised-only;
 FixMatch; FlexMatch; self-training (the supervised best.pt labels the unlabelled images with infer.py
 --pseudo-labels at --pseudo-threshold, then a second supervised run takes them as data.extra_train_csv, same
 epochs). Runs go one at a time; each row has the best and last validation top-1 and the wall time. Writes
@@ -36,42 +36,21 @@ SHARED = {"model.name": "resnet10t", "data.img_size": 16, "data.crop_pct": 1.0, 
           "output.progress_bar": "off", "calibration.temperature": "none", "train.threads": 2}
 
 
-SHAPES = ("horizontal bar", "vertical bar", "diagonal", "anti-diagonal", "cross", "ring")
-
-
-def shape_mask(label: int, size: int = 16) -> np.ndarray:
-    """The class's shape, 8 px across, as a 0/1 mask."""
-    m = np.zeros((8, 8))
-    if label == 0:
-        m[3:5, :] = 1
-    elif label == 1:
-        m[:, 3:5] = 1
-    elif label in (2, 3):
-        m[np.arange(8), np.arange(8) if label == 2 else 7 - np.arange(8)] = 1
-    elif label == 4:
-        m[3:5, :] = m[:, 3:5] = 1
-    else:
-        m[[0, 7], :] = m[:, [0, 7]] = 1
-    return m
-
-
-def write_generated(root: Path, noise: float, per_class: int = 300, seed: int = 0) -> Path:
-    """root/train/<shape>/ and root/val/<shape>/ (3/4 and 1/4): one of 6 shapes at a random place, in a random
-    colour on a random background, under Gaussian pixel noise of sd `noise` (16 px)."""
+def write_generated(root: Path, noise: float, per_class: int = 300, seed: int = 0, contrast: float = 40.0) -> Path:
+    """root/train/<class>/ and root/val/<class>/ (3/4 and 1/4), 16 px: 6 classes, the top or bottom half of one
+    colour channel `contrast` brighter than the rest of an image of a random colour, under Gaussian pixel noise of
+    sd `noise` (the class is in a contrast inside the image, not in its colour)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    for label, name in enumerate(SHAPES):
+    for label in range(6):
         for i in range(per_class):
             split = "train" if i < per_class * 3 // 4 else "val"
-            folder = root / split / name.replace(" ", "_")
+            folder = root / split / f"{'top' if label < 3 else 'bottom'}_{'rgb'[label % 3]}"
             folder.mkdir(parents=True, exist_ok=True)
-            image = np.ones((16, 16, 3)) * rng.uniform(0, 255, size=3)
-            top, left = rng.integers(0, 9, size=2)
-            colour = rng.uniform(0, 255, size=3)
-            mask = shape_mask(label)[:, :, None]
-            patch = image[top:top + 8, left:left + 8]
-            image[top:top + 8, left:left + 8] = patch * (1 - mask) + colour * mask
+            image = np.ones((16, 16, 3)) * rng.uniform(40, 215, size=3)
+            half = slice(0, 8) if label < 3 else slice(8, 16)
+            image[half, :, label % 3] += contrast
             image = np.clip(image + rng.normal(0, noise, size=image.shape), 0, 255).astype(np.uint8)
             Image.fromarray(image).save(folder / f"{i:04d}.png")
     return root
@@ -136,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="supervised,fixmatch,flexmatch,self-training")
     parser.add_argument("--ratio", type=int, default=4, help="semi.ratio (mu)")
     parser.add_argument("--pseudo-threshold", type=float, default=0.9)
-    parser.add_argument("--noise", type=float, default=35.0, help="generated: the pixel noise's sd (0..255 scale)")
+    parser.add_argument("--noise", type=float, default=50.0, help="generated: the pixel noise's sd (0..255 scale)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
