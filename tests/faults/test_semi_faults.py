@@ -25,7 +25,7 @@ def trees(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def semi_args(pool: Path) -> list[str]:
-    return ["semi.method=flexmatch", f"data.unlabeled={pool}", "semi.ratio=2", "semi.threshold=0.6",
+    return ["semi.method=flexmatch", f"data.unlabeled={pool}", "semi.ratio=1", "semi.threshold=0.6",
             "semi.dist_align=true", "calibration.temperature=none"]
 
 
@@ -58,7 +58,7 @@ def test_two_processes_train_the_same_semi_supervised_model_as_one(trees, tmp_pa
     data, pool = trees
     same = {"data.scale": "[1.0,1.0]", "data.ratio": "[1.0,1.0]", "data.hflip": 0, "model.norm": "group",
             "model.group_norm_groups": 4, "model.name": "test_resnet", "output.tensorboard": "false",
-            "semi.method": "flexmatch", "data.unlabeled": str(pool), "semi.ratio": 2, "semi.threshold": 0.6,
+            "semi.method": "flexmatch", "data.unlabeled": str(pool), "semi.ratio": 1, "semi.threshold": 0.6,
             "train.epochs": 1, "calibration.temperature": "none"}
     one = run_script("train.py", "--config", "base",
                      *tiny_overrides(data, tmp_path / "one", **same, **{"train.batch_size": 8}))

@@ -57,6 +57,7 @@ def test_flexmatch_thresholds_follow_each_classs_learning_status_with_and_withou
     assert state.labels.tolist() == [1, -1, -1, 0, 0, 2]
 
 
+@pytest.mark.slow
 def test_a_fixmatch_run_logs_the_share_above_threshold_and_keeps_its_stream_in_last_pt(trees, tmp_path):
     from imgcls.training.trainer import run
 
