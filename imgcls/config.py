@@ -35,7 +35,7 @@ from imgcls.data.settings import DataConfig
 from imgcls.evaluation.settings import CalibrationConfig
 from imgcls.incremental.settings import IncrementalConfig
 from imgcls.models.settings import ModelConfig
-from imgcls.objectives.settings import DistillConfig
+from imgcls.objectives.settings import DistillConfig, SemiConfig
 from imgcls.tracking.settings import TrackingConfig
 from imgcls.training.settings import (CheckpointConfig, EarlyStopConfig, OptimConfig, OutputConfig, ScheduleConfig,
                                       TrainConfig)
@@ -66,6 +66,7 @@ class Config:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     incremental: IncrementalConfig = field(default_factory=IncrementalConfig)
+    semi: SemiConfig = field(default_factory=SemiConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

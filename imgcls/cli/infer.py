@@ -3,6 +3,7 @@
 python infer.py PATH [PATH ...] [--checkpoint CKPT] [--batch-size N] [--topk K] [--output FILE.csv|FILE.json]
                 [--amp none|bf16|fp16|auto] [--compile] [--num-workers N] [--device auto|cpu|cuda] [--classes FILE]
                 [--reject] [--reject-below X] [--explain DIR] [--threshold X] [--save-images DIR]
+                [--pseudo-labels FILE.csv] [--pseudo-threshold X]
 
 PATH may be an image URL (http:// or https://): downloaded (at most 10 MB, within 30 s) and read like a file;
 a URL that fails (an HTTP error, a timeout, too large, not an image) gets a row with `error`.
@@ -10,6 +11,10 @@ a URL that fails (an HTTP error, a timeout, too large, not an image) gets a row 
 CKPT is a checkpoint written by train.py or a model written by export.py (FILE.onnx, run by onnxruntime;
 FILE.pt2; an OpenVINO IR folder or its model.xml, run by OpenVINO; a timm folder). `prob` is calibrated: the
 softmax of the logits divided by the temperature stored with the model (none stored: the plain softmax).
+
+--pseudo-labels FILE.csv: offline self-training; the images whose calibrated `prob` is at least --pseudo-threshold
+(default 0.9) are written as rows path (absolute), label, prob, threshold, a list train.py takes as
+data.extra_train_csv (docs/semi_supervised.md). Single-label models only.
 
 Without --checkpoint, the newest best.pt under ./runs/ is used. Exit 0 when at least one image was
 classified, 1 when none could be, 2 on a usage error.
@@ -62,6 +67,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threshold", type=float, help="multi-label models: call a tag at this probability for "
                                                         "every class (default: the per-class thresholds tuned "
                                                         "in training)")
+    parser.add_argument("--pseudo-labels", metavar="FILE.csv", help="also write the confident predictions as "
+                        "path,label,prob,threshold rows: extra training data (data.extra_train_csv)")
+    parser.add_argument("--pseudo-threshold", type=finite_float, default=0.9, metavar="X",
+                        help="--pseudo-labels: the least calibrated probability a row needs (default 0.9)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the positionals
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
@@ -75,6 +84,11 @@ def main(argv=None) -> int:
     check_output_file("--output", args.output)
     if args.save_images and os.path.exists(args.save_images) and not os.path.isdir(args.save_images):
         raise ConfigError(f"--save-images {args.save_images}: a file is there; name a folder for the annotated images")
+    if args.pseudo_labels and not args.pseudo_labels.lower().endswith(".csv"):
+        raise ConfigError(f"--pseudo-labels {args.pseudo_labels}: the name must end in .csv")
+    if not 0.0 <= args.pseudo_threshold <= 1.0:
+        raise ConfigError(f"--pseudo-threshold {args.pseudo_threshold}: a probability within [0, 1]")
+    check_output_file("--pseudo-labels", args.pseudo_labels)
     require_model_runtime(args.checkpoint)
     if args.explain:
         require_extra("explain", "--explain")
@@ -82,9 +96,11 @@ def main(argv=None) -> int:
              f"{args.checkpoint or 'the newest best.pt under runs/'}")
 
     from imgcls.commands.infer import run_inference
+    from imgcls.commands.infer import PseudoLabels
     from imgcls.model_files.predictor import TrustOptions
 
+    pseudo = PseudoLabels(args.pseudo_labels, args.pseudo_threshold) if args.pseudo_labels else None
     return run_inference(args.inputs, args.checkpoint, args.batch_size, args.topk, args.output, args.amp,
                          args.compile, args.num_workers, args.device, args.classes,
                          TrustOptions(args.reject, args.reject_below, args.explain), args.threshold,
-                         args.save_images)
+                         args.save_images, pseudo)

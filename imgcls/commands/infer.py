@@ -2,13 +2,17 @@
 batches, and write the task's rows (a table on stdout, CSV or JSON files)."""
 from __future__ import annotations
 
+import csv
+import io
 import logging
+import os
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 from imgcls.commands.output_roles import check_infer_outputs
 from imgcls.compute.device import precision_name
-from imgcls.core.files import print_table
+from imgcls.core.files import print_table, write_text_atomic
 from imgcls.data.datasets import expand_inputs, inference_batches
 from imgcls.data.urls import downloaded, is_url, url_name
 from imgcls.model_files.checkpoint_files import find_newest_checkpoint
@@ -20,21 +24,46 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32
 
 
+@dataclass(frozen=True)
+class PseudoLabels:
+    """--pseudo-labels FILE.csv --pseudo-threshold X: the confident rows as extra training data."""
+
+    path: str
+    threshold: float
+
+    def write(self, rows: list[dict], classes: list[str]) -> None:
+        """path (absolute), label, prob, threshold of every classified row whose calibrated prob is at least the
+        threshold (a rejected image's `unknown` is no label; an image URL's row is left out: training reads files),
+        with the spread over classes on stderr."""
+        kept = [r for r in rows if r["error"] is None and r["label"] in classes and r["prob"] >= self.threshold
+                and not is_url(r["path"])]
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["path", "label", "prob", "threshold"])
+        for r in kept:
+            writer.writerow([os.path.abspath(r["path"]), r["label"], float(r["prob"]), self.threshold])
+        write_text_atomic(out.getvalue(), self.path)
+        counts = {c: sum(1 for r in kept if r["label"] == c) for c in classes}
+        spread = ", ".join(f"{c} {n}" for c, n in counts.items() if n)
+        print(f"pseudo-labels: {len(kept)} of {len(rows)} image(s) at prob >= {self.threshold} ({spread or 'none'}); "
+              f"wrote {self.path} (train with data.extra_train_csv={self.path})", file=sys.stderr)
+
+
 def run_inference(inputs: list[str], checkpoint: Optional[str], batch_size: Optional[int], topk: int,
                   output: Optional[str], amp: Optional[str], compile_model: bool, num_workers: int,
                   device_setting: str = "auto", classes_file: Optional[str] = None,
                   trust: Optional[TrustOptions] = None, threshold: Optional[float] = None,
-                  save_images: Optional[str] = None) -> int:
+                  save_images: Optional[str] = None, pseudo: Optional[PseudoLabels] = None) -> int:
     """Classify every input file or image URL with a checkpoint or an exported model (ONNX, .pt2, timm folder);
     returns the exit status (0: at least one classified, 1: none). `save_images`: a folder for each classified
-    image with its label drawn on it."""
+    image with its label drawn on it; `pseudo`: the confident rows as extra training data."""
     with downloaded(inputs) as fetched:
         return _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, compile_model,
-                              num_workers, device_setting, classes_file, trust, threshold, save_images)
+                              num_workers, device_setting, classes_file, trust, threshold, save_images, pseudo)
 
 
 def _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, compile_model, num_workers,
-                   device_setting, classes_file, trust, threshold, save_images) -> int:
+                   device_setting, classes_file, trust, threshold, save_images, pseudo) -> int:
     paths = expand_inputs(fetched.inputs)
     if checkpoint is None:
         checkpoint = find_newest_checkpoint("runs")
@@ -43,9 +72,12 @@ def _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, c
         print(f"checkpoint: {checkpoint}", file=sys.stderr)
     trust = trust or TrustOptions()
     local_files = [p for p in paths if p not in fetched.url_of]  # downloads sit in a private temporary folder
-    check_infer_outputs(inputs, local_files, checkpoint, classes_file, output, trust.explain_dir, save_images)
+    check_infer_outputs(inputs, local_files, checkpoint, classes_file, output, trust.explain_dir, save_images,
+                        pseudo.path if pseudo else None)
     predictor = Predictor.open(checkpoint, device_setting, amp, topk, trust, threshold, classes_file,
                                compile_model=compile_model)
+    if pseudo is not None:
+        predictor.task.check_supported("--pseudo-labels")
     loaded = predictor.model_file
     batch_size = fixed_batch_size(loaded, batch_size)
     log.info("classifying %d file(s) in batches of %d%s on %s (%s)", len(paths), batch_size,
@@ -74,6 +106,8 @@ def _run_inference(inputs, fetched, checkpoint, batch_size, topk, output, amp, c
         log.warning("could not read %s: %s", r["path"], r["error"])
     if output:
         task.write_rows(rows, output, predictor.classes, predictor.topk, predictor.delimiter, extra_columns(trust))
+    if pseudo is not None:
+        pseudo.write(rows, predictor.classes)
     classified = len(rows) - len(failed)
     print(f"classified {classified} of {len(rows)} file(s)" + (f"; {len(failed)} could not be read" if failed else "")
           + (f"; wrote {output}" if output else ""), file=sys.stderr)

@@ -19,14 +19,15 @@ def _files(*paths: Optional[str]) -> list[str]:
 
 
 def check_infer_outputs(inputs: list[str], paths: list[str], checkpoint: str, classes_file: Optional[str],
-                        output: Optional[str], explain_dir: Optional[str], save_images: Optional[str] = None) -> None:
-    """infer.py: --output, --explain DIR and --save-images DIR apart from the input images, lists and folders,
-    the model file (or export folder) and the classes file, and the two folders apart (their files share
-    names)."""
+                        output: Optional[str], explain_dir: Optional[str], save_images: Optional[str] = None,
+                        pseudo_labels: Optional[str] = None) -> None:
+    """infer.py: --output, --pseudo-labels, --explain DIR and --save-images DIR apart from the input images, lists
+    and folders, the model file (or export folder) and the classes file, and the two folders apart (their files
+    share names)."""
     if explain_dir and save_images and os.path.realpath(explain_dir) == os.path.realpath(save_images):
         raise ConfigError(f"--save-images {save_images}: is also the --explain folder, whose overlays take the same "
                           f"names; name another folder")
-    check_outputs_apart({"--output": output},
+    check_outputs_apart({"--output": output, "--pseudo-labels": pseudo_labels},
                         {"input image": paths, "input list": _files(*inputs), "checkpoint": _files(checkpoint),
                          "classes file": _files(classes_file)},
                         {"input folder": _dirs(*inputs), "checkpoint folder": _dirs(checkpoint)},

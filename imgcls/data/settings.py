@@ -136,6 +136,14 @@ class DataSourceKeys:
     split_seed: int = setting(0, "seed of the data.val_fraction split (the same split on every machine and run)")
     classes: Optional[str] = setting(None, "a class list file, one name per line, in label order (null: the "
                                            "sorted folder names / CSV labels; needed for shards)", resume_free=True)
+    extra_train_csv: Optional[str] = setting(
+        None, "more labelled training rows, a path,label CSV (infer.py --pseudo-labels writes one; paths relative to "
+              "the CSV's folder), added to the training split of a folder or csv source; never validated on",
+        resume_free=True)
+    unlabeled: Optional[str] = setting(
+        None, "semi-supervised: unlabelled images, a folder (any tree, labels ignored) or a CSV of paths (column "
+              "data.csv_path_column); read like the training images, never validated on (semi.method)",
+        resume_free=True)
 
 
 @dataclass
@@ -215,6 +223,9 @@ class DataConfig(WebDatasetSourceKeys, CsvSourceKeys, FolderSourceKeys, DataSour
             raise ConfigError(f"'data.repeated_augment' = {self.repeated_augment} needs 'data.sampler' = random (it "
                               f"is {self.sampler}): repeats are drawn from a shuffled epoch; set "
                               f"data.repeated_augment=1 for the {self.sampler} sampler")
+        if self.extra_train_csv and self.format == "webdataset":
+            raise ConfigError("'data.extra_train_csv' adds files to a folder or csv source's training split; with "
+                              "data.format=webdataset write the extra samples as shards")
         for keys in SOURCE_KEYS:
             if keys.FORMAT == self.format:
                 keys.check_source(self)
@@ -307,7 +318,7 @@ def not_a_folder(path: Path) -> str:
 def check_named_files(d: DataConfig) -> None:
     """Every file a data key names is a regular file (a FIFO would block the read for ever), or ConfigError
     saying what it is instead; shards are checked when they are read."""
-    for key in ("train_csv", "val_csv", "classes"):
+    for key in ("train_csv", "val_csv", "classes", "extra_train_csv"):
         value = getattr(d, key)
         problem = not_a_regular_file(value) if value else None
         if problem:

@@ -35,6 +35,10 @@ class IncrementalConfig:
             raise ConfigError(f"'incremental.base' = {self.base} and 'distill.teacher' = {cfg.distill.teacher}: an "
                               f"extension distils from its base model (incremental.distill); set distill.teacher "
                               f"to null")
+        if cfg.semi.method != "none":
+            raise ConfigError(f"'incremental.base' = {self.base} and 'semi.method' = {cfg.semi.method}: an extension "
+                              f"and semi-supervised training do not combine in one run; extend with labelled images "
+                              f"(pseudo-labelled ones through infer.py --pseudo-labels and data.extra_train_csv)")
         if cfg.data.format == "webdataset":
             raise ConfigError(f"'incremental.base' = {self.base}: data.format=webdataset is not supported (its "
                               f"class list is fixed by data.classes); use data.format folder or csv")

@@ -4,8 +4,9 @@ and restored with the run through `state_dict` / `load_state_dict`, like every o
 
 Besides the loss, an objective may train parameters of its own (`parameters`, an optimizer group), average
 their gradients at a window's end under DDP (`end_window`), add figures to the step line (`interval_logs`),
-look at the validation split before the first step (`prepare`), wrap the evaluated model during validation
-(`validation_model`, then `validation_metrics`), and add a record to summary.json (`summary`), and adjust the weights best.pt holds (`best_weights`)."""
+look at the validation split before the first step (`prepare`), release what it holds (`close`), wrap the evaluated
+model during validation (`validation_model`, then `validation_metrics`), add a record to summary.json (`summary`),
+and adjust the weights best.pt holds (`best_weights`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -53,6 +54,9 @@ class Objective:
     def best_weights(self, weights: dict) -> dict:
         """The weights best.pt holds, from the evaluated model's (a bare state_dict; not changed in place)."""
         return weights
+
+    def close(self) -> None:
+        """Release what the objective holds (loader workers) at the run's end, on every exit path."""
 
     def check_resume(self, ckpt: dict) -> None:
         """ConfigError (exit 2) when `ckpt` was trained with another objective."""

@@ -1,4 +1,5 @@
-"""The `distill` section: knowledge distillation from a frozen teacher (objectives/distillation)."""
+"""The `distill` section: knowledge distillation from a frozen teacher (objectives/distillation); the `semi`
+section: learning from unlabelled images, FixMatch / FlexMatch (objectives/semi)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,3 +30,38 @@ class DistillConfig:
         if self.teacher is not None and not self.teacher.strip():
             raise ConfigError("'distill.teacher' = '': name a teacher (a best.pt, a timm folder or local-dir:PATH, a "
                               "timm model name) or null to train without distillation")
+
+
+SEMI_METHODS = ("none", "fixmatch", "flexmatch")
+
+
+@dataclass
+class SemiConfig:
+    """Semi-supervised training from `data.unlabeled` (docs/semi_supervised.md). The pseudo-labels come from the
+    trained model's own forward on the weak view, never from the EMA."""
+    HELP = "learning from unlabelled images: FixMatch / FlexMatch (docs/semi_supervised.md)"
+
+    method: Literal[SEMI_METHODS] = setting(
+        "none", "none | fixmatch (pseudo-labels above semi.threshold) | flexmatch (class-wise thresholds that rise "
+                "with each class's learning status); needs data.unlabeled")
+    threshold: float = setting(0.95, "confidence a weak view's prediction needs to become a pseudo-label (FlexMatch: "
+                                     "the ceiling of the class-wise thresholds)", lo=0.0, hi=1.0, lo_open=True)
+    weight: float = setting(1.0, "lambda_u: the weight of the unlabelled loss beside the labelled one", lo=0.0)
+    ratio: int = setting(7, "mu: unlabelled images per labelled one in each step (FixMatch's 7)", lo=1, hi=64)
+    warmup: bool = setting(True, "flexmatch: threshold warm-up (images not yet pseudo-labelled count as a class, "
+                                 "so thresholds start low and rise)")
+    dist_align: bool = setting(False, "distribution alignment: the weak view's probabilities divided by their running "
+                                      "mean and renormalised before thresholding (helps with imbalanced classes)")
+
+    def check(self, cfg) -> None:
+        if self.method != "none" and not cfg.data.unlabeled:
+            raise ConfigError(f"'semi.method' = {self.method} needs 'data.unlabeled' (a folder of unlabelled images "
+                              f"or a CSV of their paths)")
+        if self.method == "none" and cfg.data.unlabeled:
+            raise ConfigError(f"'data.unlabeled' = {cfg.data.unlabeled} is set but 'semi.method' = none; set "
+                              f"semi.method=fixmatch (or flexmatch) to learn from it, or drop data.unlabeled")
+        if self.method != "none" and cfg.distill.teacher:
+            raise ConfigError(f"'semi.method' = {self.method} and 'distill.teacher' = {cfg.distill.teacher}: "
+                              f"distillation and semi-supervised training do not combine in one run; distil a "
+                              f"student from a semi-supervised teacher (train it first, then distill.teacher="
+                              f"its best.pt)")

@@ -43,6 +43,10 @@ class MultiLabel(Task):
         "--linear-probe": "the probe fits one class per image; a multi-label model's features are evaluated by mAP",
         "incremental.base": "class-incremental training (docs/incremental.md) extends single-label models; adding "
                             "tags to a multi-label model is not built in (train a new run on every tag)",
+        "semi.method": "pseudo-labels pick one class per unlabelled image (FixMatch / FlexMatch); pseudo-labels for "
+                       "tags are a different method: set semi.method=none for data.task=multilabel",
+        "--pseudo-labels": "pseudo-label rows carry one class per image; a multi-label model's tags are not written "
+                           "as extra training data",
         "misclassified images": "eval.py --json's <name>_errors.csv / .html list images whose one top-1 label is "
                                 "wrong; a multi-label model's per-tag errors are the per_class figures",
     }

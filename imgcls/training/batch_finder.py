@@ -420,6 +420,8 @@ class TrainingStepProbe:
                                     first.held_before_bytes, (small, first.peak_bytes), (large, second.peak_bytes))
 
     def close(self) -> None:
+        if self.step is not None:
+            self.step.objective.close()  # semi.method: its unlabelled loader's workers
         self.step = None
         free_device_memory()
 

@@ -191,6 +191,7 @@ def build_run(cfg: Config, resume: Optional[str], finetune: Optional[str], finet
     objective = build_objective(cfg, data.classes, models.model, rt.device)
     if extension is not None:
         objective.use_memory(extension.summary())
+    closing.callback(objective.close)
     if start.resume_ckpt is not None:
         check_resume_objective(start.resume_ckpt, objective)
     plan = plan_run(cfg, cfg.train.batch_size, data.sampler.num_batches(), rt.dist.world_size)

@@ -208,6 +208,7 @@ def test_bases_that_cannot_be_extended_exit_2_before_any_work(trees, base_run, h
         (hostile, {}, "not a model this program can extend"),
         (tagged, {}, "it is a multilabel model: incremental.base: class-incremental training"),
         (base, {"distill.teacher": str(base)}, "set distill.teacher to null"),
+        (base, {"semi.method": "fixmatch", "data.unlabeled": str(trees / "B")}, "do not combine in one run"),
     ]
     for source, extra, message in cases:
         out = tmp_path / f"out_{len(list(tmp_path.iterdir()))}"

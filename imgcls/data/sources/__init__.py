@@ -5,14 +5,21 @@ identity of the source (what the checkpoint records, so that a resumed run can r
 find the held-out files again); `eval_source` what eval.py evaluates."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+from pathlib import Path
 from typing import Optional
 
 import imgcls.data.sources.source_csv as source_csv
 import imgcls.data.sources.source_folder as source_folder
 import imgcls.data.sources.source_webdataset as source_webdataset
 from imgcls.core.errors import DataTreeError
+from imgcls.data.images import check_bad_fraction
 from imgcls.data.labels import label_format
 from imgcls.data.sources.base import DataSources, EvalSource, Source
+
+log = logging.getLogger(__name__)
+
 
 SOURCES: dict[str, Source] = {m.SOURCE.name: m.SOURCE for m in (source_folder, source_csv, source_webdataset)}
 
@@ -24,7 +31,27 @@ def scan_sources(cfg) -> DataSources:
         raise DataTreeError(f"the training data holds one class ({classes[0]}): a classifier needs at "
                             f"least two classes to learn anything (it would reach loss 0 and top-1 100 by always "
                             f"answering '{classes[0]}'); add a folder (or label) per class")
-    return sources
+    return with_extra_training_rows(cfg.data, sources) if cfg.data.extra_train_csv else sources
+
+
+def with_extra_training_rows(d, sources: DataSources) -> DataSources:
+    """`data.extra_train_csv`'s rows (paths relative to the CSV's own folder; labels among the training classes)
+    appended to the training split, after any data.val_fraction split, so they are never validated on; the list's
+    digest joins the source's identity (a resume with other extra rows is another training)."""
+    path = d.extra_train_csv
+    base = Path(path).expanduser().parent
+    rows = source_csv.read_list(d, path)
+    train = sources.train_index
+    extra, missing = label_format(d).csv_index(path, base, rows, train.classes, "training classes")
+    if missing:
+        log.warning("extra training list %s: %d of %d row(s) name files that do not exist, left out: %s", path,
+                    len(missing), len(rows), ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""))
+        check_bad_fraction(missing, len(rows), f"extra training (missing, from {path})", d.max_bad_fraction)
+    merged = dataclasses.replace(train, paths=train.paths + extra.paths, labels=train.labels + extra.labels)
+    log.info("data.extra_train_csv: %d training image(s) added from %s (%d labelled before)", len(extra), path,
+             len(train))
+    identity = sources.identity | {"extra_train_csv_sha256": source_csv.index_digest(extra, base)}
+    return dataclasses.replace(sources, train_index=merged, identity=identity)
 
 
 def eval_source(d, classes: list[str], data_source: Optional[dict], data_arg: Optional[str] = None,
