@@ -23,6 +23,7 @@ import imgcls.model_files.formats.executorch as executorch_format
 import infer
 from imgcls import Classifier
 from imgcls.cli import run_main
+from imgcls.core.errors import ConfigError
 from imgcls.model_files.checkpoint_files import read_checkpoint
 from imgcls.model_files.formats import FORMATS
 from imgcls.model_files.loading import load_model_file
@@ -109,9 +110,12 @@ def test_infer_eval_and_serve_give_the_checkpoints_answers(exported, tmp_path):
     with Classifier.load(fp32, device="cpu") as model:  # the Python API
         assert {r["path"]: r["label"] for r in model.predict(str(data / "val"))} == {
             p: r["label"] for p, r in want.items()}
-    # the file carries the temperature and the logits reject threshold: --reject scores every row
+    # the file computes no multi-layer reject score: --reject is refused (the checkpoint's score is not the
+    # energy one), and the energy score asked for by name scores every row
+    with pytest.raises(ConfigError, match="computes no mahalanobis_layers score"):
+        infer.main([str(data / "val"), "--checkpoint", str(fp32), "--num-workers", "0", "--reject"])
     assert infer.main([str(data / "val"), "--checkpoint", str(fp32), "--output", str(tmp_path / "reject.json"),
-                       "--num-workers", "0", "--reject"]) == 0
+                       "--num-workers", "0", "--reject-below", "0.5"]) == 0
     assert all(isinstance(r["score"], float) for r in json.loads((tmp_path / "reject.json").read_text()))
 
 
