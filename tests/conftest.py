@@ -254,6 +254,20 @@ def run_script(script: str, *args: str, cwd: Path | None = None, timeout: int = 
                           text=True, timeout=timeout, env=full_env)
 
 
+def export_in_process(checkpoint: Path, out: Path, fmt: str, *options: str) -> str:
+    """export.py --format `fmt` in this process (no second start-up of torch and the format's runtime); the lines
+    it printed."""
+    import contextlib
+    import io
+
+    import export
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert export.main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(out), *options]) == 0
+    return printed.getvalue()
+
+
 def train_tiny(base: Path, counts: dict, **extra) -> tuple[Path, Path]:
     """One tiny training run on a generated tree under `base` (1 epoch unless `extra` says otherwise), for a
     module-scoped fixture: (data root, best.pt)."""

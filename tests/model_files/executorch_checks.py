@@ -6,16 +6,14 @@ Run by tests/model_files/test_edge_exports.py in a pytest process of its own, as
 ExecuTorch runtime's XNNPACK thread pool never lives in a worker of the suite that goes on to fork."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_tiny
+from conftest import export_in_process, train_tiny
 
 import eval as eval_script
 import export
@@ -33,23 +31,15 @@ from imgcls.serving.model import ServedModel
 CLASSES = ["a", "b", "c"]
 
 
-def _export(checkpoint: Path, out: Path, *options: str) -> str:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # in-process: no second start-up of torch and ExecuTorch
-        assert export.main(["--checkpoint", str(checkpoint), "--format", "executorch", "--output", str(out),
-                            *options]) == 0
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(data root, best.pt, fp32 dynamic-batch .pte, int8 batch-2 .pte, the int8 export's lines) of one run."""
     base = tmp_path_factory.mktemp("executorch")
     data, checkpoint = train_tiny(base, {name: (8, 6) for name in CLASSES}, **{"data.img_size": 32})
     fp32, int8 = base / "exports" / "fp32.pte", base / "exports" / "int8.pte"
-    _export(checkpoint, fp32, "--dynamic-batch")
-    printed = _export(checkpoint, int8, "--quantize", "int8", "--batch-size", "2", "--calibration-images", "6",
-                      "--min-agreement", "0.5")
+    export_in_process(checkpoint, fp32, "executorch", "--dynamic-batch")
+    printed = export_in_process(checkpoint, int8, "executorch", "--quantize", "int8", "--batch-size", "2",
+                                "--calibration-images", "6", "--min-agreement", "0.5")
     return data, checkpoint, fp32, int8, printed
 
 

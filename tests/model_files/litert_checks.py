@@ -7,14 +7,12 @@ Run by test_edge_exports.py under the opt-in marker litert: the [litert] extra i
 older pydantic, anyio and typing_extensions); .ci/run adds it before its second run."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_tiny
+from conftest import export_in_process, train_tiny
 from executorch_checks import CLASSES, four_band_multilabel, read_checkpoint_model
 
 import eval as eval_script
@@ -29,20 +27,12 @@ from imgcls.model_files.metadata import export_metadata
 from imgcls.serving.model import ServedModel
 
 
-def _export(checkpoint: Path, out: Path, *options: str) -> str:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert export.main(["--checkpoint", str(checkpoint), "--format", "litert", "--output", str(out),
-                            *options]) == 0
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     base = tmp_path_factory.mktemp("litert")
     data, checkpoint = train_tiny(base, {name: (8, 6) for name in CLASSES}, **{"data.img_size": 32})
     model = base / "exports" / "m.tflite"
-    printed = _export(checkpoint, model, "--batch-size", "4")
+    printed = export_in_process(checkpoint, model, "litert", "--batch-size", "4")
     return data, checkpoint, model, printed
 
 

@@ -7,19 +7,15 @@ process, can make that process's later forks crash (SIGSEGV in an xdist worker t
 subprocesses), so it never loads in a worker of the suite."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, train_tiny, wait_for
+from conftest import REPO, export_in_process, train_tiny
 
 import eval as eval_script
 import export
@@ -36,14 +32,6 @@ from imgcls.serving.model import ServedModel
 CLASSES = ["a", "b", "c"]
 
 
-def _export(checkpoint: Path, out: Path, *options: str) -> str:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # in-process: no second start-up of torch and OpenVINO
-        assert export.main(["--checkpoint", str(checkpoint), "--format", "openvino", "--output", str(out),
-                            *options]) == 0
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(data root, best.pt, fp32 IR folder, int8 IR folder, int8 export's printed lines) of one tiny run."""
@@ -51,8 +39,9 @@ def exported(tmp_path_factory):
     # 32 px: at 16 px resnet10t's last average pool sees a 1x1 map, which OpenVINO refuses (a test below)
     data, checkpoint = train_tiny(base, {name: (8, 6) for name in CLASSES}, **{"data.img_size": 32})
     fp32, int8 = base / "exports" / "fp32", base / "exports" / "int8"
-    _export(checkpoint, fp32, "--dynamic-batch")
-    printed = _export(checkpoint, int8, "--quantize", "int8", "--calibration-images", "6", "--min-agreement", "0.5")
+    export_in_process(checkpoint, fp32, "openvino", "--dynamic-batch")
+    printed = export_in_process(checkpoint, int8, "openvino", "--quantize", "int8", "--calibration-images", "6",
+                                "--min-agreement", "0.5")
     return data, checkpoint, fp32, int8, printed
 
 
