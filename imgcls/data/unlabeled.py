@@ -183,6 +183,13 @@ def check_unlabeled(d):
                         "there (the labelled split teaches them anyway); point data.unlabeled at images without "
                         "labels", source, "is" if mine == theirs else ("holds" if mine in theirs.parents else
                                                                       "lies in"), training)
+    if isinstance(paths, ShardMembers) and d.format == "webdataset" and d.train_shards:
+        labelled = {os.path.realpath(path) for path in map(local_path, expand_shards(d.train_shards)) if path}
+        shared = [path for path in paths.files if os.path.realpath(path) in labelled]
+        if shared:
+            log.warning("data.unlabeled %s holds %d of the training shards (%s ...): those images have labels, "
+                        "which are ignored there; point data.unlabeled at shards without labels", source,
+                        len(shared), shared[0])
     return paths
 
 

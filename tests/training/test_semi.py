@@ -149,7 +149,7 @@ def write_shard(tar_path: Path, files: list[str], labels: bool = True) -> Path:
     return tar_path
 
 
-def test_unlabelled_shards_are_read_by_offset_as_their_files_are(trees, tmp_path):
+def test_unlabelled_shards_are_read_by_offset_as_their_files_are(trees, tmp_path, caplog):
     from imgcls.config import load_config
     from imgcls.data.unlabeled import ShardMembers, TwoViews, UnlabeledDataset, check_unlabeled, list_unlabeled
 
@@ -166,6 +166,12 @@ def test_unlabelled_shards_are_read_by_offset_as_their_files_are(trees, tmp_path
     by_file, by_member = UnlabeledDataset(files, TwoViews(d), seed=0), UnlabeledDataset(members, TwoViews(d), seed=0)
     for key in ((0, 5), (17, 40), (29, 3)):
         assert all(torch.equal(a, b) for a, b in zip(by_file[key][:2], by_member[key][:2]))
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a\nb\nc\n")
+    check_unlabeled(load_config("base", [f"data.unlabeled={tmp_path}/u-{{000000..000001}}.tar", "semi.method=fixmatch",
+                                         "data.format=webdataset", f"data.train_shards={tmp_path}/u-000001.tar",
+                                         f"data.val_shards={tmp_path}/u-000000.tar", f"data.classes={classes}"]).data)
+    assert "holds 1 of the training shards" in caplog.text
     for value, words in ((f"{tmp_path}/u-000009.tar", "no shard file"), ("https://x.org/u-0.tar", "not a local file"),
                          (str(write_shard(tmp_path / "labels.tar", [])), "no images found")):
         d = load_config("base", [f"data.unlabeled={value}", "semi.method=fixmatch"]).data
