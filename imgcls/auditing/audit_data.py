@@ -6,6 +6,10 @@ class-folder tree has one. Files are named by their path relative to the data ro
 one, to the list's folder); shard samples as training names them, "SHARD (sample N)". Shard samples are
 copied byte for byte into a scratch folder so that every later phase (hashing, the K-fold runs, thumbnails)
 reads files; the data itself is never written.
+
+`data.unlabeled` (semi-supervised training) is listed apart (`unlabeled_items`, split "unlabeled", no label), as
+data/unlabeled.py lists it: its files by their paths, shard members as "SHARD.tar/MEMBER" (copied to the scratch
+folder like labelled shard samples). The audit looks in it only for copies of held-out images.
 """
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ from imgcls.data.listing import ImageIndex, relative_key, scan_split
 from imgcls.data.shards import IMAGE_KEYS, POSITION_BITS, ShardIndex, read_shard, sample_image_and_label
 from imgcls.data.sources import scan_sources
 from imgcls.data.sources.source_csv import csv_base, read_list
+from imgcls.data.unlabeled import ShardMembers, list_unlabeled
 
 log = logging.getLogger("audit")
 
 TEST_SPLIT = "test"
+UNLABELED_SPLIT = "unlabeled"
 
 
 @dataclass
@@ -74,6 +80,20 @@ def _shard_items(index: ShardIndex, split: str, scratch: Path) -> tuple[list[Aud
             target.write_bytes(bytes(image))
             items.append(AuditItem(name, str(target), label, split))
     return items, bad
+
+
+def unlabeled_items(d, scratch: Path) -> list[AuditItem]:
+    """`data.unlabeled`'s images (label -1); ConfigError (exit 2) when it names none, as training says."""
+    paths, _ = list_unlabeled(d)
+    if not isinstance(paths, ShardMembers):
+        return [AuditItem(path, path, -1, UNLABELED_SPLIT) for path in paths]
+    scratch.mkdir(parents=True, exist_ok=True)
+    items = []
+    for i, name in enumerate(paths):
+        target = scratch / f"{i:09d}.{Path(name).name.partition('.')[2]}"
+        target.write_bytes(paths.read(i))
+        items.append(AuditItem(name, str(target), -1, UNLABELED_SPLIT))
+    return items
 
 
 def _csv_missing(d, csv_path: str, classes: list[str], split: str) -> list[dict]:

@@ -143,18 +143,23 @@ def _section(title: str, rows: list[str], total: int, empty: str, note: str = ""
     return head + more + "".join(rows[:MAX_SHOWN])
 
 
+def _leak_rows(leaks: list[dict], fig) -> list[str]:
+    rows = []
+    for leak in leaks[:MAX_SHOWN]:  # one group: up to 4 members of each split it spans
+        identical = " (identical bytes)" if leak["exact"] else ""
+        shown = "".join(fig(p, s) for s in leak["splits"] for p in leak[s][:4])
+        rows.append(f'<div class="row leak">{shown}<span class="note">{leak["count"]} images, distance '
+                    f'{leak["distance"]}{identical}</span></div>')
+    return rows
+
+
 def render(report: dict, files: dict[str, str], title: str) -> str:
     """The page of an audit `report` (the JSON document); `files` maps each reported name to its file."""
     def fig(name, caption=""):
         return _figure(name, files.get(name, ""), caption)
 
-    leaks = report["leaks"][:MAX_SHOWN]
-    leak_rows = []
-    for leak in leaks:  # one group: up to 4 members of each split it spans
-        identical = " (identical bytes)" if leak["exact"] else ""
-        shown = "".join(fig(p, s) for s in leak["splits"] for p in leak[s][:4])
-        leak_rows.append(f'<div class="row leak">{shown}<span class="note">{leak["count"]} images, distance '
-                         f'{leak["distance"]}{identical}</span></div>')
+    leak_rows = _leak_rows(report["leaks"], fig)
+    unlabeled = report.get("unlabeled")
     dup_rows = [f'<div class="row dup"><span class="note">{html.escape(g["split"])}, {g["kind"]}, '
                 f'distance up to {g["distance"]}</span>{"".join(fig(p) for p in g["paths"][:12])}</div>'
                 for g in report["duplicates"][:MAX_SHOWN]]
@@ -180,6 +185,10 @@ def render(report: dict, files: dict[str, str], title: str) -> str:
         "".join(f'<p class="note">{html.escape(line)}</p>' for line in report["summary"]),
         _section("Leaks: the same image in two splits", leak_rows, len(report["leaks"]), "no leaks found",
                  "the most serious finding: a validation image that training also sees inflates the accuracy"),
+        "" if unlabeled is None else _section(
+            "Unlabelled copies of held-out images (data.unlabeled)", _leak_rows(unlabeled["leaks"], fig),
+            len(unlabeled["leaks"]), "no unlabelled image is a copy of a validation or test image",
+            "semi-supervised training would learn these images' pseudo-labels: remove them from data.unlabeled"),
         _section("Duplicates inside a split", dup_rows, len(report["duplicates"]), "no duplicates found"),
         _section("Label conflicts: one image, different labels", conflict_rows,
                  len(report.get("label_conflicts", [])), "no label conflicts found"),

@@ -3,8 +3,9 @@
 audit.py's usage checks, torch-free: a mistake exits 2 before torch is imported or any work starts.
 
 audit.py's work: list the data as training reads it, hash every image in loader workers, find the
-duplicates, leaks and likely label errors, summarise balance and shape, and write the JSON, the HTML page
-and the clean training list. Nothing under the data root is written."""
+duplicates, leaks and likely label errors (and, with data.unlabeled, its copies of held-out images), summarise
+balance and shape, and write the JSON, the HTML page and the clean training list. Nothing under the data root is
+written."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import imgcls.auditing.report as stats_mod
-from imgcls.auditing.audit_data import read_audit_data
+from imgcls.auditing.audit_data import UNLABELED_SPLIT, read_audit_data, unlabeled_items
 from imgcls.auditing.duplicates import (by_split, clean_training_names, compute_facts, find_copies, grayscale_outliers,
                                         hash_view_words)
 from imgcls.auditing.folds import (align_classes, check_same_classes, copy_keys, cross_validated_probs,
@@ -145,6 +146,36 @@ def copies_of(cfg, data, facts) -> tuple[list[dict], list[dict], list[dict]]:
                        cfg.audit.pixel_threshold, lambda item: label_text(cfg, data, item.label))
 
 
+HELD_OUT_SPLITS = ("val", "test")
+
+
+def unlabeled_copies(cfg, data, facts, extra) -> dict:
+    """data.unlabeled's copies of held-out (validation, test) images, found as leaks between splits are (one
+    grouping, the same near_threshold and pixel check): {"source", "images", "leaks", "copies", "unreadable"}."""
+    bar = Progress(cfg, len(extra), "hashing unlabelled")
+    extra_facts = compute_facts([item.file for item in extra], cfg.data.num_workers, bar, cfg.data.channels,
+                                cfg.data.value_range)
+    bar.close()
+    held_out = [i for i, item in enumerate(data.items) if item.split in HELD_OUT_SPLITS]
+    items, all_facts = [data.items[i] for i in held_out] + extra, [facts[i] for i in held_out] + extra_facts
+    _, leaks, _ = find_copies(items, all_facts, by_split(items, all_facts), cfg.audit.near_threshold,
+                              cfg.audit.pixel_threshold, lambda item: "")
+    leaks = [leak for leak in leaks if UNLABELED_SPLIT in leak["splits"] and len(leak["splits"]) > 1]
+    unreadable = [{"path": item.name, "split": UNLABELED_SPLIT, "reason": f.error.replace(item.file, item.name)}
+                  for item, f in zip(extra, extra_facts) if f.error is not None]
+    return {"source": cfg.data.unlabeled, "images": len(extra), "leaks": leaks,
+            "copies": sum(len(leak[UNLABELED_SPLIT]) for leak in leaks), "unreadable": unreadable}
+
+
+def unlabeled_summary(section: dict) -> str:
+    copies = section["copies"]
+    n = sum(len(leak[split]) for leak in section["leaks"] for split in HELD_OUT_SPLITS if split in leak)
+    return (f"{copies} unlabelled image(s) of {section['images']} (data.unlabeled) are copies of {n} held-out "
+            f"image(s)" + (": semi-supervised training would learn their pseudo-labels, which inflates the "
+                          "validation accuracy; remove them from data.unlabeled" if copies else "")
+            + f"; {len(section['unreadable'])} unlabelled file(s) unreadable")
+
+
 def build_report(cfg, data, facts, extra_unreadable, issues, source, note, timings, copies=None) -> dict:
     splits = by_split(data.items, facts)
     threshold = cfg.audit.near_threshold
@@ -226,6 +257,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
     with tempfile.TemporaryDirectory(prefix="imgcls-audit-") as scratch:
         work = Path(scratch)
         data = read_audit_data(cfg, work / "samples")
+        extra = unlabeled_items(cfg.data, work / "unlabeled") if cfg.data.unlabeled else None
         opened = None
         if checkpoint:  # a file that is no model, or a model of other classes: exit 2 before the hashing
             opened = open_model(Path(checkpoint), cfg.train.device)
@@ -252,6 +284,9 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
         report["outliers"] = merge_outliers(outliers, grayscale_of(cfg, data, facts))
         # the merged list, as the JSON and the HTML section list it: grayscale rows are found without a model
         report["summary"].append(outliers_summary(report["outliers"], searched=outliers is not None))
+        if extra is not None:
+            report["unlabeled"] = unlabeled_copies(cfg, data, facts, extra)
+            report["summary"].append(unlabeled_summary(report["unlabeled"]))
         if len(report["unreadable"]) > bad_limit * max(1, len(data.items) + len(data.unreadable)):
             report["advice"].insert(0, f"{len(report['unreadable'])} unreadable file(s) exceed "
                                        f"data.max_bad_fraction={bad_limit}: training would stop (exit 1); remove "
@@ -262,7 +297,7 @@ def run_audit(cfg, checkpoint: Optional[str] = None, json_path: Optional[str] = 
             report["clean_csv"] = {"path": clean_csv, "rows": kept, "classes_left_empty": emptied}
         write_json(report, json_path)
         if html_path:
-            files = {item.name: item.file for item in data.items}
+            files = {item.name: item.file for item in data.items + (extra or [])}
             write_text_atomic(html_path, render(report, files, f"Data audit: {len(data.items)} images, "
                                                               f"{len(data.classes)} classes"))
         if clean_csv:
@@ -286,6 +321,10 @@ def print_summary(report: dict, json_path, html_path, clean_csv, kept: Optional[
         sides = "  ==  ".join(f"{s}: {', '.join(leak[s][:3])}{' ...' if len(leak[s]) > 3 else ''}"
                               for s in leak["splits"])
         print(f"    leak: {sides}  ({leak['count']} images, distance {leak['distance']})", file=out)
+    for leak in report.get("unlabeled", {}).get("leaks", [])[:5]:
+        sides = "  ==  ".join(f"{s}: {', '.join(leak[s][:3])}{' ...' if len(leak[s]) > 3 else ''}"
+                              for s in leak["splits"])
+        print(f"    unlabelled copy: {sides}  (distance {leak['distance']})", file=out)
     for conflict in report["label_conflicts"][:5]:
         pairs = ", ".join(f"{p} ({label})" for p, label in list(zip(conflict["paths"], conflict["labels"]))[:4])
         print(f"    conflict: {pairs}{' ...' if len(conflict['paths']) > 4 else ''}", file=out)

@@ -141,8 +141,9 @@ class DataSourceKeys:
               "the CSV's folder), added to the training split of a folder or csv source; never validated on",
         resume_free=True)
     unlabeled: Optional[str] = setting(
-        None, "semi-supervised: unlabelled images, a folder (any tree, labels ignored) or a CSV of paths (column "
-              "data.csv_path_column); read like the training images, never validated on (semi.method)",
+        None, "semi-supervised: unlabelled images, a folder (any tree, labels ignored), a CSV of paths (column "
+              "data.csv_path_column) or local .tar shards (a pattern as data.train_shards); read like the training "
+              "images, never validated on (semi.method)",
         resume_free=True)
 
 

@@ -1,8 +1,11 @@
 """`data.unlabeled`: the unlabelled images of semi-supervised training (objectives/semi.py), read by the training
 images' own readers (the same decode path, channel and bit-depth rules, unreadable files replaced and counted).
 
-The list: a folder (every image under it, any tree: sub-folder names are not labels) or a CSV of paths (the
-`data.csv_path_column` column, relative paths against the CSV's folder). `check_unlabeled` refuses what cannot
+The list: a folder (every image under it, any tree: sub-folder names are not labels), a CSV of paths (the
+`data.csv_path_column` column, relative paths against the CSV's folder), or local WebDataset tar shards (a `.tar`
+file, a brace pattern or '::'-joined patterns, as `data.train_shards` takes them; labels in them are ignored).
+Shards are indexed once at start (`ShardMembers`: each image member's shard, byte offset and size, and its name) and
+a member is read by one seek, so shards are random access like files and the stream below is the same. `check_unlabeled` refuses what cannot
 work before any work (exit 2): no images, files with another channel count than `data.channels`; it warns when the
 folder is (or holds) the training split, whose labels are then thrown away.
 
@@ -23,6 +26,8 @@ import hashlib
 import logging
 import os
 import random
+import tarfile
+from array import array
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +40,7 @@ from imgcls.data.images import IMAGE_EXTENSIONS, check_bad_fraction
 from imgcls.data.listing import csv_paths, list_images, relative_key, report_skipped
 from imgcls.data.loaders import Loader, mix_seed, seed_worker
 from imgcls.data.settings import not_a_folder
+from imgcls.data.shards import IMAGE_KEYS as SHARD_IMAGE_KEYS, expand_shards, local_path
 from imgcls.data.transforms import EvalTransform, TrainTransform, auto_augment_policy, reads_bands
 
 log = logging.getLogger(__name__)
@@ -52,11 +58,84 @@ MAX_REDRAWS = 20
 _ORDER_STREAM, _VIEW_STREAM = 0x0C1A55, 0x5E31
 
 
-def list_unlabeled(d) -> tuple[list[str], str]:
-    """(the image paths of `data.unlabeled`, the folder or CSV they came from); ConfigError (exit 2) when there
-    are none."""
+class ShardMembers:
+    """The image members of local tar shards, random access: `members[i]` is image i's name (`shard.tar/member`),
+    `read(i)` its bytes. Per image: its name, a shard number (int32), an offset and a size (int64)."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        self.names: list[str] = []
+        self.shard, self.offset, self.size = array("i"), array("q"), array("q")
+        for number, path in enumerate(files):
+            self._index(number, path)
+
+    def _index(self, number: int, path: str) -> None:
+        keys = set()
+        try:
+            with tarfile.open(path, "r:") as tar:
+                for member in tar:
+                    folder, _, base = member.name.rpartition("/")
+                    stem, _, ext = base.partition(".")  # webdataset's key: the name up to the base's first dot
+                    key = f"{folder}/{stem}"
+                    if not member.isfile() or ext.lower() not in SHARD_IMAGE_KEYS or key in keys:
+                        continue  # labels, metadata; one image per sample key
+                    keys.add(key)
+                    self.names.append(f"{Path(path).name}/{member.name}")
+                    self.shard.append(number)
+                    self.offset.append(member.offset_data)
+                    self.size.append(member.size)
+        except (tarfile.TarError, OSError) as err:
+            log.warning("data.unlabeled: shard %s cannot be read past %d image(s) (%s: %s); the rest of it is left "
+                        "out", path, len(keys), type(err).__name__, err)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> str:
+        return self.names[i]
+
+    def read(self, i: int) -> bytes:
+        with open(self.files[self.shard[i]], "rb") as f:
+            f.seek(self.offset[i])
+            data = f.read(self.size[i])
+        if len(data) != self.size[i]:
+            raise ImageDecodeError(f"{self.names[i]}: the shard is cut short")
+        return data
+
+
+def image_of(paths, i: int):
+    """What the transforms read for image i: its file path, or a shard member's bytes."""
+    return paths.read(i) if isinstance(paths, ShardMembers) else paths[i]
+
+
+def shard_files(value: str) -> Optional[list[str]]:
+    """The local shard files `data.unlabeled` names, or None when it names no shards (a folder or a CSV).
+    ConfigError for pipes, URLs and missing shard files."""
+    if Path(value).expanduser().is_dir() or value.lower().endswith(".csv"):
+        return None
+    urls = expand_shards(value)
+    if not urls or not all(url.endswith(".tar") for url in urls):
+        return None
+    files = [local_path(url) for url in urls]
+    remote = [url for url, path in zip(urls, files) if path is None]
+    if remote:
+        raise ConfigError(f"'data.unlabeled' = {value}: {remote[0]} is not a local file; unlabelled shards are read "
+                          f"by offset, so they must be local tar files (a path, a brace pattern or '::'-joined)")
+    missing = [path for path in files if not os.path.isfile(path)]
+    if missing:
+        raise ConfigError(f"'data.unlabeled' = {value}: no shard file {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return [os.path.expanduser(path) for path in files]
+
+
+def list_unlabeled(d) -> tuple:
+    """(the image paths of `data.unlabeled` or its ShardMembers, the folder, CSV or shard pattern they came from);
+    ConfigError (exit 2) when there are none."""
     source = Path(d.unlabeled).expanduser()
-    if source.is_file() and source.suffix.lower() == ".csv":
+    shards = shard_files(str(d.unlabeled))
+    if shards is not None:
+        paths = ShardMembers(shards)
+    elif source.is_file() and source.suffix.lower() == ".csv":
         named = csv_paths(source, d.csv_path_column)
         paths = [p for p in named if os.path.isfile(p)]
         if len(paths) < len(named):
@@ -69,27 +148,28 @@ def list_unlabeled(d) -> tuple[list[str], str]:
         paths = list_images(source, skipped)
         report_skipped(f"data.unlabeled {source}", skipped)
     else:
-        raise ConfigError(f"'data.unlabeled' = {d.unlabeled}: {not_a_folder(source)}; give a folder of images or a "
-                          f"CSV of their paths")
-    if not paths:
+        raise ConfigError(f"'data.unlabeled' = {d.unlabeled}: {not_a_folder(source)}; give a folder of images, a "
+                          f"CSV of their paths or local .tar shards")
+    if not len(paths):
         raise ConfigError(f"'data.unlabeled' = {d.unlabeled}: no images found (looked for "
-                          f"{', '.join(IMAGE_EXTENSIONS)} files, hidden entries skipped)")
+                          f"{', '.join(IMAGE_EXTENSIONS if shards is None else SHARD_IMAGE_KEYS)} "
+                          f"{'files, hidden entries skipped' if shards is None else 'members in its shards'})")
     return paths, str(source)
 
 
-def check_unlabeled(d) -> list[str]:
+def check_unlabeled(d):
     """The unlabelled paths, checked before any work: some exist; the first readable ones have `data.channels`
     channels (ConfigError naming the file). Warns when the folder is, holds or lies in the training folder."""
     paths, source = list_unlabeled(d)
     probe = EvalTransform(d.img_size, d.crop_pct, d.interpolation, d.channels, d.value_range)
     problems = []
-    for path in paths[:PROBED_FILES]:
+    for i in range(min(PROBED_FILES, len(paths))):
         try:
-            probe(path)
+            probe(image_of(paths, i))
             break
         except (ImageDecodeError, OSError) as err:
             if "data.channels asks" in str(err):
-                raise ConfigError(f"'data.unlabeled' = {d.unlabeled}: {err}; unlabelled images must have the "
+                raise ConfigError(f"'data.unlabeled' = {d.unlabeled}: {paths[i]}: {err}; unlabelled images must have the "
                                   f"channels of the labelled ones") from err
             problems.append(str(err))
     else:
@@ -103,6 +183,13 @@ def check_unlabeled(d) -> list[str]:
                         "there (the labelled split teaches them anyway); point data.unlabeled at images without "
                         "labels", source, "is" if mine == theirs else ("holds" if mine in theirs.parents else
                                                                       "lies in"), training)
+    if isinstance(paths, ShardMembers) and d.format == "webdataset" and d.train_shards:
+        labelled = {os.path.realpath(path) for path in map(local_path, expand_shards(d.train_shards)) if path}
+        shared = [path for path in paths.files if os.path.realpath(path) in labelled]
+        if shared:
+            log.warning("data.unlabeled %s holds %d of the training shards (%s ...): those images have labels, "
+                        "which are ignored there; point data.unlabeled at shards without labels", source,
+                        len(shared), shared[0])
     return paths
 
 
@@ -114,11 +201,12 @@ def training_folder(d) -> Optional[Path]:
     return root if d.val_fraction is not None else root / d.train_split
 
 
-def unlabeled_digest(paths: list[str], base: str) -> str:
-    """SHA-256 of the list's names under its folder: the same unlabelled set on any machine."""
+def unlabeled_digest(paths, base: str) -> str:
+    """SHA-256 of the list's names under its folder (shard members: `shard.tar/member`): the same unlabelled set on
+    any machine."""
     h = hashlib.sha256()
     for path in paths:
-        h.update(f"{relative_key(path, Path(base))}\n".encode())
+        h.update(f"{path if isinstance(paths, ShardMembers) else relative_key(path, Path(base))}\n".encode())
     return h.hexdigest()
 
 
@@ -181,7 +269,7 @@ class UnlabeledDataset(Dataset):
     """(index, position) -> (weak view, strong view, image index read, index of the unreadable file it replaced or
     -1). An unreadable file is replaced by a seeded re-draw from the whole set."""
 
-    def __init__(self, paths: list[str], views: TwoViews, seed: int):
+    def __init__(self, paths, views: TwoViews, seed: int):
         self.paths, self.views, self.seed = paths, views, seed
 
     def __len__(self) -> int:
@@ -194,7 +282,7 @@ class UnlabeledDataset(Dataset):
         first_unreadable = -1
         for _ in range(MAX_REDRAWS):
             try:
-                weak, strong = self.views(self.paths[index], seed)
+                weak, strong = self.views(image_of(self.paths, index), seed)
                 return weak, strong, index, first_unreadable
             except (ImageDecodeError, OSError):
                 if first_unreadable < 0:
@@ -204,7 +292,7 @@ class UnlabeledDataset(Dataset):
                                f"{self.paths[first_unreadable]}")
 
 
-def build_unlabeled_loader(d, paths: list[str], seed: int, batch: int, rank: int, world_size: int, start: int,
+def build_unlabeled_loader(d, paths, seed: int, batch: int, rank: int, world_size: int, start: int,
                            pin_memory: bool) -> Loader:
     """This process's unlabelled batches from its batch `start` on (an endless loader: never len() it)."""
     stream = UnlabeledStream(len(paths), seed, batch, rank, world_size, start)

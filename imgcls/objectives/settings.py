@@ -55,8 +55,8 @@ class SemiConfig:
 
     def check(self, cfg) -> None:
         if self.method != "none" and not cfg.data.unlabeled:
-            raise ConfigError(f"'semi.method' = {self.method} needs 'data.unlabeled' (a folder of unlabelled images "
-                              f"or a CSV of their paths)")
+            raise ConfigError(f"'semi.method' = {self.method} needs 'data.unlabeled' (a folder of unlabelled images, "
+                              f"a CSV of their paths or .tar shards)")
         if self.method == "none" and cfg.data.unlabeled:
             raise ConfigError(f"'data.unlabeled' = {cfg.data.unlabeled} is set but 'semi.method' = none; set "
                               f"semi.method=fixmatch (or flexmatch) to learn from it, or drop data.unlabeled")

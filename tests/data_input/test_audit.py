@@ -597,3 +597,44 @@ def test_audit_with_a_class_of_identical_copies_writes_its_report(tmp_path):
     doc = json.loads(report.read_text())
     assert "10 image(s) not checked" in doc["label_issues_note"]
     assert all(issue["given"] != "c" for issue in doc["label_issues"])
+
+
+@pytest.mark.slow  # runs audit.py in a subprocess
+def test_unlabelled_copies_of_validation_images_are_reported_and_shard_members_are_read(tmp_path):
+    """data.unlabeled (semi-supervised training) must not hold validation images: an exact and a re-encoded copy
+    are named, a copy of a training image is not; shard members are audited by their bytes."""
+    import tarfile
+
+    from imgcls.auditing.audit_data import unlabeled_items
+    from imgcls.config import load_config
+
+    root, pool = tmp_path / "data", tmp_path / "pool"
+    for split, n in (("train", 4), ("val", 3)):
+        for k, cls in enumerate(("a", "b")):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                smooth_image(100 * k + 10 * (split == "val") + i).save(root / split / cls / f"{i}.png")
+    pool.mkdir()
+    shutil.copy(root / "val" / "a" / "1.png", pool / "exact.png")
+    Image.open(root / "val" / "b" / "2.png").save(pool / "reencoded.jpg", quality=90)
+    shutil.copy(root / "train" / "a" / "0.png", pool / "from_train.png")
+    for i in range(3):
+        smooth_image(500 + i).save(pool / f"new_{i}.png")
+    report = tmp_path / "a.json"
+    done = audit(*tiny_overrides(root, tmp_path / "unused", **{"semi.method": "fixmatch", "data.unlabeled": str(pool)}),
+                 "--folds", "0", "--json", str(report), "--html", str(tmp_path / "a.html"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    section = json.loads(report.read_text())["unlabeled"]
+    found = {(leak["unlabeled"][0], leak["val"][0], leak["exact"]) for leak in section["leaks"]}
+    assert found == {(str(pool / "exact.png"), "val/a/1.png", True),
+                     (str(pool / "reencoded.jpg"), "val/b/2.png", False)}
+    assert section["copies"] == 2 and section["images"] == 6 and section["unreadable"] == []
+    assert "2 unlabelled image(s) of 6 (data.unlabeled) are copies of 2 held-out image(s)" in done.stderr
+    assert "Unlabelled copies of held-out images" in (tmp_path / "a.html").read_text()
+    with tarfile.open(tmp_path / "u-0.tar", "w") as tar:
+        tar.add(pool / "exact.png", "000000.png")
+        tar.add(pool / "reencoded.jpg", "000001.jpg")
+    d = load_config("base", [f"data.unlabeled={tmp_path / 'u-0.tar'}", "semi.method=fixmatch"]).data
+    items = unlabeled_items(d, tmp_path / "scratch")
+    assert [item.name for item in items] == ["u-0.tar/000000.png", "u-0.tar/000001.jpg"]
+    assert Path(items[1].file).read_bytes() == (pool / "reencoded.jpg").read_bytes() and items[1].split == "unlabeled"

@@ -133,6 +133,52 @@ def test_unreadable_unlabelled_files_are_replaced_and_counted(tmp_path):
     assert list_unlabeled(d)[0] == [str(tmp_path / Path(p).relative_to(tmp_path)) for p in paths]  # gone.png left out
 
 
+def write_shard(tar_path: Path, files: list[str], labels: bool = True) -> Path:
+    """A WebDataset shard of `files` (keys 000000, ...; a .cls label beside each image when `labels`)."""
+    import io
+    import tarfile
+
+    with tarfile.open(tar_path, "w") as tar:
+        for k, path in enumerate(files):
+            members = [(f"{k:06d}{Path(path).suffix}", Path(path).read_bytes())]
+            members += [(f"{k:06d}.cls", b"0")] if labels else []
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return tar_path
+
+
+def test_unlabelled_shards_are_read_by_offset_as_their_files_are(trees, tmp_path, caplog):
+    from imgcls.config import load_config
+    from imgcls.data.unlabeled import ShardMembers, TwoViews, UnlabeledDataset, check_unlabeled, list_unlabeled
+
+    _, pool = trees
+    d = load_config("base", ["data.img_size=16", f"data.unlabeled={pool}", "semi.method=fixmatch"]).data
+    files, _ = list_unlabeled(d)
+    write_shard(tmp_path / "u-000000.tar", files[:17])
+    write_shard(tmp_path / "u-000001.tar", files[17:], labels=False)
+    d = load_config("base", ["data.img_size=16", f"data.unlabeled={tmp_path}/u-{{000000..000001}}.tar",
+                             "semi.method=fixmatch"]).data
+    members = check_unlabeled(d)
+    assert isinstance(members, ShardMembers) and len(members) == len(files) == 30
+    assert members[17] == "u-000001.tar/000000.png"
+    by_file, by_member = UnlabeledDataset(files, TwoViews(d), seed=0), UnlabeledDataset(members, TwoViews(d), seed=0)
+    for key in ((0, 5), (17, 40), (29, 3)):
+        assert all(torch.equal(a, b) for a, b in zip(by_file[key][:2], by_member[key][:2]))
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a\nb\nc\n")
+    check_unlabeled(load_config("base", [f"data.unlabeled={tmp_path}/u-{{000000..000001}}.tar", "semi.method=fixmatch",
+                                         "data.format=webdataset", f"data.train_shards={tmp_path}/u-000001.tar",
+                                         f"data.val_shards={tmp_path}/u-000000.tar", f"data.classes={classes}"]).data)
+    assert "holds 1 of the training shards" in caplog.text
+    for value, words in ((f"{tmp_path}/u-000009.tar", "no shard file"), ("https://x.org/u-0.tar", "not a local file"),
+                         (str(write_shard(tmp_path / "labels.tar", [])), "no images found")):
+        d = load_config("base", [f"data.unlabeled={value}", "semi.method=fixmatch"]).data
+        with pytest.raises(ConfigError, match=words):
+            check_unlabeled(d)
+
+
 def test_pseudo_labels_from_infer_become_extra_training_rows(trees, tmp_path, finished_run):
     import infer
     from imgcls.data.sources import scan_sources
