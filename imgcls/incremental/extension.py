@@ -27,7 +27,7 @@ from imgcls.incremental.memory import (MEMORY_FILE, Exemplar, changed, choose_me
                                        write_memory)
 from imgcls.model_files.model_file import ModelFile
 from imgcls.models.feature_tap import classifier_name
-from imgcls.objectives.incremental import base_teacher, checked_base
+from imgcls.objectives.incremental import base_teacher, check_same_base_everywhere, checked_base
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,10 @@ def with_base_normalisation(cfg, base: ModelFile):
 
 def prepare_extension(cfg, run_dir: Path, runtime, resuming: bool) -> tuple[object, Extension]:
     """The resolved config (the base's normalisation) and the extension: on a new run rank 0 chooses the
-    memory and writes memory.csv; a resumed run reads it back (refusing exemplars whose bytes changed)."""
+    memory and writes memory.csv, which every rank trains on; a resumed run reads it back (refusing exemplars whose
+    bytes changed). Every rank must have opened the same base file."""
     base = checked_base(cfg)
+    check_same_base_everywhere(cfg.incremental.base, base)
     cfg = with_base_normalisation(cfg, base)
     c = cfg.incremental
 

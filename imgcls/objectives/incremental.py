@@ -280,6 +280,17 @@ def check_not_extended(ckpt: dict) -> None:
                           f"{str(saved.get('sha256'))[:12]}); set incremental.base to that file to continue it")
 
 
+def check_same_base_everywhere(source: str, opened: ModelFile) -> None:
+    """Under several processes, before any work: every rank opened the same base (nodes may see different files
+    under one path; DDP would start every rank from rank 0's weights but distil each from its own base, and rank
+    0's memory was herded with its own); ConfigError on every rank, listing their digests, when not."""
+    digests = dist_utils.all_gather_objects(file_sha256(opened.path))
+    if any(d != digests[0] for d in digests):
+        listed = ", ".join(f"rank {rank}: {d[:12]}" for rank, d in enumerate(digests))
+        raise ConfigError(f"'incremental.base' = {source}: the processes loaded different bases "
+                          f"({listed}); every node must see the same file")
+
+
 def build_incremental(cfg, classes: Optional[list[str]], student: torch.nn.Module,
                       device: torch.device) -> IncrementalObjective:
     """The run's objective when `incremental.base` is set. `classes` None: a step's cost only (the batch finder)."""
